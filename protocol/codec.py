@@ -280,9 +280,7 @@ def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHe
     if offset != len(body):
         raise FormatError(f"{len(body) - offset} unexpected bytes after the last stream")
     if total_raw > bound:
-        raise LimitExceededError(
-            f"patch declares {total_raw} stream bytes; its records allow at most {bound}"
-        )
+        raise LimitExceededError(f"patch declares {total_raw} stream bytes; its records allow at most {bound}")
     return PatchHeader(records, streams)
 
 
@@ -365,9 +363,7 @@ def apply_update(model: ServedModel, update: TensorUpdate) -> None:
         word_view(model.data[update.index], spec)[update.positions] = update.values
 
 
-def apply_patch(
-    base: ServedModel | None, payload: bytes | memoryview, specs: list[TensorSpec]
-) -> ServedModel:
+def apply_patch(base: ServedModel | None, payload: bytes | memoryview, specs: list[TensorSpec]) -> ServedModel:
     """Apply in place to ``base`` (or build a new model from an anchor) and return it.
 
     Digests are the caller's business (see :mod:`protocol.patchfile`): check the base digest

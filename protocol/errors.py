@@ -39,9 +39,7 @@ class DigestMismatchError(PatchswarmError):
     """A tensor or state digest is not the one the manifest promises."""
 
     def __init__(self, what: str, expected: bytes, actual: bytes) -> None:
-        super().__init__(
-            f"{what}: digest {actual.hex()[:16]}… does not match expected {expected.hex()[:16]}…"
-        )
+        super().__init__(f"{what}: digest {actual.hex()[:16]}… does not match expected {expected.hex()[:16]}…")
         self.what = what
         self.expected = expected
         self.actual = actual
@@ -70,3 +68,7 @@ class SignatureError(PatchswarmError):
 
 class UntrustedKeyError(SignatureError):
     """Signed by a key that is not trusted (unknown, uncertified, expired or revoked)."""
+
+
+class ExpiredError(PatchswarmError):
+    """A signed document past its expiry (beyond the allowed clock skew)."""

@@ -38,9 +38,7 @@ def ulp_codes(old: torch.Tensor, new: torch.Tensor, width: int) -> tuple[torch.T
     return torch.where(escaped, ESCAPE, code).to(torch.uint8), escaped
 
 
-def apply_ulp_codes(
-    old: torch.Tensor, codes: torch.Tensor, width: int, word_dtype: torch.dtype
-) -> torch.Tensor:
+def apply_ulp_codes(old: torch.Tensor, codes: torch.Tensor, width: int, word_dtype: torch.dtype) -> torch.Tensor:
     """New words from old words and non-escaped codes (escapes are filled in by the caller)."""
     zz = codes.to(torch.int64) + 1
     d = (zz >> 1) ^ -(zz & 1)

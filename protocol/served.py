@@ -59,9 +59,7 @@ def bytes_digest(data: torch.Tensor) -> bytes:
 
 def state_root(specs: list[TensorSpec], digests: list[bytes]) -> bytes:
     """Root digest of a whole served version: BLAKE3 over every (name, dtype, shape, digest)."""
-    return blake3.blake3(
-        msgpack.packb([[*s.to_wire(), d] for s, d in zip(specs, digests, strict=True)])
-    ).digest()
+    return blake3.blake3(msgpack.packb([[*s.to_wire(), d] for s, d in zip(specs, digests, strict=True)])).digest()
 
 
 @dataclass(slots=True)
@@ -130,9 +128,7 @@ class ServedModel:
             raise LayoutMismatchError("the two versions do not have the same tensor names, dtypes and shapes")
 
     def bitwise_equal(self, other: ServedModel) -> bool:
-        return self.specs == other.specs and all(
-            torch.equal(a, b) for a, b in zip(self.data, other.data, strict=True)
-        )
+        return self.specs == other.specs and all(torch.equal(a, b) for a, b in zip(self.data, other.data, strict=True))
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -107,9 +107,7 @@ class StreamReader:
             while want:
                 got = s.reader.read(want)
                 if not got:
-                    raise TruncatedError(
-                        f"stream {name!r} ends after {s.done + n - want} of {s.raw_len} bytes"
-                    )
+                    raise TruncatedError(f"stream {name!r} ends after {s.done + n - want} of {s.raw_len} bytes")
                 parts.append(got)
                 want -= len(got)
         except zstandard.ZstdError as e:

@@ -1,0 +1,300 @@
+"""Version manifests: canonical msgpack bytes, Ed25519-signed, verified before any field is trusted.
+
+A manifest describes one published version exactly: which run and version it is, whether it
+is a patch (with its base) or a full anchor, the target's layout and per-tensor digests, and
+the size and hash of every chunk of its payload.  See docs/format.md for the byte layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import blake3
+import msgpack
+
+from protocol.chunks import HASH_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
+from protocol.dtypes import BY_NAME
+from protocol.errors import (
+    ExpiredError,
+    FormatError,
+    LimitExceededError,
+    SignatureError,
+    UnsupportedFormatError,
+)
+from protocol.keys import KeyPolicy, SigningKey, verify_signature
+from protocol.served import DIGEST_SIZE, TensorSpec, layout_hash, state_root
+
+FORMAT_VERSION = 1
+ENVELOPE_TAG = "patchswarm/manifest"
+SIGNING_DOMAIN = b"patchswarm/manifest/v1\x00"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_NUMEL = 1 << 48
+MAX_NAME = 1024
+MAX_RANK = 16
+
+
+class Kind(StrEnum):
+    PATCH = "patch"
+    ANCHOR = "anchor"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    run_id: str
+    version: int
+    kind: Kind
+    base_version: int | None
+    base_root: bytes | None
+    specs: tuple[TensorSpec, ...]
+    digests: tuple[bytes, ...]
+    target_root: bytes
+    layout_hash: bytes
+    payload_size: int
+    raw_size: int
+    chunk_size: int
+    chunks: tuple[ChunkRef, ...]
+    created_ms: int
+    expires_ms: int
+    prev_manifest: bytes | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ canonical bytes
+
+    def to_bytes(self) -> bytes:
+        base = None if self.base_version is None else {"root": self.base_root, "version": self.base_version}
+        body = {
+            "base": base,
+            "created_ms": self.created_ms,
+            "expires_ms": self.expires_ms,
+            "format": FORMAT_VERSION,
+            "kind": str(self.kind),
+            "payload": {
+                "chunk_size": self.chunk_size,
+                "chunks": [c.to_wire() for c in self.chunks],
+                "raw_size": self.raw_size,
+                "size": self.payload_size,
+            },
+            "prev": self.prev_manifest,
+            "run": self.run_id,
+            "target": {
+                "layout": self.layout_hash,
+                "metadata": dict(sorted(self.metadata.items())),
+                "root": self.target_root,
+                "tensors": [[*s.to_wire(), d] for s, d in zip(self.specs, self.digests, strict=True)],
+            },
+            "version": self.version,
+        }
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        return packed
+
+    @property
+    def manifest_id(self) -> bytes:
+        """BLAKE3 of the canonical body: what a head or a next manifest points at."""
+        return blake3.blake3(self.to_bytes()).digest()
+
+    @classmethod
+    def from_bytes(cls, body: bytes) -> Manifest:
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise LimitExceededError("manifest larger than allowed")
+        try:
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+            m = cls._from_obj(obj)
+        except FormatError:
+            raise
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+            raise FormatError(f"manifest is malformed ({type(e).__name__}: {e})") from None
+        if m.to_bytes() != body:
+            raise FormatError("manifest bytes are not canonical")
+        m.check()
+        return m
+
+    @classmethod
+    def _from_obj(cls, obj: Any) -> Manifest:
+        d = _map(obj, "manifest")
+        fmt = d["format"]
+        if fmt != FORMAT_VERSION:
+            raise UnsupportedFormatError(f"manifest format {fmt!r} (this build reads {FORMAT_VERSION})")
+        base = d["base"]
+        if base is not None:
+            base = _map(base, "base")
+        target = _map(d["target"], "target")
+        payload = _map(d["payload"], "payload")
+        specs: list[TensorSpec] = []
+        digests: list[bytes] = []
+        for t in _list(target["tensors"], "tensors"):
+            if not (isinstance(t, list) and len(t) == 4):
+                raise FormatError("tensor entry must be [name, dtype, shape, digest]")
+            name, dt, shape, digest = t
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+                raise FormatError("tensor name must be a non-empty string")
+            if dt not in BY_NAME:
+                raise FormatError(f"{name}: unknown dtype {dt!r}")
+            shape_l = _list(shape, f"{name} shape")
+            if len(shape_l) > MAX_RANK or not all(_is_uint(x) for x in shape_l):
+                raise FormatError(f"{name}: shape must be at most {MAX_RANK} non-negative ints")
+            specs.append(TensorSpec(name, dt, tuple(shape_l)))
+            digests.append(_digest(digest, f"{name} digest"))
+        metadata = _map(target["metadata"], "metadata")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise FormatError("metadata must map strings to strings")
+        chunks = []
+        for c in _list(payload["chunks"], "chunks"):
+            if not (isinstance(c, list) and len(c) == 2 and _is_uint(c[0])):
+                raise FormatError("chunk entry must be [size, hash]")
+            chunks.append(ChunkRef(c[0], _digest(c[1], "chunk hash")))
+        return cls(
+            run_id=_str(d["run"], "run"),
+            version=_uint(d["version"], "version"),
+            kind=Kind(d["kind"]),
+            base_version=None if base is None else _uint(base["version"], "base version"),
+            base_root=None if base is None else _digest(base["root"], "base root"),
+            specs=tuple(specs),
+            digests=tuple(digests),
+            target_root=_digest(target["root"], "target root"),
+            layout_hash=_digest(target["layout"], "layout hash"),
+            payload_size=_uint(payload["size"], "payload size"),
+            raw_size=_uint(payload["raw_size"], "raw size"),
+            chunk_size=_uint(payload["chunk_size"], "chunk size"),
+            chunks=tuple(chunks),
+            created_ms=_uint(d["created_ms"], "created_ms"),
+            expires_ms=_uint(d["expires_ms"], "expires_ms"),
+            prev_manifest=None if d["prev"] is None else _digest(d["prev"], "prev"),
+            metadata=dict(metadata),
+        )
+
+    # ------------------------------------------------------------ consistency
+
+    def check(self) -> None:
+        """Internal consistency of every field; raises FormatError naming the first problem."""
+        names = [s.name for s in self.specs]
+        if names != sorted(names) or len(set(names)) != len(names):
+            raise FormatError("tensors must be unique and sorted by name")
+        if any(s.numel > MAX_NUMEL for s in self.specs):
+            raise LimitExceededError("a tensor is larger than allowed")
+        if layout_hash(list(self.specs)) != self.layout_hash:
+            raise FormatError("layout hash does not match the tensor list")
+        if state_root(list(self.specs), list(self.digests)) != self.target_root:
+            raise FormatError("target root does not match the tensor digests")
+        if self.kind == Kind.ANCHOR and self.base_version is not None:
+            raise FormatError("an anchor has no base")
+        if self.kind == Kind.PATCH and (self.base_version is None or self.base_version >= self.version):
+            raise FormatError("a patch needs a base version older than its own version")
+        if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise FormatError(f"chunk size {self.chunk_size} out of range")
+        if sum(c.size for c in self.chunks) != self.payload_size:
+            raise FormatError("chunk sizes do not add up to the payload size")
+        for i, c in enumerate(self.chunks):
+            last = i == len(self.chunks) - 1
+            if c.size == 0 or c.size > self.chunk_size or (not last and c.size != self.chunk_size):
+                raise FormatError(f"chunk {i} has size {c.size}; every chunk but the last must be {self.chunk_size}")
+        if self.raw_size > self.raw_bound():
+            raise LimitExceededError(f"raw size {self.raw_size} exceeds what the layout allows")
+        if self.expires_ms < self.created_ms:
+            raise FormatError("manifest expires before it was created")
+
+    def raw_bound(self) -> int:
+        """Upper bound of decoded stream bytes for this layout (see codec.raw_bound)."""
+        if self.kind == Kind.ANCHOR:
+            return sum(s.nbytes for s in self.specs)
+        return sum(s.numel * max(s.dt.width, 11 + s.dt.width) for s in self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+# ---------------------------------------------------------------- signed envelope
+
+
+@dataclass(frozen=True, slots=True)
+class SignedManifest:
+    """Canonical manifest bytes with the signer's public key and signature (both empty if unsigned)."""
+
+    body: bytes
+    key_id: bytes
+    signature: bytes
+
+    @classmethod
+    def sign(cls, manifest: Manifest, key: SigningKey | None) -> SignedManifest:
+        body = manifest.to_bytes()
+        if key is None:
+            return cls(body, b"", b"")
+        return cls(body, key.key_id, key.sign(SIGNING_DOMAIN, body))
+
+    @property
+    def signed(self) -> bool:
+        return bool(self.signature)
+
+    def to_bytes(self) -> bytes:
+        packed: bytes = msgpack.packb([ENVELOPE_TAG, self.body, self.key_id, self.signature], use_bin_type=True)
+        return packed
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SignedManifest:
+        if len(data) > MAX_MANIFEST_BYTES + 256:
+            raise LimitExceededError("manifest envelope larger than allowed")
+        try:
+            obj = msgpack.unpackb(data, raw=False, use_list=True)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise FormatError(f"manifest envelope is malformed ({type(e).__name__})") from None
+        if not (isinstance(obj, list) and len(obj) == 4 and obj[0] == ENVELOPE_TAG):
+            raise FormatError("not a patchswarm manifest envelope")
+        _, body, key_id, sig = obj
+        if not all(isinstance(x, bytes) for x in (body, key_id, sig)):
+            raise FormatError("manifest envelope fields must be bytes")
+        return cls(body, key_id, sig)
+
+    def verify(self, policy: KeyPolicy | None, *, now_ms: int | None = None, skew_ms: int = 0) -> Manifest:
+        """Signature (when a policy is given) -> parse -> field checks -> expiry (when now is given).
+
+        Nothing in the body is looked at before the signature checks out.
+        """
+        if policy is not None:
+            if not self.signed:
+                raise SignatureError("manifest is not signed")
+            verify_signature(self.key_id, SIGNING_DOMAIN, self.body, self.signature)
+        manifest = Manifest.from_bytes(self.body)
+        if policy is not None:
+            policy.check(self.key_id, run_id=manifest.run_id, now_ms=now_ms)
+        if now_ms is not None and now_ms - skew_ms > manifest.expires_ms:
+            raise ExpiredError(f"manifest of version {manifest.version} expired")
+        return manifest
+
+
+# ---------------------------------------------------------------- field helpers
+
+
+def _map(x: Any, what: str) -> dict[str, Any]:
+    if not isinstance(x, dict):
+        raise FormatError(f"{what} must be a map")
+    return x
+
+
+def _list(x: Any, what: str) -> list[Any]:
+    if not isinstance(x, list):
+        raise FormatError(f"{what} must be a list")
+    return x
+
+
+def _is_uint(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _uint(x: Any, what: str) -> int:
+    if not _is_uint(x):
+        raise FormatError(f"{what} must be a non-negative integer")
+    return int(x)
+
+
+def _str(x: Any, what: str) -> str:
+    if not isinstance(x, str) or not x:
+        raise FormatError(f"{what} must be a non-empty string")
+    return x
+
+
+def _digest(x: Any, what: str) -> bytes:
+    if not isinstance(x, bytes) or len(x) != DIGEST_SIZE or DIGEST_SIZE != HASH_SIZE:
+        raise FormatError(f"{what} must be {DIGEST_SIZE} bytes")
+    return x

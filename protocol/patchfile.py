@@ -1,0 +1,184 @@
+"""Making, packing, opening and applying one version: manifest + payload, verified end to end.
+
+Verification order (docs/format.md): signature -> manifest fields -> each chunk's size and
+hash -> decode with output bounded by the manifest -> base digest before apply -> target
+digest after.  A self-contained patch file is a fixed prefix, the signed manifest envelope,
+then the payload (its chunks back to back).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
+from protocol.codec import EncodedPatch, Progress, apply_update, encode_patch, iter_updates
+from protocol.errors import (
+    BaseMismatchError,
+    FormatError,
+    LayoutMismatchError,
+    LimitExceededError,
+    TargetMismatchError,
+    TruncatedError,
+    UnsupportedFormatError,
+)
+from protocol.keys import KeyPolicy, SigningKey
+from protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
+from protocol.served import ServedModel, bytes_digest, state_root
+
+FILE_MAGIC = b"PSWPATCH"
+FILE_FORMAT = 1
+_FILE_PREFIX = struct.Struct("<8sB3xI")  # magic, file format, reserved, envelope length
+DEFAULT_TTL_MS = 30 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    """One published version: its signed manifest, the parsed manifest and the payload bytes."""
+
+    signed: SignedManifest
+    manifest: Manifest
+    payload: bytes | memoryview
+    encoded: EncodedPatch | None = None  # encoder statistics, when this process made it
+
+
+def build_version(
+    base: ServedModel | None,
+    target: ServedModel,
+    *,
+    run_id: str,
+    version: int,
+    now_ms: int,
+    base_version: int | None = None,
+    base_digests: list[bytes] | None = None,
+    key: SigningKey | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ttl_ms: int = DEFAULT_TTL_MS,
+    prev_manifest: bytes | None = None,
+    level: int = 3,
+    progress: Progress | None = None,
+) -> Version:
+    """Encode ``target`` against ``base`` (an anchor when base is None), chunk it and sign the manifest."""
+    if (base is None) != (base_version is None):
+        raise ValueError("give both base and base_version, or neither (anchor)")
+    encoded = encode_patch(base, target, level=level, progress=progress)
+    digests = target.digests()
+    base_root = None
+    if base is not None:
+        base_root = state_root(base.specs, base_digests if base_digests is not None else base.digests())
+    manifest = Manifest(
+        run_id=run_id,
+        version=version,
+        kind=Kind.ANCHOR if base is None else Kind.PATCH,
+        base_version=base_version,
+        base_root=base_root,
+        specs=tuple(target.specs),
+        digests=tuple(digests),
+        target_root=state_root(target.specs, digests),
+        layout_hash=target.layout_hash(),
+        payload_size=len(encoded.payload),
+        raw_size=encoded.raw_size,
+        chunk_size=chunk_size,
+        chunks=tuple(split(encoded.payload, chunk_size)),
+        created_ms=now_ms,
+        expires_ms=now_ms + ttl_ms,
+        prev_manifest=prev_manifest,
+        metadata=dict(target.metadata),
+    )
+    manifest.check()
+    return Version(SignedManifest.sign(manifest, key), manifest, encoded.payload, encoded)
+
+
+def pack_file(version: Version) -> bytes:
+    envelope = version.signed.to_bytes()
+    return b"".join([_FILE_PREFIX.pack(FILE_MAGIC, FILE_FORMAT, len(envelope)), envelope, bytes(version.payload)])
+
+
+def write_file(path: str | os.PathLike[str], version: Version) -> None:
+    """Atomic write: the path holds the old file or the complete new one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pack_file(version))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def open_file(
+    data: bytes | memoryview,
+    policy: KeyPolicy | None,
+    *,
+    now_ms: int | None = None,
+    verify_chunks: bool = True,
+) -> Version:
+    """Parse a patch file and verify it: signature (if a policy is given), manifest, every chunk."""
+    mv = memoryview(data)
+    if len(mv) < _FILE_PREFIX.size:
+        raise TruncatedError("patch file shorter than its fixed header")
+    magic, fmt, env_len = _FILE_PREFIX.unpack_from(mv)
+    if magic != FILE_MAGIC:
+        raise FormatError("not a patchswarm patch file (bad magic)")
+    if fmt != FILE_FORMAT:
+        raise UnsupportedFormatError(f"patch file format {fmt} (this build reads {FILE_FORMAT})")
+    if env_len > MAX_MANIFEST_BYTES + 256:
+        raise LimitExceededError("manifest envelope larger than allowed")
+    end = _FILE_PREFIX.size + env_len
+    if end > len(mv):
+        raise TruncatedError("patch file ends inside its manifest")
+    signed = SignedManifest.from_bytes(bytes(mv[_FILE_PREFIX.size : end]))
+    manifest = signed.verify(policy, now_ms=now_ms)
+    payload = mv[end:]
+    if len(payload) < manifest.payload_size:
+        raise TruncatedError(f"patch file holds {len(payload)} of {manifest.payload_size} payload bytes")
+    if len(payload) > manifest.payload_size:
+        raise FormatError(f"patch file has {len(payload) - manifest.payload_size} bytes past its payload")
+    if verify_chunks:
+        verify_payload(payload, manifest.chunks)
+    return Version(signed, manifest, payload)
+
+
+def apply_version(
+    base: ServedModel | None,
+    manifest: Manifest,
+    payload: bytes | memoryview,
+    *,
+    base_digests: list[bytes] | None = None,
+) -> tuple[ServedModel, list[bytes]]:
+    """Apply a verified version: in place into ``base`` for a patch, into a new model for an anchor.
+
+    Returns the model and its per-tensor digests.  On any error the model passed in must be
+    considered garbage (callers apply to a staging copy, or journal first).
+    """
+    specs = list(manifest.specs)
+    if manifest.kind == Kind.ANCHOR:
+        model: ServedModel = ServedModel.zeros_like(specs)
+        digests: list[bytes | None] = [None] * len(specs)
+        source = None
+    else:
+        if base is None:
+            raise FormatError(f"version {manifest.version} is a patch; it needs base version {manifest.base_version}")
+        if base.specs != specs:
+            raise LayoutMismatchError("the base does not have the patch's tensor names, dtypes and shapes")
+        have = base_digests if base_digests is not None else base.digests()
+        root = state_root(specs, have)
+        assert manifest.base_root is not None
+        if root != manifest.base_root:
+            raise BaseMismatchError(f"base of version {manifest.version}", manifest.base_root, root)
+        model, digests, source = base, list(have), base
+    for update in iter_updates(payload, specs, source):
+        apply_update(model, update)
+        digests[update.index] = None  # touched: hash again below
+    final = [d if d is not None else bytes_digest(model.data[i]) for i, d in enumerate(digests)]
+    root = state_root(specs, final)
+    if root != manifest.target_root:
+        raise TargetMismatchError(f"target of version {manifest.version}", manifest.target_root, root)
+    model.metadata = dict(manifest.metadata)
+    return model, final
