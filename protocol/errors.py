@@ -72,3 +72,21 @@ class UntrustedKeyError(SignatureError):
 
 class ExpiredError(PatchswarmError):
     """A signed document past its expiry (beyond the allowed clock skew)."""
+
+
+class RollbackError(PatchswarmError):
+    """A signed document older than one already trusted (a replay or rewind)."""
+
+
+class EquivocationError(PatchswarmError):
+    """Two different signed documents claim the same place in a chain (a forked signer)."""
+
+    def __init__(self, what: str, first: bytes, second: bytes) -> None:
+        super().__init__(f"{what}: two different signed documents for the same position")
+        self.what = what
+        self.first = first
+        self.second = second
+
+
+class NoPathError(PatchswarmError):
+    """No chain of retained versions leads from what a host holds to the wanted version."""

@@ -14,21 +14,21 @@ from typing import Any
 import blake3
 import msgpack
 
-from protocol.chunks import HASH_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
+from protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
+from protocol.docfields import as_digest, as_list, as_map, as_str, as_uint, is_uint
 from protocol.dtypes import BY_NAME
 from protocol.errors import (
     ExpiredError,
     FormatError,
     LimitExceededError,
-    SignatureError,
     UnsupportedFormatError,
 )
-from protocol.keys import KeyPolicy, SigningKey, verify_signature
-from protocol.served import DIGEST_SIZE, TensorSpec, layout_hash, state_root
+from protocol.keys import KeyPolicy, SigningKey
+from protocol.served import TensorSpec, layout_hash, state_root
+from protocol.signed import Envelope
 
 FORMAT_VERSION = 1
 ENVELOPE_TAG = "patchswarm/manifest"
-SIGNING_DOMAIN = b"patchswarm/manifest/v1\x00"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_NUMEL = 1 << 48
 MAX_NAME = 1024
@@ -112,18 +112,18 @@ class Manifest:
 
     @classmethod
     def _from_obj(cls, obj: Any) -> Manifest:
-        d = _map(obj, "manifest")
+        d = as_map(obj, "manifest")
         fmt = d["format"]
         if fmt != FORMAT_VERSION:
             raise UnsupportedFormatError(f"manifest format {fmt!r} (this build reads {FORMAT_VERSION})")
         base = d["base"]
         if base is not None:
-            base = _map(base, "base")
-        target = _map(d["target"], "target")
-        payload = _map(d["payload"], "payload")
+            base = as_map(base, "base")
+        target = as_map(d["target"], "target")
+        payload = as_map(d["payload"], "payload")
         specs: list[TensorSpec] = []
         digests: list[bytes] = []
-        for t in _list(target["tensors"], "tensors"):
+        for t in as_list(target["tensors"], "tensors"):
             if not (isinstance(t, list) and len(t) == 4):
                 raise FormatError("tensor entry must be [name, dtype, shape, digest]")
             name, dt, shape, digest = t
@@ -131,36 +131,36 @@ class Manifest:
                 raise FormatError("tensor name must be a non-empty string")
             if dt not in BY_NAME:
                 raise FormatError(f"{name}: unknown dtype {dt!r}")
-            shape_l = _list(shape, f"{name} shape")
-            if len(shape_l) > MAX_RANK or not all(_is_uint(x) for x in shape_l):
+            shape_l = as_list(shape, f"{name} shape")
+            if len(shape_l) > MAX_RANK or not all(is_uint(x) for x in shape_l):
                 raise FormatError(f"{name}: shape must be at most {MAX_RANK} non-negative ints")
             specs.append(TensorSpec(name, dt, tuple(shape_l)))
-            digests.append(_digest(digest, f"{name} digest"))
-        metadata = _map(target["metadata"], "metadata")
+            digests.append(as_digest(digest, f"{name} digest"))
+        metadata = as_map(target["metadata"], "metadata")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise FormatError("metadata must map strings to strings")
         chunks = []
-        for c in _list(payload["chunks"], "chunks"):
-            if not (isinstance(c, list) and len(c) == 2 and _is_uint(c[0])):
+        for c in as_list(payload["chunks"], "chunks"):
+            if not (isinstance(c, list) and len(c) == 2 and is_uint(c[0])):
                 raise FormatError("chunk entry must be [size, hash]")
-            chunks.append(ChunkRef(c[0], _digest(c[1], "chunk hash")))
+            chunks.append(ChunkRef(c[0], as_digest(c[1], "chunk hash")))
         return cls(
-            run_id=_str(d["run"], "run"),
-            version=_uint(d["version"], "version"),
+            run_id=as_str(d["run"], "run"),
+            version=as_uint(d["version"], "version"),
             kind=Kind(d["kind"]),
-            base_version=None if base is None else _uint(base["version"], "base version"),
-            base_root=None if base is None else _digest(base["root"], "base root"),
+            base_version=None if base is None else as_uint(base["version"], "base version"),
+            base_root=None if base is None else as_digest(base["root"], "base root"),
             specs=tuple(specs),
             digests=tuple(digests),
-            target_root=_digest(target["root"], "target root"),
-            layout_hash=_digest(target["layout"], "layout hash"),
-            payload_size=_uint(payload["size"], "payload size"),
-            raw_size=_uint(payload["raw_size"], "raw size"),
-            chunk_size=_uint(payload["chunk_size"], "chunk size"),
+            target_root=as_digest(target["root"], "target root"),
+            layout_hash=as_digest(target["layout"], "layout hash"),
+            payload_size=as_uint(payload["size"], "payload size"),
+            raw_size=as_uint(payload["raw_size"], "raw size"),
+            chunk_size=as_uint(payload["chunk_size"], "chunk size"),
             chunks=tuple(chunks),
-            created_ms=_uint(d["created_ms"], "created_ms"),
-            expires_ms=_uint(d["expires_ms"], "expires_ms"),
-            prev_manifest=None if d["prev"] is None else _digest(d["prev"], "prev"),
+            created_ms=as_uint(d["created_ms"], "created_ms"),
+            expires_ms=as_uint(d["expires_ms"], "expires_ms"),
+            prev_manifest=None if d["prev"] is None else as_digest(d["prev"], "prev"),
             metadata=dict(metadata),
         )
 
@@ -212,89 +212,41 @@ class Manifest:
 class SignedManifest:
     """Canonical manifest bytes with the signer's public key and signature (both empty if unsigned)."""
 
-    body: bytes
-    key_id: bytes
-    signature: bytes
+    envelope: Envelope
 
-    @classmethod
-    def sign(cls, manifest: Manifest, key: SigningKey | None) -> SignedManifest:
-        body = manifest.to_bytes()
-        if key is None:
-            return cls(body, b"", b"")
-        return cls(body, key.key_id, key.sign(SIGNING_DOMAIN, body))
+    @property
+    def body(self) -> bytes:
+        return self.envelope.body
+
+    @property
+    def key_id(self) -> bytes:
+        return self.envelope.key_id
 
     @property
     def signed(self) -> bool:
-        return bool(self.signature)
-
-    def to_bytes(self) -> bytes:
-        packed: bytes = msgpack.packb([ENVELOPE_TAG, self.body, self.key_id, self.signature], use_bin_type=True)
-        return packed
+        return self.envelope.signed
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> SignedManifest:
-        if len(data) > MAX_MANIFEST_BYTES + 256:
-            raise LimitExceededError("manifest envelope larger than allowed")
-        try:
-            obj = msgpack.unpackb(data, raw=False, use_list=True)
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
-            raise FormatError(f"manifest envelope is malformed ({type(e).__name__})") from None
-        if not (isinstance(obj, list) and len(obj) == 4 and obj[0] == ENVELOPE_TAG):
-            raise FormatError("not a patchswarm manifest envelope")
-        _, body, key_id, sig = obj
-        if not all(isinstance(x, bytes) for x in (body, key_id, sig)):
-            raise FormatError("manifest envelope fields must be bytes")
-        return cls(body, key_id, sig)
+    def sign(cls, manifest: Manifest, key: SigningKey | None) -> SignedManifest:
+        return cls(Envelope.sign(ENVELOPE_TAG, manifest.to_bytes(), key))
+
+    def to_bytes(self) -> bytes:
+        return self.envelope.to_bytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> SignedManifest:
+        return cls(Envelope.from_bytes(data, ENVELOPE_TAG))
 
     def verify(self, policy: KeyPolicy | None, *, now_ms: int | None = None, skew_ms: int = 0) -> Manifest:
-        """Signature (when a policy is given) -> parse -> field checks -> expiry (when now is given).
+        """Signature (when a policy is given) -> parse -> field checks -> key policy -> expiry.
 
         Nothing in the body is looked at before the signature checks out.
         """
         if policy is not None:
-            if not self.signed:
-                raise SignatureError("manifest is not signed")
-            verify_signature(self.key_id, SIGNING_DOMAIN, self.body, self.signature)
+            self.envelope.check_signature()
         manifest = Manifest.from_bytes(self.body)
         if policy is not None:
             policy.check(self.key_id, run_id=manifest.run_id, now_ms=now_ms)
         if now_ms is not None and now_ms - skew_ms > manifest.expires_ms:
             raise ExpiredError(f"manifest of version {manifest.version} expired")
         return manifest
-
-
-# ---------------------------------------------------------------- field helpers
-
-
-def _map(x: Any, what: str) -> dict[str, Any]:
-    if not isinstance(x, dict):
-        raise FormatError(f"{what} must be a map")
-    return x
-
-
-def _list(x: Any, what: str) -> list[Any]:
-    if not isinstance(x, list):
-        raise FormatError(f"{what} must be a list")
-    return x
-
-
-def _is_uint(x: Any) -> bool:
-    return type(x) is int and x >= 0
-
-
-def _uint(x: Any, what: str) -> int:
-    if not _is_uint(x):
-        raise FormatError(f"{what} must be a non-negative integer")
-    return int(x)
-
-
-def _str(x: Any, what: str) -> str:
-    if not isinstance(x, str) or not x:
-        raise FormatError(f"{what} must be a non-empty string")
-    return x
-
-
-def _digest(x: Any, what: str) -> bytes:
-    if not isinstance(x, bytes) or len(x) != DIGEST_SIZE or DIGEST_SIZE != HASH_SIZE:
-        raise FormatError(f"{what} must be {DIGEST_SIZE} bytes")
-    return x

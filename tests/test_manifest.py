@@ -74,13 +74,14 @@ def test_signature_checks(version) -> None:  # type: ignore[no-untyped-def]
     env = version.signed
     with pytest.raises(UntrustedKeyError):
         env.verify(TrustedKeys(frozenset([SigningKey.generate().key_id])))
-    forged = SignedManifest(env.body[:-1] + bytes([env.body[-1] ^ 1]), env.key_id, env.signature)
+    e = env.envelope
+    forged = SignedManifest(dataclasses.replace(e, body=e.body[:-1] + bytes([e.body[-1] ^ 1])))
     with pytest.raises(SignatureError):
         forged.verify(TRUST)
     with pytest.raises(SignatureError, match="not signed"):
-        SignedManifest(env.body, b"", b"").verify(TRUST)
+        SignedManifest(dataclasses.replace(e, key_id=b"", signature=b"")).verify(TRUST)
     other = SigningKey.generate()
-    swapped = SignedManifest(env.body, other.key_id, env.signature)
+    swapped = SignedManifest(dataclasses.replace(e, key_id=other.key_id))
     with pytest.raises(SignatureError):
         swapped.verify(TrustedKeys(frozenset([other.key_id])))
 

@@ -1,0 +1,75 @@
+"""The version catalog of a run and catch-up planning over it (pure).
+
+Versions are nodes; every retained patch is an edge base -> version and every anchor an edge
+from "nothing" -> version, each weighted by its payload size.  The plan is the cheapest path
+from what a host holds (or nothing) to the wanted version: plain Dijkstra, since weights are
+positive and catalogs are small (retention keeps a few anchors' worth of versions).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from protocol.errors import NoPathError
+from protocol.manifest import Kind
+
+NOTHING = -1
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    version: int
+    kind: Kind
+    base_version: int | None
+    size: int
+    manifest_id: bytes
+
+    def to_wire(self) -> list[object]:
+        return [self.version, str(self.kind), self.base_version, self.size, self.manifest_id]
+
+
+def plan(entries: Iterable[CatalogEntry], have: int | None, want: int) -> list[CatalogEntry]:
+    """Fewest-bytes sequence of entries taking a host from ``have`` (None: nothing) to ``want``.
+
+    A host holding a version may also start over from an anchor, so both its version and
+    "nothing" are sources.  Ties go to fewer steps, then to lower manifest ids, so every host
+    given the same catalog plans the same path.
+    """
+    start = NOTHING if have is None else have
+    if start == want:
+        return []
+    edges: dict[int, list[CatalogEntry]] = {}
+    for e in entries:
+        src = NOTHING if e.kind == Kind.ANCHOR else e.base_version
+        if src is not None and e.version <= want:
+            edges.setdefault(src, []).append(e)
+    best: dict[int, tuple[int, int, bytes]] = {}
+    back: dict[int, CatalogEntry] = {}
+    heap: list[tuple[int, int, bytes, int]] = []
+    for source in {start, NOTHING}:
+        best[source] = (0, 0, b"")
+        heapq.heappush(heap, (0, 0, b"", source))
+    while heap:
+        cost, steps, tie, node = heapq.heappop(heap)
+        if (cost, steps, tie) != best[node]:
+            continue
+        if node == want:
+            break
+        for e in edges.get(node, []):
+            cand = (cost + e.size, steps + 1, e.manifest_id)
+            if e.version not in best or cand < best[e.version]:
+                best[e.version] = cand
+                back[e.version] = e
+                heapq.heappush(heap, (*cand, e.version))
+    if want not in back:
+        raise NoPathError(f"no retained chain reaches version {want} from {'nothing' if have is None else have}")
+    path: list[CatalogEntry] = []
+    node = want
+    while node in back and node not in (start, NOTHING):
+        e = back[node]
+        path.append(e)
+        node = NOTHING if e.kind == Kind.ANCHOR else int(e.base_version or 0)
+    path.reverse()
+    return path

@@ -1,0 +1,159 @@
+"""The signed head of a run: the one mutable document on a board.
+
+It names the latest version and carries the catalog of retained versions (so a host can plan
+its catch-up before fetching any manifest), with a short expiry (a host notices a frozen
+board) and a counter that increases with every re-signing.  :class:`HeadTracker` holds a
+host's high-water mark and refuses rewinds, replays of older heads and equivocation (two
+different heads with the same counter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from protocol.catalog import CatalogEntry
+from protocol.docfields import as_digest, as_list, as_map, as_str, as_uint
+from protocol.docfields import field as get
+from protocol.errors import (
+    EquivocationError,
+    ExpiredError,
+    FormatError,
+    RollbackError,
+    UnsupportedFormatError,
+)
+from protocol.keys import KeyPolicy, SigningKey
+from protocol.manifest import Kind
+from protocol.signed import Envelope
+
+HEAD_TAG = "patchswarm/head"
+FORMAT = 1
+MAX_CATALOG = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    run_id: str
+    version: int
+    manifest_id: bytes
+    counter: int
+    created_ms: int
+    expires_ms: int
+    catalog: tuple[CatalogEntry, ...]
+
+    def to_bytes(self) -> bytes:
+        body: dict[str, Any] = {
+            "catalog": [e.to_wire() for e in self.catalog],
+            "counter": self.counter,
+            "created_ms": self.created_ms,
+            "expires_ms": self.expires_ms,
+            "format": FORMAT,
+            "manifest": self.manifest_id,
+            "run": self.run_id,
+            "version": self.version,
+        }
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        return packed
+
+    @classmethod
+    def from_bytes(cls, body: bytes) -> Head:
+        try:
+            d = as_map(msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True), "head")
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise FormatError(f"head is malformed ({type(exc).__name__})") from None
+        if get(d, "format", "head") != FORMAT:
+            raise UnsupportedFormatError(f"head format {d['format']!r} (this build reads {FORMAT})")
+        raw_catalog = as_list(get(d, "catalog", "head"), "catalog")
+        if len(raw_catalog) > MAX_CATALOG:
+            raise FormatError("head catalog too long")
+        catalog = []
+        for e in raw_catalog:
+            if not (isinstance(e, list) and len(e) == 5):
+                raise FormatError("catalog entry must be [version, kind, base, size, manifest]")
+            try:
+                kind = Kind(e[1])
+            except ValueError:
+                raise FormatError(f"catalog entry has unknown kind {e[1]!r}") from None
+            catalog.append(
+                CatalogEntry(
+                    version=as_uint(e[0], "catalog version"),
+                    kind=kind,
+                    base_version=None if e[2] is None else as_uint(e[2], "catalog base"),
+                    size=as_uint(e[3], "catalog size"),
+                    manifest_id=as_digest(e[4], "catalog manifest id"),
+                )
+            )
+        head = cls(
+            run_id=as_str(get(d, "run", "head"), "head run"),
+            version=as_uint(get(d, "version", "head"), "head version"),
+            manifest_id=as_digest(get(d, "manifest", "head"), "head manifest"),
+            counter=as_uint(get(d, "counter", "head"), "head counter"),
+            created_ms=as_uint(get(d, "created_ms", "head"), "head created_ms"),
+            expires_ms=as_uint(get(d, "expires_ms", "head"), "head expires_ms"),
+            catalog=tuple(catalog),
+        )
+        if head.to_bytes() != body:
+            raise FormatError("head is not canonical")
+        head.check()
+        return head
+
+    def check(self) -> None:
+        if not any(e.version == self.version and e.manifest_id == self.manifest_id for e in self.catalog):
+            raise FormatError("head's version is not in its own catalog")
+        if any(e.version > self.version for e in self.catalog):
+            raise FormatError("head's catalog lists versions past the head")
+        for e in self.catalog:
+            if (e.kind == Kind.ANCHOR) != (e.base_version is None) or (
+                e.base_version is not None and e.base_version >= e.version
+            ):
+                raise FormatError(f"catalog entry for version {e.version} has an impossible base")
+
+    def sign(self, key: SigningKey) -> Envelope:
+        return Envelope.sign(HEAD_TAG, self.to_bytes(), key)
+
+
+def verify_head(data: bytes, policy: KeyPolicy, *, now_ms: int, skew_ms: int) -> tuple[Head, Envelope]:
+    """Signature -> parse -> key policy for the head's run -> expiry (with skew)."""
+    env = Envelope.from_bytes(data, HEAD_TAG)
+    env.check_signature()
+    head = Head.from_bytes(env.body)
+    policy.check(env.key_id, run_id=head.run_id, now_ms=now_ms)
+    if now_ms - skew_ms > head.expires_ms:
+        raise ExpiredError(f"head of run {head.run_id!r} (counter {head.counter}) expired: the board may be frozen")
+    return head, env
+
+
+@dataclass(slots=True)
+class HeadTracker:
+    """A host's high-water mark for one run; persisted by the caller via ``state()``/``restore``."""
+
+    run_id: str
+    counter: int = -1
+    version: int = -1
+    body: bytes = b""
+    evidence: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    def accept(self, head: Head, env: Envelope) -> bool:
+        """True if ``head`` is newer than what was seen; raises on rewind, replay or equivocation."""
+        if head.run_id != self.run_id:
+            raise FormatError(f"head is for run {head.run_id!r}, this host follows {self.run_id!r}")
+        if head.counter == self.counter:
+            if env.body != self.body:
+                self.evidence.append((self.body, env.body))
+                raise EquivocationError(f"head counter {head.counter} of run {self.run_id!r}", self.body, env.body)
+            return False
+        if head.counter < self.counter:
+            raise RollbackError(f"head counter {head.counter} is older than seen {self.counter}")
+        if head.version < self.version:
+            raise RollbackError(f"head rewinds run {self.run_id!r} from version {self.version} to {head.version}")
+        self.counter, self.version, self.body = head.counter, head.version, env.body
+        return True
+
+    def state(self) -> dict[str, Any]:
+        return {"run": self.run_id, "counter": self.counter, "version": self.version, "body": self.body}
+
+    @classmethod
+    def restore(cls, state: dict[str, Any]) -> HeadTracker:
+        return cls(str(state["run"]), int(state["counter"]), int(state["version"]), bytes(state["body"]))
