@@ -8,6 +8,7 @@ outputs are staged and renamed into place only after verification.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -20,11 +21,18 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from daemon.board import Board, write_atomic
+from daemon.publisher import Publisher, PublishInfo
+from daemon.pull import Held, Puller
+from daemon.pull_state import PullState
+from daemon.served_format import ServedFormat
+from daemon.sources import source_for
 from protocol.codec import read_header
 from protocol.errors import PatchswarmError
 from protocol.keys import SigningKey, TrustedKeys, load_public_key
 from protocol.patchfile import apply_version, build_version, open_file, write_file
 from protocol.safetensors_io import load_safetensors, save_safetensors
+from protocol.trust import Certificate, RootDocument, TrustState
 
 err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
@@ -70,6 +78,11 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     except FileExistsError:
         raise UserError(f"{args.output} already exists; refusing to overwrite a key") from None
     out.print(f"wrote {args.output} and {args.output}.pub (key id {key.key_id.hex()[:16]})")
+    if args.root:
+        out.print(
+            f"this is a ROOT key: keep {args.output} offline; install {args.output}.pub on every host "
+            "(trust root) and use the private key only to certify, revoke and rotate"
+        )
     return 0
 
 
@@ -189,6 +202,129 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certify(args: argparse.Namespace) -> int:
+    root = SigningKey.load(args.root)
+    now = _now_ms()
+    cert = Certificate(load_public_key(args.key), args.run_id, now, now + int(args.days * 86_400_000))
+    env = cert.sign(root).to_bytes()
+    if args.output:
+        write_atomic(Path(args.output), env)
+    if args.board:
+        Board(args.board).put_certificate(cert.key, env)
+    out.print(
+        f"certified key {cert.key.hex()[:16]} for run {args.run_id!r} until "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(cert.not_after_ms / 1000))}"
+    )
+    return 0
+
+
+def _next_root(board: Board, root: SigningKey) -> RootDocument:
+    state = TrustState(root.key_id)
+    for v in board.root_versions():
+        data = board.read(Board.root_rel(v))
+        assert data is not None
+        state.update_root(data)
+    return state.root or RootDocument(0, (root.key_id,))
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    board = Board(args.board)
+    root = SigningKey.load(args.root)
+    cur = _next_root(board, root)
+    revoked = load_public_key(args.key)
+    doc = RootDocument(cur.version + 1, cur.keys, tuple(sorted({*cur.revoked, revoked})))
+    board.put_root(doc.version, doc.sign(root).to_bytes())
+    out.print(f"root document {doc.version}: key {revoked.hex()[:16]} revoked")
+    return 0
+
+
+def cmd_rotate_root(args: argparse.Namespace) -> int:
+    board = Board(args.board)
+    root = SigningKey.load(args.root)
+    cur = _next_root(board, root)
+    doc = RootDocument(cur.version + 1, (load_public_key(args.new_root),), cur.revoked)
+    board.put_root(doc.version, doc.sign(root).to_bytes())
+    out.print(f"root document {doc.version}: root key is now {doc.keys[0].hex()[:16]}")
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    model = load_safetensors(args.model)
+    cert = Path(args.cert).read_bytes() if args.cert else None
+    pub = Publisher(
+        args.board,
+        SigningKey.load(args.key),
+        run_id=args.run_id,
+        anchor_every=args.anchor_every,
+        certificate=cert,
+        chunk_size=args.chunk_size,
+        served_format=ServedFormat("as_is"),
+    )
+    tensors = {s.name: model.typed(i) for i, s in enumerate(model.specs)}
+    info = pub.publish(tensors, anchor=args.anchor)
+    assert isinstance(info, PublishInfo)
+    out.print(
+        f"published version {info.version} of run {args.run_id!r}: {100 * info.changed_fraction:.3f}% changed, "
+        f"patch {info.patch_bytes:,} bytes" + (f", anchor {info.anchor_bytes:,} bytes" if info.anchor_bytes else "")
+    )
+    return 0
+
+
+def cmd_seed(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from daemon.seed import board_app, parse_listen
+
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not Path(args.board).is_dir():
+        raise UserError(f"{args.board} is not a directory")
+    err.print(f"serving board {args.board} on http://{host}:{port}/")
+    web.run_app(board_app(args.board), host=host, port=port, print=None, handle_signals=True)
+    return 0
+
+
+def _run_from(url: str, run: str | None) -> tuple[str, str]:
+    if run:
+        return url, run
+    base, sep, tail = url.rstrip("/").rpartition("/runs/")
+    if sep and tail and "/" not in tail:
+        return base, tail
+    raise UserError("name the run with --run (or give the URL as BOARD/runs/RUN)")
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    url, run = _run_from(args.source, args.run)
+    trust = TrustState(load_public_key(args.trust))
+    state = PullState.load(Path(args.state), run) if args.state else None
+    if state:
+        state.restore_into(trust)
+    have = load_safetensors(args.have) if args.have else None
+
+    async def go() -> tuple[Held, Puller]:
+        src = source_for(url)
+        try:
+            puller = Puller(src, trust, run, tracker=state.tracker if state else None)
+            head = await puller.fetch_head()
+            held = await puller.identify(head, have) if have is not None else None
+            if have is not None and held is None:
+                err.print("[yellow]note:[/] --have matches no retained version; starting from an anchor")
+            return await puller.catch_up(held, head, in_place=True), puller
+        finally:
+            await src.close()
+
+    held, puller = asyncio.run(go())
+    save_safetensors(held.model, args.to)
+    if args.state:
+        PullState(puller.tracker).save(Path(args.state), trust)
+    steps = ", ".join(f"{e.kind.value} {e.version}" for e in puller.stats.steps) or "nothing (already current)"
+    fetched = puller.stats.bytes_fetched
+    out.print(f"{args.to}: version {held.version} of run {run!r} verified; fetched {fetched:,} bytes via {steps}")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -198,7 +334,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key (KEY and KEY.pub)")
     k.add_argument("-o", "--output", required=True, metavar="KEY")
+    k.add_argument("--root", action="store_true", help="a root key (kept offline; certifies trainer keys)")
     k.set_defaults(func=cmd_keygen)
+
+    c = sub.add_parser("certify", help="root key certifies a trainer key for a run, with an expiry")
+    c.add_argument("--root", required=True, metavar="ROOT.key")
+    c.add_argument("--key", required=True, metavar="TRAINER.key.pub")
+    c.add_argument("--run-id", required=True)
+    c.add_argument("--days", type=float, default=30.0, help="validity in days (default 30)")
+    c.add_argument("-o", "--output", metavar="CERT", help="write the certificate here")
+    c.add_argument("--board", metavar="DIR", help="and/or place it on this board")
+    c.set_defaults(func=cmd_certify)
+
+    r = sub.add_parser("revoke", help="publish the next root document, revoking a trainer key")
+    r.add_argument("--root", required=True, metavar="ROOT.key")
+    r.add_argument("--board", required=True, metavar="DIR")
+    r.add_argument("key", metavar="TRAINER.key.pub")
+    r.set_defaults(func=cmd_revoke)
+
+    rr = sub.add_parser("rotate-root", help="publish the next root document, handing over to a new root key")
+    rr.add_argument("--root", required=True, metavar="ROOT.key")
+    rr.add_argument("--board", required=True, metavar="DIR")
+    rr.add_argument("--new-root", required=True, metavar="NEW_ROOT.key.pub")
+    rr.set_defaults(func=cmd_rotate_root)
+
+    pb = sub.add_parser("publish", help="publish a served version from a safetensors file onto a board")
+    pb.add_argument("model", metavar="MODEL.safetensors")
+    pb.add_argument("--board", required=True, metavar="DIR")
+    pb.add_argument("--key", required=True, metavar="KEY")
+    pb.add_argument("--run-id", required=True)
+    pb.add_argument("--cert", metavar="CERT", help="certificate of KEY to place on the board")
+    pb.add_argument("--anchor", action="store_true", help="also publish this version as a full anchor")
+    pb.add_argument("--anchor-every", type=int, default=10)
+    pb.add_argument("--chunk-size", type=int, default=1 << 20)
+    pb.set_defaults(func=cmd_publish)
+
+    sd = sub.add_parser("seed", help="serve a board over HTTP")
+    sd.add_argument("--board", required=True, metavar="DIR")
+    sd.add_argument("--listen", default="127.0.0.1:8700", metavar="HOST:PORT")
+    sd.set_defaults(func=cmd_seed)
+
+    pl = sub.add_parser("pull", help="fetch, verify and write the head version of a run")
+    pl.add_argument("--from", dest="source", required=True, metavar="URL", help="board URL or directory")
+    pl.add_argument("--run", metavar="RUN", help="run id (or give --from as BOARD/runs/RUN)")
+    pl.add_argument("--trust", required=True, metavar="ROOT.pub")
+    pl.add_argument("--to", required=True, metavar="OUT.safetensors")
+    pl.add_argument("--have", metavar="OLD.safetensors", help="a version already held (patches from it)")
+    pl.add_argument("--state", metavar="FILE", help="persist the high-water mark here (refuses rewinds)")
+    pl.set_defaults(func=cmd_pull)
 
     d = sub.add_parser("diff", help="encode TARGET against BASE into a self-contained patch file")
     d.add_argument("base", metavar="BASE.safetensors")

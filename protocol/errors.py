@@ -90,3 +90,11 @@ class EquivocationError(PatchswarmError):
 
 class NoPathError(PatchswarmError):
     """No chain of retained versions leads from what a host holds to the wanted version."""
+
+
+class PublisherBehindError(PatchswarmError):
+    """The background publisher's queue is full: publishing cannot keep up with training."""
+
+
+class MissingError(PatchswarmError):
+    """A file the head or a manifest names is not on the board (or no source has it)."""

@@ -54,6 +54,7 @@ def build_version(
     now_ms: int,
     base_version: int | None = None,
     base_digests: list[bytes] | None = None,
+    target_digests: list[bytes] | None = None,
     key: SigningKey | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ttl_ms: int = DEFAULT_TTL_MS,
@@ -65,7 +66,7 @@ def build_version(
     if (base is None) != (base_version is None):
         raise ValueError("give both base and base_version, or neither (anchor)")
     encoded = encode_patch(base, target, level=level, progress=progress)
-    digests = target.digests()
+    digests = target_digests if target_digests is not None else target.digests()
     base_root = None
     if base is not None:
         base_root = state_root(base.specs, base_digests if base_digests is not None else base.digests())

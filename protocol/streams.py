@@ -70,6 +70,39 @@ def compressed_size(pieces: dict[str, list[np.ndarray]], level: int = 3) -> int:
     return total
 
 
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def check_frame(what: str, comp: memoryview) -> None:
+    """``comp`` must be exactly one complete zstd frame, checked from its block headers alone.
+
+    The streaming decoder cannot tell a frame cut at a block boundary (e.g. a dropped empty
+    last block) from a finished one, nor does it look past the data it was asked for.
+    """
+    n = len(comp)
+    if bytes(comp[:4]) != _ZSTD_MAGIC:
+        raise FormatError(f"{what} is not a zstd frame")
+    try:
+        pos = zstandard.frame_header_size(comp)
+    except zstandard.ZstdError:
+        raise TruncatedError(f"{what} ends inside its zstd frame header") from None
+    fhd = comp[4]
+    if fhd & 0x18:  # unused and reserved bits: never set by an encoder
+        raise FormatError(f"{what}: zstd frame header has reserved bits set")
+    last = 0
+    while not last:
+        if pos + 3 > n:
+            raise TruncatedError(f"{what} ends inside its zstd frame")
+        head = int.from_bytes(comp[pos : pos + 3], "little")
+        last = head & 1
+        pos += 3 + (1 if (head >> 1) & 3 == 1 else head >> 3)  # RLE blocks store one byte
+    pos += 4 if fhd & 0x04 else 0  # content checksum
+    if pos > n:
+        raise TruncatedError(f"{what} ends inside its zstd frame")
+    if pos < n:
+        raise FormatError(f"{what}: {n - pos} bytes after its zstd frame")
+
+
 class _Stream:
     __slots__ = ("done", "raw_len", "reader")
 
@@ -88,6 +121,7 @@ class StreamReader:
         for name, raw_len, comp in table:
             if name in self._streams:
                 raise FormatError(f"stream {name!r} listed twice")
+            check_frame(f"stream {name!r}", comp)
             # One decompressor per stream: readers of one ZstdDecompressor share its context.
             dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
             reader = dctx.stream_reader(comp, read_size=1 << 16, read_across_frames=False)

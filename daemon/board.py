@@ -1,0 +1,155 @@
+"""The bulletin board: a directory of immutable, content-addressed files plus one signed head
+per run, laid out so that any static HTTP server (nginx, an object store, a CDN) can host it.
+
+    runs/<run>/head          the only mutable file; replaced atomically, after everything it names
+    manifests/<id hex>       manifest envelopes, named by BLAKE3 of the manifest body
+    chunks/<hash hex>        payload chunks, named by their BLAKE3 hash (deduplicated across versions)
+    certs/<key id hex>       certificates of trainer keys (signed by a root key)
+    trust/root.<N>           root documents, version N (a host fetches N+1 until it gets a 404)
+
+Durability: every file is written to a temporary name, fsynced, renamed and its directory
+fsynced, and a version's chunks and manifest are durable before the head moves.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from protocol.catalog import CatalogEntry
+from protocol.manifest import Manifest, SignedManifest
+from protocol.patchfile import Version
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes | memoryview, *, sync_dir: bool = True) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if sync_dir:
+        _fsync_dir(path.parent)
+
+
+class Board:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    # ------------------------------------------------------------ paths (also the URL paths)
+
+    @staticmethod
+    def head_rel(run_id: str) -> str:
+        if not run_id or "/" in run_id or run_id.startswith("."):
+            raise ValueError(f"run id {run_id!r} cannot name a directory")
+        return f"runs/{run_id}/head"
+
+    @staticmethod
+    def manifest_rel(manifest_id: bytes) -> str:
+        return f"manifests/{manifest_id.hex()}"
+
+    @staticmethod
+    def chunk_rel(chunk_hash: bytes) -> str:
+        return f"chunks/{chunk_hash.hex()}"
+
+    @staticmethod
+    def cert_rel(key_id: bytes) -> str:
+        return f"certs/{key_id.hex()}"
+
+    @staticmethod
+    def root_rel(version: int) -> str:
+        return f"trust/root.{version}"
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    # ------------------------------------------------------------ writing
+
+    def put_version(self, version: Version) -> bytes:
+        """Write chunks then the manifest, durably; returns the manifest id."""
+        mv = memoryview(version.payload)
+        offset = 0
+        dirs: set[Path] = set()
+        for ref in version.manifest.chunks:
+            p = self.path(self.chunk_rel(ref.hash))
+            if not p.exists():
+                write_atomic(p, mv[offset : offset + ref.size], sync_dir=False)
+                dirs.add(p.parent)
+            offset += ref.size
+        for d in dirs:
+            _fsync_dir(d)
+        mid = version.manifest.manifest_id
+        write_atomic(self.path(self.manifest_rel(mid)), version.signed.to_bytes())
+        return mid
+
+    def put_head(self, run_id: str, envelope_bytes: bytes) -> None:
+        write_atomic(self.path(self.head_rel(run_id)), envelope_bytes)
+
+    def put_certificate(self, key_id: bytes, envelope_bytes: bytes) -> None:
+        write_atomic(self.path(self.cert_rel(key_id)), envelope_bytes)
+
+    def put_root(self, version: int, envelope_bytes: bytes) -> None:
+        p = self.path(self.root_rel(version))
+        if p.exists() and p.read_bytes() != envelope_bytes:
+            raise FileExistsError(f"{p} already holds a different root document version {version}")
+        write_atomic(p, envelope_bytes)
+
+    # ------------------------------------------------------------ reading
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return self.path(rel).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def root_versions(self) -> list[int]:
+        d = self.path("trust")
+        if not d.is_dir():
+            return []
+        return sorted(int(p.name.split(".", 1)[1]) for p in d.glob("root.*") if p.name.split(".", 1)[1].isdigit())
+
+    def manifest(self, manifest_id: bytes) -> Manifest:
+        data = self.read(self.manifest_rel(manifest_id))
+        if data is None:
+            raise FileNotFoundError(self.manifest_rel(manifest_id))
+        return SignedManifest.from_bytes(data).verify(None)
+
+    # ------------------------------------------------------------ retention
+
+    def collect_garbage(self, retained: Iterable[CatalogEntry], *, keep_manifests: Iterable[bytes] = ()) -> int:
+        """Delete manifests and chunks no retained version needs; returns the number of files removed.
+
+        Call only after the head listing exactly ``retained`` is durable, so no host that
+        follows the head can be sent to a file this removes.
+        """
+        keep_ids = {e.manifest_id for e in retained} | set(keep_manifests)
+        keep_chunks: set[bytes] = set()
+        for mid in keep_ids:
+            m = self.manifest(mid)
+            keep_chunks.update(ref.hash for ref in m.chunks)
+        removed = 0
+        for p in self.path("manifests").glob("*"):
+            if not p.name.startswith(".") and bytes.fromhex(p.name) not in keep_ids:
+                p.unlink()
+                removed += 1
+        for p in self.path("chunks").glob("*"):
+            if not p.name.startswith(".") and bytes.fromhex(p.name) not in keep_chunks:
+                p.unlink()
+                removed += 1
+        return removed

@@ -1,0 +1,164 @@
+"""The reference consumer: follow a board's signed head from what a host holds to the head.
+
+``Puller`` refreshes the trust root (root documents N+1, N+2, ... until one is missing),
+verifies the head (signature, certified key, expiry, no rewind), plans the fewest-bytes path
+through the head's catalog, and for each step fetches and verifies the manifest, then every
+chunk, then applies and checks base and target digests.  The rollout daemon reuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from daemon.board import Board
+from daemon.sources import BoardSource
+from protocol.catalog import CatalogEntry, plan
+from protocol.chunks import verify_chunk
+from protocol.errors import ChunkError, FormatError, MissingError, UntrustedKeyError
+from protocol.head import Head, HeadTracker, verify_head
+from protocol.keys import KeyPolicy
+from protocol.manifest import Manifest, SignedManifest
+from protocol.patchfile import apply_version
+from protocol.served import ServedModel, state_root
+from protocol.signed import MAX_ENVELOPE_BYTES, Envelope
+from protocol.trust import DEFAULT_SKEW_MS, TrustState
+
+MAX_HEAD_BYTES = 16 << 20
+MAX_DOC_BYTES = 1 << 16
+
+
+@dataclass(slots=True)
+class Held:
+    """A served version a host holds, with its digests (so they are not recomputed per step)."""
+
+    version: int
+    model: ServedModel
+    digests: list[bytes]
+
+
+@dataclass(slots=True)
+class PullStats:
+    steps: list[CatalogEntry] = field(default_factory=list)
+    bytes_fetched: int = 0
+
+
+class Puller:
+    def __init__(
+        self,
+        source: BoardSource,
+        trust: KeyPolicy,
+        run_id: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        tracker: HeadTracker | None = None,
+        concurrency: int = 8,
+    ) -> None:
+        self.source = source
+        self.trust = trust
+        self.run_id = run_id
+        self.clock = clock
+        self.tracker = tracker or HeadTracker(run_id)
+        self.concurrency = concurrency
+        self.stats = PullStats()
+
+    @property
+    def _skew_ms(self) -> int:
+        return self.trust.skew_ms if isinstance(self.trust, TrustState) else DEFAULT_SKEW_MS
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    async def refresh_trust(self) -> None:
+        if not isinstance(self.trust, TrustState):
+            return
+        while True:
+            data = await self.source.get(Board.root_rel(self.trust.root_version + 1), MAX_DOC_BYTES)
+            if data is None:
+                return
+            self.trust.update_root(data)
+
+    async def _ensure_certified(self, key_id: bytes) -> None:
+        if not isinstance(self.trust, TrustState) or key_id in self.trust.certificates:
+            return
+        data = await self.source.get(Board.cert_rel(key_id), MAX_DOC_BYTES)
+        if data is None:
+            raise UntrustedKeyError(f"no certificate on the board for key {key_id.hex()[:16]}…")
+        self.trust.add_certificate(data)
+
+    async def fetch_head(self) -> Head:
+        """The verified head; raises on an untrusted, expired, rewound or equivocating head."""
+        await self.refresh_trust()
+        data = await self.source.get(Board.head_rel(self.run_id), MAX_HEAD_BYTES)
+        if data is None:
+            raise MissingError(f"the board has no head for run {self.run_id!r}")
+        await self._ensure_certified(Envelope.from_bytes(data, "patchswarm/head").key_id)
+        head, env = verify_head(data, self.trust, now_ms=self._now_ms(), skew_ms=self._skew_ms)
+        self.tracker.accept(head, env)
+        return head
+
+    async def fetch_manifest(self, entry: CatalogEntry) -> Manifest:
+        data = await self.source.get(Board.manifest_rel(entry.manifest_id), MAX_ENVELOPE_BYTES)
+        if data is None:
+            raise MissingError(f"manifest of version {entry.version} is not on the board")
+        signed = SignedManifest.from_bytes(data)
+        await self._ensure_certified(signed.key_id)
+        m = signed.verify(self.trust, now_ms=self._now_ms(), skew_ms=self._skew_ms)
+        if m.manifest_id != entry.manifest_id:
+            raise FormatError(f"manifest of version {entry.version} is not the one the head names")
+        if m.run_id != self.run_id or m.version != entry.version or m.kind != entry.kind:
+            raise FormatError(f"manifest says run {m.run_id!r} version {m.version}, the head said otherwise")
+        self.stats.bytes_fetched += len(data)
+        return m
+
+    async def fetch_payload(self, manifest: Manifest) -> bytes:
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(i: int) -> bytes:
+            ref = manifest.chunks[i]
+            async with sem:
+                data = await self.source.get(Board.chunk_rel(ref.hash), ref.size)
+            if data is None:
+                raise ChunkError(i, f"missing on the board (version {manifest.version})")
+            verify_chunk(i, data, ref)
+            return data
+
+        parts = await asyncio.gather(*(one(i) for i in range(len(manifest.chunks))))
+        self.stats.bytes_fetched += manifest.payload_size
+        return b"".join(parts)
+
+    async def identify(self, head: Head, model: ServedModel) -> Held | None:
+        """Which catalog version ``model`` is (by its state root), if any."""
+        digests = model.digests()
+        root = state_root(model.specs, digests)
+        for entry in sorted(head.catalog, key=lambda e: -e.version):
+            m = await self.fetch_manifest(entry)
+            if m.target_root == root:
+                return Held(m.version, model, digests)
+        return None
+
+    async def catch_up(self, held: Held | None, head: Head | None = None, *, in_place: bool = False) -> Held:
+        """Reach the head (or stay) along the byte-minimal plan; every step fully verified.
+
+        Patches are applied to a copy of ``held.model`` unless ``in_place`` (then a failed
+        step leaves it unusable, which suits a caller that only writes the final result).
+        """
+        head = head or await self.fetch_head()
+        steps = plan(head.catalog, held.version if held else None, head.version)
+        self.stats.steps = steps
+        cur = held
+        if held is not None and steps and steps[0].base_version is not None and not in_place:
+            cur = Held(held.version, held.model.clone(), list(held.digests))
+        for entry in steps:
+            m = await self.fetch_manifest(entry)
+            payload = await self.fetch_payload(m)
+            base = None if cur is None or entry.base_version is None else cur
+            model, digests = apply_version(
+                base.model if base else None, m, payload, base_digests=base.digests if base else None
+            )
+            cur = Held(m.version, model, digests)
+        if cur is None:
+            raise MissingError("nothing to pull: the head's catalog is empty")
+        return cur

@@ -1,0 +1,94 @@
+"""Where board files come from: a local directory or any static HTTP server.
+
+Every read is bounded: a source never returns more than ``limit`` bytes (an endless or
+oversized response is cut off with LimitExceededError), and a missing file is ``None``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+
+from protocol.errors import LimitExceededError, PatchswarmError
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class SourceError(PatchswarmError):
+    """A board source failed (connection refused, HTTP error, timeout)."""
+
+
+class BoardSource(Protocol):
+    async def get(self, rel: str, limit: int) -> bytes | None: ...
+
+    async def close(self) -> None: ...
+
+
+class DirSource:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    async def get(self, rel: str, limit: int) -> bytes | None:
+        path = self.root / rel
+        try:
+            with path.open("rb") as fh:
+                data = fh.read(limit + 1)
+        except FileNotFoundError:
+            return None
+        if len(data) > limit:
+            raise LimitExceededError(f"{rel}: larger than the {limit} bytes expected")
+        return data
+
+    async def close(self) -> None:
+        return None
+
+
+class HttpSource:
+    """Plain HTTP GETs against a board URL (nginx, object store, CDN or ``patchswarm seed``)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, connections: int = 16) -> None:
+        self.base_url = base_url.rstrip("/") + "/"
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        self._connections = connections
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._connections)
+            )
+        return self._session
+
+    async def get(self, rel: str, limit: int) -> bytes | None:
+        url = self.base_url + rel
+        try:
+            async with self._client().get(
+                url, headers={"Cache-Control": "no-cache"} if rel.endswith("head") else None
+            ) as r:
+                if r.status == 404:
+                    return None
+                if r.status != 200:
+                    raise SourceError(f"GET {url}: HTTP {r.status}")
+                if r.content_length is not None and r.content_length > limit:
+                    raise LimitExceededError(f"{rel}: {r.content_length} bytes, more than the {limit} expected")
+                buf = bytearray()
+                async for piece in r.content.iter_chunked(1 << 16):
+                    buf += piece
+                    if len(buf) > limit:
+                        raise LimitExceededError(f"{rel}: response runs past the {limit} bytes expected")
+                return bytes(buf)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise SourceError(f"GET {url}: {type(e).__name__}: {e}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def source_for(location: str) -> BoardSource:
+    if location.startswith(("http://", "https://")):
+        return HttpSource(location)
+    return DirSource(location)
