@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import blake3
+
 from daemon.board import Board
 from daemon.sources import BoardSource
 from protocol.catalog import CatalogEntry, plan
@@ -104,10 +106,11 @@ class Puller:
         if data is None:
             raise MissingError(f"manifest of version {entry.version} is not on the board")
         signed = SignedManifest.from_bytes(data)
+        # The signed head names the manifest by hash: anything else is refused before parsing.
+        if blake3.blake3(signed.body).digest() != entry.manifest_id:
+            raise FormatError(f"manifest of version {entry.version} is not the one the head names")
         await self._ensure_certified(signed.key_id)
         m = signed.verify(self.trust, now_ms=self._now_ms(), skew_ms=self._skew_ms)
-        if m.manifest_id != entry.manifest_id:
-            raise FormatError(f"manifest of version {entry.version} is not the one the head names")
         if m.run_id != self.run_id or m.version != entry.version or m.kind != entry.kind:
             raise FormatError(f"manifest says run {m.run_id!r} version {m.version}, the head said otherwise")
         self.stats.bytes_fetched += len(data)

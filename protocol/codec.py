@@ -23,7 +23,14 @@ from protocol import ordered
 from protocol.diffscan import Changes, scan
 from protocol.errors import FormatError, LimitExceededError, TruncatedError, UnsupportedFormatError
 from protocol.served import ServedModel, TensorSpec, word_view
-from protocol.streams import MAX_WINDOW, StreamReader, StreamWriter, compressed_size, le_words
+from protocol.streams import (
+    MAX_WINDOW,
+    StreamReader,
+    StreamWriter,
+    check_frame,
+    compressed_size,
+    le_words,
+)
 
 PAYLOAD_MAGIC = b"PSWP"
 PAYLOAD_FORMAT = 1
@@ -224,10 +231,13 @@ def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHe
         raise FormatError("not a patchswarm patch payload (bad magic)")
     if fmt != PAYLOAD_FORMAT:
         raise UnsupportedFormatError(f"patch payload format {fmt} (this build reads {PAYLOAD_FORMAT})")
+    if any(mv[5:8]):
+        raise FormatError("patch payload reserved bytes are not zero")
     body = mv[_PREFIX.size :]
     if hlen > len(body):
         raise TruncatedError("patch payload ends inside its header")
     max_header = 1 << 16 | 32 * len(specs)
+    check_frame("patch header", body[:hlen])
     try:
         dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         with dctx.stream_reader(body[:hlen]) as r:
@@ -336,7 +346,8 @@ def _read_sparse(
             raise FormatError(f"{spec.name}: escaped gap below the escape threshold")
         gaps[big] = gx
     pos_np = np.cumsum(gaps + 1) - 1
-    if k and (pos_np[-1] >= spec.numel or (gaps < 0).any() or pos_np[-1] < pos_np[0]):
+    # Strictly ascending, compared (not subtracted): also catches escaped gaps summing past 2**63.
+    if k and (pos_np[-1] >= spec.numel or (gaps < 0).any() or (pos_np[1:] <= pos_np[:-1]).any()):
         raise FormatError(f"{spec.name}: change positions fall outside the tensor")
     device = bdata.device
     pos = torch.from_numpy(pos_np).to(device)
