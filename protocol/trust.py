@@ -130,7 +130,7 @@ class TrustState:
     pinned_root: bytes
     root: RootDocument | None = None
     root_bodies: dict[int, bytes] = field(default_factory=dict)
-    certificates: dict[bytes, list[Certificate]] = field(default_factory=dict)
+    certificates: dict[bytes, list[tuple[Certificate, bytes]]] = field(default_factory=dict)  # key -> (cert, signer)
     skew_ms: int = DEFAULT_SKEW_MS
 
     @property
@@ -157,7 +157,6 @@ class TrustState:
             raise FormatError(f"root version {doc.version} skips {self.root_version + 1}")
         self.root = doc
         self.root_bodies[doc.version] = env.body
-        # Certificates signed by keys no longer in the root stay recorded but stop counting (see check).
         return doc
 
     def add_certificate(self, data: bytes) -> Certificate:
@@ -167,15 +166,18 @@ class TrustState:
             raise UntrustedKeyError(f"certificate signed by {env.key_id.hex()[:16]}…, not a root key")
         cert = Certificate.from_bytes(env.body)
         certs = self.certificates.setdefault(cert.key, [])
-        if cert not in certs:
-            certs.append(cert)
+        if (cert, env.key_id) not in certs:
+            certs.append((cert, env.key_id))
         return cert
 
     def check(self, key_id: bytes, *, run_id: str, now_ms: int | None) -> None:
         """KeyPolicy: raise unless key_id is certified for run_id, unexpired and unrevoked."""
         if self.root and key_id in self.root.revoked:
             raise UntrustedKeyError(f"key {key_id.hex()[:16]}… is revoked (root version {self.root.version})")
-        certs = [c for c in self.certificates.get(key_id, []) if c.run_id == run_id]
+        # A certificate counts only while its signer is a current root key (rotation retires old ones).
+        certs = [
+            c for c, signer in self.certificates.get(key_id, []) if c.run_id == run_id and signer in self.root_keys
+        ]
         if not certs:
             raise UntrustedKeyError(f"key {key_id.hex()[:16]}… is not certified for run {run_id!r}")
         if now_ms is None:

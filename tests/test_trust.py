@@ -46,13 +46,18 @@ def test_root_chain_revocation_and_rotation() -> None:
         t.check(TRAINER.key_id, run_id="r1", now_ms=0)
     r2 = RootDocument(2, (new_root.key_id,), (TRAINER.key_id,)).sign(ROOT).to_bytes()
     t.update_root(r2)
-    # The old root can no longer sign anything.
+    # The old root can no longer sign anything, and its certificates stop counting.
+    t.update_root(RootDocument(3, (new_root.key_id,)).sign(new_root).to_bytes())
+    with pytest.raises(UntrustedKeyError, match="not certified"):
+        t.check(TRAINER.key_id, run_id="r1", now_ms=0)
+    t.add_certificate(cert(signer=new_root))
+    t.check(TRAINER.key_id, run_id="r1", now_ms=0)
     with pytest.raises(UntrustedKeyError):
         t.add_certificate(cert(key=SigningKey.generate()))
     with pytest.raises(UntrustedKeyError):
-        t.update_root(RootDocument(3, (ROOT.key_id,)).sign(ROOT).to_bytes())
-    t.update_root(RootDocument(3, (new_root.key_id,)).sign(new_root).to_bytes())
-    assert t.root_version == 3
+        t.update_root(RootDocument(4, (ROOT.key_id,)).sign(ROOT).to_bytes())
+    t.update_root(RootDocument(4, (new_root.key_id,)).sign(new_root).to_bytes())
+    assert t.root_version == 4
 
 
 def test_root_rollback_skip_and_equivocation() -> None:
