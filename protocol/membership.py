@@ -1,0 +1,601 @@
+"""Cluster membership: SWIM failure detection with the Lifeguard extensions, sans-IO.
+
+After hashicorp/memberlist and the SWIM and Lifeguard papers.  One ``Membership`` object is one
+node's view of the cluster.  It never reads a clock (every call takes ``now`` in seconds), never
+touches the network (it returns ``Send`` values and is handed received messages) and draws every
+random choice from the injected ``random.Random``, so the same seed and inputs give the same
+outputs.  The driver loop is: deliver each received message with ``receive``, call ``tick`` when
+``next_deadline()`` has come, send whatever either returns, and read ``drain_events`` for changes.
+
+Protocol, per node:
+- Probing: round-robin over a shuffled member list (re-shuffled each round).  A direct ``Ping``;
+  after ``probe_timeout`` a ``PingReq`` through ``indirect_probes`` random alive helpers, who ping
+  the target and relay its ``Ack``, or answer ``Nack`` when it stays silent; no ``Ack`` by the end
+  of the probe interval makes the target SUSPECT.
+- Gossip: facts (``Update``) ride on every message from a queue, each sent
+  ``retransmit_mult * ceil(log10(N + 1))`` times, least-sent first; a gossip round sends the queue
+  to ``gossip_fanout`` random members; ``Sync`` exchanges full state (anti-entropy, join).
+- Precedence: a higher incarnation wins; at equal incarnation LEFT > DEAD > SUSPECT > ALIVE.  Only
+  a node raises its own incarnation: when it hears it is suspected or declared dead it refutes by
+  gossiping ALIVE at a higher incarnation.
+- Lifeguard: suspicion starts at the longest timeout and shrinks towards the shortest as other
+  nodes independently confirm it (``Update.origin`` names who asserted a suspicion); a local
+  health score (``awareness``) slows this node's own probing while its own messages seem to be
+  getting lost (failed probes with no ``Nack``, refuted suspicions).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A node's identity, locality labels and address (the address is opaque to this module)."""
+
+    node_id: str
+    addr: str
+    zone: str = ""
+    region: str = ""
+
+
+class MemberState(IntEnum):
+    """Ordered by precedence at equal incarnation (a larger state wins)."""
+
+    ALIVE = 0
+    SUSPECT = 1
+    DEAD = 2
+    LEFT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A gossiped fact about one member.  ``origin``: the node that asserted it (counts suspicions)."""
+
+    info: NodeInfo
+    incarnation: int
+    state: MemberState
+    origin: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Direct probe; the target answers ``Ack`` to the sender."""
+
+    seq: int
+    target_id: str
+    piggyback: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq:
+    """ "Probe ``target`` for me": the helper pings it and relays the ``Ack`` (or sends a ``Nack``)."""
+
+    seq: int
+    target: NodeInfo
+    piggyback: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Answer to a probe; ``target_id`` is the node that was probed."""
+
+    seq: int
+    target_id: str
+    piggyback: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    """Lifeguard: a ``PingReq`` helper got no answer from the target (the helper itself is fine)."""
+
+    seq: int
+    target_id: str
+    piggyback: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """Anti-entropy push of the sender's full state; ``reply=True`` asks for the receiver's back."""
+
+    members: tuple[Update, ...]
+    reply: bool
+    piggyback: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Gossip:
+    """A gossip round's message: nothing but piggybacked updates."""
+
+    piggyback: tuple[Update, ...] = ()
+
+
+Message = Ping | PingReq | Ack | Nack | Sync | Gossip
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    to: NodeInfo
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipConfig:
+    """Timing and fan-out: memberlist's LAN defaults but a 10 s anti-entropy sync (memberlist: 30 s); seconds."""
+
+    probe_interval: float = 1.0
+    probe_timeout: float = 0.5
+    indirect_probes: int = 3
+    gossip_interval: float = 0.2
+    gossip_fanout: int = 3
+    retransmit_mult: int = 4
+    suspicion_min_mult: float = 4.0  # shortest timeout = mult * log10(N + 1) * probe_interval
+    suspicion_max_mult: float = 6.0  # longest timeout, as a multiple of the shortest
+    sync_interval: float = 10.0
+    awareness_max: int = 8  # cap on the (1 + awareness) multiplier of probe interval and timeout
+    dead_reclaim: float = 30.0
+    max_piggyback: int = 16
+    suspicion_confirmations: int = 3  # Lifeguard K: independent suspectors expected
+    nack_fraction: float = 0.8  # a helper nacks after this share of (probe_interval - probe_timeout)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.probe_timeout < self.probe_interval:
+            raise ValueError("need 0 < probe_timeout < probe_interval")
+        if min(self.gossip_interval, self.sync_interval, self.dead_reclaim) <= 0:
+            raise ValueError("intervals must be positive")
+        if self.indirect_probes < 0 or self.gossip_fanout < 1 or self.retransmit_mult < 1:
+            raise ValueError("indirect_probes >= 0, gossip_fanout >= 1 and retransmit_mult >= 1 required")
+        if self.suspicion_min_mult <= 0 or self.suspicion_max_mult < 1:
+            raise ValueError("need suspicion_min_mult > 0 and suspicion_max_mult >= 1")
+        if self.awareness_max < 1 or self.max_piggyback < 1 or self.suspicion_confirmations < 0:
+            raise ValueError("awareness_max >= 1, max_piggyback >= 1, suspicion_confirmations >= 0 required")
+        if not 0 < self.nack_fraction < 1:
+            raise ValueError("need 0 < nack_fraction < 1")
+
+    @property
+    def nack_timeout(self) -> float:
+        """How long a helper waits for the target before it nacks (so the Nack beats the deadline)."""
+        return self.nack_fraction * (self.probe_interval - self.probe_timeout)
+
+
+def suspicion_bounds(config: MembershipConfig, n: int) -> tuple[float, float]:
+    """Shortest and longest suspicion timeout in a cluster of ``n`` live nodes (self included)."""
+    shortest = config.suspicion_min_mult * math.log10(max(n, 1) + 1) * config.probe_interval
+    return shortest, config.suspicion_max_mult * shortest
+
+
+def suspicion_timeout(confirmations: int, expected: int, shortest: float, longest: float) -> float:
+    """Lifeguard: ``longest`` with no confirmations, shrinking logarithmically to ``shortest`` at ``expected``."""
+    if expected < 1:
+        return shortest
+    frac = math.log(confirmations + 1) / math.log(expected + 1)
+    return max(shortest, longest - frac * (longest - shortest))
+
+
+@dataclass(slots=True)
+class _Member:
+    info: NodeInfo
+    incarnation: int
+    state: MemberState
+    origin: str
+    since: float  # when state last changed
+    told_at: float = -math.inf  # when we last told it that we consider it DEAD/LEFT
+
+
+@dataclass(slots=True)
+class _Suspicion:
+    incarnation: int
+    start: float
+    expected: int
+    shortest: float
+    longest: float
+    confirmers: set[str]
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Probe:
+    seq: int
+    target: NodeInfo
+    timeout_at: float
+    deadline: float
+    indirect: bool = False
+    nackers: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Relay:  # a PingReq we are serving as helper
+    requester: NodeInfo
+    seq: int
+    target_id: str
+    nack_at: float
+
+
+@dataclass(slots=True)
+class _Broadcast:
+    update: Update
+    transmits: int
+    order: int
+
+
+ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
+
+
+class Membership:
+    """One node's SWIM/Lifeguard membership state machine (see the module docstring)."""
+
+    def __init__(self, me: NodeInfo, config: MembershipConfig, rng: random.Random, now: float) -> None:
+        if not me.node_id:
+            raise ValueError("a node needs a non-empty node_id")
+        self._me = me
+        self._cfg = config
+        self._rng = rng
+        self._incarnation = 0
+        self._left = False
+        self._awareness = 0
+        self._members: dict[str, _Member] = {}
+        self._suspicions: dict[str, _Suspicion] = {}
+        self._queue: dict[str, _Broadcast] = {}
+        self._order = 0
+        self._probe_order: list[str] = []
+        self._probe_index = 0
+        self._probe: _Probe | None = None
+        self._relays: dict[int, _Relay] = {}
+        self._seq = 0
+        self._seeds: list[NodeInfo] = []
+        self._events: list[tuple[NodeInfo, MemberState]] = []
+        self._next_probe_at = now + rng.uniform(0, config.probe_interval)
+        self._next_gossip_at = now
+        self._next_sync_at = now + rng.uniform(0, config.sync_interval)
+        self._broadcast(self.local())
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def awareness(self) -> int:
+        """Lifeguard local health score, 0 (healthy) .. awareness_max - 1."""
+        return self._awareness
+
+    @property
+    def incarnation(self) -> int:
+        return self._incarnation
+
+    @property
+    def pending_broadcasts(self) -> int:
+        """Updates still waiting to be gossiped (after ``leave``, tick until this is 0 or time is up)."""
+        return len(self._queue)
+
+    def local(self) -> Update:
+        """This node's own record as it gossips it (ALIVE, or LEFT after ``leave``)."""
+        return Update(self._me, self._incarnation, LEFT if self._left else ALIVE, self._me.node_id)
+
+    def members(self) -> list[tuple[NodeInfo, MemberState]]:
+        """Everyone known except self: ALIVE, then SUSPECT, DEAD, LEFT; by node_id within a state."""
+        ms = sorted(self._members.values(), key=lambda m: (m.state, m.info.node_id))
+        return [(m.info, m.state) for m in ms]
+
+    def alive(self) -> list[NodeInfo]:
+        """Usable peers (ALIVE and SUSPECT), excluding self, by node_id."""
+        return [m.info for m in self._sorted() if m.state <= SUSPECT]
+
+    def known(self) -> list[Update]:
+        """Full state, self included, by node_id: what a ``Sync`` carries."""
+        out = [Update(m.info, m.incarnation, m.state, m.origin) for m in self._sorted()]
+        out.append(self.local())
+        return sorted(out, key=lambda u: u.info.node_id)
+
+    def drain_events(self) -> list[tuple[NodeInfo, MemberState]]:
+        """State (or address) changes of other members since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def next_deadline(self) -> float:
+        """Earliest time ``tick`` has work; ``math.inf`` when none (only after ``leave``)."""
+        times = [r.nack_at for r in self._relays.values()]
+        times.extend(s.deadline for s in self._suspicions.values())
+        times.extend(m.since + self._cfg.dead_reclaim for m in self._members.values() if m.state >= DEAD)
+        if self._probe is not None:
+            times.append(self._probe.deadline if self._probe.indirect else self._probe.timeout_at)
+        elif not self._left:
+            times.append(self._next_probe_at)
+        if self._queue:
+            times.append(self._next_gossip_at)
+        if not self._left:
+            times.append(self._next_sync_at)
+        return min(times, default=math.inf)
+
+    # ----------------------------------------------------------------- inputs
+
+    def join(self, seeds: list[NodeInfo], now: float) -> list[Send]:
+        """Push-pull full state with each seed (a seed's node_id may be "" when only its address is known).
+
+        The seeds are kept: while this node knows no live member, each periodic sync retries them.
+        """
+        if self._left:
+            self._left = False
+            self._incarnation += 1
+            self._broadcast(self.local())
+        me = self._me
+        for seed in seeds:
+            if seed.node_id != me.node_id and seed.addr != me.addr and seed not in self._seeds:
+                self._seeds.append(seed)
+        return [self._sync_to(seed, reply=True) for seed in self._seeds if seed in seeds]
+
+    def leave(self, now: float) -> list[Send]:
+        """Graceful leave: gossip LEFT about self; probing and syncing stop, pings are still answered."""
+        if self._left:
+            return []
+        self._left = True
+        self._probe = None
+        self._broadcast(self.local())
+        return self._gossip_round(now)
+
+    def receive(self, now: float, sender: NodeInfo, message: Message) -> list[Send]:
+        """Handle one message from ``sender``; returns the messages to send in response.
+
+        An unknown sender is added as ALIVE at incarnation 0 (not gossiped: its real incarnation comes
+        with its own updates).  A sender we hold DEAD or LEFT is told so, at most once a probe interval,
+        so that it can refute.
+        """
+        if not sender.node_id or sender.node_id == self._me.node_id:
+            return []
+        incarnation = self._incarnation
+        for u in message.piggyback:
+            self._apply(u, now)
+        if isinstance(message, Sync):
+            for u in message.members:
+                self._apply(u, now, synced_from=sender.node_id)
+        if sender.node_id not in self._members:  # it is talking to us, so it is alive
+            self._add(Update(sender, 0, ALIVE, sender.node_id), now)
+        out = self._tell_if_dead(sender, now)
+        me = self._me.node_id
+        if isinstance(message, Ping):
+            if message.target_id == me:
+                out.append(Send(sender, Ack(message.seq, me, self._take())))
+        elif isinstance(message, PingReq):
+            out.extend(self._serve_ping_req(now, sender, message))
+        elif isinstance(message, Ack):
+            out.extend(self._on_ack(message))
+        elif isinstance(message, Nack):
+            p = self._probe
+            if p is not None and p.seq == message.seq and p.target.node_id == message.target_id:
+                p.nackers.add(sender.node_id)
+        elif isinstance(message, Sync) and message.reply:
+            out.append(self._sync_to(sender, reply=False))
+        if self._incarnation > incarnation and not any(s.to == sender for s in out):
+            out.append(Send(sender, Gossip(self._take())))  # refuted: tell the accuser first, it may not hear otherwise
+        return out
+
+    def tick(self, now: float) -> list[Send]:
+        """Run everything due at ``now`` (late calls are fine: nothing is replayed twice)."""
+        out: list[Send] = []
+        for seq, relay in sorted(self._relays.items()):
+            if relay.nack_at <= now:
+                del self._relays[seq]
+                out.append(Send(relay.requester, Nack(relay.seq, relay.target_id, self._take())))
+        out.extend(self._probe_step(now))
+        for node_id in sorted(self._suspicions):
+            s = self._suspicions[node_id]
+            if s.deadline <= now:
+                del self._suspicions[node_id]
+                m = self._members.get(node_id)
+                if m is not None and m.state is SUSPECT and m.incarnation == s.incarnation:
+                    self._apply(Update(m.info, m.incarnation, DEAD, self._me.node_id), now)
+        for node_id in sorted(self._members):
+            m = self._members[node_id]
+            if m.state >= DEAD and m.since + self._cfg.dead_reclaim <= now:
+                del self._members[node_id]
+        if self._queue and self._next_gossip_at <= now:
+            self._next_gossip_at = now + self._cfg.gossip_interval
+            out.extend(self._gossip_round(now))
+        if not self._left and self._next_sync_at <= now:
+            self._next_sync_at = now + self._cfg.sync_interval
+            out.extend(self._sync_round())
+        return out
+
+    # ----------------------------------------------------------------- probing
+
+    def _probe_step(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        cfg, p = self._cfg, self._probe
+        scale = 1 + self._awareness
+        if p is not None and not p.indirect and p.timeout_at <= now:
+            p.indirect = True
+            p.deadline = max(p.deadline, now + (cfg.probe_interval - cfg.probe_timeout) * scale)
+            helpers = self._pick(cfg.indirect_probes, lambda m: m.state is ALIVE and m.info != p.target)
+            out.extend(Send(h, PingReq(p.seq, p.target, self._take())) for h in helpers)
+        if p is not None and p.indirect and p.deadline <= now:
+            self._probe = None
+            m = self._members.get(p.target.node_id)
+            if m is not None and m.state <= SUSPECT:
+                if not p.nackers:  # nobody answered at all: our own messages may be what is lost
+                    self._adjust_awareness(+1)
+                self._apply(Update(m.info, m.incarnation, SUSPECT, self._me.node_id), now)
+        if self._probe is None and not self._left and self._next_probe_at <= now:
+            self._next_probe_at = now + cfg.probe_interval * (1 + self._awareness)
+            target = self._next_target()
+            if target is not None:
+                seq = self._next_seq()
+                timeout_at = now + cfg.probe_timeout * (1 + self._awareness)
+                self._probe = _Probe(seq, target, timeout_at, self._next_probe_at)
+                out.append(Send(target, Ping(seq, target.node_id, self._take())))
+        return out
+
+    def _next_target(self) -> NodeInfo | None:
+        for _ in range(2):
+            while self._probe_index < len(self._probe_order):
+                m = self._members.get(self._probe_order[self._probe_index])
+                self._probe_index += 1
+                if m is not None and m.state <= SUSPECT:
+                    return m.info
+            self._probe_order = sorted(self._members)
+            self._rng.shuffle(self._probe_order)
+            self._probe_index = 0
+        return None
+
+    def _on_ack(self, ack: Ack) -> list[Send]:
+        p = self._probe
+        if p is not None and p.seq == ack.seq and p.target.node_id == ack.target_id:
+            self._probe = None
+            self._adjust_awareness(-1)
+            return []
+        relay = self._relays.get(ack.seq)
+        if relay is not None and relay.target_id == ack.target_id:
+            del self._relays[ack.seq]
+            return [Send(relay.requester, Ack(relay.seq, relay.target_id, self._take()))]
+        return []
+
+    def _serve_ping_req(self, now: float, sender: NodeInfo, req: PingReq) -> list[Send]:
+        if req.target.node_id == self._me.node_id:
+            return [Send(sender, Ack(req.seq, self._me.node_id, self._take()))]
+        if not req.target.node_id or req.target.node_id == sender.node_id:
+            return []
+        seq = self._next_seq()
+        self._relays[seq] = _Relay(sender, req.seq, req.target.node_id, now + self._cfg.nack_timeout)
+        return [Send(req.target, Ping(seq, req.target.node_id, self._take()))]
+
+    def _adjust_awareness(self, delta: int) -> None:
+        self._awareness = min(max(self._awareness + delta, 0), self._cfg.awareness_max - 1)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # ----------------------------------------------------------------- state rules
+
+    def _apply(self, u: Update, now: float, synced_from: str = "") -> None:
+        node_id = u.info.node_id
+        if not node_id:
+            return
+        if node_id == self._me.node_id:
+            self._about_me(u)
+            return
+        m = self._members.get(node_id)
+        if m is None:
+            if u.state <= SUSPECT:  # a DEAD/LEFT stranger is not worth remembering
+                self._add(u, now)
+                self._broadcast(u)
+            return
+        state, origin = u.state, u.origin
+        if synced_from and state is DEAD:  # memberlist: a pushed DEAD becomes our suspicion, not a verdict
+            state, origin = SUSPECT, synced_from
+        if u.incarnation < m.incarnation:
+            return
+        if u.incarnation == m.incarnation:
+            if state is SUSPECT and m.state is SUSPECT:
+                self._confirm(node_id, Update(m.info, m.incarnation, SUSPECT, origin))
+            if state <= m.state:
+                return
+        changed = state != m.state or u.info != m.info
+        if state != m.state:
+            m.since = now
+        m.info, m.incarnation, m.state, m.origin = u.info, u.incarnation, state, origin
+        self._suspicions.pop(node_id, None)
+        if state is SUSPECT:
+            self._start_suspicion(m, now)
+        self._broadcast(Update(m.info, m.incarnation, state, origin))
+        if changed:
+            self._events.append((m.info, state))
+
+    def _about_me(self, u: Update) -> None:
+        if self._left:
+            return
+        if u.state is ALIVE:
+            if u.incarnation > self._incarnation or (u.incarnation == self._incarnation and u.info != self._me):
+                self._refute(u.incarnation)
+            return
+        if u.incarnation < self._incarnation:  # stale: make sure our newer ALIVE is still travelling
+            if self._me.node_id not in self._queue:
+                self._broadcast(self.local())
+            return
+        if u.state is SUSPECT:
+            self._adjust_awareness(+1)
+        self._refute(u.incarnation)
+
+    def _refute(self, incarnation: int) -> None:
+        self._incarnation = max(self._incarnation, incarnation) + 1
+        self._broadcast(self.local())
+
+    def _add(self, u: Update, now: float) -> None:
+        m = _Member(u.info, u.incarnation, u.state, u.origin, now)
+        self._members[u.info.node_id] = m
+        pos = self._rng.randint(0, len(self._probe_order))
+        self._probe_order.insert(pos, u.info.node_id)
+        if pos < self._probe_index:
+            self._probe_index += 1
+        if u.state is SUSPECT:
+            self._start_suspicion(m, now)
+        self._events.append((u.info, u.state))
+
+    def _start_suspicion(self, m: _Member, now: float) -> None:
+        n = 1 + sum(1 for x in self._members.values() if x.state <= SUSPECT)
+        shortest, longest = suspicion_bounds(self._cfg, n)
+        expected = self._cfg.suspicion_confirmations
+        if n - 2 < expected:  # too few others to ever confirm: do not wait for them
+            expected = 0
+        deadline = now + suspicion_timeout(0, expected, shortest, longest)
+        s = _Suspicion(m.incarnation, now, expected, shortest, longest, {m.origin}, deadline)
+        self._suspicions[m.info.node_id] = s
+
+    def _confirm(self, node_id: str, u: Update) -> None:
+        s = self._suspicions.get(node_id)
+        if s is None or s.incarnation != u.incarnation or u.origin in s.confirmers:
+            return
+        if len(s.confirmers) - 1 >= s.expected:
+            return
+        s.confirmers.add(u.origin)
+        s.deadline = s.start + suspicion_timeout(len(s.confirmers) - 1, s.expected, s.shortest, s.longest)
+        self._broadcast(u)  # let the new, independent confirmation reach the others
+
+    # ----------------------------------------------------------------- dissemination
+
+    def _broadcast(self, u: Update) -> None:
+        self._order += 1
+        self._queue[u.info.node_id] = _Broadcast(u, 0, self._order)
+
+    def _take(self, first: Update | None = None) -> tuple[Update, ...]:
+        out = [] if first is None else [first]
+        if not self._queue:
+            return tuple(out)
+        limit = self._cfg.retransmit_mult * math.ceil(math.log10(len(self._members) + 2))
+        queued = sorted(self._queue.items(), key=lambda kv: (kv[1].transmits, -kv[1].order))
+        for node_id, b in queued[: self._cfg.max_piggyback - len(out)]:
+            out.append(b.update)
+            b.transmits += 1
+            if b.transmits >= limit:
+                del self._queue[node_id]
+        return tuple(out)
+
+    def _gossip_round(self, now: float) -> list[Send]:
+        targets = self._pick(self._cfg.gossip_fanout, lambda m: m.state <= SUSPECT)
+        return [Send(t, Gossip(self._take())) for t in targets if self._queue]
+
+    def _sync_round(self) -> list[Send]:
+        out = [self._sync_to(t, reply=True) for t in self._pick(1, lambda m: m.state is ALIVE)]
+        if not any(m.state <= SUSPECT for m in self._members.values()):
+            out.extend(self._sync_to(seed, reply=True) for seed in self._seeds)
+        # one presumed-dead member too: a healed partition finds its way back (lost if it really is dead)
+        out.extend(self._sync_to(t, reply=True) for t in self._pick(1, lambda m: m.state is DEAD))
+        return out
+
+    def _sync_to(self, to: NodeInfo, reply: bool) -> Send:
+        return Send(to, Sync(tuple(self.known()), reply, self._take()))
+
+    def _tell_if_dead(self, sender: NodeInfo, now: float) -> list[Send]:
+        m = self._members.get(sender.node_id)
+        if m is None or m.state < DEAD or now < m.told_at + self._cfg.probe_interval:
+            return []
+        m.told_at = now
+        verdict = Update(m.info, m.incarnation, m.state, m.origin)
+        return [Send(sender, Gossip(self._take(first=verdict)))]
+
+    def _pick(self, k: int, keep: Callable[[_Member], bool]) -> list[NodeInfo]:
+        pool = [m.info for m in self._sorted() if keep(m)]
+        return self._rng.sample(pool, min(k, len(pool)))
+
+    def _sorted(self) -> list[_Member]:
+        return [self._members[k] for k in sorted(self._members)]

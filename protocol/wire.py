@@ -1,0 +1,216 @@
+"""Gossip frames between swarm nodes: msgpack, authenticated with the cluster secret.
+
+    frame = msgpack ["patchswarm/gossip/1", body: bin, mac: bin32]
+    mac   = HMAC-SHA256(cluster secret, "patchswarm/gossip/v1\\0" || body)
+    body  = msgpack [sender, announcement, message | nil, sent_ms]
+
+The MAC keeps outsiders from injecting members or availability claims; it never protects data:
+chunks, manifests and heads are verified against the trainer's signatures whatever their source.
+Every decoded field is type- and bound-checked; anything else raises WireError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from protocol.errors import FormatError
+from protocol.membership import Ack, Gossip, MemberState, Message, Nack, NodeInfo, Ping, PingReq, Sync, Update
+
+FRAME_TAG = "patchswarm/gossip/1"
+MAC_DOMAIN = b"patchswarm/gossip/v1\x00"
+MAX_FRAME = 1 << 20
+MAX_UPDATES = 4096
+MAX_LISTED = 64
+MAX_BITFIELD = 1 << 16
+MAX_STR = 512
+
+
+class WireError(FormatError):
+    """A gossip frame that is unauthenticated, malformed or out of bounds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """What a node tells every peer it talks to: its run, head, held version and chunk availability."""
+
+    run_id: str
+    head_counter: int  # -1: no head yet
+    version: int  # applied version, -1: none
+    complete: tuple[bytes, ...] = ()  # manifest ids whose chunks it holds and serves in full
+    partial: tuple[tuple[bytes, bytes], ...] = ()  # (manifest id, bitfield) of downloads in progress
+    seed: bool = False  # holds every chunk of the board
+
+
+@dataclass(frozen=True, slots=True)
+class GossipFrame:
+    sender: NodeInfo
+    announcement: Announcement
+    message: Message | None  # None: an availability push only
+    sent_ms: int = 0
+
+
+def mac(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, MAC_DOMAIN + body, hashlib.sha256).digest()
+
+
+def encode_frame(secret: bytes, frame: GossipFrame) -> bytes:
+    body = msgpack.packb(
+        [_info(frame.sender), _ann(frame.announcement), _msg(frame.message), frame.sent_ms], use_bin_type=True
+    )
+    packed: bytes = msgpack.packb([FRAME_TAG, body, mac(secret, body)], use_bin_type=True)
+    return packed
+
+
+def decode_frame(secret: bytes, data: bytes) -> GossipFrame:
+    if len(data) > MAX_FRAME:
+        raise WireError("gossip frame too large")
+    try:
+        outer = msgpack.unpackb(data, raw=False, use_list=True, max_bin_len=MAX_FRAME, max_str_len=MAX_STR)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise WireError(f"gossip frame is malformed ({type(e).__name__})") from None
+    if not (isinstance(outer, list) and len(outer) == 3 and outer[0] == FRAME_TAG):
+        raise WireError("not a patchswarm gossip frame")
+    _, body, tag = outer
+    if not isinstance(body, bytes) or not isinstance(tag, bytes):
+        raise WireError("gossip frame fields must be bytes")
+    if not hmac.compare_digest(tag, mac(secret, body)):
+        raise WireError("gossip frame fails authentication (wrong cluster secret or tampered)")
+    try:
+        obj = msgpack.unpackb(body, raw=False, use_list=True, max_str_len=MAX_STR, max_array_len=MAX_UPDATES)
+        if not (isinstance(obj, list) and len(obj) == 4):
+            raise WireError("gossip body must be [sender, announcement, message, sent_ms]")
+        return GossipFrame(_to_info(obj[0]), _to_ann(obj[1]), _to_msg(obj[2]), _uint(obj[3]))
+    except WireError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as e:
+        raise WireError(f"gossip body is malformed ({type(e).__name__})") from None
+
+
+# ---------------------------------------------------------------- encoders
+
+
+def _info(i: NodeInfo) -> list[str]:
+    return [i.node_id, i.addr, i.zone, i.region]
+
+
+def _update(u: Update) -> list[Any]:
+    return [_info(u.info), u.incarnation, int(u.state), u.origin]
+
+
+def _updates(us: tuple[Update, ...]) -> list[Any]:
+    return [_update(u) for u in us]
+
+
+def _ann(a: Announcement) -> list[Any]:
+    return [a.run_id, a.head_counter, a.version, list(a.complete), [list(p) for p in a.partial], a.seed]
+
+
+def _msg(m: Message | None) -> list[Any] | None:
+    if m is None:
+        return None
+    pb = _updates(m.piggyback)
+    if isinstance(m, Ping):
+        return ["ping", pb, m.seq, m.target_id]
+    if isinstance(m, PingReq):
+        return ["ping-req", pb, m.seq, _info(m.target)]
+    if isinstance(m, Ack):
+        return ["ack", pb, m.seq, m.target_id]
+    if isinstance(m, Nack):
+        return ["nack", pb, m.seq, m.target_id]
+    if isinstance(m, Sync):
+        return ["sync", pb, _updates(m.members), m.reply]
+    return ["gossip", pb]
+
+
+# ---------------------------------------------------------------- decoders
+
+
+def _uint(x: Any) -> int:
+    if type(x) is not int or x < 0 or x >= 1 << 63:
+        raise WireError("expected a non-negative integer")
+    return x
+
+
+def _int(x: Any) -> int:
+    if type(x) is not int or not -1 <= x < 1 << 63:
+        raise WireError("expected an integer >= -1")
+    return x
+
+
+def _str(x: Any) -> str:
+    if not isinstance(x, str) or len(x) > MAX_STR:
+        raise WireError("expected a short string")
+    return x
+
+
+def _to_info(x: Any) -> NodeInfo:
+    if not (isinstance(x, list) and len(x) == 4):
+        raise WireError("node info must be [id, addr, zone, region]")
+    return NodeInfo(*(_str(v) for v in x))
+
+
+def _to_update(x: Any) -> Update:
+    if not (isinstance(x, list) and len(x) == 4):
+        raise WireError("update must be [info, incarnation, state, origin]")
+    try:
+        state = MemberState(x[2])
+    except ValueError:
+        raise WireError(f"unknown member state {x[2]!r}") from None
+    return Update(_to_info(x[0]), _uint(x[1]), state, _str(x[3]))
+
+
+def _to_updates(x: Any) -> tuple[Update, ...]:
+    if not isinstance(x, list) or len(x) > MAX_UPDATES:
+        raise WireError("updates must be a bounded list")
+    return tuple(_to_update(u) for u in x)
+
+
+def _mid(x: Any) -> bytes:
+    if not isinstance(x, bytes) or len(x) != 32:
+        raise WireError("manifest id must be 32 bytes")
+    return x
+
+
+def _to_ann(x: Any) -> Announcement:
+    if not (isinstance(x, list) and len(x) == 6):
+        raise WireError("announcement must have 6 fields")
+    run, counter, version, complete, partial, seed = x
+    if not isinstance(complete, list) or not isinstance(partial, list) or len(complete) + len(partial) > MAX_LISTED:
+        raise WireError("announcement lists are malformed or too long")
+    parts = []
+    for p in partial:
+        if not (isinstance(p, list) and len(p) == 2 and isinstance(p[1], bytes) and len(p[1]) <= MAX_BITFIELD):
+            raise WireError("partial entry must be [manifest id, bitfield]")
+        parts.append((_mid(p[0]), p[1]))
+    if not isinstance(seed, bool):
+        raise WireError("seed flag must be a boolean")
+    return Announcement(_str(run), _int(counter), _int(version), tuple(_mid(m) for m in complete), tuple(parts), seed)
+
+
+def _to_msg(x: Any) -> Message | None:
+    if x is None:
+        return None
+    if not (isinstance(x, list) and x and isinstance(x[0], str)):
+        raise WireError("message must be [kind, piggyback, ...]")
+    kind, rest = x[0], x[1:]
+    if not rest:
+        raise WireError("message lacks its piggyback")
+    pb = _to_updates(rest[0])
+    if kind == "gossip" and len(rest) == 1:
+        return Gossip(pb)
+    if kind == "ping" and len(rest) == 3:
+        return Ping(_uint(rest[1]), _str(rest[2]), pb)
+    if kind == "ack" and len(rest) == 3:
+        return Ack(_uint(rest[1]), _str(rest[2]), pb)
+    if kind == "nack" and len(rest) == 3:
+        return Nack(_uint(rest[1]), _str(rest[2]), pb)
+    if kind == "ping-req" and len(rest) == 3:
+        return PingReq(_uint(rest[1]), _to_info(rest[2]), pb)
+    if kind == "sync" and len(rest) == 3 and isinstance(rest[2], bool):
+        return Sync(_to_updates(rest[1]), rest[2], pb)
+    raise WireError(f"unknown or malformed message {kind!r}")

@@ -1,0 +1,115 @@
+"""The swarm transport over HTTP (aiohttp): peers' endpoints and a pooled client.
+
+POST /swarm/v1/gossip            one authenticated gossip datagram (msgpack), answered 204
+GET  /swarm/v1/chunks/<hash>     a chunk by its BLAKE3 hash; 503 + Retry-After when busy; 404 if absent
+GET  /swarm/v1/board/<path>      a board object the node holds (head, manifest, certificate, root)
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
+
+MAX_GOSSIP_BYTES = 1 << 20
+PREFIX = "/swarm/v1"
+
+
+def add_routes(app: web.Application, handlers: Handlers) -> None:
+    async def gossip(request: web.Request) -> web.Response:
+        data = await request.content.read(MAX_GOSSIP_BYTES + 1)
+        if len(data) > MAX_GOSSIP_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_GOSSIP_BYTES, actual_size=len(data))
+        await handlers.gossip(data)
+        return web.Response(status=204)
+
+    async def chunk(request: web.Request) -> web.Response:
+        try:
+            chunk_hash = bytes.fromhex(request.match_info["hash"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="chunk hash must be hex\n") from None
+        reply = await handlers.chunk(chunk_hash)
+        if isinstance(reply, Busy):
+            return web.Response(status=503, headers={"Retry-After": f"{reply.retry_after:.3f}"})
+        if isinstance(reply, Missing):
+            raise web.HTTPNotFound()
+        return web.Response(body=reply, content_type="application/octet-stream")
+
+    async def board_object(request: web.Request) -> web.Response:
+        data = await handlers.object(request.match_info["path"])
+        if data is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    app.router.add_post(f"{PREFIX}/gossip", gossip)
+    app.router.add_get(PREFIX + "/chunks/{hash:[0-9a-fA-F]+}", chunk)
+    app.router.add_get(PREFIX + "/board/{path:.+}", board_object)
+
+
+class HttpTransport:
+    def __init__(self, *, connections_per_host: int = 8, connect_timeout: float = 3.0) -> None:
+        self._per_host = connections_per_host
+        self._connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=256, limit_per_host=self._per_host)
+            )
+        return self._session
+
+    def _timeout(self, total: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self._connect_timeout)
+
+    async def send(self, addr: str, data: bytes) -> None:
+        try:
+            async with self._client().post(f"{addr}{PREFIX}/gossip", data=data, timeout=self._timeout(5.0)) as r:
+                if r.status >= 400:
+                    raise TransportError(f"gossip to {addr}: HTTP {r.status}")
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise TransportError(f"gossip to {addr}: {type(e).__name__}") from None
+
+    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float) -> ChunkReply:
+        url = f"{addr}{PREFIX}/chunks/{chunk_hash.hex()}"
+        try:
+            async with self._client().get(url, timeout=self._timeout(timeout)) as r:
+                if r.status == 503:
+                    return Busy(float(r.headers.get("Retry-After", "1")))
+                if r.status == 404:
+                    return Missing()
+                if r.status != 200:
+                    raise TransportError(f"GET {url}: HTTP {r.status}")
+                return await _read_bounded(r, size, url)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            raise TransportError(f"GET {url}: {type(e).__name__}") from None
+
+    async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
+        url = f"{addr}{PREFIX}/board/{path}"
+        try:
+            async with self._client().get(url, timeout=self._timeout(timeout)) as r:
+                if r.status == 404:
+                    return None
+                if r.status != 200:
+                    raise TransportError(f"GET {url}: HTTP {r.status}")
+                return await _read_bounded(r, limit, url)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise TransportError(f"GET {url}: {type(e).__name__}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+async def _read_bounded(r: aiohttp.ClientResponse, limit: int, url: str) -> bytes:
+    """Read at most ``limit`` bytes: a peer sending more is cut off, never buffered."""
+    if r.content_length is not None and r.content_length > limit:
+        raise TransportError(f"GET {url}: {r.content_length} bytes, expected at most {limit}")
+    buf = bytearray()
+    async for piece in r.content.iter_chunked(1 << 16):
+        buf += piece
+        if len(buf) > limit:
+            raise TransportError(f"GET {url}: response runs past {limit} bytes")
+    return bytes(buf)

@@ -1,0 +1,511 @@
+"""The asyncio swarm node: drives the sans-IO cores (membership, chunk scheduler) over a
+Transport and a Clock, so the same node runs on real sockets and in virtual time.
+
+A node follows one run: it learns of new heads (gossip, or polling the seed's board), plans
+the fewest-bytes path from the version it holds, fetches each manifest and then every chunk
+from peers (the seed only as a last resort), verifies each chunk before storing or serving
+it, applies the version to a staging copy, verifies the target digest, and only then makes
+it the held version.  What it verified it serves to others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.board import Board
+from daemon.pull import Held, Puller
+from protocol.bitfield import Bitfield
+from protocol.catalog import CatalogEntry, plan
+from protocol.chunks import verify_chunk
+from protocol.errors import ChunkError, PatchswarmError
+from protocol.head import Head, verify_head
+from protocol.keys import KeyPolicy
+from protocol.manifest import Manifest
+from protocol.membership import Membership, MembershipConfig, MemberState, Message, NodeInfo, Send
+from protocol.patchfile import apply_version
+from protocol.ratelimit import TokenBucket, UploadSlots
+from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
+from protocol.signed import Envelope
+from protocol.trust import DEFAULT_SKEW_MS, TrustState
+from protocol.wire import Announcement, GossipFrame, WireError, decode_frame, encode_frame
+from swarm.sources import SwarmSource
+from swarm.stores import ChunkStore, MemoryChunkStore
+from swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, Transport, TransportError
+
+log = logging.getLogger("patchswarm.swarm")
+
+MAX_OBJECT_BYTES = 64 << 20
+
+
+@dataclass
+class NodeConfig:
+    node_id: str
+    run_id: str
+    cluster_secret: bytes
+    zone: str = ""
+    region: str = ""
+    bootstrap: list[str] = field(default_factory=list)  # swarm addresses of peers (or the seed) to join through
+    seed_urls: list[str] = field(default_factory=list)  # board URLs polled for the head as a fallback
+    is_seed: bool = False
+    upload_rate: float = math.inf  # bytes/s
+    download_rate: float = math.inf
+    max_uploads: int = 8
+    seed_max_uploads: int = 2  # a seed keeps its uplink for chunks no peer has yet
+    busy_retry_after: float = 0.2
+    # A seed hands out each chunk at most once per window ("super-seeding"): peers then get it from
+    # each other, and the seed's uplink goes to chunks the swarm does not have yet.
+    seed_copy_window: float = 2.0
+    head_poll_interval: float = 2.0
+    announce_interval: float = 0.05
+    announce_fanout: int = 4
+    cache_bytes: int = 1 << 30
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class PeerView:
+    info: NodeInfo
+    ann: Announcement
+    seen: float
+
+
+@dataclass
+class Metrics:
+    bytes_from_peers: int = 0
+    bytes_from_seed: int = 0
+    bytes_uploaded: int = 0
+    chunks_uploaded: int = 0
+    busy_replies: int = 0
+    hash_failures: int = 0
+    bans: int = 0
+    versions_applied: int = 0
+    apply_failures: int = 0
+
+
+class SwarmNode:
+    def __init__(
+        self,
+        config: NodeConfig,
+        addr: str,
+        transport: Transport,
+        clock: Clock,
+        policy: KeyPolicy,
+        rng: random.Random,
+        *,
+        chunks: ChunkStore | None = None,
+        board: Board | None = None,
+        held: Held | None = None,
+        on_version: Callable[[Held], Awaitable[None] | None] | None = None,
+    ) -> None:
+        self.config = config
+        self.info = NodeInfo(config.node_id, addr, config.zone, config.region)
+        self.transport = transport
+        self.clock = clock
+        self.policy = policy
+        self.rng = rng
+        self.board = board  # the seed's own board (it serves every object and chunk from there)
+        self.chunks: ChunkStore = chunks if chunks is not None else MemoryChunkStore(config.cache_bytes)
+        self.objects: dict[str, bytes] = {}  # verified board objects this node serves
+        self.held = held
+        self.on_version = on_version
+        self.metrics = Metrics()
+        self.membership = Membership(self.info, config.membership, rng, clock.now())
+        self.peers: dict[str, PeerView] = {}
+        self.head: Head | None = None
+        self.head_counter = -1
+        self.complete: list[bytes] = []  # manifest ids whose chunks this node holds in full (newest last)
+        self.partial: dict[bytes, ChunkScheduler] = {}
+        self.applied: list[CatalogEntry] = []  # every catalog step this node applied, in order
+        # Bursts of a tenth of a second: a limit holds over any window longer than that.
+        self.upload_bucket = TokenBucket(config.upload_rate, config.upload_rate * 0.1)
+        self.download_bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
+        self.upload_slots = UploadSlots(config.seed_max_uploads if config.is_seed else config.max_uploads)
+        self.source = SwarmSource(self)
+        self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
+        self._wake = asyncio.Event()
+        self._peers_changed = asyncio.Event()
+        self._announce_dirty = False
+        self._seed_served: dict[bytes, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self.error: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def handlers(self) -> Handlers:
+        return Handlers(gossip=self.handle_gossip, chunk=self.handle_chunk, object=self.handle_object)
+
+    def _wall(self) -> float:
+        return self.clock.wall()
+
+    async def start(self) -> None:
+        if self.board is not None:
+            self._load_board_head()
+        seeds = [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
+        self._dispatch(self.membership.join(seeds, self.clock.now()))
+        self._tasks = [
+            asyncio.create_task(self._membership_loop(), name=f"{self.info.node_id}-membership"),
+            asyncio.create_task(self._announce_loop(), name=f"{self.info.node_id}-announce"),
+        ]
+        if self.board is not None:
+            self._tasks.append(asyncio.create_task(self._board_watch_loop(), name=f"{self.info.node_id}-board"))
+        else:
+            self._tasks.append(asyncio.create_task(self._sync_loop(), name=f"{self.info.node_id}-sync"))
+            if self.config.seed_urls:
+                self._tasks.append(asyncio.create_task(self._head_poll_loop(), name=f"{self.info.node_id}-poll"))
+
+    async def stop(self, *, leave: bool = True) -> None:
+        self._stopping = True
+        if leave:
+            for send in self.membership.leave(self.clock.now()):
+                with contextlib.suppress(TransportError):
+                    await self.transport.send(send.to.addr, self._frame(send.message))
+        tasks = [*self._tasks, *self._background]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+
+    # ------------------------------------------------------------ gossip
+
+    def announcement(self) -> Announcement:
+        partial = tuple((mid, s.have.to_bytes()) for mid, s in self.partial.items())
+        return Announcement(
+            run_id=self.config.run_id,
+            head_counter=self.head_counter,
+            version=self.held.version if self.held else -1,
+            complete=tuple(self.complete[-8:]),
+            partial=partial,
+            seed=self.config.is_seed,
+        )
+
+    def _frame(self, message: Message | None) -> bytes:
+        frame = GossipFrame(self.info, self.announcement(), message)
+        return encode_frame(self.config.cluster_secret, frame)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Fire-and-forget work that stop() must still cancel."""
+        if self._stopping:
+            coro.close()
+            return
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _dispatch(self, sends: list[Send]) -> None:
+        for send in sends:
+            self._spawn(self._send(send.to.addr, self._frame(send.message)))
+
+    async def _send(self, addr: str, data: bytes) -> None:
+        try:
+            await self.transport.send(addr, data)
+        except TransportError as e:
+            log.debug("%s: %s", self.info.node_id, e)
+
+    async def handle_gossip(self, data: bytes) -> None:
+        try:
+            frame = decode_frame(self.config.cluster_secret, data)
+        except WireError as e:
+            log.warning("%s: dropped gossip: %s", self.info.node_id, e)
+            return
+        if frame.sender.node_id == self.info.node_id:
+            return
+        now = self.clock.now()
+        if frame.message is not None:  # None: an availability push only
+            self._dispatch(self.membership.receive(now, frame.sender, frame.message))
+        self._on_announcement(frame.sender, frame.announcement, now)
+        self._apply_membership_events()
+
+    def _on_announcement(self, sender: NodeInfo, ann: Announcement, now: float) -> None:
+        if ann.run_id != self.config.run_id:
+            return
+        self.peers[sender.node_id] = PeerView(sender, ann, now)
+        self._peers_changed.set()
+        if ann.head_counter > self.head_counter and self.board is None:
+            self._spawn(self._fetch_head(prefer=sender.addr))
+
+    def _apply_membership_events(self) -> None:
+        for info, state in self.membership.drain_events():
+            if state in (MemberState.DEAD, MemberState.LEFT):
+                self.peers.pop(info.node_id, None)
+                for sched in self.partial.values():
+                    sched.remove_peer(info.node_id)
+                self._peers_changed.set()
+
+    async def _membership_loop(self) -> None:
+        while not self._stopping:
+            now = self.clock.now()
+            self._dispatch(self.membership.tick(now))
+            self._apply_membership_events()
+            delay = max(0.01, min(self.membership.next_deadline() - self.clock.now(), 1.0))
+            await self.clock.sleep(delay)
+
+    async def _announce_loop(self) -> None:
+        """Push our availability to a few peers soon after it changes (like BitTorrent's HAVE)."""
+        while not self._stopping:
+            await self.clock.sleep(self.config.announce_interval)
+            if not self._announce_dirty:
+                continue
+            self._announce_dirty = False
+            targets = self._announce_targets()
+            for info in targets:
+                self._spawn(self._send(info.addr, self._frame(None)))
+
+    def _announce_targets(self) -> list[NodeInfo]:
+        alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
+        wanting = [i for i in alive if i.node_id in self.peers and self.peers[i.node_id].ann.partial]
+        pool = wanting if len(wanting) >= self.config.announce_fanout else alive
+        return self.rng.sample(pool, min(self.config.announce_fanout, len(pool)))
+
+    # ------------------------------------------------------------ serving
+
+    async def handle_chunk(self, chunk_hash: bytes) -> ChunkReply:
+        data = self.chunks.get(chunk_hash)
+        if data is None:
+            return Missing()
+        if self.config.is_seed:
+            now = self.clock.now()
+            last = self._seed_served.get(chunk_hash)
+            if last is not None and now - last < self.config.seed_copy_window:
+                self.metrics.busy_replies += 1
+                return Busy(self.config.busy_retry_after)
+            self._seed_served[chunk_hash] = now
+        if not self.upload_slots.acquire():
+            self.metrics.busy_replies += 1
+            return Busy(self.config.busy_retry_after)
+        try:
+            now = self.clock.now()
+            await self.clock.sleep(self.upload_bucket.reserve(now, len(data)) - now)
+            self.metrics.bytes_uploaded += len(data)
+            self.metrics.chunks_uploaded += 1
+            return data
+        finally:
+            self.upload_slots.release()
+
+    async def handle_object(self, path: str) -> bytes | None:
+        if self.board is not None:
+            return self.board.read(path)
+        return self.objects.get(path)
+
+    # ------------------------------------------------------------ heads
+
+    def _load_board_head(self) -> None:
+        assert self.board is not None
+        data = self.board.read(Board.head_rel(self.config.run_id))
+        if data is None:
+            return
+        head = Head.from_bytes(Envelope.from_bytes(data, "patchswarm/head").body)
+        if head.counter != self.head_counter:
+            self.head, self.head_counter = head, head.counter
+            self.complete = [e.manifest_id for e in head.catalog]
+            self._announce_dirty = True
+
+    async def _board_watch_loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._load_board_head()
+            except (PatchswarmError, OSError) as e:
+                log.warning("seed: cannot read the board head: %s", e)
+            await self.clock.sleep(0.1)
+
+    async def _head_poll_loop(self) -> None:
+        while not self._stopping:
+            await self._fetch_head(prefer=None)
+            await self.clock.sleep(self.config.head_poll_interval)
+
+    async def _fetch_head(self, prefer: str | None) -> None:
+        try:
+            await self.puller.refresh_trust()
+            data = await self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer)
+            if data is None:
+                return
+            env = Envelope.from_bytes(data, "patchswarm/head")
+            await self.puller._ensure_certified(env.key_id)
+            skew = self.policy.skew_ms if isinstance(self.policy, TrustState) else DEFAULT_SKEW_MS
+            head, env = verify_head(data, self.policy, now_ms=int(self._wall() * 1000), skew_ms=skew)
+            if head.counter <= self.head_counter:
+                return
+            self.puller.tracker.accept(head, env)
+        except (PatchswarmError, TransportError) as e:
+            log.warning("%s: head refused: %s", self.info.node_id, e)
+            return
+        self.head, self.head_counter = head, head.counter
+        self.objects[Board.head_rel(self.config.run_id)] = data
+        self._announce_dirty = True
+        self._wake.set()
+
+    # ------------------------------------------------------------ fetching versions
+
+    async def _sync_loop(self) -> None:
+        while not self._stopping:
+            head = self.head
+            if head is None or (self.held is not None and self.held.version >= head.version):
+                self._wake.clear()
+                await self._wait(self._wake, 1.0)
+                continue
+            try:
+                await self._catch_up(head)
+            except (PatchswarmError, TransportError) as e:
+                self.error = str(e)
+                self.metrics.apply_failures += 1
+                log.warning("%s: catch-up failed: %s", self.info.node_id, e)
+                await self.clock.sleep(0.5)
+
+    async def _catch_up(self, head: Head) -> None:
+        steps = plan(head.catalog, self.held.version if self.held else None, head.version)
+        for entry in steps:
+            manifest = await self.puller.fetch_manifest(entry)
+            self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.last_manifest_bytes(entry.manifest_id)
+            payload = await self._download(manifest)
+            held = self.held
+            base = held if held is not None and entry.base_version is not None else None
+            model, digests = apply_version(
+                base.model.clone() if base else None, manifest, payload, base_digests=base.digests if base else None
+            )
+            self.held = Held(manifest.version, model, digests)
+            self.applied.append(entry)
+            self.metrics.versions_applied += 1
+            self._announce_dirty = True
+            if self.on_version is not None:
+                result = self.on_version(self.held)
+                if asyncio.iscoroutine(result):
+                    await result
+            if self.head is not None and self.head.version != head.version:
+                return  # a newer head arrived: replan from here
+
+    async def _download(self, manifest: Manifest) -> bytes:
+        mid = manifest.manifest_id
+        sizes = [c.size for c in manifest.chunks]
+        have = Bitfield(len(sizes))
+        for i, ref in enumerate(manifest.chunks):
+            if ref.hash in self.chunks:
+                have.set(i)
+        me = PeerInfo(self.info.node_id, self.info.zone, self.info.region)
+        sched = ChunkScheduler(sizes, me, self.config.scheduler, self.rng, have)
+        self.partial[mid] = sched
+        pinned = getattr(self.chunks, "pinned", None)
+        if isinstance(pinned, set):
+            pinned.update(ref.hash for ref in manifest.chunks)
+        running: dict[tuple[int, str], asyncio.Task[None]] = {}
+        try:
+            while not sched.complete:
+                now = self.clock.now()
+                self._refresh_peers(sched, mid, len(sizes), now)
+                for req in sched.expired(now):
+                    task = running.pop((req.chunk, req.peer_id), None)
+                    if task:
+                        task.cancel()
+                for req in sched.next_requests(now):
+                    running[(req.chunk, req.peer_id)] = asyncio.create_task(self._fetch(sched, manifest, req, running))
+                if sched.complete:
+                    break
+                self._peers_changed.clear()
+                deadline = sched.next_deadline()
+                timeout = 0.25 if deadline is None else max(0.005, min(0.25, deadline - self.clock.now()))
+                helpers = [
+                    asyncio.ensure_future(self._peers_changed.wait()),
+                    asyncio.ensure_future(self.clock.sleep(timeout)),
+                ]
+                await asyncio.wait([*helpers, *running.values()], return_when=asyncio.FIRST_COMPLETED)
+                for h in helpers:
+                    h.cancel()
+        finally:
+            for task in running.values():
+                task.cancel()
+            del self.partial[mid]
+            if isinstance(pinned, set):
+                pinned.difference_update(ref.hash for ref in manifest.chunks)
+        parts = []
+        for ref in manifest.chunks:
+            data = self.chunks.get(ref.hash)
+            if data is None:
+                raise ChunkError(-1, "a verified chunk was evicted before assembly")
+            parts.append(data)
+        self.complete.append(mid)
+        self.complete = self.complete[-16:]
+        return b"".join(parts)
+
+    def _refresh_peers(self, sched: ChunkScheduler, mid: bytes, nchunks: int, now: float) -> None:
+        for view in list(self.peers.values()):
+            ann = view.ann
+            peer = PeerInfo(view.info.node_id, view.info.zone, view.info.region, is_seed=ann.seed)
+            if ann.seed or mid in ann.complete:
+                sched.update_peer(peer, None, now)
+                continue
+            bits = dict(ann.partial).get(mid)
+            if bits is not None:
+                with contextlib.suppress(PatchswarmError):  # a malformed bitfield: ignore that claim
+                    sched.update_peer(peer, Bitfield.from_bytes(nchunks, bits), now)
+
+    async def _fetch(
+        self,
+        sched: ChunkScheduler,
+        manifest: Manifest,
+        req: Request,
+        running: dict[tuple[int, str], asyncio.Task[None]],
+    ) -> None:
+        ref = manifest.chunks[req.chunk]
+        view = self.peers.get(req.peer_id)
+        try:
+            if view is None:
+                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
+                return
+            now = self.clock.now()
+            await self.clock.sleep(self.download_bucket.reserve(now, ref.size) - now)
+            start = self.clock.now()
+            try:
+                reply = await self.transport.get_chunk(
+                    view.info.addr, ref.hash, ref.size, max(req.deadline - start, 0.05)
+                )
+            except TransportError:
+                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
+                return
+            if isinstance(reply, Busy):
+                self.metrics.busy_replies += 1
+                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
+                return
+            if isinstance(reply, Missing):
+                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
+                return
+            try:
+                verify_chunk(req.chunk, reply, ref)
+            except ChunkError as e:
+                self.metrics.hash_failures += 1
+                self.metrics.bans += 1
+                log.warning("%s: %s from %s: banned", self.info.node_id, e, req.peer_id)
+                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.HASH)
+                return
+            if req.chunk in sched.have:
+                return  # an endgame duplicate lost the race
+            self.chunks.put(ref.hash, reply)
+            if view.ann.seed:
+                self.metrics.bytes_from_seed += len(reply)
+            else:
+                self.metrics.bytes_from_peers += len(reply)
+            end = self.clock.now()
+            for dup in sched.on_success(end, req.chunk, req.peer_id, len(reply), max(end - start, 1e-6)):
+                task = running.get((dup.chunk, dup.peer_id))
+                if task is not None and task is not asyncio.current_task():
+                    task.cancel()
+            self._announce_dirty = True
+            self._peers_changed.set()
+        finally:
+            running.pop((req.chunk, req.peer_id), None)
+
+    async def _wait(self, event: asyncio.Event, timeout: float) -> None:
+        waiter = asyncio.ensure_future(event.wait())
+        sleeper = asyncio.ensure_future(self.clock.sleep(timeout))
+        await asyncio.wait([waiter, sleeper], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        sleeper.cancel()

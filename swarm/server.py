@@ -1,0 +1,82 @@
+"""Running a swarm node on real sockets: an aiohttp server for its endpoints plus HttpTransport."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from daemon.board import Board
+from daemon.pull import Held
+from daemon.seed import board_app
+from protocol.keys import KeyPolicy
+from swarm.http import HttpTransport, add_routes
+from swarm.node import NodeConfig, SwarmNode
+from swarm.stores import BoardChunkStore
+from swarm.transport import ChunkReply, Handlers, SystemClock
+
+
+@dataclass
+class RunningNode:
+    node: SwarmNode
+    runner: web.AppRunner
+    transport: HttpTransport
+    url: str
+
+    async def stop(self, *, leave: bool = True) -> None:
+        await self.node.stop(leave=leave)
+        await self.node.source.close()
+        await self.transport.close()
+        await self.runner.cleanup()
+
+
+async def start_http_node(
+    config: NodeConfig,
+    policy: KeyPolicy,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise: str | None = None,
+    board: Board | None = None,
+    held: Held | None = None,
+    rng: random.Random | None = None,
+    on_version: Callable[[Held], Awaitable[None] | None] | None = None,
+) -> RunningNode:
+    """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
+    box: list[SwarmNode] = []
+
+    async def gossip(data: bytes) -> None:
+        await box[0].handle_gossip(data)
+
+    async def chunk(h: bytes) -> ChunkReply:
+        return await box[0].handle_chunk(h)
+
+    async def obj(path: str) -> bytes | None:
+        return await box[0].handle_object(path)
+
+    app = board_app(board.root) if board is not None else web.Application()
+    add_routes(app, Handlers(gossip, chunk, obj))
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    url = advertise or f"http://{host}:{bound}"
+    transport = HttpTransport()
+    node = SwarmNode(
+        config,
+        url,
+        transport,
+        SystemClock(),
+        policy,
+        rng or random.Random(),
+        chunks=BoardChunkStore(board.root) if board is not None else None,
+        board=board,
+        held=held,
+        on_version=on_version,
+    )
+    box.append(node)
+    await node.start()
+    return RunningNode(node, runner, transport, url)

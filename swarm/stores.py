@@ -1,0 +1,75 @@
+"""Where a node keeps what it serves to peers: verified chunks (by hash) and verified board objects.
+
+Everything put here has already been verified by the caller (chunk hash, signatures), so a
+node only ever re-serves bytes it checked.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Protocol
+
+
+class ChunkStore(Protocol):
+    def get(self, chunk_hash: bytes) -> bytes | None: ...
+
+    def put(self, chunk_hash: bytes, data: bytes) -> None: ...
+
+    def __contains__(self, chunk_hash: object) -> bool: ...
+
+
+class MemoryChunkStore:
+    """An LRU cache of chunks bounded in bytes; pinned chunks (a download in progress) are never evicted."""
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._data: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+        self.pinned: set[bytes] = set()
+
+    def get(self, chunk_hash: bytes) -> bytes | None:
+        data = self._data.get(chunk_hash)
+        if data is not None:
+            self._data.move_to_end(chunk_hash)
+        return data
+
+    def put(self, chunk_hash: bytes, data: bytes) -> None:
+        if chunk_hash in self._data:
+            return
+        self._data[chunk_hash] = data
+        self._bytes += len(data)
+        for old in list(self._data):
+            if self._bytes <= self.max_bytes:
+                break
+            if old not in self.pinned and old != chunk_hash:
+                self._bytes -= len(self._data.pop(old))
+
+    def __contains__(self, chunk_hash: object) -> bool:
+        return chunk_hash in self._data
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+class BoardChunkStore:
+    """The seed's chunks: the board's own files (verified when they were published)."""
+
+    def __init__(self, board_root: str | Path) -> None:
+        self.root = Path(board_root)
+
+    def _path(self, chunk_hash: bytes) -> Path:
+        return self.root / "chunks" / chunk_hash.hex()
+
+    def get(self, chunk_hash: bytes) -> bytes | None:
+        try:
+            return self._path(chunk_hash).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def put(self, chunk_hash: bytes, data: bytes) -> None:
+        raise PermissionError("the seed's chunks come from its board only")
+
+    def __contains__(self, chunk_hash: object) -> bool:
+        return isinstance(chunk_hash, bytes) and self._path(chunk_hash).is_file()

@@ -1,0 +1,75 @@
+"""The two small interfaces a swarm node is driven through: a Transport and a Clock.
+
+``swarm.http`` implements the transport over aiohttp on real sockets; ``simulations``
+implements both over a virtual-time network model, so the same node code runs in either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """The peer refused for now (upload slots full, or a seed protecting its uplink)."""
+
+    retry_after: float
+
+
+@dataclass(frozen=True, slots=True)
+class Missing:
+    """The peer does not hold what was asked for."""
+
+
+ChunkReply = bytes | Busy | Missing
+
+
+class TransportError(Exception):
+    """A request failed in transit (connection refused, reset, timed out)."""
+
+
+class Transport(Protocol):
+    async def send(self, addr: str, data: bytes) -> None:
+        """Deliver one gossip datagram; raises TransportError when it cannot."""
+
+    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float) -> ChunkReply:
+        """Fetch a chunk by hash; never returns more than ``size`` bytes (longer replies fail)."""
+
+    async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
+        """Fetch a board object (head, manifest, certificate, root document) a peer holds."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Handlers:
+    """What a node answers with: the server side of the transport calls these."""
+
+    gossip: Callable[[bytes], Awaitable[None]]
+    chunk: Callable[[bytes], Awaitable[ChunkReply]]
+    object: Callable[[str], Awaitable[bytes | None]]
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Monotonic seconds: timers, deadlines, rates."""
+
+    def wall(self) -> float:
+        """Unix seconds: expiry of signed documents (a simulated clock supplies its own epoch)."""
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))

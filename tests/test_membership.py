@@ -1,0 +1,423 @@
+"""SWIM + Lifeguard membership, driven over an in-memory network with a virtual clock."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.membership import (
+    Ack,
+    Gossip,
+    Membership,
+    MembershipConfig,
+    MemberState,
+    Message,
+    Nack,
+    NodeInfo,
+    Ping,
+    PingReq,
+    Send,
+    Sync,
+    Update,
+    suspicion_bounds,
+    suspicion_timeout,
+)
+
+ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
+CFG = MembershipConfig()
+LATENCY = 0.005
+
+
+@dataclass
+class Net:
+    """Nodes n0..n{size-1} joined through one seed; latency-delayed delivery; crashes, cuts and slow links."""
+
+    seed: int
+    size: int
+    config: MembershipConfig = CFG
+    now: float = 0.0
+    nodes: dict[str, Membership] = field(default_factory=dict)
+    crashed: set[str] = field(default_factory=set)
+    cut: set[tuple[str, str]] = field(default_factory=set)  # (src, dst) one-way drops
+    extra_delay: dict[str, float] = field(default_factory=dict)  # slow senders
+    events: list[tuple[float, str, str, MemberState]] = field(default_factory=list)
+    sent: Counter[tuple[str, str]] = field(default_factory=Counter)
+    queue: list[tuple[float, int, str, str, Message]] = field(default_factory=list)
+    boots: Counter[str] = field(default_factory=Counter)
+    _count: int = 0
+
+    def __post_init__(self) -> None:
+        self.infos = {f"n{i}": NodeInfo(f"n{i}", f"sim://{i}", zone=f"z{i % 2}") for i in range(self.size)}
+        self.by_addr = {info.addr: node_id for node_id, info in self.infos.items()}
+
+    def boot(self, node_id: str, seeds: tuple[str, ...] = ("n0",), address_only: bool = False) -> None:
+        self.boots[node_id] += 1
+        rng = random.Random(f"{self.seed}/{node_id}/{self.boots[node_id]}")
+        self.nodes[node_id] = Membership(self.infos[node_id], self.config, rng, self.now)
+        self.crashed.discard(node_id)
+        seed_infos = [NodeInfo("", self.infos[s].addr) if address_only else self.infos[s] for s in seeds]
+        self.act(node_id, lambda m: m.join(seed_infos, self.now))
+
+    def act(self, node_id: str, call: Callable[[Membership], list[Send]]) -> None:
+        self._route(node_id, call(self.nodes[node_id]))
+        self._collect(node_id)
+
+    def crash(self, node_id: str) -> None:
+        self.crashed.add(node_id)
+
+    def _route(self, src: str, sends: list[Send]) -> None:
+        for s in sends:
+            self.sent[(src, type(s.message).__name__)] += 1
+            dst = s.to.node_id or self.by_addr.get(s.to.addr, "")
+            if src in self.crashed or (src, dst) in self.cut or dst not in self.infos:
+                continue
+            at = self.now + LATENCY + self.extra_delay.get(src, 0.0)
+            heapq.heappush(self.queue, (at, self._count, src, dst, s.message))
+            self._count += 1
+
+    def _collect(self, node_id: str) -> None:
+        for info, state in self.nodes[node_id].drain_events():
+            self.events.append((self.now, node_id, info.node_id, state))
+
+    def live(self) -> list[str]:
+        return [k for k in sorted(self.nodes) if k not in self.crashed]
+
+    def run(self, duration: float) -> None:
+        end, same_time = self.now + duration, 0
+        while True:
+            nxt = min([self.queue[0][0]] if self.queue else [], default=math.inf)
+            nxt = min([nxt, *(self.nodes[k].next_deadline() for k in self.live())])
+            if nxt > end:
+                break
+            same_time = same_time + 1 if nxt <= self.now else 0
+            assert same_time < 1000, "a node keeps asking for a tick that does nothing"
+            self.now = max(self.now, nxt)
+            while self.queue and self.queue[0][0] <= self.now:
+                _, _, src, dst, msg = heapq.heappop(self.queue)
+                if dst in self.crashed or dst not in self.nodes:
+                    continue
+                self._route(dst, self.nodes[dst].receive(self.now, self.infos[src], msg))
+                self._collect(dst)
+            for k in self.live():
+                if self.nodes[k].next_deadline() <= self.now:
+                    self.act(k, lambda m: m.tick(self.now))
+        self.now = end
+
+    def view(self, observer: str, node_id: str) -> tuple[MemberState, int] | None:
+        for u in self.nodes[observer].known():
+            if u.info.node_id == node_id:
+                return u.state, u.incarnation
+        return None
+
+    def about(self, node_id: str, since: float = 0.0) -> list[tuple[float, str, MemberState]]:
+        return [(t, obs, st) for t, obs, n, st in self.events if n == node_id and t >= since]
+
+
+def converged(seed: int = 1, size: int = 8) -> Net:
+    net = Net(seed, size)
+    net.boot("n0", seeds=())
+    for i in range(1, size):
+        net.run(0.1)
+        net.boot(f"n{i}", address_only=i % 2 == 1)
+    net.run(10.0)
+    assert_all_alive(net)
+    return net
+
+
+def assert_all_alive(net: Net) -> None:
+    for k in net.live():
+        m = net.nodes[k]
+        assert [i.node_id for i in m.alive()] == [x for x in net.live() if x != k], k
+        assert all(state is ALIVE for info, state in m.members() if info.node_id in net.live()), (k, m.members())
+
+
+def test_cluster_of_8_from_one_seed_converges() -> None:
+    net = converged()
+    assert all(net.nodes[k].awareness == 0 for k in net.live())
+    assert not [e for e in net.events if e[3] is not ALIVE]
+
+
+def test_crashed_node_is_suspected_then_dead_everywhere_within_bound() -> None:
+    net = converged()
+    t0 = net.now
+    net.crash("n5")
+    bound = CFG.probe_interval * net.size + suspicion_bounds(CFG, net.size)[1] + 2 * CFG.probe_interval
+    net.run(bound)
+    lifeguard_bound = CFG.probe_interval * net.size + suspicion_bounds(CFG, net.size)[0] + 2 * CFG.probe_interval
+    for k in net.live():
+        seen = [(t, state) for t, obs, state in net.about("n5", since=t0) if obs == k]
+        assert [state for _, state in seen] == [SUSPECT, DEAD], (k, seen)
+        assert seen[1][0] <= t0 + bound
+        assert seen[1][0] <= t0 + lifeguard_bound  # (this seed) the other probers' confirmations cut the wait
+    net.run(CFG.dead_reclaim + 1)
+    assert all(net.view(k, "n5") is None for k in net.live())  # reclaimed
+    assert_all_alive(net)
+
+
+def test_slow_node_refutes_suspicion_and_stays_alive() -> None:
+    net = converged(seed=3)
+    t0 = net.now
+    net.extra_delay["n3"] = 1.5  # its messages arrive, but after any probe deadline
+    net.run(15.0)
+    del net.extra_delay["n3"]
+    net.run(20.0)
+    about = net.about("n3", since=t0)
+    assert any(state is SUSPECT for _, _, state in about)  # it was suspected...
+    assert not any(state >= DEAD for _, _, state in about)  # ...but never declared dead
+    assert net.nodes["n3"].incarnation >= 1
+    for k in net.live():
+        if k != "n3":
+            assert net.view(k, "n3") == (ALIVE, net.nodes["n3"].incarnation)
+    assert_all_alive(net)
+
+
+def test_indirect_probes_save_a_node_behind_a_one_way_cut() -> None:
+    net = converged(seed=4)
+    t0 = net.now
+    net.cut.add(("n0", "n4"))  # n0 cannot reach n4, n4 reaches n0
+    net.run(30.0)
+    assert net.sent[("n0", "PingReq")] > 0 and net.sent[("n4", "PingReq")] > 0
+    assert not [e for e in net.events if e[0] >= t0 and e[3] is not ALIVE]
+    assert net.nodes["n0"].awareness == 0
+    assert_all_alive(net)
+
+
+def test_graceful_leave_is_left_everywhere_then_forgotten() -> None:
+    net = converged(seed=5)
+    t0 = net.now
+    net.act("n6", lambda m: m.leave(net.now))
+    assert net.nodes["n6"].local().state is LEFT
+    net.run(3.0)
+    net.crash("n6")
+    net.run(10.0)
+    assert [state for _, _, state in net.about("n6", since=t0)] == [LEFT] * (net.size - 1)
+    for k in net.live():
+        assert net.view(k, "n6") == (LEFT, 0)
+        assert "n6" not in [i.node_id for i in net.nodes[k].alive()]
+    net.run(CFG.dead_reclaim)
+    assert all(net.view(k, "n6") is None for k in net.live())
+
+
+def test_partition_heals_after_both_sides_declared_each_other_dead() -> None:
+    net = converged(seed=8)
+    left, right = {"n0", "n1", "n2", "n3"}, {"n4", "n5", "n6", "n7"}
+    net.cut |= {(a, b) for a in left for b in right} | {(b, a) for a in left for b in right}
+    net.run(25.0)
+    assert all(net.view(a, b)[0] is DEAD for a in left for b in right)  # type: ignore[index]
+    net.cut.clear()
+    net.run(CFG.sync_interval + 5.0)  # one anti-entropy round reaches a presumed-dead member
+    assert_all_alive(net)
+
+
+def test_restarted_node_rejoins_alive_with_a_higher_incarnation() -> None:
+    net = converged(seed=6)
+    net.crash("n2")
+    net.run(25.0)
+    assert all(net.view(k, "n2") == (DEAD, 0) for k in net.live())
+    net.boot("n2", seeds=("n0",))
+    assert net.nodes["n2"].incarnation == 0
+    net.run(10.0)
+    assert net.nodes["n2"].incarnation >= 1  # refuted the DEAD it learned from the seed
+    for k in net.live():
+        if k != "n2":
+            assert net.view(k, "n2") == (ALIVE, net.nodes["n2"].incarnation)
+    assert_all_alive(net)
+
+
+def test_awareness_rises_while_own_messages_are_lost_and_recovers() -> None:
+    net = converged(seed=7)
+    everyone = set(net.infos)
+    net.cut |= {("n1", k) for k in everyone}
+    net.run(4.0)
+    assert net.nodes["n1"].awareness >= 2
+    assert all(net.nodes[k].awareness == 0 for k in net.live() if k != "n1")  # helpers' Nacks clear them
+    net.cut.clear()
+    net.run(40.0)
+    assert net.nodes["n1"].awareness == 0
+    assert_all_alive(net)
+
+
+def _lone_node(peers: int) -> tuple[Membership, list[NodeInfo]]:
+    me = NodeInfo("me", "sim://me")
+    m = Membership(me, CFG, random.Random(0), 0.0)
+    infos = [NodeInfo(f"p{i}", f"sim://p{i}") for i in range(peers)]
+    m.receive(0.0, infos[0], Gossip(tuple(Update(i, 0, ALIVE, i.node_id) for i in infos)))
+    assert m.drain_events() == [(i, ALIVE) for i in infos]
+    return m, infos
+
+
+def _tick_until(m: Membership, kind: type) -> tuple[float, list[Send]]:
+    """Tick at each successive deadline until the node sends a ``kind`` message."""
+    for _ in range(100):
+        t = m.next_deadline()
+        sends = [s for s in m.tick(t) if isinstance(s.message, kind)]
+        if sends:
+            return t, sends
+    raise AssertionError(f"no {kind.__name__} sent")
+
+
+def _finish_probe(m: Membership, ping: Ping, started: float, answer: str) -> tuple[Ping, float]:
+    """Take the outstanding probe ``ping`` to its end; ``answer``: "ack", "nack" or "none". Returns the next one."""
+    t, reqs = _tick_until(m, PingReq)
+    assert t - started == pytest.approx(CFG.probe_timeout * (1 + m.awareness))  # Lifeguard: slower when unhealthy
+    assert len(reqs) == CFG.indirect_probes and all(r.to.node_id != ping.target_id for r in reqs)
+    assert all(isinstance(r.message, PingReq) and r.message.seq == ping.seq for r in reqs)
+    if answer == "ack":
+        m.receive(t + 0.1, reqs[0].to, Ack(ping.seq, ping.target_id))
+    elif answer == "nack":
+        m.receive(t + 0.1, reqs[0].to, Nack(ping.seq, ping.target_id))
+    t, pings = _tick_until(m, Ping)  # this probe ends, the next one starts
+    assert len(pings) == 1 and isinstance(pings[0].message, Ping)
+    return pings[0].message, t
+
+
+def test_awareness_rule_failed_probe_without_nack_raises_and_ack_lowers() -> None:
+    m, _ = _lone_node(8)
+    t, pings = _tick_until(m, Ping)
+    first = pings[0].message
+    assert isinstance(first, Ping)
+    ping, t = _finish_probe(m, first, t, "nack")
+    assert m.awareness == 0  # a helper answered: the network around us works
+    assert dict((i.node_id, s) for i, s in m.members())[first.target_id] is SUSPECT
+    ping, t = _finish_probe(m, ping, t, "none")
+    assert m.awareness == 1
+    ping, t = _finish_probe(m, ping, t, "none")
+    assert m.awareness == 2
+    _finish_probe(m, ping, t, "ack")
+    assert m.awareness == 1
+
+
+def test_suspicion_timeout_formula() -> None:
+    lo, hi = suspicion_bounds(CFG, 8)
+    assert lo == pytest.approx(4.0 * math.log10(9)) and hi == pytest.approx(6.0 * lo)
+    assert suspicion_timeout(0, 3, lo, hi) == hi
+    assert suspicion_timeout(1, 3, lo, hi) == pytest.approx(hi - 0.5 * (hi - lo))  # log 2 / log 4
+    assert suspicion_timeout(3, 3, lo, hi) == pytest.approx(lo)
+    assert suspicion_timeout(9, 3, lo, hi) == lo
+    assert suspicion_timeout(0, 0, lo, hi) == lo
+    steps = [suspicion_timeout(c, 3, lo, hi) for c in range(4)]
+    assert steps == sorted(steps, reverse=True) and len(set(steps)) == 4
+    assert suspicion_bounds(CFG, 100)[0] > lo  # bigger clusters wait longer
+
+
+@pytest.mark.parametrize(("suspectors", "dead"), [(1, False), (3, False), (4, True)])
+def test_independent_confirmations_shorten_the_suspicion(suspectors: int, dead: bool) -> None:
+    m, infos = _lone_node(7)
+    target = infos[-1]
+    for origin in infos[:suspectors]:
+        m.receive(0.0, origin, Gossip((Update(target, 0, SUSPECT, origin.node_id),)))
+    lo, _ = suspicion_bounds(CFG, 8)
+    m.tick(lo + 0.01)  # 1 suspector + 3 confirmations make it the shortest timeout
+    assert dict((i.node_id, s) for i, s in m.members())[target.node_id] is (DEAD if dead else SUSPECT)
+
+
+def test_refutation_and_precedence_rules() -> None:
+    m, infos = _lone_node(3)
+    me = m.local().info
+    m.receive(1.0, infos[0], Gossip((Update(me, 0, SUSPECT, "p0"),)))
+    assert m.incarnation == 1 and m.awareness == 1 and m.local().state is ALIVE
+    m.receive(1.0, infos[0], Gossip((Update(me, 5, DEAD, "p0"),)))
+    assert m.incarnation == 6
+    p1 = infos[1]
+    m.receive(1.0, infos[0], Gossip((Update(p1, 2, ALIVE),)))
+    m.receive(1.0, infos[0], Gossip((Update(p1, 1, DEAD),)))  # older: ignored
+    m.receive(1.0, infos[0], Gossip((Update(p1, 2, SUSPECT),)))  # same incarnation, stronger: wins
+    m.receive(1.0, infos[0], Gossip((Update(p1, 2, ALIVE),)))  # same incarnation, weaker: ignored
+    assert dict((i.node_id, s) for i, s in m.members())["p1"] is SUSPECT
+    m.receive(1.0, infos[0], Gossip((Update(p1, 3, ALIVE),)))  # refuted
+    assert dict((i.node_id, s) for i, s in m.members())["p1"] is ALIVE
+    m.receive(1.0, infos[0], Sync((Update(p1, 3, DEAD),), reply=False))  # pushed DEAD only makes it suspect
+    assert dict((i.node_id, s) for i, s in m.members())["p1"] is SUSPECT
+
+
+def _scenario(seed: int) -> list[tuple[float, str, str, MemberState]]:
+    net = converged(seed=seed, size=6)
+    net.crash("n3")
+    net.run(20.0)
+    net.boot("n3")
+    net.run(10.0)
+    return net.events
+
+
+def test_same_seed_same_events() -> None:
+    first = _scenario(11)
+    assert first == _scenario(11)
+    assert first != _scenario(12)
+
+
+OPS = st.one_of(
+    st.tuples(st.just("advance"), st.floats(0.05, 3.0)),
+    st.tuples(st.just("crash"), st.integers(0, 4)),
+    st.tuples(st.just("restart"), st.integers(0, 4)),
+    st.tuples(st.just("drop"), st.integers(1, 30)),
+    st.tuples(st.just("cut"), st.integers(0, 4)),
+    st.tuples(st.just("slow"), st.integers(0, 4)),
+    st.tuples(st.just("heal"), st.just(0)),
+)
+NEVER_RECLAIM = MembershipConfig(dead_reclaim=1e9)
+
+
+def check_invariants(net: Net, own: dict[str, tuple[int, int]], views: dict[tuple[str, int, str], int]) -> None:
+    """Each node sees itself ALIVE and not among its members; incarnations never go down."""
+    for k in net.live():
+        m = net.nodes[k]
+        assert m.local().state is ALIVE and all(i.node_id != k for i, _ in m.members())
+        boot, inc = own.get(k, (net.boots[k], 0))
+        assert boot != net.boots[k] or m.incarnation >= inc
+        own[k] = (net.boots[k], m.incarnation)
+        known = {u.info.node_id: u.incarnation for u in m.known() if u.info.node_id != k}
+        for obs, obs_boot, peer in list(views):
+            if obs == k and peer not in known:
+                del views[(obs, obs_boot, peer)]
+        for peer, peer_inc in known.items():
+            key = (k, net.boots[k], peer)
+            assert peer_inc >= views.get(key, 0)
+            views[key] = peer_inc
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 2**16), st.booleans(), st.lists(OPS, max_size=20))
+def test_random_faults_never_break_invariants_and_the_cluster_heals(
+    seed: int, reclaim: bool, ops: list[tuple[str, float]]
+) -> None:
+    net = Net(seed, 5, config=CFG if reclaim else NEVER_RECLAIM)
+    for i in range(5):
+        net.boot(f"n{i}", seeds=("n0",) if i else ())
+    own: dict[str, tuple[int, int]] = {}
+    views: dict[tuple[str, int, str], int] = {}
+    for op, arg in ops:
+        node = f"n{int(arg)}"
+        if op == "advance":
+            net.run(arg)
+        elif op == "crash":
+            net.crash(node)
+        elif op == "restart" and node in net.crashed:
+            net.boot(node, seeds=("n0", "n1"))
+        elif op == "drop":
+            del net.queue[: int(arg)]
+            heapq.heapify(net.queue)
+        elif op == "cut":
+            net.cut |= {(node, k) for k in net.infos} | {(k, node) for k in net.infos}
+        elif op == "slow":
+            net.extra_delay[node] = 1.2
+        elif op == "heal":
+            net.cut.clear()
+            net.extra_delay.clear()
+        check_invariants(net, own, views)
+    net.cut.clear()
+    net.extra_delay.clear()
+    for k in sorted(net.crashed):
+        net.boot(k, seeds=tuple(sorted(set(net.infos) - {k})))
+    for _ in range(20):
+        net.run(3.0)
+        check_invariants(net, own, views)
+    if not reclaim:  # with forgetting, a long enough split stays split (see protocol/membership.py)
+        assert_all_alive(net)
