@@ -14,6 +14,9 @@ from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 MAX_GOSSIP_BYTES = 1 << 20
 PREFIX = "/swarm/v1"
+NODE_HEADER = "X-Patchswarm-Node"
+HOLDERS_HEADER = "X-Patchswarm-Holders"
+MAX_HOLDERS = 16
 
 
 def add_routes(app: web.Application, handlers: Handlers) -> None:
@@ -29,9 +32,12 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             chunk_hash = bytes.fromhex(request.match_info["hash"])
         except ValueError:
             raise web.HTTPBadRequest(text="chunk hash must be hex\n") from None
-        reply = await handlers.chunk(chunk_hash)
+        reply = await handlers.chunk(chunk_hash, request.headers.get(NODE_HEADER, "")[:256])
         if isinstance(reply, Busy):
-            return web.Response(status=503, headers={"Retry-After": f"{reply.retry_after:.3f}"})
+            headers = {"Retry-After": f"{reply.retry_after:.3f}"}
+            if reply.holders:
+                headers[HOLDERS_HEADER] = ",".join(reply.holders)
+            return web.Response(status=503, headers=headers)
         if isinstance(reply, Missing):
             raise web.HTTPNotFound()
         return web.Response(body=reply, content_type="application/octet-stream")
@@ -71,12 +77,14 @@ class HttpTransport:
         except (TimeoutError, aiohttp.ClientError) as e:
             raise TransportError(f"gossip to {addr}: {type(e).__name__}") from None
 
-    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float) -> ChunkReply:
+    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str) -> ChunkReply:
         url = f"{addr}{PREFIX}/chunks/{chunk_hash.hex()}"
         try:
-            async with self._client().get(url, timeout=self._timeout(timeout)) as r:
+            async with self._client().get(url, timeout=self._timeout(timeout), headers={NODE_HEADER: requester}) as r:
                 if r.status == 503:
-                    return Busy(float(r.headers.get("Retry-After", "1")))
+                    holders = tuple(h for h in r.headers.get(HOLDERS_HEADER, "").split(",") if h)[:MAX_HOLDERS]
+                    retry = min(max(float(r.headers.get("Retry-After", "1")), 0.0), 60.0)
+                    return Busy(retry, holders)
                 if r.status == 404:
                     return Missing()
                 if r.status != 200:

@@ -11,6 +11,7 @@ it the held version.  What it verified it serves to others.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -57,6 +58,8 @@ class NodeConfig:
     upload_rate: float = math.inf  # bytes/s
     download_rate: float = math.inf
     max_uploads: int = 8
+    upload_queue: int = 32  # requests waiting for an upload slot before refusals start
+    upload_queue_wait: float = 1.0
     seed_max_uploads: int = 2  # a seed keeps its uplink for chunks no peer has yet
     busy_retry_after: float = 0.2
     # A seed hands out each chunk at most once per window ("super-seeding"): peers then get it from
@@ -64,7 +67,8 @@ class NodeConfig:
     seed_copy_window: float = 2.0
     head_poll_interval: float = 2.0
     announce_interval: float = 0.05
-    announce_fanout: int = 4
+    announce_fanout: int = 6  # peers told at once when availability changes (those that lack what we have first)
+    announce_refresh: float = 0.5  # even without changes, a few random peers hear from us this often
     cache_bytes: int = 1 << 30
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -133,7 +137,10 @@ class SwarmNode:
         self._wake = asyncio.Event()
         self._peers_changed = asyncio.Event()
         self._announce_dirty = False
-        self._seed_served: dict[bytes, float] = {}
+        self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
+        self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._seed_served: dict[bytes, tuple[float, tuple[str, ...]]] = {}
+        self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -180,15 +187,43 @@ class SwarmNode:
     # ------------------------------------------------------------ gossip
 
     def announcement(self) -> Announcement:
-        partial = tuple((mid, s.have.to_bytes()) for mid, s in self.partial.items())
+        if self.config.is_seed:
+            partial = self._seed_offers()
+            offered = {mid for mid, _ in partial}
+            complete = tuple(m for m in self.complete[-8:] if m not in offered)
+        else:
+            partial = tuple((mid, s.have.to_bytes()) for mid, s in self.partial.items())
+            complete = tuple(self.complete[-8:])
         return Announcement(
             run_id=self.config.run_id,
             head_counter=self.head_counter,
             version=self.held.version if self.held else -1,
-            complete=tuple(self.complete[-8:]),
+            complete=complete,
             partial=partial,
             seed=self.config.is_seed,
         )
+
+    def _seed_offers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """What a seed offers of the newest versions: chunks it has not handed out within the window."""
+        assert self.board is not None
+        now = self.clock.now()
+        offers = []
+        for mid in self.complete[-2:]:
+            hashes = self._seed_manifest_chunks(mid)
+            offer = Bitfield(len(hashes))
+            for i, h in enumerate(hashes):
+                if now - self._seed_served.get(h, (-math.inf, ()))[0] >= self.config.seed_copy_window:
+                    offer.set(i)
+            offers.append((mid, offer.to_bytes()))
+        return tuple(offers)
+
+    def _seed_manifest_chunks(self, mid: bytes) -> list[bytes]:
+        hashes = self._seed_chunk_lists.get(mid)
+        if hashes is None:
+            assert self.board is not None
+            hashes = [ref.hash for ref in self.board.manifest(mid).chunks]
+            self._seed_chunk_lists[mid] = hashes
+        return hashes
 
     def _frame(self, message: Message | None) -> bytes:
         frame = GossipFrame(self.info, self.announcement(), message)
@@ -231,6 +266,13 @@ class SwarmNode:
         if ann.run_id != self.config.run_id:
             return
         self.peers[sender.node_id] = PeerView(sender, ann, now)
+        if log.isEnabledFor(logging.DEBUG) and ann.partial:
+            log.debug(
+                "%s: hears %s has %s",
+                self.info.node_id,
+                sender.node_id,
+                [bin(int.from_bytes(b, "little")).count("1") for _, b in ann.partial],
+            )
         self._peers_changed.set()
         if ann.head_counter > self.head_counter and self.board is None:
             self._spawn(self._fetch_head(prefer=sender.addr))
@@ -252,36 +294,66 @@ class SwarmNode:
             await self.clock.sleep(delay)
 
     async def _announce_loop(self) -> None:
-        """Push our availability to a few peers soon after it changes (like BitTorrent's HAVE)."""
+        """Push our availability soon after it changes (like BitTorrent's HAVE), and now and then anyway."""
+        last_refresh = self.clock.now()
         while not self._stopping:
             await self.clock.sleep(self.config.announce_interval)
-            if not self._announce_dirty:
+            now = self.clock.now()
+            if self._announce_dirty:
+                self._announce_dirty = False
+                targets = self._announce_targets(self.config.announce_fanout)
+            elif now - last_refresh >= self.config.announce_refresh:
+                last_refresh = now
+                targets = self._announce_targets(self.config.membership.gossip_fanout)
+            else:
                 continue
-            self._announce_dirty = False
-            targets = self._announce_targets()
+            frame = self._frame(None)
             for info in targets:
-                self._spawn(self._send(info.addr, self._frame(None)))
+                self._spawn(self._send(info.addr, frame))
 
-    def _announce_targets(self) -> list[NodeInfo]:
+    def _announce_targets(self, count: int) -> list[NodeInfo]:
+        """Peers that lack chunks we hold first ("interested", as BitTorrent says), nearest first, then anyone."""
         alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
-        wanting = [i for i in alive if i.node_id in self.peers and self.peers[i.node_id].ann.partial]
-        pool = wanting if len(wanting) >= self.config.announce_fanout else alive
-        return self.rng.sample(pool, min(self.config.announce_fanout, len(pool)))
+        mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
+        interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
+        self.rng.shuffle(interested)
+        interested.sort(key=lambda i: (i.zone != self.info.zone, i.region != self.info.region))
+        rest = [i for i in alive if i not in interested]
+        self.rng.shuffle(rest)
+        return (interested + rest)[:count]
+
+    def _held_bits(self, mid: bytes) -> int | None:
+        """Our chunks of a manifest as an int bitmask (None: all of them)."""
+        sched = self.partial.get(mid)
+        return None if sched is None else int.from_bytes(sched.have.to_bytes(), "little")
+
+    def _wants_from_us(self, node_id: str, mine: dict[bytes, int | None]) -> bool:
+        view = self.peers.get(node_id)
+        if view is None:
+            return False
+        for mid, bits in view.ann.partial:
+            if mid in mine:
+                ours = mine[mid]
+                theirs = int.from_bytes(bits, "little")
+                if ours is None or ours & ~theirs:
+                    return True
+        return False
 
     # ------------------------------------------------------------ serving
 
-    async def handle_chunk(self, chunk_hash: bytes) -> ChunkReply:
+    async def handle_chunk(self, chunk_hash: bytes, requester: str = "") -> ChunkReply:
         data = self.chunks.get(chunk_hash)
         if data is None:
             return Missing()
         if self.config.is_seed:
             now = self.clock.now()
-            last = self._seed_served.get(chunk_hash)
-            if last is not None and now - last < self.config.seed_copy_window:
+            last, given_to = self._seed_served.get(chunk_hash, (-math.inf, ()))
+            if now - last < self.config.seed_copy_window:
                 self.metrics.busy_replies += 1
-                return Busy(self.config.busy_retry_after)
-            self._seed_served[chunk_hash] = now
-        if not self.upload_slots.acquire():
+                return Busy(self.config.busy_retry_after, given_to)
+            self._seed_served[chunk_hash] = (now, (requester,) if requester else ())
+            self._announce_dirty = True  # the offer shrank
+        if not await self._upload_slot():
             self.metrics.busy_replies += 1
             return Busy(self.config.busy_retry_after)
         try:
@@ -291,7 +363,32 @@ class SwarmNode:
             self.metrics.chunks_uploaded += 1
             return data
         finally:
-            self.upload_slots.release()
+            self._release_upload_slot()
+
+    async def _upload_slot(self) -> bool:
+        """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry."""
+        if self.upload_slots.acquire():
+            return True
+        if len(self._upload_queue) >= self.config.upload_queue:
+            return False
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._upload_queue.append(turn)
+        timer = asyncio.ensure_future(self.clock.sleep(self.config.upload_queue_wait))
+        await asyncio.wait([turn, timer], return_when=asyncio.FIRST_COMPLETED)
+        timer.cancel()
+        if turn.done():
+            return True  # the slot was handed over by _release_upload_slot
+        turn.cancel()
+        self._upload_queue.remove(turn)
+        return False
+
+    def _release_upload_slot(self) -> None:
+        while self._upload_queue:
+            turn = self._upload_queue.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.upload_slots.release()
 
     async def handle_object(self, path: str) -> bytes | None:
         if self.board is not None:
@@ -341,6 +438,7 @@ class SwarmNode:
             log.warning("%s: head refused: %s", self.info.node_id, e)
             return
         self.head, self.head_counter = head, head.counter
+        log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
         self.objects[Board.head_rel(self.config.run_id)] = data
         self._announce_dirty = True
         self._wake.set()
@@ -366,6 +464,7 @@ class SwarmNode:
         steps = plan(head.catalog, self.held.version if self.held else None, head.version)
         for entry in steps:
             manifest = await self.puller.fetch_manifest(entry)
+            log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
             self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.last_manifest_bytes(entry.manifest_id)
             payload = await self._download(manifest)
             held = self.held
@@ -424,6 +523,7 @@ class SwarmNode:
             for task in running.values():
                 task.cancel()
             del self.partial[mid]
+            self._hints.pop(mid, None)
             if isinstance(pinned, set):
                 pinned.difference_update(ref.hash for ref in manifest.chunks)
         parts = []
@@ -437,16 +537,25 @@ class SwarmNode:
         return b"".join(parts)
 
     def _refresh_peers(self, sched: ChunkScheduler, mid: bytes, nchunks: int, now: float) -> None:
+        """Tell the scheduler who holds what: announcements, plus the seed's hints not yet announced."""
+        hints = self._hints.get(mid, {})
         for view in list(self.peers.values()):
             ann = view.ann
             peer = PeerInfo(view.info.node_id, view.info.zone, view.info.region, is_seed=ann.seed)
-            if ann.seed or mid in ann.complete:
+            bits = dict(ann.partial).get(mid)
+            if bits is None and (ann.seed or mid in ann.complete):
                 sched.update_peer(peer, None, now)
                 continue
-            bits = dict(ann.partial).get(mid)
-            if bits is not None:
-                with contextlib.suppress(PatchswarmError):  # a malformed bitfield: ignore that claim
-                    sched.update_peer(peer, Bitfield.from_bytes(nchunks, bits), now)
+            hinted = hints.get(view.info.node_id)
+            if bits is None and not hinted:
+                continue
+            try:
+                has = Bitfield.from_bytes(nchunks, bits) if bits is not None else Bitfield(nchunks)
+            except PatchswarmError:
+                continue  # a malformed bitfield: ignore that claim
+            for i in hinted or ():
+                has.set(i)
+            sched.update_peer(peer, has, now)
 
     async def _fetch(
         self,
@@ -465,17 +574,31 @@ class SwarmNode:
             await self.clock.sleep(self.download_bucket.reserve(now, ref.size) - now)
             start = self.clock.now()
             try:
-                reply = await self.transport.get_chunk(
-                    view.info.addr, ref.hash, ref.size, max(req.deadline - start, 0.05)
-                )
+                timeout = max(req.deadline - start, 0.05)
+                reply = await self.transport.get_chunk(view.info.addr, ref.hash, ref.size, timeout, self.info.node_id)
             except TransportError:
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
                 return
+            log.debug(
+                "%s: chunk %d from %s -> %s after %.3fs",
+                self.info.node_id,
+                req.chunk,
+                req.peer_id,
+                type(reply).__name__,
+                self.clock.now() - start,
+            )
             if isinstance(reply, Busy):
                 self.metrics.busy_replies += 1
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
+                hints = self._hints.setdefault(manifest.manifest_id, {})
+                for holder in reply.holders:
+                    if holder != self.info.node_id:
+                        hints.setdefault(holder, set()).add(req.chunk)
+                if reply.holders:
+                    self._peers_changed.set()
                 return
             if isinstance(reply, Missing):
+                self._hints.get(manifest.manifest_id, {}).get(req.peer_id, set()).discard(req.chunk)
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
                 return
             try:

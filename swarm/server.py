@@ -50,8 +50,8 @@ async def start_http_node(
     async def gossip(data: bytes) -> None:
         await box[0].handle_gossip(data)
 
-    async def chunk(h: bytes) -> ChunkReply:
-        return await box[0].handle_chunk(h)
+    async def chunk(h: bytes, requester: str) -> ChunkReply:
+        return await box[0].handle_chunk(h, requester)
 
     async def obj(path: str) -> bytes | None:
         return await box[0].handle_object(path)

@@ -15,9 +15,14 @@ from typing import Protocol
 
 @dataclass(frozen=True, slots=True)
 class Busy:
-    """The peer refused for now (upload slots full, or a seed protecting its uplink)."""
+    """The peer refused for now (upload slots full, or a seed protecting its uplink).
+
+    ``holders``: node ids the refusing peer recently gave this chunk to (a seed's hint of
+    where to ask instead; unverified, so a wrong hint only costs a Missing reply).
+    """
 
     retry_after: float
+    holders: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +41,7 @@ class Transport(Protocol):
     async def send(self, addr: str, data: bytes) -> None:
         """Deliver one gossip datagram; raises TransportError when it cannot."""
 
-    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float) -> ChunkReply:
+    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str) -> ChunkReply:
         """Fetch a chunk by hash; never returns more than ``size`` bytes (longer replies fail)."""
 
     async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
@@ -50,7 +55,7 @@ class Handlers:
     """What a node answers with: the server side of the transport calls these."""
 
     gossip: Callable[[bytes], Awaitable[None]]
-    chunk: Callable[[bytes], Awaitable[ChunkReply]]
+    chunk: Callable[[bytes, str], Awaitable[ChunkReply]]  # (chunk hash, requesting node id)
     object: Callable[[str], Awaitable[bytes | None]]
 
 

@@ -23,7 +23,7 @@ from swarm.server import RunningNode, start_http_node
 SECRET = b"test-cluster-secret-0123456789ab"
 RUN = "swarm-run"
 # Faster failure detection than the production defaults, so tests finish quickly.
-FAST_MEMBERSHIP = MembershipConfig(probe_interval=0.2, probe_timeout=0.1, gossip_interval=0.05, sync_interval=1.0)
+FAST_MEMBERSHIP = MembershipConfig(probe_interval=0.5, probe_timeout=0.2, gossip_interval=0.2, sync_interval=2.0)
 
 
 @dataclass

@@ -111,8 +111,8 @@ async def test_corrupting_peer_is_banned_and_chunks_refetched(tmp_path: Path) ->
         await s.wait_all(1)
         real = liar.node.handle_chunk
 
-        async def corrupt(h: bytes):  # type: ignore[no-untyped-def]
-            reply = await real(h)
+        async def corrupt(h: bytes, requester: str = ""):  # type: ignore[no-untyped-def]
+            reply = await real(h, requester)
             return bytes([reply[0] ^ 0xFF]) + reply[1:] if isinstance(reply, bytes) else reply
 
         liar.node.handle_chunk = corrupt  # type: ignore[method-assign]
