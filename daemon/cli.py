@@ -27,6 +27,7 @@ from daemon.pull import Held, Puller
 from daemon.pull_state import PullState
 from daemon.served_format import ServedFormat
 from daemon.sources import source_for
+from daemon.swarm_cli import add_swarm_args
 from protocol.codec import read_header
 from protocol.errors import PatchswarmError
 from protocol.keys import SigningKey, TrustedKeys, load_public_key
@@ -281,9 +282,25 @@ def cmd_seed(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     if not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
+    if args.run:
+        from daemon.swarm_cli import SwarmCliError, run_seed
+
+        try:
+            return run_seed(args)
+        except SwarmCliError as e:
+            raise UserError(str(e)) from None
     err.print(f"serving board {args.board} on http://{host}:{port}/")
     web.run_app(board_app(args.board), host=host, port=port, print=None, handle_signals=True)
     return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from daemon.swarm_cli import SwarmCliError, run_node
+
+    try:
+        return run_node(args)
+    except (SwarmCliError, ValueError) as e:
+        raise UserError(str(e)) from None
 
 
 def _run_from(url: str, run: str | None) -> tuple[str, str]:
@@ -372,7 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     sd = sub.add_parser("seed", help="serve a board over HTTP")
     sd.add_argument("--board", required=True, metavar="DIR")
     sd.add_argument("--listen", default="127.0.0.1:8700", metavar="HOST:PORT")
+    sd.add_argument("--run", help="also join the swarm of this run as a peer that holds everything")
+    add_swarm_args(sd)
     sd.set_defaults(func=cmd_seed)
+
+    nd = sub.add_parser("node", help="follow a run through the swarm, holding the newest version in memory")
+    nd.add_argument("--listen", required=True, metavar="HOST:PORT")
+    nd.add_argument("--run", required=True)
+    nd.add_argument("--trust", required=True, metavar="ROOT.pub")
+    nd.add_argument("--seed-url", action="append", metavar="URL", help="board URL polled for the head")
+    nd.add_argument("--print-root", action="store_true", help="print each version's state root")
+    add_swarm_args(nd)
+    nd.set_defaults(func=cmd_node)
 
     pl = sub.add_parser("pull", help="fetch, verify and write the head version of a run")
     pl.add_argument("--from", dest="source", required=True, metavar="URL", help="board URL or directory")

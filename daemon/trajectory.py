@@ -69,7 +69,7 @@ PRESETS: dict[str, Preset] = {
     # ~3.3M parameters.
     "small": Preset(vocab=128, d_model=256, n_layers=4, n_heads=4, d_ff=1024, seq_len=34, batch=32, warmup_steps=60),
     # ~25.7M parameters (51 MB served in bf16).
-    "bench": Preset(vocab=512, d_model=512, n_layers=8, n_heads=8, d_ff=2048, seq_len=42, batch=16, warmup_steps=60),
+    "bench": Preset(vocab=512, d_model=512, n_layers=8, n_heads=8, d_ff=2048, seq_len=42, batch=16, warmup_steps=40),
 }
 
 
@@ -93,7 +93,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return out
 
 
 class TinyLM(nn.Module):
@@ -252,13 +253,19 @@ def _metadata(traj: Trajectory, kind: str, version: int) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def _deterministic(threads: int | None) -> Iterator[None]:
+    """Deterministic kernels and thread count; the caller's RNG state and settings left as they were."""
     prev = torch.are_deterministic_algorithms_enabled()
+    prev_threads = torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
-        yield
+        with torch.random.fork_rng(devices=[]):
+            yield
     finally:
         torch.use_deterministic_algorithms(prev)
+        torch.set_num_threads(prev_threads)
 
 
 def generate(
@@ -270,11 +277,15 @@ def generate(
     warmup_steps: int | None = None,
     warmup_lr: float | None = None,
     rl: str = "pg",
+    threads: int | None = 1,
     log: bool = False,
 ) -> Trajectory:
     """Warm up, then take ``steps`` RL-like steps at ``lr``; export versions 0..steps.
 
     ``rl="pg"`` takes policy-gradient steps, ``rl="sft"`` plain supervised steps on fresh batches.
+    ``threads``: torch intra-op threads while training.  The default, one, makes the result the
+    same on every machine (reductions split over threads round differently) and keeps a busy
+    machine from slowing to a crawl; ``None`` keeps torch's setting (faster for "bench").
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (one of {', '.join(PRESETS)})")
@@ -286,7 +297,7 @@ def generate(
     if warmup_lr is not None:
         p = replace(p, warmup_lr=warmup_lr)
     traj = Trajectory(preset, seed, lr)
-    with _deterministic():
+    with _deterministic(threads):
         g_init = torch.Generator().manual_seed(seed)
         g_data = torch.Generator().manual_seed(seed + 1)
         g_sample = torch.Generator().manual_seed(seed + 2)
@@ -300,11 +311,11 @@ def generate(
                 group["lr"] = p.warmup_lr * min(1.0, (i + 1) / max(1, p.warmup_steps // 10))
             loss = supervised_loss(model, *make_batch(p, g_data))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             traj.warmup_losses.append(loss.item())
             if log and (i % 10 == 0 or i == p.warmup_steps - 1):
-                print(f"warm-up {i:4d}  loss {float(loss):.4f}  {time.perf_counter() - t0:.1f}s", flush=True)
+                print(f"warm-up {i:4d}  loss {traj.warmup_losses[-1]:.4f}  {time.perf_counter() - t0:.1f}s", flush=True)
         for group in opt.param_groups:
             group["lr"] = lr
         scales = fp8_scales(model)
@@ -317,9 +328,9 @@ def generate(
             else:
                 loss = supervised_loss(model, seq, mask)
                 with torch.no_grad():
-                    reward = math.exp(-float(loss))
+                    reward = math.exp(-loss.item())
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             traj.rewards.append(reward)
             traj.bf16.append(export_bf16(model))
@@ -366,10 +377,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-steps", type=int, default=None)
     ap.add_argument("--rl", choices=("pg", "sft"), default="pg")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     print(f"preset {args.preset}: {param_count(args.preset):,} parameters")
-    traj = generate(args.preset, args.steps, args.lr, args.seed, warmup_steps=args.warmup_steps, rl=args.rl, log=True)
+    traj = generate(
+        args.preset,
+        args.steps,
+        args.lr,
+        args.seed,
+        warmup_steps=args.warmup_steps,
+        rl=args.rl,
+        threads=args.threads or None,
+        log=True,
+    )
     for i in range(1, len(traj.bf16)):
         print(
             f"v{i - 1} -> v{i}: bf16 {100 * changed_fraction(traj.bf16[i - 1], traj.bf16[i]):.3f}% changed, "
