@@ -43,6 +43,7 @@ from swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, Transpor
 log = logging.getLogger("patchswarm.swarm")
 
 MAX_OBJECT_BYTES = 64 << 20
+REJOIN_INTERVAL = 5.0
 
 
 @dataclass
@@ -128,6 +129,7 @@ class SwarmNode:
         self.complete: list[bytes] = []  # manifest ids whose chunks this node holds in full (newest last)
         self.partial: dict[bytes, ChunkScheduler] = {}
         self.applied: list[CatalogEntry] = []  # every catalog step this node applied, in order
+        self.phase = "idle"  # idle | fetching | staging (applying and verifying a version off to the side)
         # Bursts of a tenth of a second: a limit holds over any window longer than that.
         self.upload_bucket = TokenBucket(config.upload_rate, config.upload_rate * 0.1)
         self.download_bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
@@ -286,8 +288,14 @@ class SwarmNode:
                 self._peers_changed.set()
 
     async def _membership_loop(self) -> None:
+        last_join = self.clock.now()
         while not self._stopping:
             now = self.clock.now()
+            if not self.membership.alive() and now - last_join >= REJOIN_INTERVAL:
+                # Alone (a long partition, or every peer restarted): knock on the bootstrap list again.
+                last_join = now
+                seeds = [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
+                self._dispatch(self.membership.join(seeds, now))
             self._dispatch(self.membership.tick(now))
             self._apply_membership_events()
             delay = max(0.01, min(self.membership.next_deadline() - self.clock.now(), 1.0))
@@ -454,34 +462,43 @@ class SwarmNode:
                 continue
             try:
                 await self._catch_up(head)
-            except (PatchswarmError, TransportError) as e:
-                self.error = str(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # any failure: report it, keep the node alive, retry
+                self.phase = "idle"
+                self.error = f"{type(e).__name__}: {e}" if not isinstance(e, PatchswarmError) else str(e)
                 self.metrics.apply_failures += 1
-                log.warning("%s: catch-up failed: %s", self.info.node_id, e)
+                log.warning("%s: catch-up failed: %s", self.info.node_id, self.error)
                 await self.clock.sleep(0.5)
 
     async def _catch_up(self, head: Head) -> None:
         steps = plan(head.catalog, self.held.version if self.held else None, head.version)
         for entry in steps:
+            self.phase = "fetching"
             manifest = await self.puller.fetch_manifest(entry)
             log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
             self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.last_manifest_bytes(entry.manifest_id)
             payload = await self._download(manifest)
+            self.phase = "staging"
             held = self.held
             base = held if held is not None and entry.base_version is not None else None
             model, digests = apply_version(
                 base.model.clone() if base else None, manifest, payload, base_digests=base.digests if base else None
             )
-            self.held = Held(manifest.version, model, digests)
+            new = Held(manifest.version, model, digests)
+            if self.on_version is not None:
+                # The host activates first (e.g. into the engine's memory); if that fails, this node
+                # does not adopt the version and will try again.
+                result = self.on_version(new)
+                if asyncio.iscoroutine(result):
+                    await result
+            self.held = new
             self.applied.append(entry)
             self.metrics.versions_applied += 1
             self._announce_dirty = True
-            if self.on_version is not None:
-                result = self.on_version(self.held)
-                if asyncio.iscoroutine(result):
-                    await result
             if self.head is not None and self.head.version != head.version:
-                return  # a newer head arrived: replan from here
+                break  # a newer head arrived: replan from here
+        self.phase = "idle"
 
     async def _download(self, manifest: Manifest) -> bytes:
         mid = manifest.manifest_id

@@ -1,0 +1,153 @@
+"""The local HTTP API on a unix socket: how engines and operators talk to the daemon.
+
+    GET  /v1/status                  state, versions, progress, peers (also what `patchswarm status` shows)
+    GET  /v1/version                 applied version and its state root
+    GET  /v1/wait?version=N&timeout=S   long poll until version N is applied (or the timeout)
+    GET  /v1/events                  server-sent events: one per state change
+    GET  /v1/layout                  the weight layout and how to attach to the store
+    POST /v1/ack                     an engine acknowledges the version it now serves
+    GET  /metrics                    Prometheus metrics
+
+The socket is created with mode 0660 (and the configured group), so only the daemon's user
+and that group can reach it.  The spec is docs/api/openapi.yaml, checked against this server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from daemon.status import Status
+
+MAX_WAIT_S = 300.0
+STATUS_KEY: web.AppKey[Status] = web.AppKey("status", Status)
+LAYOUT_KEY: web.AppKey[Callable[[], dict[str, Any] | None]] = web.AppKey("layout", object)  # type: ignore[arg-type]
+METRICS_KEY: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics", object)  # type: ignore[arg-type]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda o: json.dumps(o, separators=(",", ":")))
+
+
+def _bad(message: str) -> web.Response:
+    return _json({"error": "BadRequest", "message": message}, 400)
+
+
+async def status(request: web.Request) -> web.Response:
+    return _json(request.app[STATUS_KEY].snapshot())
+
+
+async def version(request: web.Request) -> web.Response:
+    s = request.app[STATUS_KEY]
+    return _json({"version": s.version, "root": s.root, "state": str(s.phase)})
+
+
+async def wait(request: web.Request) -> web.Response:
+    s = request.app[STATUS_KEY]
+    try:
+        want = int(request.query["version"])
+        timeout = float(request.query.get("timeout", "30"))
+    except (KeyError, ValueError):
+        return _bad("query needs version=<int> and optionally timeout=<seconds>")
+    if want < 0 or not 0 <= timeout <= MAX_WAIT_S:
+        return _bad(f"version must be >= 0 and timeout within [0, {MAX_WAIT_S:g}] seconds")
+    reached = await s.wait_version(want, timeout)
+    return _json({"reached": reached, "version": s.version, "state": str(s.phase)})
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    s = request.app[STATUS_KEY]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    q = s.subscribe()
+    try:
+        snap = s.snapshot()
+        first = {"event": "state", **{k: snap[k] for k in ("state", "reason", "version", "target", "progress")}}
+        await resp.write(f"event: state\ndata: {json.dumps(first)}\n\n".encode())
+        while True:
+            try:
+                ev = await asyncio.wait_for(q.get(), timeout=15)
+                await resp.write(f"event: {ev['event']}\ndata: {json.dumps(ev)}\n\n".encode())
+            except TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        s.unsubscribe(q)
+    return resp
+
+
+async def layout(request: web.Request) -> web.Response:
+    info = request.app[LAYOUT_KEY]()
+    if info is None:
+        return _json({"error": "NotReady", "message": "no version loaded into the store yet"}, 409)
+    return _json(info)
+
+
+async def ack(request: web.Request) -> web.Response:
+    s = request.app[STATUS_KEY]
+    try:
+        body = await request.json()
+        engine, ver = str(body["engine"]), int(body["version"])
+    except (ValueError, KeyError, TypeError):
+        return _bad('body must be {"engine": <name>, "version": <int>}')
+    if not engine or len(engine) > 128:
+        return _bad("engine name must be 1 to 128 characters")
+    acks = dict(s.acks)
+    acks[engine] = ver
+    s.update(acks=acks)
+    return _json({"engine": engine, "version": ver, "applied": s.version})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY](), content_type="text/plain", charset="utf-8")
+
+
+def make_api_app(
+    st: Status, layout_info: Callable[[], dict[str, Any] | None], metrics_text: Callable[[], bytes]
+) -> web.Application:
+    app = web.Application(client_max_size=1 << 16)
+    app[STATUS_KEY] = st
+    app[LAYOUT_KEY] = layout_info
+    app[METRICS_KEY] = metrics_text
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/version", version)
+    app.router.add_get("/v1/wait", wait)
+    app.router.add_get("/v1/events", events)
+    app.router.add_get("/v1/layout", layout)
+    app.router.add_post("/v1/ack", ack)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve_unix(app: web.Application, path: str | Path, group: str = "") -> web.AppRunner:
+    """Serve on a unix socket with mode 0660 (and the group, if given); replaces a stale socket file."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PermissionError(f"api.socket: cannot create {path.parent}: {e.strerror}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"api.socket: no permission to create a socket in {path.parent}")
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.UnixSite(runner, str(path))
+    await site.start()
+    os.chmod(path, 0o660)
+    if group:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            await runner.cleanup()
+            raise PermissionError(f"api.group: no such group {group!r}") from None
+    return runner

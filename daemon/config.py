@@ -1,0 +1,297 @@
+"""The rollout daemon's configuration: a TOML file, overridable by environment variables.
+
+Every key is declared once in ``SCHEMA`` with its type, default and documentation (docs/daemon.md
+is checked against it).  Any invalid value raises ConfigError naming the key, e.g.
+``swarm.upload_rate: expected a rate like '100MB' (bytes per second), got 'fast'``.
+Environment overrides: ``PATCHSWARM_<SECTION>_<KEY>`` (upper case), e.g. ``PATCHSWARM_SWARM_UPLOAD_RATE=50MB``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon.seed import parse_listen as split_listen
+
+
+class ConfigError(Exception):
+    """A configuration problem, always naming the offending key."""
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1e3,
+    "KB": 1e3,
+    "M": 1e6,
+    "MB": 1e6,
+    "G": 1e9,
+    "GB": 1e9,
+    "T": 1e12,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_DURATION = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_size(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("expected a size")
+    if isinstance(v, int | float):
+        if v < 0:
+            raise ValueError("must not be negative")
+        return float(v)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(v))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"expected a size like '100MB' or '16GiB', got {v!r}")
+    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def parse_rate(v: Any) -> float:
+    """Bytes per second; 0 means unlimited."""
+    try:
+        r = parse_size(v)
+    except ValueError:
+        raise ValueError(f"expected a rate like '100MB' (bytes per second), got {v!r}") from None
+    return math.inf if r == 0 else r
+
+
+def parse_duration(v: Any) -> float:
+    if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0:
+        return float(v)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)\s*", str(v))
+    if not m:
+        raise ValueError(f"expected a duration like '500ms', '5s' or '2m', got {v!r}")
+    return float(m.group(1)) * _DURATION[m.group(2)]
+
+
+def parse_listen(v: Any) -> str:
+    split_listen(str(v))
+    return str(v)
+
+
+def parse_url(v: Any) -> str:
+    if not isinstance(v, str) or not re.match(r"^https?://[^/\s]+", v):
+        raise ValueError(f"expected an http(s) URL, got {v!r}")
+    return v.rstrip("/")
+
+
+def parse_urls(v: Any) -> list[str]:
+    if isinstance(v, str):
+        v = [x for x in v.split(",") if x.strip()]
+    if not isinstance(v, list):
+        raise ValueError("expected a list of URLs")
+    return [parse_url(x.strip() if isinstance(x, str) else x) for x in v]
+
+
+def parse_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {v!r}")
+    return v
+
+
+def parse_name(v: Any) -> str:
+    s = parse_str(v)
+    if not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", s):
+        raise ValueError(f"expected letters, digits and . _ : - (at most 128), got {v!r}")
+    return s
+
+
+def parse_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {v!r}")
+
+
+def parse_int(v: Any) -> int:
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, str) and v.strip().isdigit())):
+        raise ValueError(f"expected a whole number, got {v!r}")
+    return int(v)
+
+
+def choice(*options: str) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        if v not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {v!r}")
+        return str(v)
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Key:
+    section: str
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    doc: str
+    required: bool = False
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        return f"PATCHSWARM_{self.section}_{self.name}".upper()
+
+
+SCHEMA: list[Key] = [
+    Key("node", "name", parse_name, None, "Node id in the swarm (default: the host name)."),
+    Key("node", "listen", parse_listen, "0.0.0.0:8701", "Address the swarm endpoints listen on."),
+    Key("node", "advertise", parse_url, None, "URL peers use to reach this node (default: from listen)."),
+    Key("node", "region", parse_str, "", "Region label; peers in the same region are preferred."),
+    Key("node", "zone", parse_str, "", "Zone label; peers in the same zone are preferred first."),
+    Key("swarm", "run_id", parse_name, None, "The training run whose versions this host follows.", required=True),
+    Key("swarm", "bootstrap", parse_urls, [], "Swarm URLs of peers or the seed to join through."),
+    Key("swarm", "seed_urls", parse_urls, [], "Board URLs (the trainer seed, nginx, a CDN) polled for the head."),
+    Key(
+        "swarm",
+        "cluster_secret_file",
+        parse_str,
+        None,
+        "File with the cluster secret (>= 16 bytes) that authenticates gossip.",
+        required=True,
+    ),
+    Key("swarm", "upload_rate", parse_rate, 0, "Upload limit in bytes/s ('100MB'); 0 = unlimited."),
+    Key("swarm", "download_rate", parse_rate, 0, "Download limit in bytes/s; 0 = unlimited."),
+    Key("swarm", "max_uploads", parse_int, 8, "Concurrent chunk uploads to peers."),
+    Key(
+        "trust",
+        "root",
+        parse_str,
+        None,
+        "Root public key (PEM) the host trusts; nothing else is trusted.",
+        required=True,
+    ),
+    Key("trust", "clock_skew", parse_duration, "5m", "Tolerated clock skew for expiry checks."),
+    Key(
+        "store",
+        "kind",
+        choice("shm", "cuda"),
+        "shm",
+        "Where the served weights live: host shared memory or CUDA memory shared by IPC handle (engine-allocated).",
+    ),
+    Key("store", "name", parse_name, None, "Shared-memory name of the store (default: patchswarm-<run_id>)."),
+    Key(
+        "store",
+        "size",
+        parse_size,
+        0,
+        "Capacity in bytes ('16GiB'); 0 = exactly the model. A model larger than this is refused.",
+    ),
+    Key("api", "socket", parse_str, "/run/patchswarm/api.sock", "Unix socket of the local HTTP API."),
+    Key("api", "group", parse_str, "", "Group owning the socket (mode 0660); empty = the daemon's group."),
+    Key("sidecar", "enabled", parse_bool, False, "Run the version-aware reverse proxy in front of the engine."),
+    Key("sidecar", "listen", parse_listen, "127.0.0.1:8081", "Where the sidecar listens."),
+    Key("sidecar", "upstream", parse_url, "http://127.0.0.1:8080", "The engine's HTTP API."),
+    Key(
+        "sidecar",
+        "commit_mode",
+        choice("quiesce", "in_place"),
+        "quiesce",
+        "quiesce: drain every request before activating; in_place: drain only requests pinned to an exact version.",
+    ),
+    Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
+    Key("metrics", "listen", parse_listen, None, "Prometheus metrics address (also served on the API socket)."),
+    Key("log", "format", choice("json", "text"), "json", "Log format."),
+    Key("log", "level", choice("debug", "info", "warning", "error"), "info", "Log level."),
+]
+_BY_PATH = {k.path: k for k in SCHEMA}
+SECTIONS = sorted({k.section for k in SCHEMA})
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    values: Mapping[str, Any]
+    source: str
+
+    def __getitem__(self, path: str) -> Any:
+        return self.values[path]
+
+    @property
+    def node_name(self) -> str:
+        return str(self.values["node.name"] or socket.gethostname())
+
+    @property
+    def store_name(self) -> str:
+        return str(self.values["store.name"] or f"patchswarm-{self.values['swarm.run_id']}")
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.values["data.dir"])
+
+    def cluster_secret(self) -> bytes:
+        path = Path(self.values["swarm.cluster_secret_file"])
+        try:
+            secret = path.read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"swarm.cluster_secret_file: cannot read {path}: {e.strerror}") from None
+        if len(secret) < 16:
+            raise ConfigError(f"swarm.cluster_secret_file: {path} holds {len(secret)} bytes; at least 16 are needed")
+        return secret
+
+
+def load_config(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None) -> DaemonConfig:
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such configuration file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    return from_mapping(raw, env if env is not None else os.environ, source)
+
+
+def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "<mapping>") -> DaemonConfig:
+    values: dict[str, Any] = {}
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{section}: unknown section (known: {', '.join(SECTIONS)})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{section}: must be a table ([{section}])")
+        for name in body:
+            if f"{section}.{name}" not in _BY_PATH:
+                known = ", ".join(k.name for k in SCHEMA if k.section == section)
+                raise ConfigError(f"{section}.{name}: unknown key (known in [{section}]: {known})")
+    for key in SCHEMA:
+        value = raw.get(key.section, {}).get(key.name, None)
+        where = key.path
+        if key.env in env:
+            value, where = env[key.env], f"{key.path} (from ${key.env})"
+        if value is None:
+            if key.required:
+                raise ConfigError(f"{key.path}: required ({key.doc})")
+            values[key.path] = key.parse(key.default) if key.default is not None else None
+            continue
+        try:
+            values[key.path] = key.parse(value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return DaemonConfig(values, source)
+
+
+def reference_markdown() -> str:
+    """The configuration reference table (docs/daemon.md embeds it)."""
+    lines = ["| key | default | environment | meaning |", "|---|---|---|---|"]
+    for k in SCHEMA:
+        default = "(required)" if k.required else ("" if k.default is None else f"`{k.default!r}`")
+        lines.append(f"| `{k.path}` | {default} | `{k.env}` | {k.doc} |")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""What the daemon is doing, in one place: the state machine the API, the CLI and metrics read.
+
+Phases: starting -> idle <-> fetching -> staging -> activating -> idle; error (with a reason)
+from anywhere, cleared by the next successful version; stopping at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Phase(StrEnum):
+    STARTING = "starting"
+    IDLE = "idle"
+    FETCHING = "fetching"
+    STAGING = "staging"
+    ACTIVATING = "activating"
+    ERROR = "error"
+    STOPPING = "stopping"
+
+
+@dataclass
+class Status:
+    node: str
+    run_id: str
+    phase: Phase = Phase.STARTING
+    reason: str | None = None
+    version: int | None = None  # applied in the store: what the engine serves
+    root: str | None = None
+    target: int | None = None  # newest version the host knows of
+    chunks_done: int = 0
+    chunks_total: int = 0
+    peers: list[dict[str, Any]] = field(default_factory=list)
+    held_versions: list[int] = field(default_factory=list)
+    acks: dict[str, int] = field(default_factory=dict)  # engine name -> version it acknowledged
+    last_activation_pause_s: float | None = None
+    started: float = field(default_factory=time.time)
+    _changed: asyncio.Condition | None = None
+    _subscribers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
+
+    @property
+    def changed(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "run_id": self.run_id,
+            "state": str(self.phase),
+            "reason": self.reason,
+            "version": self.version,
+            "root": self.root,
+            "target": self.target,
+            "progress": {
+                "chunks_done": self.chunks_done,
+                "chunks_total": self.chunks_total,
+                "fraction": (self.chunks_done / self.chunks_total) if self.chunks_total else None,
+            },
+            "peers": len(self.peers),
+            "held_versions": list(self.held_versions),
+            "acks": dict(self.acks),
+            "last_activation_pause_s": self.last_activation_pause_s,
+            "uptime_s": round(time.time() - self.started, 3),
+        }
+
+    def update(self, **changes: Any) -> None:
+        """Change fields and tell waiters and event subscribers (only when something changed)."""
+        before = self.snapshot()
+        for k, v in changes.items():
+            if k == "phase":
+                v = Phase(v)
+            setattr(self, k, v)
+        if changes.get("phase") not in (None, Phase.ERROR) and "reason" not in changes:
+            self.reason = None
+        after = self.snapshot()
+        interesting = {
+            k: after[k] for k in ("state", "reason", "version", "target", "progress") if after[k] != before[k]
+        }
+        if not interesting:
+            return
+        event = {"event": "state", **{k: after[k] for k in ("state", "reason", "version", "target", "progress")}}
+        for q in list(self._subscribers):
+            if q.full():
+                self._subscribers.discard(q)  # a reader that stopped reading: drop it, not the daemon
+            else:
+                q.put_nowait(event)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1024)
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
+        self._subscribers.discard(q)
+
+    async def wait_version(self, version: int, timeout: float) -> bool:
+        """Until the applied version is at least ``version`` (True) or the timeout passes (False)."""
+        async with self.changed:
+            try:
+                await asyncio.wait_for(
+                    self.changed.wait_for(lambda: self.version is not None and self.version >= version), timeout
+                )
+            except TimeoutError:
+                return False
+        return True
