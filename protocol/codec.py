@@ -4,15 +4,37 @@ Each tensor gets the smallest of four representations (see docs/format.md):
 SAME (costs one header entry), SPARSE_ULP (floats: position gaps + ordered-line deltas),
 SPARSE_RAW (integers: position gaps + new raw words), XOR (dense: base ^ target byte planes)
 or FULL (target byte planes; the only one an anchor, which has no base, uses).
-Encoding and decoding go tensor by tensor, so extra memory is one tensor plus the patch.
+Encoding and decoding go tensor by tensor, so extra memory is one tensor plus the patch (and,
+when applying to CPU tensors, a bounded backlog of decoded changes, see ``APPLY_INFLIGHT``).
+
+Sparse tensors (``k`` of ``n`` elements changed) write, in this order:
+
+- bit stream ``bits``: the ``k`` gaps ``g`` between changed positions (``g = pos - prev - 1``,
+  ``prev`` starting at -1) as Rice codes with the parameter ``r = rice_bits(n, k)``, which both
+  sides derive from ``n`` and ``k``: first the ``k`` unary quotients ``g >> r`` (that many one
+  bits, then a zero bit), then the ``k`` remainders ``g & (2**r - 1)`` in ``r`` bits each; for
+  floats, then the ``k`` sign bits of the ordered-line deltas ``d = key(new) - key(old)`` (1: d < 0);
+- floats: bit stream ``ulp.big``: ``k`` bits, 1 where ``|d| >= 2``; byte stream ``ulp.mag``: one
+  byte ``min(|d| - 2, 255)`` per such change; byte planes ``ulpx.{w}.{p}``: the new raw words of
+  the changes whose byte is 255 (escapes: ``|d| >= 257``, or a delta that does not fit an int64);
+- integers: byte planes ``raw.{w}.{p}``: the ``k`` new raw words.
+
+A Rice code with this parameter costs within about 1% of ``log2 C(n, k)`` bits when the changes
+are spread at random, and the per-tensor parameter keeps tensors of very different change
+densities from sharing one poorly fitting code.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import os
 import struct
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cache
 
 import msgpack
 import numpy as np
@@ -25,17 +47,20 @@ from protocol.errors import FormatError, LimitExceededError, TruncatedError, Uns
 from protocol.served import ServedModel, TensorSpec, word_view
 from protocol.streams import (
     MAX_WINDOW,
+    Fields,
+    Piece,
     StreamReader,
     StreamWriter,
     check_frame,
     compressed_size,
     le_words,
+    unary_bits,
 )
 
 PAYLOAD_MAGIC = b"PSWP"
 PAYLOAD_FORMAT = 1
 _PREFIX = struct.Struct("<4sB3xI")  # magic, format, reserved, compressed header length
-GAP_ESCAPE = 0xFFFF
+MAG_ESCAPE = 255
 # Tensors with at least this fraction changed also try the dense encodings and keep the smallest.
 DENSE_PROBE = 0.05
 # Dense encodings are written in slices of this many elements to bound temporary memory.
@@ -116,7 +141,7 @@ def _encode_tensor(
         return Encoding.SAME, 0
     sparse = _sparse_pieces(spec, ch)
     if k < DENSE_PROBE * spec.numel:
-        _emit(writer, sparse[1])
+        writer.emit(sparse[1])
         return sparse[0], k
     options = [sparse, (Encoding.XOR, _dense_pieces("xor", spec, bdata, tdata)), (Encoding.FULL, None)]
     best = min(
@@ -126,46 +151,79 @@ def _encode_tensor(
     if best[1] is None:
         _write_full(writer, spec, tdata)
     else:
-        _emit(writer, best[1])
+        writer.emit(best[1])
     return best[0], k
 
 
-def _emit(writer: StreamWriter, pieces: dict[str, list[np.ndarray]]) -> None:
-    for name, parts in pieces.items():
-        for p in parts:
-            writer.write(name, p)
+def rice_bits(n: int, k: int) -> int:
+    """Rice parameter of the position gaps of ``k`` changes among ``n`` elements (``1 <= k <= n``).
+
+    The smallest ``r`` with ``2**r >= 0.4812 * (2n - k) / (2k)``: for geometric gaps of success
+    rate ``p = k/n``, ``r`` beats ``r + 1`` once ``(1-p)**(2**r) <= (sqrt(5)-1)/2``, i.e.
+    ``2**r >= ln(golden ratio) / -ln(1-p)``, with ``-ln(1-p) ~ 2p/(2-p)``.  Integers only, so
+    encoder and decoder always agree.
+    """
+    t = -(-4812 * (2 * n - k) // (20000 * k))
+    return (t - 1).bit_length() if t > 1 else 0
 
 
-def _planes(prefix: str, words: np.ndarray, into: dict[str, list[np.ndarray]]) -> None:
+def _key_dtype(width: int) -> type[np.signedinteger]:
+    # Keys of 1- and 2-byte floats plus any stored delta (|d| <= 256) fit an int32.
+    return np.int32 if width <= 2 else np.int64
+
+
+def _np_key(words: np.ndarray, width: int) -> np.ndarray:
+    """numpy twin of :func:`protocol.ordered.ordered_key` (same integers, narrower dtype when it fits)."""
+    w = words.astype(_key_dtype(width))
+    key: np.ndarray = w ^ ((w >> (8 * width - 1)) & ((1 << (8 * width - 1)) - 1))
+    return key
+
+
+def _np_from_key(key: np.ndarray, width: int, word: np.dtype[np.signedinteger]) -> np.ndarray:
+    """numpy twin of :func:`protocol.ordered.from_ordered_key`: wraps exactly as the torch version does."""
+    top = 8 * key.dtype.itemsize - 1
+    words: np.ndarray = (key ^ ((key >> top) & ((1 << (8 * width - 1)) - 1))).astype(word)
+    return words
+
+
+def _planes(prefix: str, words: np.ndarray, into: dict[str, list[Piece]]) -> None:
     width = words.dtype.itemsize
     u8 = words.astype(le_words(width), copy=False).view(np.uint8).reshape(-1, width)
     for p in range(width):
         into.setdefault(f"{prefix}.{width}.{p}", []).append(np.ascontiguousarray(u8[:, p]))
 
 
-def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, list[np.ndarray]]]:
-    pieces: dict[str, list[np.ndarray]] = {}
+def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, list[Piece]]]:
+    pieces: dict[str, list[Piece]] = {}
     pos = ch.positions.cpu().numpy()
     gaps = np.diff(pos, prepend=-1) - 1
-    big = gaps >= GAP_ESCAPE
-    _planes("gap", np.minimum(gaps, GAP_ESCAPE).astype(np.uint16).view(np.int16), pieces)
-    if big.any():
-        _planes("gapx", gaps[big].astype(np.int64), pieces)
+    r = rice_bits(spec.numel, len(pos))
+    bits: list[Piece] = [Fields(unary_bits(gaps >> r), 1), Fields(gaps & ((1 << r) - 1), r)]
     width = spec.dt.width
-    if spec.dt.is_float:
-        codes, escaped = ordered.ulp_codes(ch.old, ch.new, width)
-        pieces["ulp"] = [codes.cpu().numpy()]
-        if bool(escaped.any()):
-            _planes("ulpx", ch.new[escaped].cpu().numpy(), pieces)
-        return Encoding.SPARSE_ULP, pieces
-    _planes("raw", ch.new.cpu().numpy(), pieces)
-    return Encoding.SPARSE_RAW, pieces
+    if not spec.dt.is_float:
+        pieces["bits"] = bits
+        _planes("raw", ch.new.cpu().numpy(), pieces)
+        return Encoding.SPARSE_RAW, pieces
+    if ch.new.device.type == "cpu":
+        d = _np_key(ch.new.numpy(), width).astype(np.int64) - _np_key(ch.old.numpy(), width)
+    else:
+        d = (ordered.ordered_key(ch.new, width) - ordered.ordered_key(ch.old, width)).cpu().numpy()
+    bits.append(Fields((d < 0).view(np.uint8), 1))
+    pieces["bits"] = bits
+    mag = np.abs(d)  # stays negative for -2**63 (a 64-bit wrap-around): escaped below
+    big = mag != 1
+    pieces["ulp.big"] = [Fields(big.view(np.uint8), 1)]
+    if big.any():
+        m = mag[big] - 2
+        escaped = (m >= MAG_ESCAPE) | (m < 0)
+        pieces["ulp.mag"] = [np.where(escaped, MAG_ESCAPE, m).astype(np.uint8)]
+        if escaped.any():
+            _planes("ulpx", ch.new.cpu().numpy()[big][escaped], pieces)
+    return Encoding.SPARSE_ULP, pieces
 
 
-def _dense_pieces(
-    prefix: str, spec: TensorSpec, bdata: torch.Tensor, tdata: torch.Tensor
-) -> dict[str, list[np.ndarray]]:
-    pieces: dict[str, list[np.ndarray]] = {}
+def _dense_pieces(prefix: str, spec: TensorSpec, bdata: torch.Tensor, tdata: torch.Tensor) -> dict[str, list[Piece]]:
+    pieces: dict[str, list[Piece]] = {}
     a, b = word_view(bdata, spec), word_view(tdata, spec)
     for s in range(0, spec.numel, SLICE):
         _planes(prefix, (a[s : s + SLICE] ^ b[s : s + SLICE]).cpu().numpy(), pieces)
@@ -173,7 +231,7 @@ def _dense_pieces(
 
 
 def _full_size(spec: TensorSpec, tdata: torch.Tensor, level: int) -> int:
-    pieces: dict[str, list[np.ndarray]] = {}
+    pieces: dict[str, list[Piece]] = {}
     words = word_view(tdata, spec)
     for s in range(0, spec.numel, SLICE):
         _planes("full", words[s : s + SLICE].cpu().numpy(), pieces)
@@ -218,7 +276,15 @@ def raw_bound(spec: TensorSpec, enc: Encoding, k: int) -> int:
         return 0
     if enc in (Encoding.XOR, Encoding.FULL):
         return spec.numel * w
-    return k * (2 + 8 + 1 + w)
+    n = spec.numel
+    r = rice_bits(n, k) if 0 < k <= n else 0
+    # Rice codes: k terminators, quotients summing to at most (n-k) >> r, k*r remainder bits;
+    # floats add k sign bits, k big bits and at most k magnitude bytes.  +1: a partial byte
+    # carried over from the tensor before.
+    bits = k + ((n - k) >> r) + k * r
+    if enc == Encoding.SPARSE_ULP:
+        return (bits + k + 7) // 8 + 1 + (k + 7) // 8 + 1 + k + k * w
+    return (bits + 7) // 8 + 1 + k * w
 
 
 def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHeader:
@@ -294,10 +360,20 @@ def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHe
     return PatchHeader(records, streams)
 
 
-def iter_updates(
+@dataclass(frozen=True, slots=True)
+class _UlpSteps:
+    """A decoded SPARSE_ULP record, before the base is read: where, and how many steps."""
+
+    index: int
+    positions: np.ndarray  # int64, ascending
+    steps: np.ndarray  # signed steps along the ordered line (int32 for widths <= 2, else int64)
+    escaped: np.ndarray  # indices into positions whose new words are stored raw, ascending
+    escaped_words: np.ndarray  # those new words
+
+
+def _decode(
     payload: bytes | memoryview, specs: list[TensorSpec], base: ServedModel | None
-) -> Iterator[TensorUpdate]:
-    """Decode a payload tensor by tensor.  Reads base values (for ulp and xor) but writes nothing."""
+) -> Iterator[TensorUpdate | _UlpSteps]:
     header = read_header(payload, specs)
     reader = StreamReader(header.streams)
     for i, (spec, (enc, k)) in enumerate(zip(specs, header.records, strict=True)):
@@ -311,11 +387,26 @@ def iter_updates(
         elif enc == Encoding.XOR:
             assert base is not None
             yield TensorUpdate(i, enc, None, _read_dense(reader, "xor", spec, base.data[i], device))
+        elif enc == Encoding.SPARSE_RAW:
+            pos = torch.from_numpy(_read_positions(reader, spec, k)).to(device)
+            yield TensorUpdate(
+                i, enc, pos, torch.from_numpy(reader.read_planes("raw", k, spec.dt.width).copy()).to(device)
+            )
         else:
-            assert base is not None
-            pos, values = _read_sparse(reader, spec, enc, k, base.data[i])
-            yield TensorUpdate(i, enc, pos, values)
+            yield _read_ulp(reader, spec, i, k)
     reader.finish()
+
+
+def iter_updates(
+    payload: bytes | memoryview, specs: list[TensorSpec], base: ServedModel | None
+) -> Iterator[TensorUpdate]:
+    """Decode a payload tensor by tensor.  Reads base values (for ulp and xor) but writes nothing."""
+    for u in _decode(payload, specs, base):
+        if isinstance(u, _UlpSteps):
+            assert base is not None
+            yield _ulp_update(u, specs[u.index], base.data[u.index])
+        else:
+            yield u
 
 
 def _read_dense(
@@ -333,36 +424,76 @@ def _read_dense(
     return out
 
 
-def _read_sparse(
-    reader: StreamReader, spec: TensorSpec, enc: Encoding, k: int, bdata: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    w = spec.dt.width
-    gaps = reader.read_planes("gap", k, 2).view(np.uint16).astype(np.int64)
-    big = gaps == GAP_ESCAPE
-    nbig = int(big.sum())
-    if nbig:
-        gx = reader.read_planes("gapx", nbig, 8)
-        if (gx < GAP_ESCAPE).any():
-            raise FormatError(f"{spec.name}: escaped gap below the escape threshold")
-        gaps[big] = gx
-    pos_np = np.cumsum(gaps + 1) - 1
-    # Strictly ascending, compared (not subtracted): also catches escaped gaps summing past 2**63.
-    if k and (pos_np[-1] >= spec.numel or (gaps < 0).any() or (pos_np[1:] <= pos_np[:-1]).any()):
+def _read_positions(reader: StreamReader, spec: TensorSpec, k: int) -> np.ndarray:
+    n = spec.numel
+    if not 0 < k <= n:
+        raise FormatError(f"{spec.name}: change count {k} impossible for {n} elements")
+    r = rice_bits(n, k)
+    q = reader.read_unary("bits", k)
+    # Legitimate quotients sum to at most (n-k) >> r: checked before shifting, so nothing overflows.
+    if int(q.sum()) > (n - k) >> r:
         raise FormatError(f"{spec.name}: change positions fall outside the tensor")
+    gaps = (q << r) | reader.read_fields("bits", k, r)
+    pos = np.cumsum(gaps + 1) - 1  # gaps >= 0: strictly ascending
+    if pos[-1] >= n:
+        raise FormatError(f"{spec.name}: change positions fall outside the tensor")
+    return pos
+
+
+def _read_ulp(reader: StreamReader, spec: TensorSpec, index: int, k: int) -> _UlpSteps:
+    pos = _read_positions(reader, spec, k)
+    w = spec.dt.width
+    negative = reader.read_bits("bits", k)
+    big = reader.read_bits("ulp.big", k)
+    steps = big.astype(_key_dtype(w)) + 1
+    escaped = np.empty(0, dtype=np.int64)
+    nbig = int(np.count_nonzero(big))
+    if nbig:
+        where_big = np.flatnonzero(big)
+        mag = np.frombuffer(reader.read("ulp.mag", nbig), dtype=np.uint8)
+        steps[where_big] = mag.astype(steps.dtype) + 2
+        escaped = where_big[mag == MAG_ESCAPE]
+    steps *= 1 - 2 * negative.astype(steps.dtype)
+    escaped_words = reader.read_planes("ulpx", escaped.size, w) if escaped.size else np.empty(0, le_words(w))
+    return _UlpSteps(index, pos, steps, escaped, escaped_words)
+
+
+def _ulp_update(u: _UlpSteps, spec: TensorSpec, bdata: torch.Tensor) -> TensorUpdate:
+    """The new words of a SPARSE_ULP record, computed with torch on the base's device."""
+    w = spec.dt.width
     device = bdata.device
-    pos = torch.from_numpy(pos_np).to(device)
-    if enc == Encoding.SPARSE_RAW:
-        return pos, torch.from_numpy(reader.read_planes("raw", k, w).copy()).to(device)
-    codes_np = np.frombuffer(reader.read("ulp", k), dtype=np.uint8)
-    escaped_np = codes_np == ordered.ESCAPE
+    pos = torch.from_numpy(u.positions).to(device)
     old = word_view(bdata, spec)[pos]
-    codes = torch.from_numpy(codes_np.copy()).to(device)
-    new = ordered.apply_ulp_codes(old, codes, w, spec.dt.word_dtype)
-    nesc = int(escaped_np.sum())
-    if nesc:
-        esc = torch.from_numpy(reader.read_planes("ulpx", nesc, w).copy()).to(device)
-        new[torch.from_numpy(escaped_np).to(device)] = esc
-    return pos, new
+    new = ordered.from_ordered_key(
+        ordered.ordered_key(old, w) + torch.from_numpy(u.steps).to(device), w, spec.dt.word_dtype
+    )
+    if u.escaped.size:
+        new[torch.from_numpy(u.escaped).to(device)] = torch.from_numpy(u.escaped_words.copy()).to(device)
+    return TensorUpdate(u.index, Encoding.SPARSE_ULP, pos, new)
+
+
+# Changes applied per step of the CPU path: the cache lines read stay cached until written back.
+APPLY_CHUNK = 1 << 15
+# Most decoded changes waiting for the CPU appliers (about 20 bytes each).
+APPLY_INFLIGHT = 1 << 23
+
+
+@cache
+def _apply_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="apply")
+
+
+def _apply_ulp_cpu(words: np.ndarray, u: _UlpSteps, width: int, lo: int, hi: int) -> None:
+    """Apply changes ``lo:hi`` of a SPARSE_ULP record to the CPU words in place (numpy, GIL released)."""
+    esc_lo, esc_hi = np.searchsorted(u.escaped, [lo, hi])
+    for s in range(lo, hi, APPLY_CHUNK):
+        e = min(s + APPLY_CHUNK, hi)
+        pos = u.positions[s:e]
+        new = _np_from_key(_np_key(words[pos], width) + u.steps[s:e], width, words.dtype)
+        if esc_lo < esc_hi:
+            a, b = np.searchsorted(u.escaped[esc_lo:esc_hi], [s, e]) + esc_lo
+            new[u.escaped[a:b] - s] = u.escaped_words[a:b]
+        words[pos] = new
 
 
 def apply_update(model: ServedModel, update: TensorUpdate) -> None:
@@ -385,6 +516,33 @@ def apply_patch(base: ServedModel | None, payload: bytes | memoryview, specs: li
 
         raise LayoutMismatchError("patch layout differs from the base's layout")
     model = base if base is not None else ServedModel.zeros_like(specs)
-    for update in iter_updates(payload, specs, base):
-        apply_update(model, update)
+    # Sparse float updates of CPU tensors go to a thread pool, in slices, while the next
+    # tensors are decoded (at most APPLY_INFLIGHT changes ahead, which bounds the memory of
+    # decoded records); every job is waited for before returning (or raising).
+    jobs: collections.deque[tuple[Future[None], int]] = collections.deque()
+    inflight = 0
+    try:
+        for u in _decode(payload, specs, base):
+            if not isinstance(u, _UlpSteps):
+                apply_update(model, u)
+                continue
+            spec, data = specs[u.index], model.data[u.index]
+            if data.device.type != "cpu":
+                apply_update(model, _ulp_update(u, spec, data))
+                continue
+            words = word_view(data, spec).numpy()
+            k = u.positions.size
+            parts = max(1, min(_apply_pool()._max_workers, k // APPLY_CHUNK))
+            bounds = [k * j // parts for j in range(parts + 1)]
+            for lo, hi in itertools.pairwise(bounds):
+                jobs.append((_apply_pool().submit(_apply_ulp_cpu, words, u, spec.dt.width, lo, hi), hi - lo))
+                inflight += hi - lo
+            while inflight > APPLY_INFLIGHT:
+                job, n = jobs.popleft()
+                job.result()
+                inflight -= n
+    finally:
+        wait([job for job, _ in jobs])
+    for job, _ in jobs:
+        job.result()
     return model

@@ -5,9 +5,18 @@ instead of being compressed one by one: small tensors then cost no frame overhea
 each stream holds statistically alike bytes, which is what zstd's entropy stage wants.
 Multi-byte words are split into byte planes (plane p holds byte p of every word, little
 endian) because the high bytes of neighbouring weights are far more alike than whole words.
+
+Some streams are bit streams: fields of any bit width, packed least significant bit first
+into bytes (bit ``i`` of the stream is bit ``i % 8`` of byte ``i // 8``), continuing across
+tensors without padding; only the very end of a bit stream is padded with zero bits to a
+whole byte.  Prefix codes written this way (Rice codes, raw sign bits) reach their entropy
+exactly, where zstd's Huffman stage cannot go below one bit per byte symbol and its match
+finder wastes bits on low-entropy bytes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
@@ -17,10 +26,133 @@ from protocol.errors import FormatError, LimitExceededError, TruncatedError
 # Decoders refuse frames that ask for a larger window: bounds memory per stream.
 MAX_WINDOW = 1 << 23
 _LE_INT = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
+# Widest fixed-width bit field: a field shifted by up to 7 bits must fit 64 bits.
+MAX_FIELD_BITS = 57
 
 
 def le_words(width: int) -> np.dtype[np.signedinteger]:
     return np.dtype(_LE_INT[width])
+
+
+_NO_BITS = np.empty(0, dtype=np.uint8)
+
+# ---------------------------------------------------------------- bit fields
+
+
+@dataclass(frozen=True, slots=True)
+class Fields:
+    """A piece of a bit stream: the low ``width`` bits of each (non-negative) value."""
+
+    values: np.ndarray
+    width: int
+
+
+Piece = np.ndarray | Fields
+
+
+def unary_bits(q: np.ndarray) -> np.ndarray:
+    """Unary codes of non-negative integers: ``q`` one bits, then a zero bit, for each (0/1 uint8)."""
+    if q.size == 0:
+        return np.empty(0, dtype=np.uint8)
+    bits = np.ones(int(q.sum()) + q.size, dtype=np.uint8)
+    bits[np.cumsum(q + 1) - 1] = 0
+    return bits
+
+
+def _window_dtype(width: int) -> type[np.unsignedinteger]:
+    return np.uint32 if width + 7 <= 32 else np.uint64
+
+
+def pack_fields(values: np.ndarray, width: int, lead: int = 0) -> np.ndarray:
+    """Bytes holding ``lead`` (< 8) zero bits, then the low ``width`` bits of each value, LSB first.
+
+    The last byte is partial (zero-padded) unless ``lead + count * width`` is a multiple of 8.
+    Values are packed in groups of 8, which span exactly ``width`` bytes (plus one shared with the
+    next group when ``lead`` is not zero): column operations only, no per-bit arrays.
+    """
+    count = values.size
+    nbytes = (lead + count * width + 7) >> 3
+    if count == 0 or width == 0:
+        return np.zeros(nbytes, dtype=np.uint8)
+    if not 0 < width <= MAX_FIELD_BITS:
+        raise ValueError(f"bit field width {width} out of range")
+    wd = _window_dtype(width)
+    groups = -(-count // 8)
+    v = np.zeros(groups * 8, dtype=wd)
+    v[:count] = values
+    v &= wd((1 << width) - 1)
+    v = v.reshape(groups, 8)
+    rows = np.zeros((groups, width + 1), dtype=np.uint8)
+    for j in range(8):
+        o = lead + j * width
+        b, sh = o >> 3, o & 7
+        x = v[:, j] << wd(sh)
+        for t in range((sh + width + 7) >> 3):
+            rows[:, b + t] |= (x >> wd(8 * t)).astype(np.uint8)
+    out = np.zeros(groups * width + 1, dtype=np.uint8)
+    out[: groups * width] = rows[:, :width].reshape(-1)
+    out[width::width] |= rows[:, width]
+    return out[:nbytes]
+
+
+def unpack_fields(buf: np.ndarray, start: int, count: int, width: int) -> np.ndarray:
+    """Inverse of :func:`pack_fields`: ``count`` fields of ``width`` bits from bit ``start`` of ``buf``."""
+    if count == 0 or width == 0:
+        return np.zeros(count, dtype=np.int64)
+    if not 0 < width <= MAX_FIELD_BITS:
+        raise ValueError(f"bit field width {width} out of range")
+    wd = _window_dtype(width)
+    groups = -(-count // 8)
+    first, lead = start >> 3, start & 7
+    need = first + groups * width + 1
+    if buf.size < need:
+        buf = np.concatenate([buf, np.zeros(need - buf.size, dtype=np.uint8)])
+    rows = np.lib.stride_tricks.as_strided(
+        buf[first:], shape=(groups, width + 1), strides=(width * buf.strides[0], buf.strides[0]), writeable=False
+    )
+    out = np.empty((groups, 8), dtype=np.int64)
+    mask = wd((1 << width) - 1)
+    for j in range(8):
+        o = lead + j * width
+        b, sh = o >> 3, o & 7
+        win = rows[:, b].astype(wd)
+        for t in range(1, (sh + width + 7) >> 3):
+            win |= rows[:, b + t].astype(wd) << wd(8 * t)
+        out[:, j] = (win >> wd(sh)) & mask
+    return out.reshape(-1)[:count]
+
+
+class _BitPacker:
+    """Turns bits and bit fields into whole bytes, keeping the bits of a last partial byte."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending = _NO_BITS  # fewer than 8 bits (uint8 0/1)
+
+    def bits(self, bits: np.ndarray) -> np.ndarray:
+        if self.pending.size:
+            bits = np.concatenate([self.pending, bits])
+        whole = bits.size & ~7
+        self.pending = bits[whole:].astype(np.uint8)
+        return np.packbits(bits[:whole], bitorder="little")
+
+    def fields(self, values: np.ndarray, width: int) -> np.ndarray:
+        if width == 1:
+            return self.bits(values.astype(np.uint8, copy=False))
+        lead = self.pending.size
+        packed = pack_fields(values, width, lead)
+        if lead:
+            packed[0] |= np.packbits(self.pending, bitorder="little")[0]
+        total = lead + values.size * width
+        whole, rest = total >> 3, total & 7
+        self.pending = np.unpackbits(packed[whole:], bitorder="little")[:rest] if rest else _NO_BITS
+        return packed[:whole]
+
+    def flush(self) -> np.ndarray:
+        out = np.packbits(self.pending, bitorder="little")
+        self.pending = _NO_BITS
+        return out
 
 
 class StreamWriter:
@@ -31,6 +163,7 @@ class StreamWriter:
         self._objs: dict[str, zstandard.ZstdCompressionObj] = {}
         self._out: dict[str, list[bytes]] = {}
         self._raw: dict[str, int] = {}
+        self._bits: dict[str, _BitPacker] = {}
 
     def write(self, name: str, data: bytes | bytearray | memoryview | np.ndarray) -> None:
         buf = np.ascontiguousarray(data).data.cast("B") if isinstance(data, np.ndarray) else data
@@ -51,8 +184,34 @@ class StreamWriter:
         for p in range(width):
             self.write(f"{prefix}.{width}.{p}", np.ascontiguousarray(u8[:, p]))
 
+    def _packer(self, name: str) -> _BitPacker:
+        packer = self._bits.get(name)
+        if packer is None:
+            packer = self._bits[name] = _BitPacker()
+        return packer
+
+    def write_bits(self, name: str, bits: np.ndarray) -> None:
+        """Append bits (a uint8 array of 0 and 1) to bit stream ``name``."""
+        self.write(name, self._packer(name).bits(bits))
+
+    def write_fields(self, name: str, values: np.ndarray, width: int) -> None:
+        """Append the low ``width`` bits of each non-negative value to bit stream ``name``."""
+        self.write(name, self._packer(name).fields(values, width))
+
+    def emit(self, pieces: dict[str, list[Piece]]) -> None:
+        """Write pieces: byte arrays to byte streams, :class:`Fields` to bit streams."""
+        for name, parts in pieces.items():
+            for p in parts:
+                if isinstance(p, Fields):
+                    self.write_fields(name, p.values, p.width)
+                else:
+                    self.write(name, p)
+
     def finish(self) -> tuple[list[tuple[str, int, bytes]], int]:
         """Close every stream: returns ``[(name, raw_len, compressed bytes)]`` and the total raw length."""
+        for name, packer in self._bits.items():
+            self.write(name, packer.flush())  # zero-pads the end of a bit stream to a whole byte
+        self._bits.clear()
         table: list[tuple[str, int, bytes]] = []
         for name, obj in self._objs.items():
             self._out[name].append(obj.flush())
@@ -60,12 +219,14 @@ class StreamWriter:
         return table, sum(self._raw.values())
 
 
-def compressed_size(pieces: dict[str, list[np.ndarray]], level: int = 3) -> int:
+def compressed_size(pieces: dict[str, list[Piece]], level: int = 3) -> int:
     """Size the given stream pieces would take if compressed on their own (to choose an encoding)."""
     cctx = zstandard.ZstdCompressor(level=level)
     total = 0
     for parts in pieces.values():
-        data = b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+        packer = _BitPacker()
+        chunks = [packer.fields(p.values, p.width) if isinstance(p, Fields) else np.ascontiguousarray(p) for p in parts]
+        data = b"".join(c.tobytes() for c in [*chunks, packer.flush()])
         total += len(cctx.compress(data)) if data else 0
     return total
 
@@ -104,12 +265,15 @@ def check_frame(what: str, comp: memoryview) -> None:
 
 
 class _Stream:
-    __slots__ = ("done", "raw_len", "reader")
+    __slots__ = ("buf", "done", "pos", "raw_len", "reader")
 
     def __init__(self, reader: zstandard.ZstdDecompressionReader, raw_len: int) -> None:
         self.reader = reader
         self.raw_len = raw_len
         self.done = 0
+        # Bit streams only: bytes read but not wholly consumed, and the next bit to consume in them.
+        self.buf = _NO_BITS
+        self.pos = 0
 
 
 class StreamReader:
@@ -127,12 +291,16 @@ class StreamReader:
             reader = dctx.stream_reader(comp, read_size=1 << 16, read_across_frames=False)
             self._streams[name] = _Stream(reader, raw_len)
 
-    def read(self, name: str, n: int) -> bytes:
-        if n == 0:
-            return b""
+    def _get(self, name: str) -> _Stream:
         s = self._streams.get(name)
         if s is None:
             raise FormatError(f"patch needs stream {name!r}, which it does not contain")
+        return s
+
+    def read(self, name: str, n: int) -> bytes:
+        if n == 0:
+            return b""
+        s = self._get(name)
         if s.done + n > s.raw_len:
             raise LimitExceededError(f"stream {name!r}: reading past its declared length {s.raw_len}")
         parts: list[bytes] = []
@@ -159,11 +327,70 @@ class StreamReader:
             out[:, p] = np.frombuffer(self.read(f"{prefix}.{width}.{p}", count), dtype=np.uint8)
         return out.reshape(-1).view(le_words(width))
 
+    def _fill(self, name: str, s: _Stream, nbits: int) -> None:
+        """Make the buffer of bit stream ``s`` hold at least ``nbits`` unconsumed bits."""
+        have = s.buf.size * 8 - s.pos
+        if have >= nbits:
+            return
+        new = np.frombuffer(self.read(name, (nbits - have + 7) >> 3), dtype=np.uint8)
+        keep = s.buf[s.pos >> 3 :]
+        s.buf = np.concatenate([keep, new]) if keep.size else new
+        s.pos &= 7
+
+    def read_bits(self, name: str, n: int) -> np.ndarray:
+        """The next ``n`` bits of bit stream ``name`` (uint8 0/1 array)."""
+        if n == 0:
+            return _NO_BITS
+        s = self._get(name)
+        self._fill(name, s, n)
+        first, lead = s.pos >> 3, s.pos & 7
+        bits = np.unpackbits(s.buf[first : first + ((lead + n + 7) >> 3)], bitorder="little")[lead : lead + n]
+        s.pos += n
+        return bits
+
+    def read_fields(self, name: str, count: int, width: int) -> np.ndarray:
+        """``count`` fields of ``width`` bits (see :func:`pack_fields`), as int64."""
+        if not 0 <= width <= MAX_FIELD_BITS:
+            raise FormatError(f"stream {name!r}: bit field width {width} out of range")
+        if count == 0 or width == 0:
+            return np.zeros(count, dtype=np.int64)
+        s = self._get(name)
+        self._fill(name, s, count * width)
+        out = unpack_fields(s.buf, s.pos, count, width)
+        s.pos += count * width
+        return out
+
+    def read_unary(self, name: str, count: int) -> np.ndarray:
+        """``count`` unary codes (inverse of :func:`unary_bits`), as int64."""
+        if count == 0:
+            return np.empty(0, dtype=np.int64)
+        s = self._get(name)
+        bits = np.unpackbits(s.buf[s.pos >> 3 :], bitorder="little")[s.pos & 7 :]
+        zeros = np.flatnonzero(bits == 0)
+        while zeros.size < count:
+            left = s.raw_len - s.done
+            if left == 0:
+                raise TruncatedError(f"stream {name!r} ends inside a unary code")
+            # Rice quotients average about two bits; what is read ahead stays for the next read.
+            new = np.frombuffer(self.read(name, min(left, max(64, (count - zeros.size) // 4 + 8))), dtype=np.uint8)
+            s.buf = np.concatenate([s.buf, new])
+            new_bits = np.unpackbits(new, bitorder="little")
+            zeros = np.concatenate([zeros, np.flatnonzero(new_bits == 0) + bits.size])
+            bits = np.concatenate([bits, new_bits])
+        ends = zeros[:count]
+        s.pos += int(ends[-1]) + 1
+        s.buf, s.pos = s.buf[s.pos >> 3 :], s.pos & 7
+        return np.diff(ends, prepend=-1) - 1
+
     def finish(self) -> None:
         """Every stream must be consumed exactly: leftover bytes mean a corrupt or forged patch."""
         for name, s in self._streams.items():
             if s.done != s.raw_len:
                 raise FormatError(f"stream {name!r}: {s.raw_len - s.done} bytes left unused")
+            rest = s.buf[s.pos >> 3 :]
+            # Padding is fewer than 8 zero bits: a whole unread byte (read ahead) is not padding.
+            if rest.size > 1 or (rest.size and (s.pos & 7 == 0 or int(rest[0]) >> (s.pos & 7))):
+                raise FormatError(f"stream {name!r}: unused bits at its end (more than zero padding)")
             try:
                 extra = s.reader.read(1)
             except zstandard.ZstdError as e:
