@@ -279,7 +279,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
     try:
         host, port = parse_listen(args.listen)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise UserError(f"--listen: {e}") from None
     if not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
     if args.run:
@@ -292,6 +292,42 @@ def cmd_seed(args: argparse.Namespace) -> int:
     err.print(f"serving board {args.board} on http://{host}:{port}/")
     web.run_app(board_app(args.board), host=host, port=port, print=None, handle_signals=True)
     return 0
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from daemon.config import ConfigError, load_config
+    from daemon.logs import setup_logging
+    from daemon.rollout import DaemonError, run_daemon
+    from daemon.weightstore import StoreError
+
+    try:
+        cfg = load_config(args.config)
+        cfg.cluster_secret()
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    setup_logging(cfg["log.format"], cfg["log.level"])
+    try:
+        asyncio.run(run_daemon(cfg))
+    except (DaemonError, ConfigError, StoreError) as e:
+        raise UserError(str(e)) from None
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from daemon.status_cli import StatusError, run_status
+
+    socket_path = args.socket
+    if socket_path is None and args.config:
+        from daemon.config import ConfigError, load_config
+
+        try:
+            socket_path = load_config(args.config)["api.socket"]
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+    try:
+        return run_status(socket_path or "/run/patchswarm/api.sock", as_json=args.json, live=args.watch)
+    except StatusError as e:
+        raise UserError(str(e)) from None
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -392,6 +428,19 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--run", help="also join the swarm of this run as a peer that holds everything")
     add_swarm_args(sd)
     sd.set_defaults(func=cmd_seed)
+
+    dm = sub.add_parser("daemon", help="run the rollout-host daemon (see docs/daemon.md)")
+    dm.add_argument("--config", required=True, metavar="daemon.toml")
+    dm.set_defaults(func=cmd_daemon)
+
+    st = sub.add_parser("status", help="show the local daemon's state (from its unix socket)")
+    st.add_argument(
+        "--socket", metavar="PATH", help="API socket (default: from --config, else /run/patchswarm/api.sock)"
+    )
+    st.add_argument("--config", metavar="daemon.toml")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", action="store_true", help="live view")
+    st.set_defaults(func=cmd_status)
 
     nd = sub.add_parser("node", help="follow a run through the swarm, holding the newest version in memory")
     nd.add_argument("--listen", required=True, metavar="HOST:PORT")

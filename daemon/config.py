@@ -48,8 +48,8 @@ def parse_size(v: Any) -> float:
     if isinstance(v, bool):
         raise ValueError("expected a size")
     if isinstance(v, int | float):
-        if v < 0:
-            raise ValueError("must not be negative")
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"expected a finite, non-negative size, got {v!r}")
         return float(v)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(v))
     if not m or m.group(2).upper() not in _UNITS:

@@ -47,5 +47,5 @@ def board_app(board: str | Path) -> web.Application:
 def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--listen must be HOST:PORT, not {listen!r}")
+        raise ValueError(f"expected HOST:PORT, got {listen!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
