@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean nginx
+.PHONY: demo test lint typecheck unit bench clean system-deps
 
 $(STAMP): pyproject.toml constraints-test.txt
 	python3 -m venv $(VENV)
@@ -24,7 +24,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-test: nginx lint typecheck unit
+test: system-deps lint typecheck unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
@@ -32,8 +32,13 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
 
-# Tests that serve a board with nginx need it on the machine (as root this installs it from apt).
-nginx:
-	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || [ "$$(id -u)" != 0 ] || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null) || \
-	  echo "nginx could not be installed; nginx tests will be skipped"
+# Tests need nginx (serving a board) and systemd-analyze (checking the unit); as root this installs
+# them from apt, otherwise those tests are skipped with a message.
+system-deps:
+	@missing=""; \
+	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
+	command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
+	  echo "could not install$$missing; the tests that need them will be skipped"; \
+	fi
