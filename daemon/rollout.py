@@ -1,0 +1,321 @@
+"""``patchswarm daemon``: the rollout-host process.
+
+It joins the swarm, keeps a verified private copy of the current version (the "shadow"), and
+activates every new version into the shared weight store the local engine reads: the sparse
+difference is journaled, then written in place inside the store's version fence.  Its unix-socket
+API reports state and lets engines attach; an optional sidecar admits requests by version.
+
+Start-up order: recover the store from its journal -> verify the store's contents -> serve the API
+-> join the swarm -> READY=1 (systemd).  SIGTERM: an activation in progress finishes (it is short),
+staging is abandoned, the store is left valid and the high-water marks are persisted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon import systemd
+from daemon.api import make_api_app, serve_unix
+from daemon.config import ConfigError, DaemonConfig
+from daemon.journal import recover
+from daemon.metrics import DaemonMetrics
+from daemon.pull import Held
+from daemon.pull_state import PullState
+from daemon.status import Phase, Status
+from daemon.weightstore import (
+    StoreError,
+    StoreLayout,
+    StoreMissingError,
+    StoreState,
+    WeightStore,
+    diff_updates,
+)
+from protocol.keys import load_public_key
+from protocol.served import state_root
+from protocol.trust import TrustState
+from swarm.node import NodeConfig
+from swarm.server import RunningNode, start_http_node
+
+log = logging.getLogger("patchswarm.daemon")
+
+
+class DaemonError(Exception):
+    """A start-up problem worth one line to the operator (bad data dir, unusable store, ...)."""
+
+
+class RolloutDaemon:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.status = Status(cfg.node_name, cfg["swarm.run_id"])
+        self.metrics = DaemonMetrics()
+        self.store: WeightStore | None = None
+        self.shadow: Held | None = None
+        self.node: RunningNode | None = None
+        self.gate: Any = None  # the sidecar's VersionGate, when the sidecar runs
+        self._runners: list[Any] = []
+        self._activating = asyncio.Lock()
+        self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
+        self.state_path = cfg.data_dir / "pull-state.msgpack"
+        self.journal_dir = cfg.data_dir / "journal"
+
+    # ------------------------------------------------------------ start-up
+
+    def _prepare_data_dir(self) -> None:
+        d = self.cfg.data_dir
+        try:
+            self.journal_dir.mkdir(parents=True, exist_ok=True)
+            probe = d / ".write-probe"
+            with open(probe, "wb") as fh:
+                fh.write(b"\0" * 4096)
+                fh.flush()
+                os.fsync(fh.fileno())
+            probe.unlink()
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DaemonError(f"data.dir: {d} is full; the daemon needs room for its journal") from None
+            raise DaemonError(f"data.dir: cannot write to {d}: {e.strerror}") from None
+
+    def _open_store(self) -> None:
+        """Re-attach to the store a previous daemon left (the engine may be serving from it).
+
+        A journaled activation is finished or rolled back, then the contents are verified against
+        the version the store claims before anything is reported or served.
+        """
+        if self.cfg["store.kind"] != "shm":
+            raise DaemonError(
+                "store.kind: 'cuda' stores are attached by the engine (see docs/weightstore.md); "
+                "this daemon build runs 'shm' stores"
+            )
+        try:
+            store = WeightStore.open(self.cfg.store_name)
+        except StoreMissingError:
+            return
+        except StoreError as e:
+            raise DaemonError(f"store.name: {self.cfg.store_name}: {e}") from None
+        try:
+            outcome = recover(store, self.journal_dir)
+        except StoreError as e:
+            log.error("store recovery failed: %s; it will be reloaded", e)
+            store.mark_failed()
+            self.store = store
+            return
+        header = store.header()
+        if header.state != StoreState.READY:
+            self.store = store
+            return
+        root = store.root()
+        if root != header.root:
+            log.error("store contents do not verify against version %s; it will be reloaded", header.version)
+            store.mark_failed()
+            self.store = store
+            return
+        model = store.read_model()
+        self.shadow = Held(header.version, model, model.digests())
+        self.store = store
+        log.info(
+            "store re-attached at version %s (%s)",
+            header.version,
+            outcome.action.name.lower(),
+            extra={"version": header.version},
+        )
+        self.status.update(version=header.version, root=root.hex())
+
+    async def start(self) -> None:
+        self._prepare_data_dir()
+        state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
+        state.restore_into(self.trust)
+        self._open_store()
+        api = make_api_app(self.status, self._layout_info, self._metrics_text)
+        try:
+            self._runners.append(await serve_unix(api, self.cfg["api.socket"], self.cfg["api.group"]))
+        except PermissionError as e:
+            raise DaemonError(str(e)) from None
+        if self.cfg["sidecar.enabled"]:
+            await self._start_sidecar()
+        host, _, port = self.cfg["node.listen"].rpartition(":")
+        advertise = self.cfg["node.advertise"]
+        if advertise is None and host in ("", "0.0.0.0", "::", "[::]"):
+            advertise = f"http://{socket.getfqdn()}:{port}"
+        node_cfg = NodeConfig(
+            node_id=self.cfg.node_name,
+            run_id=self.cfg["swarm.run_id"],
+            cluster_secret=self.cfg.cluster_secret(),
+            zone=self.cfg["node.zone"],
+            region=self.cfg["node.region"],
+            bootstrap=list(self.cfg["swarm.bootstrap"]),
+            seed_urls=list(self.cfg["swarm.seed_urls"]),
+            upload_rate=self.cfg["swarm.upload_rate"],
+            download_rate=self.cfg["swarm.download_rate"],
+            max_uploads=self.cfg["swarm.max_uploads"],
+        )
+        self.node = await start_http_node(
+            node_cfg,
+            self.trust,
+            host=host or "0.0.0.0",
+            port=int(port),
+            advertise=advertise,
+            held=self.shadow,
+            rng=random.Random(),
+            on_version=self._on_version,
+        )
+        self.node.node.puller.tracker = state.tracker
+        if self.status.phase != Phase.ERROR:
+            self.status.update(phase=Phase.IDLE)
+        systemd.notify("READY=1", f"STATUS=serving version {self.status.version}")
+
+    async def _start_sidecar(self) -> None:
+        from daemon.sidecar import VersionGate, make_sidecar_app
+
+        self.gate = VersionGate(applied=self.status.version or 0)
+        app = make_sidecar_app(self.cfg["sidecar.upstream"], self.gate)
+        from aiohttp import web
+
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        host, _, port = self.cfg["sidecar.listen"].rpartition(":")
+        await web.TCPSite(runner, host, int(port)).start()
+        self._runners.append(runner)
+
+    # ------------------------------------------------------------ activation
+
+    async def _on_version(self, held: Held) -> None:
+        """Called by the swarm node with a new verified version: make the engine serve it."""
+        async with self._activating:
+            self.status.update(phase=Phase.STAGING, target=max(held.version, self.status.target or 0))
+            try:
+                await self._activate(held)
+            except StoreError as e:
+                self.status.update(phase=Phase.ERROR, reason=str(e))
+                raise
+            self.shadow = held
+            self._persist_state()
+            self.status.update(
+                phase=Phase.IDLE, version=held.version, root=state_root(held.model.specs, held.digests).hex()
+            )
+
+    async def _activate(self, held: Held) -> None:
+        root = state_root(held.model.specs, held.digests)
+        layout = StoreLayout.from_specs(held.model.specs)
+        if self.store is not None and self.store.layout.layout_hash != layout.layout_hash:
+            raise StoreError("the model's layout changed: restart the engine and give the daemon a new store.name")
+        ready = self.store is not None and self.store.header().state == StoreState.READY
+        if self.store is None or not ready or self.shadow is None:
+            # First version on this host (or a store that needs a full reload): load everything.
+            self.status.update(phase=Phase.ACTIVATING)
+            if self.store is None:
+                capacity = int(self.cfg["store.size"]) or None
+                self.store = WeightStore.create(self.cfg.store_name, layout, capacity=capacity)
+            start = time.perf_counter()
+            self.store.load(held.model, held.version, root)
+            self.status.update(last_activation_pause_s=time.perf_counter() - start)
+            self.metrics.applied.inc()
+            return
+        updates = diff_updates(self.shadow.model, held.model)
+        if self.gate is not None:
+            await self.gate.begin_activation(self.cfg["sidecar.commit_mode"], held.version)
+        self.status.update(phase=Phase.ACTIVATING)
+        try:
+            stats = self.store.activate(held.version, root, updates, self.journal_dir)
+        finally:
+            if self.gate is not None:
+                await self.gate.end_activation(self.store.header().version)
+        self.metrics.pause.observe(stats.pause_s)
+        self.metrics.applied.inc()
+        self.status.update(last_activation_pause_s=stats.pause_s)
+        log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
+
+    def _persist_state(self) -> None:
+        if self.node is None:
+            return
+        with contextlib.suppress(OSError):
+            PullState(self.node.node.puller.tracker).save(self.state_path, self.trust)
+
+    # ------------------------------------------------------------ reporting
+
+    def _layout_info(self) -> dict[str, Any] | None:
+        if self.store is None or self.store.header().state != StoreState.READY:
+            return None
+        return {"layout": self.store.layout.to_json(), "attach": self.store.attach_info()}
+
+    def _metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def _refresh(self) -> None:
+        if self.node is None:
+            return
+        n = self.node.node
+        head_version = n.head.version if n.head else None
+        progress = [(s.have.count(), s.have.n) for s in n.partial.values()]
+        done = sum(p[0] for p in progress)
+        total = sum(p[1] for p in progress)
+        changes: dict[str, Any] = {
+            "target": head_version,
+            "chunks_done": done,
+            "chunks_total": total,
+            "peers": [
+                {"node": v.info.node_id, "addr": v.info.addr, "zone": v.info.zone, "version": v.ann.version}
+                for v in n.peers.values()
+            ],
+            "held_versions": [n.held.version] if n.held else [],
+        }
+        if self.status.phase in (Phase.IDLE, Phase.FETCHING) and not self._activating.locked():
+            if n.phase == "fetching":
+                changes["phase"] = Phase.FETCHING
+            elif n.phase == "idle" and self.status.phase == Phase.FETCHING:
+                changes["phase"] = Phase.IDLE
+        if n.error and self.status.phase == Phase.IDLE and head_version != self.status.version:
+            changes["reason"] = n.error
+        self.status.update(**changes)
+        self.metrics.sync(n.metrics, self.status.version, head_version)
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        interval = systemd.watchdog_interval()
+        watchdog = asyncio.create_task(systemd.watchdog_loop(interval)) if interval else None
+        try:
+            while not stop.is_set():
+                self._refresh()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.25)
+        finally:
+            if watchdog:
+                watchdog.cancel()
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        systemd.notify("STOPPING=1")
+        self.status.update(phase=Phase.STOPPING)
+        async with self._activating:  # an activation in progress finishes first; staging is abandoned
+            if self.node is not None:
+                await self.node.stop()
+                self._persist_state()
+            for r in self._runners:
+                await r.cleanup()
+            with contextlib.suppress(OSError):
+                Path(self.cfg["api.socket"]).unlink()
+            if self.store is not None:
+                self.store.close()
+
+
+async def run_daemon(cfg: DaemonConfig) -> None:
+    import signal
+
+    daemon = RolloutDaemon(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await daemon.start()
+    except (DaemonError, ConfigError, StoreError):
+        await daemon.shutdown()
+        raise
+    await daemon.run_until(stop)
