@@ -156,7 +156,7 @@ def inspect_data(path: str) -> dict[str, Any]:
         for s, (enc, k) in zip(m.specs, header.records, strict=True)
     ]
     elements = sum(s.numel for s in m.specs)
-    changed = sum(t["changed"] for t in tensors if t["encoding"] != "FULL") if m.kind == "patch" else elements
+    changed = sum(k for enc, k in header.records if enc.name != "FULL") if m.kind == "patch" else elements
     return {
         "run_id": m.run_id,
         "version": m.version,

@@ -36,6 +36,7 @@ from daemon.weightstore import (
     StoreLayout,
     StoreMissingError,
     StoreState,
+    StoreTooSmallError,
     WeightStore,
     diff_updates,
 )
@@ -193,6 +194,9 @@ class RolloutDaemon:
             self.status.update(phase=Phase.STAGING, target=max(held.version, self.status.target or 0))
             try:
                 await self._activate(held)
+            except StoreTooSmallError as e:
+                self.status.update(phase=Phase.ERROR, reason=f"store.size: {e}")
+                raise
             except StoreError as e:
                 self.status.update(phase=Phase.ERROR, reason=str(e))
                 raise

@@ -382,13 +382,19 @@ class SwarmNode:
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._upload_queue.append(turn)
         timer = asyncio.ensure_future(self.clock.sleep(self.config.upload_queue_wait))
-        await asyncio.wait([turn, timer], return_when=asyncio.FIRST_COMPLETED)
-        timer.cancel()
-        if turn.done():
-            return True  # the slot was handed over by _release_upload_slot
-        turn.cancel()
-        self._upload_queue.remove(turn)
-        return False
+        try:
+            await asyncio.wait([turn, timer], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Cancelled while waiting: give back a slot already handed over, or leave the line.
+            if turn.done() and not turn.cancelled():
+                self._release_upload_slot()
+            raise
+        finally:
+            timer.cancel()
+            if not turn.done():
+                turn.cancel()
+                self._upload_queue.remove(turn)
+        return not turn.cancelled()  # done: the slot was handed over by _release_upload_slot
 
     def _release_upload_slot(self) -> None:
         while self._upload_queue:

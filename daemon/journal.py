@@ -1,0 +1,276 @@
+"""The activation journal: what an activation will write, durable before memory is touched.
+
+One file, ``<journal dir>/activation.journal``, exists exactly while an activation may have
+left the store between two versions.  It holds absolute values (positions, old words, new
+words per tensor), so re-applying either side is idempotent.  Bytes:
+
+    magic "PSWJRNL1" | u32 format=1 | u32 H | H bytes msgpack header | body | BLAKE3-256 of all before
+
+header = {"layout_hash", "base": [version, root], "target": [version, root],
+          "tensors": [[slot, count, pos_width (0: dense, 4 or 8), word_width], ...]}
+body   = per tensor: count positions (u32/i64 LE), count old words, count new words.
+
+It is written to a temporary file, fsynced, renamed, and the directory fsynced; removed (and
+the directory fsynced) after the version flip.  ``recover`` runs when the daemon starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import blake3
+import msgpack
+import numpy as np
+import torch
+
+from daemon.weightstore import (
+    JournalError,
+    StoreError,
+    StoreLayoutMismatch,
+    StoreState,
+    StoreVerifyError,
+    TensorUpdate,
+    WeightStore,
+)
+
+JOURNAL_NAME = "activation.journal"
+MAGIC = b"PSWJRNL1"
+FORMAT = 1
+_PREFIX = struct.Struct("<8sII")
+_WRITE_CHUNK = 64 << 20
+_MAX_HEADER = 64 << 20
+
+
+class TornJournalError(JournalError):
+    """A journal file that is truncated or fails its checksum."""
+
+
+@dataclass(frozen=True, slots=True)
+class Journal:
+    layout_hash: bytes
+    base: tuple[int, bytes]  # (version, root) the store held
+    target: tuple[int, bytes]  # (version, root) being activated
+    updates: list[TensorUpdate]  # CPU tensors viewing the file's bytes
+
+
+def journal_path(journal_dir: Path) -> Path:
+    return journal_dir / JOURNAL_NAME
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview, h: blake3.blake3) -> None:
+    h.update(data)
+    for start in range(0, len(data), _WRITE_CHUNK):
+        part = data[start : start + _WRITE_CHUNK]
+        while len(part):
+            part = part[os.write(fd, part) :]
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    return t.detach().cpu().contiguous().numpy().data.cast("B")
+
+
+def write_journal(
+    journal_dir: Path,
+    layout_hash: bytes,
+    base: tuple[int, bytes],
+    target: tuple[int, bytes],
+    updates: list[TensorUpdate],
+    *,
+    fault: Callable[[str], None] | None = None,
+) -> int:
+    """Write and fsync the journal; returns its size.  Any OSError (ENOSPC...) becomes JournalError."""
+    tensors = []
+    for u in updates:
+        n = u.count
+        pw = 0 if u.positions is None else 4 if n == 0 or int(u.positions.max()) < (1 << 32) else 8
+        tensors.append([u.slot, n, pw, u.new.element_size()])
+    header = msgpack.packb({"layout_hash": layout_hash, "base": list(base), "target": list(target), "tensors": tensors})
+    path = journal_path(journal_dir)
+    tmp = journal_dir / f".{JOURNAL_NAME}.{os.getpid()}.tmp"
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    size = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            parts = [memoryview(_PREFIX.pack(MAGIC, FORMAT, len(header))), memoryview(header)]
+            for u, (_, _, pw, _) in zip(updates, tensors, strict=True):
+                if u.positions is not None:
+                    pos = u.positions.detach().cpu().numpy().astype("<u4" if pw == 4 else "<i8", copy=False)
+                    parts.append(np.ascontiguousarray(pos).data.cast("B"))
+                parts += [_host_bytes(u.old), _host_bytes(u.new)]
+            for k, part in enumerate(parts):
+                _write_all(fd, part, h)
+                size += len(part)
+                if fault is not None and k == len(parts) // 2:
+                    fault("journal_tmp")
+            digest = h.digest()
+            _write_all(fd, memoryview(digest), blake3.blake3())
+            size += len(digest)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(journal_dir)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise JournalError(f"cannot write the activation journal in {journal_dir}: {e}") from e
+    return size
+
+
+def read_journal(journal_dir: Path) -> Journal | None:
+    """The journal, if one exists; TornJournalError if it is truncated or corrupt."""
+    path = journal_path(journal_dir)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise JournalError(f"cannot read {path}: {e}") from e
+    if len(data) < _PREFIX.size + 32:
+        raise TornJournalError(f"{path}: truncated")
+    body_end = len(data) - 32
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update(memoryview(data)[:body_end])
+    if h.digest() != data[body_end:]:
+        raise TornJournalError(f"{path}: checksum mismatch")
+    magic, fmt, hlen = _PREFIX.unpack_from(data)
+    if magic != MAGIC or fmt != FORMAT or hlen > _MAX_HEADER:
+        raise TornJournalError(f"{path}: not a journal of format {FORMAT}")
+    try:
+        hd = msgpack.unpackb(data[_PREFIX.size : _PREFIX.size + hlen])
+        base = (int(hd["base"][0]), bytes(hd["base"][1]))
+        target = (int(hd["target"][0]), bytes(hd["target"][1]))
+        body = _Body(data, _PREFIX.size + hlen, body_end)
+        updates: list[TensorUpdate] = []
+        for slot, n, pw, ww in hd["tensors"]:
+            pos = None if pw == 0 else body.take(n, "<u4" if pw == 4 else "<i8").to(torch.int64)
+            old = body.take(n, f"<i{ww}")
+            updates.append(TensorUpdate(int(slot), pos, body.take(n, f"<i{ww}"), old))
+    except (KeyError, TypeError, ValueError, IndexError, msgpack.UnpackException) as e:
+        raise TornJournalError(f"{path}: malformed: {e}") from None
+    if body.off != body_end:
+        raise TornJournalError(f"{path}: body longer than its header says")
+    return Journal(bytes(hd["layout_hash"]), base, target, updates)
+
+
+class _Body:
+    def __init__(self, data: bytes, off: int, end: int) -> None:
+        self.buf = np.frombuffer(data, dtype=np.uint8, count=end)
+        self.off = off
+
+    def take(self, count: int, dt: str) -> torch.Tensor:
+        width = np.dtype(dt).itemsize
+        arr = self.buf[self.off : self.off + count * width]
+        if arr.size != count * width:
+            raise ValueError("body shorter than its header says")
+        self.off += arr.size
+        return torch.from_numpy(arr.view(dt).copy())  # copy: aligned and writable
+
+
+def remove_journal(journal_dir: Path) -> None:
+    """Delete the journal (the activation is complete or undone) and make that durable."""
+    try:
+        journal_path(journal_dir).unlink(missing_ok=True)
+        _fsync_dir(journal_dir)
+    except OSError as e:
+        raise JournalError(f"cannot remove the activation journal in {journal_dir}: {e}") from e
+
+
+def _remove_temporaries(journal_dir: Path) -> None:
+    for p in journal_dir.glob(f".{JOURNAL_NAME}.*.tmp"):
+        p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- recovery
+
+
+class Action(Enum):
+    CLEAN = "clean"  # no journal: the store holds the version its header names
+    DISCARDED = "discarded"  # a torn journal, memory untouched: dropped
+    ROLLED_FORWARD = "rolled_forward"  # the journaled activation was finished
+    ROLLED_BACK = "rolled_back"  # the new values did not verify: the base version was restored
+    NEEDS_LOAD = "needs_load"  # no version in the store (empty, load interrupted, failed): load one
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    action: Action
+    version: int | None
+    root: bytes | None
+
+
+def recover(store: WeightStore, journal_dir: Path | str, *, verify: bool = True) -> Recovery:
+    """Bring the store to a version after a daemon restart; run before the daemon reports READY.
+
+    With ``verify`` the state root of the store's contents is computed and must be the root the
+    header (or journal) names; a mismatch leaves the store FAILED and raises StoreVerifyError.
+    """
+    journal_dir = Path(journal_dir)
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    _remove_temporaries(journal_dir)
+    hdr = store.header()
+    if hdr.state in (StoreState.EMPTY, StoreState.LOADING, StoreState.FAILED):
+        remove_journal(journal_dir)  # no version to finish or restore (e.g. a new engine buffer): load one
+        return Recovery(Action.NEEDS_LOAD, None, None)
+    ready = hdr.state == StoreState.READY and hdr.stable
+    try:
+        j = read_journal(journal_dir)
+    except TornJournalError:
+        # Renamed only once complete and fsynced, a torn journal means the disk lost it: memory
+        # was not touched if the fence is closed; otherwise the contents are unknown.
+        remove_journal(journal_dir)
+        if not ready:
+            store.mark_failed()
+            return Recovery(Action.NEEDS_LOAD, None, None)
+        _check(store, hdr.root, hdr.version, verify)
+        return Recovery(Action.DISCARDED, hdr.version, hdr.root)
+    if j is None:
+        if ready:
+            _check(store, hdr.root, hdr.version, verify)
+            return Recovery(Action.CLEAN, hdr.version, hdr.root)
+        store.mark_failed()  # a write in progress with no journal: the journal directory was lost
+        return Recovery(Action.NEEDS_LOAD, None, None)
+    if j.layout_hash != store.layout.layout_hash:
+        raise StoreLayoutMismatch(f"the journal in {journal_dir} was written for another store layout")
+    if ready and hdr.version not in (j.base[0], j.target[0]):
+        raise StoreError(f"the journal moves {j.base[0]} -> {j.target[0]} but the store holds {hdr.version}")
+    if store.data is None:
+        raise StoreError("the store has no engine buffer attached; recover after the engine registers one")
+    staged = store.stage(j.updates)
+    store.control.begin(StoreState.RECOVERING)
+    if store.write_values(staged) and (not verify or store.root() == j.target[1]):
+        store.control.publish(*j.target, StoreState.READY)
+        remove_journal(journal_dir)
+        return Recovery(Action.ROLLED_FORWARD, *j.target)
+    if store.write_values(staged, new=False) and (not verify or store.root() == j.base[1]):
+        store.control.publish(*j.base, StoreState.READY)
+        remove_journal(journal_dir)
+        return Recovery(Action.ROLLED_BACK, *j.base)
+    store.control.publish(0, bytes(32), StoreState.FAILED)
+    remove_journal(journal_dir)
+    raise StoreVerifyError(f"store after recovering version {j.target[0]}", j.target[1], store.root())
+
+
+def _check(store: WeightStore, root: bytes, version: int, verify: bool) -> None:
+    if not verify:
+        return
+    try:
+        store.verify(root, f"weight store holding version {version}")
+    except StoreVerifyError:
+        store.mark_failed()
+        raise

@@ -1,0 +1,438 @@
+"""The weight store: the served weights an inference engine reads, updated in place under a version fence.
+
+One flat byte buffer holds every tensor at a fixed, 256-byte aligned offset (``StoreLayout``);
+a control block (``ControlBlock``, one 4 KiB page of host shared memory) holds the fence: a
+64-bit sequence counter that is odd while the daemon writes, and the active version and state
+root.  Two placements of the buffer (docs/weightstore.md):
+
+- host store: one named POSIX shared-memory segment ``[control page | layout | data]`` that the
+  daemon creates and that outlives it (unlinked only by ``destroy()``);
+- engine buffer: the engine allocates the data (CUDA memory dies with its allocator) and hands
+  the daemon one handle (a CUDA IPC handle, or on CPU its twin, a named shm segment); the
+  control block and layout live in a small daemon-created segment.
+
+An activation journals absolute old and new values (daemon/journal.py) before memory is
+touched, then writes, verifies the written positions and flips the version inside the fence.
+The byte format both sides share (layout, control block, segments, handles) is in daemon/engine.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.engine import (
+    _HANDLE_CAP,
+    _OFF_DATA,
+    _OFF_HANDLE,
+    _OFF_KIND,
+    _OFF_LAYOUT,
+    CONTROL_SIZE,
+    KIND_ENGINE_BUFFER,
+    KIND_HOST,
+    PAGE,
+    SHM_DIR,
+    ZERO_ROOT,
+    ControlBlock,
+    Header,
+    SharedSegment,
+    Slot,
+    StoreError,
+    StoreLayout,
+    StoreLayoutMismatch,
+    StoreMissingError,
+    StoreState,
+    StoreTooSmallError,
+    import_buffer,
+)
+from protocol.diffscan import scan
+from protocol.errors import DigestMismatchError
+from protocol.served import ServedModel, bytes_digest, state_root, word_view
+
+__all__ = [
+    "ActivationStats",
+    "Header",
+    "JournalError",
+    "Slot",
+    "StoreError",
+    "StoreLayout",
+    "StoreLayoutMismatch",
+    "StoreMissingError",
+    "StoreState",
+    "StoreStateError",
+    "StoreTooSmallError",
+    "StoreVerifyError",
+    "TensorUpdate",
+    "WeightStore",
+    "diff_updates",
+]
+
+# Above this fraction of changed elements a tensor is written whole (a copy beats a scatter).
+DENSE_FRACTION = 0.125
+
+
+class StoreStateError(StoreError):
+    """The store is not in a state that allows the operation (e.g. activate before the first load)."""
+
+
+class StoreVerifyError(StoreError, DigestMismatchError):
+    """What the store holds is not what it should hold (written values or the state root)."""
+
+
+class JournalError(StoreError):
+    """The activation journal could not be written or read; memory was not touched if raised by activate."""
+
+
+# ---------------------------------------------------------------- updates
+
+
+@dataclass(frozen=True, slots=True)
+class TensorUpdate:
+    """New values for one slot: at ``positions`` (int64), or the whole tensor when positions is None.
+
+    ``new`` and ``old`` are words (protocol.served.word_view dtype), absolute values, so that
+    writing either is idempotent.  They must not be mutated until ``activate`` returns.
+    """
+
+    slot: int
+    positions: torch.Tensor | None
+    new: torch.Tensor
+    old: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.new.numel())
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationStats:
+    pause_s: float  # fence odd -> even: the time the engine may observe a write in progress
+    journal_s: float  # journal written and fsynced (before the pause; serving continues)
+    changed: int  # elements written
+    bytes_written: int
+    journal_bytes: int
+
+
+def diff_updates(old: ServedModel, new: ServedModel, dense_fraction: float = DENSE_FRACTION) -> list[TensorUpdate]:
+    """The in-place writes that turn ``old`` into ``new`` (protocol.diffscan per tensor)."""
+    if old.specs != new.specs:
+        raise StoreLayoutMismatch("the two versions do not have the same tensor names, dtypes and shapes")
+    out: list[TensorUpdate] = []
+    for i, spec in enumerate(old.specs):
+        a, b = word_view(old.data[i], spec), word_view(new.data[i], spec)
+        ch = scan(a, b)
+        if len(ch) == 0:
+            continue
+        if len(ch) > dense_fraction * spec.numel:
+            out.append(TensorUpdate(i, None, b, a))
+        else:
+            out.append(TensorUpdate(i, ch.positions, ch.new, ch.old))
+    return out
+
+
+def _no_fault(point: str) -> None:
+    pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- the store
+
+
+class WeightStore:
+    """The daemon's handle on the served weights (host shm, or an engine's buffer on any torch device)."""
+
+    def __init__(self, seg: SharedSegment, layout: StoreLayout, shm_dir: Path | str) -> None:
+        self.segment = seg
+        self.layout = layout
+        self.shm_dir = Path(shm_dir)
+        self.control = ControlBlock(seg.mm)
+        self.kind = self.control.get(_OFF_KIND)
+        self.data: torch.Tensor | None = None
+        self.buffer: dict[str, Any] | None = None
+        self._buffer_seg: SharedSegment | None = None
+        # Test hook: called with a crash point name ("journal_tmp", "journaled", "odd", "mid_write",
+        # "written", "flipped", "loading"); crash tests kill the process there.
+        self.fault: Callable[[str], None] = _no_fault
+        if self.kind == KIND_HOST:
+            off, cap = self.control.get(_OFF_DATA), self.control.get(_OFF_DATA + 8)
+            if cap < layout.nbytes or off + cap > seg.size:
+                raise StoreTooSmallError(layout.nbytes, min(cap, max(seg.size - off, 0)))
+            self.data = seg.tensor(off, cap)
+
+    # -- creation and re-attachment
+
+    @classmethod
+    def create(
+        cls, name: str, layout: StoreLayout, *, capacity: int | None = None, engine_buffer: bool = False,
+        shm_dir: Path | str = SHM_DIR,
+    ) -> WeightStore:  # fmt: skip
+        """A new store named ``name``: host data (default) or, with ``engine_buffer``, control only."""
+        cap = layout.nbytes if capacity is None else capacity
+        if cap < layout.nbytes:
+            raise StoreTooSmallError(layout.nbytes, cap)
+        text = json.dumps(layout.to_json(), separators=(",", ":")).encode()
+        lay_cap = -(-(len(text) + 1) // PAGE) * PAGE
+        tail = _HANDLE_CAP if engine_buffer else -(-cap // PAGE) * PAGE
+        seg = SharedSegment.create(name, CONTROL_SIZE + lay_cap + tail, shm_dir)
+        seg.mm[CONTROL_SIZE : CONTROL_SIZE + len(text)] = text
+        ctl = ControlBlock(seg.mm)
+        tail_off = CONTROL_SIZE + lay_cap
+        fields = {_OFF_LAYOUT: CONTROL_SIZE, _OFF_LAYOUT + 8: len(text)}
+        if engine_buffer:
+            fields |= {_OFF_KIND: KIND_ENGINE_BUFFER, _OFF_HANDLE: tail_off, _OFF_HANDLE + 8: _HANDLE_CAP}
+        else:
+            fields |= {_OFF_KIND: KIND_HOST, _OFF_DATA: tail_off, _OFF_DATA + 8: cap}
+        ctl.init(fields, layout.layout_hash)
+        return cls(seg, layout, shm_dir)
+
+    @classmethod
+    def open(cls, name: str, *, layout: StoreLayout | None = None, shm_dir: Path | str = SHM_DIR) -> WeightStore:
+        """Re-attach to an existing store (after a daemon restart); an engine buffer is re-imported if alive."""
+        seg = SharedSegment.open(name, shm_dir)
+        if seg.size < CONTROL_SIZE:
+            raise StoreMissingError(f"shared memory {name!r} is too small to be a weight store")
+        ctl = ControlBlock(seg.mm)
+        lay_hash = ctl.check()
+        found = StoreLayout.from_json(json.loads(ctl.blob(seg.mm, _OFF_LAYOUT, _OFF_LAYOUT + 8)))
+        if found.layout_hash != lay_hash:
+            raise StoreError(f"weight store {name!r}: its layout does not match its layout hash")
+        if layout is not None and layout.specs != found.specs:
+            raise StoreLayoutMismatch(f"weight store {name!r} is laid out for other tensors")
+        store = cls(seg, found, shm_dir)
+        if store.kind == KIND_ENGINE_BUFFER and ctl.get(_OFF_HANDLE + 16):
+            with contextlib.suppress(StoreError):  # the engine is gone: wait for it to register a new buffer
+                store.attach_buffer(json.loads(ctl.blob(seg.mm, _OFF_HANDLE, _OFF_HANDLE + 16)), keep_contents=True)
+        return store
+
+    @classmethod
+    def open_or_create(
+        cls, name: str, layout: StoreLayout, *, engine_buffer: bool = False, shm_dir: Path | str = SHM_DIR
+    ) -> WeightStore:
+        """Re-attach if the store exists; replace a segment whose creation never finished."""
+        try:
+            return cls.open(name, layout=layout, shm_dir=shm_dir)
+        except StoreMissingError:
+            SharedSegment._path(name, shm_dir).unlink(missing_ok=True)
+        return cls.create(name, layout, engine_buffer=engine_buffer, shm_dir=shm_dir)
+
+    def attach_buffer(self, handle: dict[str, Any], *, keep_contents: bool = False) -> None:
+        """Use the engine's buffer (its handle from engine.allocate); a new buffer makes the store EMPTY.
+
+        The handle is kept in the control segment, so a restarted daemon re-imports it (``open``).
+        """
+        if self.kind != KIND_ENGINE_BUFFER:
+            raise StoreStateError("a host store has its own data region")
+        data, seg = import_buffer(handle, self.shm_dir)
+        text = json.dumps(handle, separators=(",", ":")).encode()
+        if len(text) > self.control.get(_OFF_HANDLE + 8):
+            raise StoreError("engine buffer handle too large")
+        self.bind_buffer(data, int(handle["buffer_id"]), keep_contents=keep_contents)
+        self._buffer_seg, self.buffer = seg, handle
+        off = self.control.get(_OFF_HANDLE)
+        self.segment.mm[off : off + len(text)] = text
+        self.control.set(_OFF_HANDLE + 16, len(text))
+
+    def bind_buffer(self, data: torch.Tensor, buffer_id: int, *, keep_contents: bool = False) -> None:
+        """Use a flat uint8 buffer of this process (engine and daemon in one process; benchmarks)."""
+        if self.kind != KIND_ENGINE_BUFFER:
+            raise StoreStateError("a host store has its own data region")
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < self.layout.nbytes:
+            raise StoreTooSmallError(self.layout.nbytes, data.numel() if data.dtype == torch.uint8 else 0)
+        self.data, self.buffer = data, None
+        self.control.set(_OFF_HANDLE + 16, 0)
+        if not (keep_contents and self.control.raw().buffer_id == buffer_id):
+            self.control.begin(StoreState.EMPTY)
+            self.control.publish(0, ZERO_ROOT, StoreState.EMPTY, buffer_id=buffer_id)
+
+    def attach_info(self) -> dict[str, Any]:
+        """What an engine needs to attach (JSON-able; published on the daemon's API)."""
+        info: dict[str, Any] = {
+            "kind": "shm" if self.kind == KIND_HOST else "engine_buffer",
+            "name": self.segment.name,
+            "shm_dir": str(self.shm_dir),
+            "layout": self.layout.to_json(),
+            "layout_hash": self.layout.layout_hash.hex(),
+            "nbytes": self.layout.nbytes,
+            "control": {"name": self.segment.name, "offset": 0, "size": CONTROL_SIZE},
+        }
+        if self.kind == KIND_HOST:
+            info["data_offset"] = self.control.get(_OFF_DATA)
+        else:
+            info["buffer"] = self.buffer
+        return info
+
+    def close(self) -> None:
+        self.data = None
+        for seg in (self._buffer_seg, self.segment):
+            if seg is not None:
+                seg.close()
+
+    def destroy(self) -> None:
+        """Remove the store's segment (engines that still map it keep their mapping)."""
+        self.segment.unlink()
+        self.close()
+
+    # -- reading
+
+    def header(self) -> Header:
+        return self.control.raw()
+
+    def _require_data(self) -> torch.Tensor:
+        if self.data is None:
+            raise StoreStateError("no engine buffer is attached to the store")
+        return self.data
+
+    def slot_bytes(self, i: int) -> torch.Tensor:
+        s = self.layout.slots[i]
+        return self._require_data()[s.offset : s.offset + s.nbytes]
+
+    def slot_words(self, i: int) -> torch.Tensor:
+        return word_view(self.slot_bytes(i), self.layout.slots[i].spec)
+
+    def digests(self) -> list[bytes]:
+        """Per-tensor BLAKE3 of the store's bytes (zero-copy on host; tensor by tensor to host otherwise)."""
+        return [bytes_digest(self.slot_bytes(i)) for i in range(len(self.layout.slots))]
+
+    def root(self) -> bytes:
+        return state_root(self.layout.specs, self.digests())
+
+    def verify(self, root: bytes, what: str = "weight store") -> None:
+        actual = self.root()
+        if actual != root:
+            raise StoreVerifyError(what, root, actual)
+
+    def read_model(self, device: torch.device | str = "cpu") -> ServedModel:
+        """A copy of the contents (to rebuild the daemon's shadow after a restart)."""
+        return ServedModel(self.layout.specs, [self.slot_bytes(i).to(device, copy=True) for i in range(len(self))])
+
+    def __len__(self) -> int:
+        return len(self.layout.slots)
+
+    # -- writing
+
+    def mark_failed(self) -> None:
+        self.control.begin(StoreState.FAILED)
+        self.control.publish(0, ZERO_ROOT, StoreState.FAILED)
+
+    def load(self, model: ServedModel, version: int, root: bytes, *, verify: bool = True) -> None:
+        """Write a whole version (first load, or after FAILED) with the fence odd; verify its root."""
+        if model.specs != self.layout.specs:
+            raise StoreLayoutMismatch("the model does not have the store's tensor names, dtypes and shapes")
+        data = self._require_data()
+        self.control.begin(StoreState.LOADING)
+        for i, src in enumerate(model.data):
+            self.slot_bytes(i).copy_(src)
+            if i == len(model.data) // 2:
+                self.fault("loading")
+        _sync(data.device)
+        if verify:
+            actual = self.root()
+            if actual != root:
+                self.control.publish(0, ZERO_ROOT, StoreState.FAILED)
+                raise StoreVerifyError(f"loaded version {version}", root, actual)
+        self.control.publish(version, root, StoreState.READY)
+
+    def stage(self, updates: list[TensorUpdate]) -> list[TensorUpdate]:
+        """Check updates against the layout and move them to the store's device (before the pause)."""
+        device = self._require_data().device
+        out: list[TensorUpdate] = []
+        seen: set[int] = set()
+        for u in updates:
+            if not 0 <= u.slot < len(self) or u.slot in seen:
+                raise ValueError(f"update for slot {u.slot}: no such slot, or given twice")
+            seen.add(u.slot)
+            spec = self.layout.slots[u.slot].spec
+            wd = spec.dt.word_dtype
+            if u.new.dtype != wd or u.old.dtype != wd or u.new.shape != u.old.shape or u.new.dim() != 1:
+                raise ValueError(f"update for {spec.name}: new/old must be flat {wd} tensors of equal length")
+            if u.positions is None:
+                if u.new.numel() != spec.numel:
+                    raise ValueError(f"dense update for {spec.name} has {u.new.numel()} of {spec.numel} elements")
+                pos = None
+            else:
+                p = u.positions
+                if p.dtype != torch.int64 or p.shape != u.new.shape:
+                    raise ValueError(f"update for {spec.name}: positions must be int64, one per value")
+                if p.numel() and (int(p.min()) < 0 or int(p.max()) >= spec.numel):
+                    raise ValueError(f"update for {spec.name}: position out of range")
+                pos = p.to(device, non_blocking=True)
+            out.append(TensorUpdate(u.slot, pos, u.new.to(device, non_blocking=True), u.old.to(device)))
+        _sync(device)
+        return out
+
+    def write_values(self, staged: list[TensorUpdate], *, new: bool = True) -> bool:
+        """Scatter new (or old) values, then gather and compare them; True if all read back equal.
+
+        Must run inside the fence.  On a GPU this is one sync at the end (the comparison).
+        """
+        data = self._require_data()
+        bad = torch.zeros((), dtype=torch.int64, device=data.device)
+        for k, u in enumerate(staged):
+            w = self.slot_words(u.slot)
+            vals = u.new if new else u.old
+            if u.positions is None:
+                w.copy_(vals)
+            else:
+                w.index_copy_(0, u.positions, vals)
+            if k == len(staged) // 2:
+                self.fault("mid_write")
+        for u in staged:
+            w = self.slot_words(u.slot)
+            vals = u.new if new else u.old
+            got = w if u.positions is None else torch.index_select(w, 0, u.positions)
+            bad += torch.count_nonzero(got != vals)
+        return int(bad) == 0
+
+    def activate(
+        self, version: int, root: bytes, updates: list[TensorUpdate], journal_dir: Path | str
+    ) -> ActivationStats:
+        """Make ``version`` (state root ``root``) the served one by writing ``updates`` in place.
+
+        Order: stage and check -> journal (absolute old and new values, fsynced; JournalError here
+        leaves memory untouched) -> seq odd -> scatter -> gather and compare -> version/root ->
+        seq even -> journal removed.  The caller has verified ``root`` on its shadow copy.  After
+        any other error, call ``daemon.journal.recover``.
+        """
+        from daemon import journal  # (journal imports this module)
+
+        hdr = self.control.raw()
+        if hdr.state != StoreState.READY or not hdr.stable:
+            raise StoreStateError(f"activate needs a READY store (it is {hdr.state.name}); load or recover first")
+        staged = self.stage(updates)
+        t0 = time.perf_counter()
+        jbytes = journal.write_journal(
+            Path(journal_dir), self.layout.layout_hash, (hdr.version, hdr.root), (version, root), updates,
+            fault=self.fault,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        self.fault("journaled")
+        self.control.begin(StoreState.WRITING)
+        self.fault("odd")
+        ok = self.write_values(staged)
+        self.fault("written")
+        if not ok:
+            back = self.write_values(staged, new=False)
+            if back:
+                self.control.publish(hdr.version, hdr.root, StoreState.READY)
+            else:
+                self.control.publish(0, ZERO_ROOT, StoreState.FAILED)
+            journal.remove_journal(Path(journal_dir))
+            raise StoreVerifyError(f"written values of version {version}", root, ZERO_ROOT)
+        self.control.publish(version, root, StoreState.READY)
+        t2 = time.perf_counter()
+        self.fault("flipped")
+        journal.remove_journal(Path(journal_dir))
+        changed = sum(u.count for u in staged)
+        written = sum(u.count * self.layout.slots[u.slot].spec.dt.width for u in staged)
+        return ActivationStats(t2 - t1, t1 - t0, changed, written, jbytes)

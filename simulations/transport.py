@@ -1,0 +1,248 @@
+"""The swarm Transport over the flow-level network model, in virtual time.
+
+``SimNet`` drives a ``simulations.network.Network`` from an asyncio loop (normally a
+``VirtualTimeLoop``): one loop timer sits at the network's next event; ``transfer`` adds a
+flow and waits for it.  ``SimTransport`` is one host's ``swarm.transport.Transport``:
+
+* ``send`` (gossip): the datagram reaches the peer's handler one one-way latency later.  It
+  uses no bandwidth unless ``SimNet(gossip_flows=True)``, which sends it as a flow.
+* ``get_chunk`` / ``get_object``: the request takes one one-way latency; the peer's handler
+  runs (in its own task, as an HTTP server's would, so a requester giving up does not cancel
+  it); a bytes reply then travels back as a flow (latency, then max-min shared bandwidth),
+  a Busy/Missing reply as a one-way message.  The whole exchange obeys ``timeout``.
+
+Chunk replies carry the serving node's bytes; ``placeholder_bytes`` gives shared, sized
+stand-ins for studies where payloads are not materialised (see docs/simulation.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from simulations.network import Flow, Network
+from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
+
+T = TypeVar("T")
+
+REQUEST_BYTES = 300  # an HTTP GET with its headers: used when gossip and requests go as flows
+
+
+@dataclass(slots=True)
+class Endpoint:
+    addr: str
+    host: str
+    handlers: Handlers
+
+
+@dataclass
+class MessageStats:
+    gossip_messages: int = 0
+    gossip_bytes: int = 0
+    chunk_requests: int = 0
+    chunk_bytes: int = 0
+    object_requests: int = 0
+    object_bytes: int = 0
+    failures: int = 0
+    per_host_gossip_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class SimNet:
+    """The asyncio side of a Network: endpoints by address, flows as awaitables."""
+
+    def __init__(self, network: Network, *, gossip_flows: bool = False) -> None:
+        self.network = network
+        self.gossip_flows = gossip_flows
+        self.endpoints: dict[str, Endpoint] = {}
+        self.stats = MessageStats()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+
+    # ------------------------------------------------------------ endpoints
+
+    def register(self, addr: str, host: str, handlers: Handlers) -> None:
+        if addr in self.endpoints:
+            raise ValueError(f"address {addr!r} is taken")
+        self.network.latency(host, host)  # an unknown host fails here, not at the first request
+        self.endpoints[addr] = Endpoint(addr, host, handlers)
+
+    def unregister(self, addr: str) -> None:
+        """The host at ``addr`` goes away: later requests to it fail (flows under way still finish)."""
+        self.endpoints.pop(addr, None)
+
+    def endpoint(self, addr: str) -> Endpoint:
+        ep = self.endpoints.get(addr)
+        if ep is None:
+            raise TransportError(f"{addr}: connection refused")
+        return ep
+
+    # ------------------------------------------------------------ time and flows
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def message(self, src: str, dst: str) -> None:
+        """A small message: one one-way latency, no bandwidth."""
+        await asyncio.sleep(self.network.latency(src, dst))
+
+    async def transfer(self, src: str, dst: str, nbytes: float, tag: object = None) -> Flow:
+        """Move ``nbytes`` from host src to host dst through the network model; returns the finished flow."""
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        flow = self.network.add_flow(loop.time(), src, dst, nbytes, tag=tag)
+        done: asyncio.Future[None] = loop.create_future()
+        self._waiters[flow.id] = done
+        self._arm()
+        try:
+            await done
+        except asyncio.CancelledError:
+            self._waiters.pop(flow.id, None)
+            if flow.state in ("pending", "active"):
+                self._advance(loop.time())
+                self.network.cancel(loop.time(), flow)
+                self._arm()
+            raise
+        return flow
+
+    def _advance(self, t: float) -> None:
+        for flow in self.network.advance(t):
+            waiter = self._waiters.pop(flow.id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def _arm(self) -> None:
+        t = self.network.next_event_time()
+        if t == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = t
+        if t < math.inf:
+            self._timer = asyncio.get_running_loop().call_at(t, self._fire)
+
+    def _fire(self) -> None:
+        t = self._timer_at
+        self._timer = None
+        self._timer_at = math.inf
+        self._advance(t)
+        self._arm()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = math.inf
+
+    def transport(self, host: str) -> SimTransport:
+        return SimTransport(self, host)
+
+
+class SimTransport:
+    """``swarm.transport.Transport`` for the node on ``host``."""
+
+    def __init__(self, net: SimNet, host: str) -> None:
+        self.net = net
+        self.host = host
+        self.closed = False
+
+    async def send(self, addr: str, data: bytes) -> None:
+        net = self.net
+        ep = net.endpoint(addr)
+        net.stats.gossip_messages += 1
+        net.stats.gossip_bytes += len(data)
+        net.stats.per_host_gossip_bytes[self.host] = net.stats.per_host_gossip_bytes.get(self.host, 0) + len(data)
+        if net.gossip_flows:
+            await net.transfer(self.host, ep.host, len(data), tag="gossip")
+        else:
+            await net.message(self.host, ep.host)
+        ep = net.endpoint(addr)  # it may have gone meanwhile
+        await ep.handlers.gossip(data)
+
+    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str) -> ChunkReply:
+        net = self.net
+        net.stats.chunk_requests += 1
+
+        async def exchange() -> ChunkReply:
+            ep = await self._request(addr)
+            reply = await _serve(ep.handlers.chunk(chunk_hash, requester))
+            if isinstance(reply, Busy | Missing):
+                await net.message(ep.host, self.host)
+                return reply
+            if len(reply) > size:
+                raise TransportError(f"{addr}: chunk of {len(reply)} bytes, expected at most {size}")
+            await net.transfer(ep.host, self.host, len(reply), tag="chunk")
+            net.stats.chunk_bytes += len(reply)
+            return reply
+
+        return await self._bounded(addr, exchange, timeout)
+
+    async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
+        net = self.net
+        net.stats.object_requests += 1
+
+        async def exchange() -> bytes | None:
+            ep = await self._request(addr)
+            data = await _serve(ep.handlers.object(path))
+            if data is None:
+                await net.message(ep.host, self.host)
+                return None
+            if len(data) > limit:
+                raise TransportError(f"{addr}: object of {len(data)} bytes, expected at most {limit}")
+            await net.transfer(ep.host, self.host, len(data), tag="object")
+            net.stats.object_bytes += len(data)
+            return data
+
+        return await self._bounded(addr, exchange, timeout)
+
+    async def _request(self, addr: str) -> Endpoint:
+        ep = self.net.endpoint(addr)
+        await self.net.message(self.host, ep.host)
+        return self.net.endpoint(addr)
+
+    async def _bounded(self, addr: str, work: Callable[[], Coroutine[Any, Any, T]], timeout: float) -> T:
+        if self.closed:
+            raise TransportError("transport closed")
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                return await work()
+        except TimeoutError:
+            self.net.stats.failures += 1
+            raise TransportError(f"{addr}: timed out") from None
+        except TransportError:
+            self.net.stats.failures += 1
+            raise
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def _serve(handler: Awaitable[T]) -> T:
+    """Run a peer's handler as a server would: in its own task, finishing even if the requester gives up."""
+    task = asyncio.ensure_future(handler)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_drain)
+        raise
+
+
+def _drain(task: asyncio.Future[Any]) -> None:
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        task.result()
+
+
+_PLACEHOLDERS: dict[int, bytes] = {}
+
+
+def placeholder_bytes(size: int) -> bytes:
+    """A shared all-zero ``bytes`` of ``size``: every holder of a same-sized chunk references one object."""
+    data = _PLACEHOLDERS.get(size)
+    if data is None:
+        data = _PLACEHOLDERS[size] = bytes(size)
+    return data

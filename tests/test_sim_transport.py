@@ -1,0 +1,158 @@
+"""Virtual time for asyncio and the simulated Transport: no wall-clock waiting, exact virtual timings."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from simulations.clock import SimClock, VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
+from simulations.network import Host, Network, Region
+from simulations.transport import SimNet, placeholder_bytes
+from swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, Transport, TransportError
+
+
+def test_sleeping_an_hour_takes_an_hour_of_virtual_time_exactly() -> None:
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+        t1 = loop.time()
+        await asyncio.gather(asyncio.sleep(0.25), asyncio.sleep(0.5), asyncio.sleep(0.125))
+        return t1, loop.time()
+
+    assert run_virtual(main()) == (3600.0, 3600.5)
+
+
+def test_timeouts_and_wait_for_run_in_virtual_time() -> None:
+    async def main() -> float:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(10):
+                await asyncio.Event().wait()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(100), 5)
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(main(), start=1.0) == 16.0
+
+
+def test_timers_fire_in_deadline_order() -> None:
+    async def main() -> list[int]:
+        order: list[int] = []
+        loop = asyncio.get_running_loop()
+        for i, t in enumerate([0.3, 0.1, 0.2, 0.1]):
+            loop.call_later(t, order.append, i)
+        await asyncio.sleep(1)
+        return order
+
+    assert run_virtual(main()) == [1, 3, 2, 0]
+
+
+def test_a_loop_with_nothing_left_to_do_reports_a_deadlock() -> None:
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    loop = VirtualTimeLoop(idle_wall_timeout=0.01)
+    try:
+        with pytest.raises(VirtualTimeDeadlock):
+            loop.run_until_complete(main())
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+            loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+        loop.close()
+
+
+def test_sim_clock_is_a_clock() -> None:
+    async def main() -> tuple[float, float]:
+        clock: Clock = SimClock(epoch=1_700_000_000.0)
+        await clock.sleep(2.5)
+        await clock.sleep(-1)
+        return clock.now(), clock.wall()
+
+    assert run_virtual(main()) == (2.5, 1_700_000_002.5)
+
+
+# ---------------------------------------------------------------- transport
+
+
+def make_net() -> SimNet:
+    hosts = [Host("server", "r", up=1e6), Host("client", "r"), Host("other", "r")]
+    return SimNet(Network(hosts, [Region("r", latency=0.01)], window=None))
+
+
+def serving(chunks: dict[bytes, ChunkReply], objects: dict[str, bytes], log: list[bytes]) -> Handlers:
+    async def gossip(data: bytes) -> None:
+        log.append(data)
+
+    async def chunk(h: bytes, requester: str) -> ChunkReply:
+        return chunks.get(h, Missing())
+
+    async def obj(path: str) -> bytes | None:
+        return objects.get(path)
+
+    return Handlers(gossip, chunk, obj)
+
+
+def test_chunk_request_costs_request_latency_then_latency_plus_transfer() -> None:
+    async def main() -> list[tuple[str, float]]:
+        net = make_net()
+        log: list[bytes] = []
+        busy = Busy(0.5, ("n1",))
+        net.register("sim://server", "server", serving({b"a": b"x" * 500_000, b"b": busy}, {"o": b"y" * 10}, log))
+        client: Transport = net.transport("client")
+        loop = asyncio.get_running_loop()
+        out: list[tuple[str, float]] = []
+        t = loop.time()
+        reply = await client.get_chunk("sim://server", b"a", 500_000, 10.0, "client")
+        assert reply == b"x" * 500_000
+        out.append(("chunk", loop.time() - t))
+        t = loop.time()
+        assert await client.get_chunk("sim://server", b"b", 10, 10.0, "client") == busy
+        out.append(("busy", loop.time() - t))
+        t = loop.time()
+        assert isinstance(await client.get_chunk("sim://server", b"zz", 10, 10.0, "client"), Missing)
+        assert await client.get_object("sim://server", "o", 100, 1.0) == b"y" * 10
+        assert await client.get_object("sim://server", "nope", 100, 1.0) is None
+        out.append(("three more", loop.time() - t))
+        await client.send("sim://server", b"hello")
+        assert log == [b"hello"]
+        with pytest.raises(TransportError):
+            await client.get_object("sim://server", "o", 5, 1.0)  # over the limit
+        with pytest.raises(TransportError):
+            await client.get_chunk("sim://server", b"a", 500_000, 0.3, "client")  # needs 0.52 s
+        with pytest.raises(TransportError):
+            await client.send("sim://nobody", b"x")
+        await asyncio.sleep(1.0)
+        assert net.network.active_flows() == []  # the timed-out flow was cancelled
+        net.close()
+        return out
+
+    out = dict(run_virtual(main()))
+    assert out["chunk"] == pytest.approx(0.01 + 0.01 + 0.5)
+    assert out["busy"] == pytest.approx(0.02)
+    assert out["three more"] == pytest.approx(0.02 + (0.02 + 10 / 1e6) + 0.02)
+
+
+def test_concurrent_downloads_share_the_server_uplink() -> None:
+    async def main() -> list[float]:
+        net = make_net()
+        net.register("sim://server", "server", serving({b"a": b"z" * 1_000_000}, {}, []))
+        loop = asyncio.get_running_loop()
+
+        async def fetch(host: str) -> float:
+            await net.transport(host).get_chunk("sim://server", b"a", 1 << 20, 60.0, host)
+            return loop.time()
+
+        times = await asyncio.gather(fetch("client"), fetch("other"))
+        net.close()
+        return list(times)
+
+    # Two 1 MB replies over one 1 MB/s uplink: both end after 2 s of transfer plus two latencies.
+    assert run_virtual(main()) == pytest.approx([2.02, 2.02])
+
+
+def test_placeholders_are_shared_and_sized() -> None:
+    a, b = placeholder_bytes(4 << 20), placeholder_bytes(4 << 20)
+    assert a is b and len(a) == 4 << 20 and not any(a[:16])
+    assert math.isclose(len(placeholder_bytes(10)), 10)
