@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import random
+import signal
 import socket
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ from swarm.node import NodeConfig
 from swarm.server import RunningNode, start_http_node
 
 log = logging.getLogger("patchswarm.daemon")
+FAULT_ENV = "PATCHSWARM_FAULT_AT"
 
 
 class DaemonError(Exception):
@@ -224,6 +226,7 @@ class RolloutDaemon:
             self.metrics.applied.inc()
             return
         updates = diff_updates(self.shadow.model, held.model)
+        self._arm_fault_injection(self.store)
         if self.gate is not None:
             await self.gate.begin_activation(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
@@ -236,6 +239,20 @@ class RolloutDaemon:
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)
         log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
+
+    @staticmethod
+    def _arm_fault_injection(store: WeightStore) -> None:
+        """Crash tests only: PATCHSWARM_FAULT_AT=<point> kills this process (SIGKILL) when an activation
+        reaches that point (journaled, odd, mid_write, written, flipped; see daemon/weightstore.py)."""
+        point = os.environ.get(FAULT_ENV)
+        if not point:
+            return
+
+        def fault(reached: str) -> None:
+            if reached == point:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        store.fault = fault
 
     def _persist_state(self) -> None:
         if self.node is None:
@@ -310,8 +327,6 @@ class RolloutDaemon:
 
 
 async def run_daemon(cfg: DaemonConfig) -> None:
-    import signal
-
     daemon = RolloutDaemon(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
