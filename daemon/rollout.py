@@ -65,6 +65,7 @@ class RolloutDaemon:
         self.node: RunningNode | None = None
         self.gate: Any = None  # the sidecar's VersionGate, when the sidecar runs
         self._runners: list[Any] = []
+        self._servers: list[Any] = []  # sidecar servers (closed at shutdown)
         self._activating = asyncio.Lock()
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
         self.state_path = cfg.data_dir / "pull-state.msgpack"
@@ -176,17 +177,12 @@ class RolloutDaemon:
         systemd.notify("READY=1", f"STATUS=serving version {self.status.version}")
 
     async def _start_sidecar(self) -> None:
-        from daemon.sidecar import VersionGate, make_sidecar_app
+        from daemon.sidecar import VersionGate, start_sidecar
 
-        self.gate = VersionGate(applied=self.status.version or 0)
-        app = make_sidecar_app(self.cfg["sidecar.upstream"], self.gate)
-        from aiohttp import web
-
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
+        self.gate = VersionGate(applied=self.status.version if self.status.version is not None else -1)
         host, _, port = self.cfg["sidecar.listen"].rpartition(":")
-        await web.TCPSite(runner, host, int(port)).start()
-        self._runners.append(runner)
+        server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=int(port))
+        self._servers.append(server)
 
     # ------------------------------------------------------------ activation
 
@@ -221,7 +217,14 @@ class RolloutDaemon:
                 capacity = int(self.cfg["store.size"]) or None
                 self.store = WeightStore.create(self.cfg.store_name, layout, capacity=capacity)
             start = time.perf_counter()
-            self.store.load(held.model, held.version, root)
+            if self.gate is not None:
+                await self.gate.begin_activation("quiesce", held.version)
+            try:
+                self.store.load(held.model, held.version, root)
+            finally:
+                if self.gate is not None:
+                    hdr = self.store.header()
+                    self.gate.end_activation(hdr.version if hdr.state == StoreState.READY else self.gate.applied)
             self.status.update(last_activation_pause_s=time.perf_counter() - start)
             self.metrics.applied.inc()
             return
@@ -234,7 +237,8 @@ class RolloutDaemon:
             stats = self.store.activate(held.version, root, updates, self.journal_dir)
         finally:
             if self.gate is not None:
-                await self.gate.end_activation(self.store.header().version)
+                # Reopen at whatever the store now holds: the new version, or the old one on failure.
+                self.gate.end_activation(self.store.header().version)
         self.metrics.pause.observe(stats.pause_s)
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)
@@ -296,6 +300,8 @@ class RolloutDaemon:
         if n.error and self.status.phase == Phase.IDLE and head_version != self.status.version:
             changes["reason"] = n.error
         self.status.update(**changes)
+        if self.gate is not None and head_version is not None:
+            self.gate.set_target(head_version)
         self.metrics.sync(n.metrics, self.status.version, head_version)
 
     async def run_until(self, stop: asyncio.Event) -> None:
@@ -318,6 +324,8 @@ class RolloutDaemon:
             if self.node is not None:
                 await self.node.stop()
                 self._persist_state()
+            for srv in self._servers:
+                await srv.close()
             for r in self._runners:
                 await r.cleanup()
             with contextlib.suppress(OSError):
