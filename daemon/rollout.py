@@ -179,7 +179,7 @@ class RolloutDaemon:
     async def _start_sidecar(self) -> None:
         from daemon.sidecar import VersionGate, start_sidecar
 
-        self.gate = VersionGate(applied=self.status.version if self.status.version is not None else -1)
+        self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
         host, _, port = self.cfg["sidecar.listen"].rpartition(":")
         server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=int(port))
         self._servers.append(server)
@@ -342,7 +342,7 @@ async def run_daemon(cfg: DaemonConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await daemon.start()
-    except (DaemonError, ConfigError, StoreError):
+    except (DaemonError, ConfigError, StoreError, OSError):
         await daemon.shutdown()
         raise
     await daemon.run_until(stop)
