@@ -31,7 +31,7 @@ import argparse
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -279,10 +279,13 @@ def generate(
     rl: str = "pg",
     threads: int | None = 1,
     log: bool = False,
+    on_version: Callable[[int, dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None,
 ) -> Trajectory:
     """Warm up, then take ``steps`` RL-like steps at ``lr``; export versions 0..steps.
 
     ``rl="pg"`` takes policy-gradient steps, ``rl="sft"`` plain supervised steps on fresh batches.
+    ``on_version(i, bf16, fp8)`` is called as each version is exported, so a trainer can publish it
+    while training goes on.
     ``threads``: torch intra-op threads while training.  The default, one, makes the result the
     same on every machine (reductions split over threads round differently) and keeps a busy
     machine from slowing to a crawl; ``None`` keeps torch's setting (faster for "bench").
@@ -321,6 +324,8 @@ def generate(
         scales = fp8_scales(model)
         traj.bf16.append(export_bf16(model))
         traj.fp8.append(export_fp8(model, scales))
+        if on_version is not None:
+            on_version(0, traj.bf16[-1], traj.fp8[-1])
         for i in range(steps):
             seq, mask = make_batch(p, g_data)
             if rl == "pg":
@@ -335,6 +340,8 @@ def generate(
             traj.rewards.append(reward)
             traj.bf16.append(export_bf16(model))
             traj.fp8.append(export_fp8(model, scales))
+            if on_version is not None:
+                on_version(i + 1, traj.bf16[-1], traj.fp8[-1])
             if log:
                 print(f"rl step {i + 1:4d}  reward {reward:.4f}", flush=True)
     return traj
