@@ -226,13 +226,12 @@ class Demo:
             size = p.info.patch_bytes or (p.info.anchor_bytes or 0)
             times = [h.reached[v] for h in self.hosts if v in h.reached]
             spread = f"{max(times) - p.at:.2f} s" if len(times) == len(self.hosts) else "-"
-            roots = {h.status.get("root") for h in self.hosts} if v == max(self.published) else None
-            bitwise = (
-                "checked in flight"
-                if roots is None
-                else ("identical" if roots == {p.served.root().hex()} else "DIFFERENT")
-            )
-            ok &= bitwise != "DIFFERENT"
+            want = p.served.root().hex()
+            seen = [h.roots[v] for h in self.hosts if v in h.roots]
+            same = sum(r == want for r in seen)
+            # A host that jumped straight past a version (catching up) never held it: not counted.
+            bitwise = f"{same}/{len(seen)} identical" + ("" if same == len(seen) else f", {len(seen) - same} DIFFERENT")
+            ok &= same == len(seen)
             answer = " ".join(map(str, self.answers[v][0])) if v in self.answers else "-"
             ratio = f"{100 * size / full:.2f}%" + ("" if p.info.patch_bytes else " (anchor)")
             t.add_row(str(v), f"{size:,}", f"{full:,}", ratio, spread, bitwise, answer)
