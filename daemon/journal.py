@@ -126,8 +126,9 @@ def write_journal(
         os.replace(tmp, path)
         _fsync_dir(journal_dir)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        for p in (tmp, path):  # the final name too: renamed but not durable is not a journal to act on
+            with contextlib.suppress(OSError):
+                p.unlink(missing_ok=True)
         raise JournalError(f"cannot write the activation journal in {journal_dir}: {e}") from e
     return size
 

@@ -106,7 +106,7 @@ class RolloutDaemon:
         except StoreError as e:
             raise DaemonError(f"store.name: {self.cfg.store_name}: {e}") from None
         try:
-            outcome = recover(store, self.journal_dir)
+            outcome = recover(store, self.journal_dir)  # verifies (and rolls back if it must)
         except StoreError as e:
             log.error("store recovery failed: %s; it will be reloaded", e)
             store.mark_failed()
@@ -116,14 +116,16 @@ class RolloutDaemon:
         if header.state != StoreState.READY:
             self.store = store
             return
-        root = store.root()
+        # The shadow copy comes from the store itself; its digests double as the store's verification.
+        model = store.read_model()
+        digests = model.digests()
+        root = state_root(model.specs, digests)
         if root != header.root:
             log.error("store contents do not verify against version %s; it will be reloaded", header.version)
             store.mark_failed()
             self.store = store
             return
-        model = store.read_model()
-        self.shadow = Held(header.version, model, model.digests())
+        self.shadow = Held(header.version, model, digests)
         self.store = store
         log.info(
             "store re-attached at version %s (%s)",

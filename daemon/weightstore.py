@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,19 @@ def _no_fault(point: str) -> None:
     pass
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -164,6 +177,9 @@ class WeightStore:
         # Test hook: called with a crash point name ("journal_tmp", "journaled", "odd", "mid_write",
         # "written", "flipped", "loading"); crash tests kill the process there.
         self.fault: Callable[[str], None] = _no_fault
+        # CPU threads for the fenced scatter and check (None: torch's setting).  One thread gives
+        # the steadiest pause on a busy host; docs/weightstore.md has figures for both.
+        self.write_threads: int | None = None
         if self.kind == KIND_HOST:
             off, cap = self.control.get(_OFF_DATA), self.control.get(_OFF_DATA + 8)
             if cap < layout.nbytes or off + cap > seg.size:
@@ -419,7 +435,8 @@ class WeightStore:
         self.fault("journaled")
         self.control.begin(StoreState.WRITING)
         self.fault("odd")
-        ok = self.write_values(staged)
+        with _torch_threads(self.write_threads):
+            ok = self.write_values(staged)
         self.fault("written")
         if not ok:
             back = self.write_values(staged, new=False)
@@ -428,11 +445,14 @@ class WeightStore:
             else:
                 self.control.publish(0, ZERO_ROOT, StoreState.FAILED)
             journal.remove_journal(Path(journal_dir))
-            raise StoreVerifyError(f"written values of version {version}", root, ZERO_ROOT)
+            kept = f"version {hdr.version} restored" if back else "store FAILED"
+            raise StoreVerifyError(f"values written for version {version} did not read back ({kept})", root, ZERO_ROOT)
         self.control.publish(version, root, StoreState.READY)
         t2 = time.perf_counter()
         self.fault("flipped")
-        journal.remove_journal(Path(journal_dir))
+        # Best effort: a journal left behind only re-applies the values the store now holds.
+        with contextlib.suppress(JournalError):
+            journal.remove_journal(Path(journal_dir))
         changed = sum(u.count for u in staged)
         written = sum(u.count * self.layout.slots[u.slot].spec.dt.width for u in staged)
         return ActivationStats(t2 - t1, t1 - t0, changed, written, jbytes)

@@ -201,20 +201,26 @@ def test_activate_rejects_bad_updates_before_touching_anything(loaded: WeightSto
     assert not any(tmp_path.iterdir())
 
 
-def test_disk_full_aborts_before_touching_memory(loaded: WeightStore, tmp_path: Path) -> None:
+@pytest.mark.parametrize("failing", ["os.write", "os.fsync", "dir fsync"])
+def test_disk_full_aborts_before_touching_memory(loaded: WeightStore, tmp_path: Path, failing: str) -> None:
+    """ENOSPC/EIO while journaling (write, file fsync, or directory fsync after the rename) touches nothing."""
+    from daemon import journal
+
     before, contents = loaded.header(), loaded.read_model()
     new = model(7, 2)
 
-    def full(fd: int, data: object) -> int:
+    def full(*args: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    target: tuple[object, str] = {"os.write": (os, "write"), "os.fsync": (os, "fsync"),
+                                  "dir fsync": (journal, "_fsync_dir")}[failing]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(os, "write", full)
+        mp.setattr(*target, full)
         with pytest.raises(JournalError, match="No space left"):
             loaded.activate(2, new.root(), diff_updates(contents, new), tmp_path)
     assert loaded.header() == before  # the fence never moved
     assert loaded.read_model().bitwise_equal(contents)
-    assert list(tmp_path.iterdir()) == []  # the temporary journal is gone too
+    assert list(tmp_path.iterdir()) == []  # no journal, temporary or final, is left to act on
     assert loaded.activate(2, new.root(), diff_updates(contents, new), tmp_path).changed > 0
 
 
