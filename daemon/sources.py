@@ -12,6 +12,7 @@ from typing import Protocol
 import aiohttp
 
 from protocol.errors import LimitExceededError, PatchswarmError
+from swarm.http import read_bounded
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -71,14 +72,7 @@ class HttpSource:
                     return None
                 if r.status != 200:
                     raise SourceError(f"GET {url}: HTTP {r.status}")
-                if r.content_length is not None and r.content_length > limit:
-                    raise LimitExceededError(f"{rel}: {r.content_length} bytes, more than the {limit} expected")
-                buf = bytearray()
-                async for piece in r.content.iter_chunked(1 << 16):
-                    buf += piece
-                    if len(buf) > limit:
-                        raise LimitExceededError(f"{rel}: response runs past the {limit} bytes expected")
-                return bytes(buf)
+                return await read_bounded(r, limit, rel)
         except (TimeoutError, aiohttp.ClientError) as e:
             raise SourceError(f"GET {url}: {type(e).__name__}: {e}") from None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
+from protocol.errors import LimitExceededError
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 MAX_GOSSIP_BYTES = 1 << 20
@@ -89,8 +90,8 @@ class HttpTransport:
                     return Missing()
                 if r.status != 200:
                     raise TransportError(f"GET {url}: HTTP {r.status}")
-                return await _read_bounded(r, size, url)
-        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+                return await read_bounded(r, size, url)
+        except (TimeoutError, aiohttp.ClientError, ValueError, LimitExceededError) as e:
             raise TransportError(f"GET {url}: {type(e).__name__}") from None
 
     async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
@@ -101,8 +102,8 @@ class HttpTransport:
                     return None
                 if r.status != 200:
                     raise TransportError(f"GET {url}: HTTP {r.status}")
-                return await _read_bounded(r, limit, url)
-        except (TimeoutError, aiohttp.ClientError) as e:
+                return await read_bounded(r, limit, url)
+        except (TimeoutError, aiohttp.ClientError, LimitExceededError) as e:
             raise TransportError(f"GET {url}: {type(e).__name__}") from None
 
     async def close(self) -> None:
@@ -111,13 +112,13 @@ class HttpTransport:
             self._session = None
 
 
-async def _read_bounded(r: aiohttp.ClientResponse, limit: int, url: str) -> bytes:
-    """Read at most ``limit`` bytes: a peer sending more is cut off, never buffered."""
+async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    """Read at most ``limit`` bytes: a server sending more is cut off, never buffered."""
     if r.content_length is not None and r.content_length > limit:
-        raise TransportError(f"GET {url}: {r.content_length} bytes, expected at most {limit}")
+        raise LimitExceededError(f"{what}: {r.content_length} bytes, more than the {limit} expected")
     buf = bytearray()
     async for piece in r.content.iter_chunked(1 << 16):
         buf += piece
         if len(buf) > limit:
-            raise TransportError(f"GET {url}: response runs past {limit} bytes")
+            raise LimitExceededError(f"{what}: response runs past the {limit} bytes expected")
     return bytes(buf)
