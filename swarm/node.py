@@ -80,6 +80,7 @@ class PeerView:
     info: NodeInfo
     ann: Announcement
     seen: float
+    seq: int = 0  # bumps with every announcement or hint about this peer (refresh only what changed)
 
 
 @dataclass
@@ -142,6 +143,8 @@ class SwarmNode:
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
         self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._seed_served: dict[bytes, tuple[float, tuple[str, ...]]] = {}
+        self._seq = 0
+        self._refreshed: dict[bytes, dict[str, int]] = {}  # manifest -> peer -> seq last given to its scheduler
         self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
@@ -267,7 +270,8 @@ class SwarmNode:
     def _on_announcement(self, sender: NodeInfo, ann: Announcement, now: float) -> None:
         if ann.run_id != self.config.run_id:
             return
-        self.peers[sender.node_id] = PeerView(sender, ann, now)
+        self._seq += 1
+        self.peers[sender.node_id] = PeerView(sender, ann, now, self._seq)
         if log.isEnabledFor(logging.DEBUG) and ann.partial:
             log.debug(
                 "%s: hears %s has %s",
@@ -547,6 +551,7 @@ class SwarmNode:
                 task.cancel()
             del self.partial[mid]
             self._hints.pop(mid, None)
+            self._refreshed.pop(mid, None)
             if isinstance(pinned, set):
                 pinned.difference_update(ref.hash for ref in manifest.chunks)
         parts = []
@@ -559,10 +564,23 @@ class SwarmNode:
         self.complete = self.complete[-16:]
         return b"".join(parts)
 
+    def _touch(self, node_id: str) -> None:
+        view = self.peers.get(node_id)
+        if view is not None:
+            self._seq += 1
+            view.seq = self._seq
+
     def _refresh_peers(self, sched: ChunkScheduler, mid: bytes, nchunks: int, now: float) -> None:
-        """Tell the scheduler who holds what: announcements, plus the seed's hints not yet announced."""
+        """Tell the scheduler who holds what: announcements, plus the seed's hints not yet announced.
+
+        Only peers whose announcement or hints changed since the last call are looked at, so one
+        wake-up costs O(changes), not O(peers)."""
         hints = self._hints.get(mid, {})
+        given = self._refreshed.setdefault(mid, {})
         for view in list(self.peers.values()):
+            if given.get(view.info.node_id) == view.seq:
+                continue
+            given[view.info.node_id] = view.seq
             ann = view.ann
             peer = PeerInfo(view.info.node_id, view.info.zone, view.info.region, is_seed=ann.seed)
             bits = dict(ann.partial).get(mid)
@@ -617,11 +635,13 @@ class SwarmNode:
                 for holder in reply.holders:
                     if holder != self.info.node_id:
                         hints.setdefault(holder, set()).add(req.chunk)
+                        self._touch(holder)
                 if reply.holders:
                     self._peers_changed.set()
                 return
             if isinstance(reply, Missing):
                 self._hints.get(manifest.manifest_id, {}).get(req.peer_id, set()).discard(req.chunk)
+                self._touch(req.peer_id)
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
                 return
             try:
