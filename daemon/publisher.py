@@ -10,19 +10,39 @@ served version, encode, sign and write to the board, then move the head.
 With ``background=True``, ``publish`` returns as soon as the served copy is taken (the cast
 is the copy) and the rest runs on a worker thread; a bounded queue raises
 PublisherBehindError instead of silently piling up versions.
+
+Sharded trainers (each rank holds only some tensors) publish one version together:
+
+    shard = pub.begin_sharded(world_size)        # reserves the version number
+    shard.add(rank, rank_state_dict)             # on each rank's thread: cast, diff, hash
+    info = shard.finalize()                      # once: one payload, one manifest, head moves
+
+Each rank keeps its own previous served shard and hands ``finalize`` only what it computed
+from it (per-tensor deltas, digests, specs); see docs/board.md, "Sharded trainers".
+
+The hot path (docs/board.md, "Publish latency"): the cast writes into buffers recycled from
+the version before last (fresh pages cost a page fault each); worker threads (one per core,
+torch on one thread each) take one tensor each and go through it block by block, casting,
+scanning against the previous version and hashing (BLAKE3) while the block is in cache; a
+tensor that did not change keeps its previous digest unhashed; the calling thread compresses
+the patch's streams as the tensors come in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import torch
 
 from daemon.board import Board
@@ -31,14 +51,18 @@ from daemon.served_format import ServedFormat
 from daemon.sources import DirSource
 from protocol.catalog import CatalogEntry
 from protocol.chunks import DEFAULT_CHUNK_SIZE
+from protocol.codec import TensorDelta, assemble, diff_tensor
+from protocol.diffscan import Changes, scan
 from protocol.errors import PublisherBehindError, UntrustedKeyError
 from protocol.head import Head
 from protocol.keys import SigningKey, TrustedKeys
 from protocol.manifest import Kind
-from protocol.patchfile import Version, build_version
-from protocol.served import ServedModel
+from protocol.patchfile import Version, sign_version
+from protocol.served import ServedModel, TensorSpec, bytes_digest, state_root, word_view
 
 DEFAULT_HEAD_TTL_S = 120.0
+# Stage names of PublishInfo.stages (seconds; see docs/board.md "Publish latency").
+STAGES = ("cast", "diff", "digests", "prepare", "encode", "anchor", "sign", "write")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +74,322 @@ class PublishInfo:
     served_bytes: int
     seconds: float  # wall time from the call to the head moving
     manifest_id: bytes
+    # Seconds per stage.  cast (to the served format), diff (scan and sparse coding: the deltas)
+    # and digests (BLAKE3) are busy time summed over the worker threads, which run them block by
+    # block, interleaved; prepare is the wall time of that per-tensor phase.  encode (the patch
+    # payload's shared streams, on the calling thread while workers finish), anchor (the anchor
+    # payload), sign (chunk hashes, manifests, signatures) and write (board files with fsync,
+    # head, garbage collection) are wall times.  A sharded version sums cast, diff, digests and
+    # prepare over its ranks.
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def _state_dict(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     if isinstance(model_or_state, torch.nn.Module):
         return model_or_state.state_dict()
     return model_or_state
+
+
+# Per-tensor work (cast, scan, hash, sparse coding) runs on this many worker threads, one tensor
+# each: the work is CPU-bound (about 8 memcpys' worth per served byte), so it scales with cores
+# until memory bandwidth runs out.
+WORKERS = max(1, min(8, os.cpu_count() or 1))
+# The fused loop works in blocks of this many bytes of served data: a block's source, served
+# bytes and base (2 + 4 + 2 MiB for bf16 from fp32) stay in cache from the cast to the hash.
+BLOCK_BYTES = 1 << 21
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _work_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:  # ranks may ask for it at the same time
+        if _pool is None:
+            _pool = _new_work_pool()
+        return _pool
+
+
+def _new_work_pool() -> ThreadPoolExecutor:
+    """Workers that run torch ops on one thread each (the workers already use every core).
+
+    ``torch.set_num_threads`` sets the calling thread's OpenMP thread count and a process-wide
+    default for threads that have not used torch yet; each worker sets 1 for itself, then the
+    caller puts the default back, before any work is submitted.
+    """
+    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="publish")
+    threads = torch.get_num_threads()
+    if threads > 1:
+        barrier = threading.Barrier(WORKERS + 1)
+
+        def single() -> None:
+            torch.get_num_threads()  # torch's lazy per-thread setup first, or it would undo the next line
+            torch.set_num_threads(1)
+            barrier.wait()
+
+        started = [pool.submit(single) for _ in range(WORKERS)]  # all block at the barrier: one per thread
+        barrier.wait()
+        torch.set_num_threads(threads)
+        for f in started:
+            f.result()
+    return pool
+
+
+class _Stages:
+    """Accumulates stage seconds; safe to add to from several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    @contextmanager
+    def time(self, stage: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - t)
+
+
+class _Buffers:
+    """Served buffers of a version no longer needed, reused by the next cast (no fresh pages)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[str, torch.Tensor] = {}  # name -> flat uint8
+
+    def take(self, name: str, dtype: torch.dtype, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            flat = self._free.pop(name, None)
+        nbytes = shape.numel() * dtype.itemsize
+        if flat is None or flat.numel() != nbytes or flat.device != device or nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return flat.view(dtype).view(shape)
+
+    def give(self, model: ServedModel) -> None:
+        """Hand back every buffer of ``model``, which nothing may use any more."""
+        with self._lock:
+            self._free = dict(zip((s.name for s in model.specs), model.data, strict=True))
+
+
+@dataclass(slots=True)
+class _Served:
+    """A served copy: the model (its buffers allocated) and the casts into them not yet done.
+
+    The workers cast each tensor block by block, right before scanning and hashing the block
+    (``_tensor``); background mode casts everything up front, before ``publish`` returns.
+    """
+
+    model: ServedModel
+    owned: bool  # the buffers are the publisher's own: reusable once this version is replaced
+    pending: list[tuple[torch.Tensor, torch.Tensor] | None]  # per tensor: (buffer, source) still to copy
+
+    def fill(self, i: int) -> None:
+        p = self.pending[i]
+        if p is not None:
+            with torch.no_grad():
+                p[0].copy_(p[1])
+            self.pending[i] = None
+
+    def fill_all(self) -> None:
+        for i in range(len(self.pending)):
+            self.fill(i)
+
+
+def _cast(fmt: ServedFormat, state: Mapping[str, torch.Tensor], buffers: _Buffers) -> _Served:
+    """The served copy of ``state``, its casts left pending (see :class:`_Served`).
+
+    bf16, fp16 and as_is cast tensor by tensor into recycled buffers (bitwise what
+    ``ServedFormat.convert`` returns: ``Tensor.to`` is ``copy_`` into a fresh tensor); fp8 goes
+    through ``convert`` (scales), at once.  The copy is always taken, even when a tensor already
+    has the served dtype, so later in-place updates of the weights never reach a published version.
+    """
+    if fmt.name not in ("bf16", "fp16", "as_is"):
+        with torch.no_grad():
+            model = ServedModel.from_tensors(fmt.convert(state))
+        return _Served(model, False, [None] * len(model))
+    fmt.refreshed = []
+    served_float = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt.name)
+    out: dict[str, torch.Tensor] = {}
+    sources: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        t = t.detach()
+        dtype = served_float if served_float is not None and t.is_floating_point() else t.dtype
+        out[name] = buffers.take(name, dtype, t.shape, t.device)
+        sources[name] = t
+    model = ServedModel.from_tensors(out)
+    return _Served(model, True, [(out[s.name], sources[s.name]) for s in model.specs])
+
+
+def _tensor(
+    spec: TensorSpec,
+    data: torch.Tensor,
+    cast: tuple[torch.Tensor, torch.Tensor] | None,
+    base: torch.Tensor | None,
+    base_digest: bytes | None,
+    level: int,
+    stages: _Stages,
+) -> tuple[TensorDelta | None, bytes]:
+    """One tensor's served bytes (``cast``: the copy still to do), delta against ``base`` and digest.
+
+    On the CPU this is one pass over the tensor in blocks: cast a block, scan it against the
+    base's block, hash it, while the block is in cache.  Hashing starts at the first changed
+    block (the unchanged blocks before it are hashed then); a tensor with no change keeps
+    ``base_digest`` without being hashed.  Elsewhere (another device, a strided source) the same
+    steps run on the whole tensor.
+    """
+    clock = time.perf_counter
+    cast_s = scan_s = hash_s = 0.0
+    if cast is not None and not (cast[1].device.type == cast[0].device.type == "cpu" and cast[1].is_contiguous()):
+        t = clock()
+        cast[0].copy_(cast[1])
+        cast, cast_s = None, clock() - t
+    if data.device.type != "cpu":
+        t = clock()
+        delta = diff_tensor(spec, base, data, level) if base is not None else None
+        t2 = clock()
+        unchanged = delta is not None and delta.changed == 0
+        digest = base_digest if unchanged and base_digest is not None else bytes_digest(data)
+        stages.add("cast", cast_s)
+        stages.add("diff", t2 - t)
+        stages.add("digests", clock() - t2)
+        return delta, digest
+    width = spec.dt.width
+    step = max(8, BLOCK_BYTES // width)  # elements; a multiple of 8, so blocks start on 64-bit words
+    raw = data.numpy()
+    src = cast[1].view(-1) if cast is not None else None
+    dst = cast[0].view(-1) if cast is not None else None
+    bw = word_view(base, spec) if base is not None else None
+    tw = word_view(data, spec)
+    hasher = blake3.blake3() if base is None else None
+    found: list[Changes] = []
+    starts: list[int] = []
+    for s in range(0, spec.numel, step):
+        e = min(s + step, spec.numel)
+        t0 = clock()
+        if src is not None and dst is not None:
+            dst[s:e].copy_(src[s:e])
+        t1 = clock()
+        if bw is not None:
+            ch = scan(bw[s:e], tw[s:e])
+            if len(ch):
+                found.append(ch)
+                starts.append(s)
+                if hasher is None:
+                    hasher = blake3.blake3()
+                    hasher.update(raw[: s * width].data)  # the unchanged blocks so far
+        t2 = clock()
+        if hasher is not None:
+            hasher.update(raw[s * width : e * width].data)
+        t3 = clock()
+        cast_s, scan_s, hash_s = cast_s + t1 - t0, scan_s + t2 - t1, hash_s + t3 - t2
+    delta = None
+    t = clock()
+    if base is not None:
+        if found:
+            changes = Changes(
+                torch.cat([c.positions + s for c, s in zip(found, starts, strict=True)]),
+                torch.cat([c.old for c in found]),
+                torch.cat([c.new for c in found]),
+            )
+        else:
+            empty = tw[:0]
+            changes = Changes(torch.empty(0, dtype=torch.int64), empty, empty)
+        delta = diff_tensor(spec, base, data, level, changes=changes)
+    scan_s += clock() - t
+    if hasher is None:  # nothing changed
+        assert base_digest is not None
+        digest = base_digest
+    else:
+        t = clock()
+        digest = hasher.digest()
+        hash_s += clock() - t
+    stages.add("cast", cast_s)
+    stages.add("diff", scan_s)
+    stages.add("digests", hash_s)
+    return delta, digest
+
+
+class _Prepared:
+    """Per-tensor results (delta, digest) in layout order, as the workers finish them.
+
+    The patch is assembled from :meth:`deltas` while later tensors are still being worked on.
+    """
+
+    def __init__(
+        self, jobs: list[Future[tuple[TensorDelta | None, bytes]]], has_deltas: bool, start: float | None = None
+    ) -> None:
+        self.jobs = jobs
+        self.has_deltas = has_deltas
+        self.start = time.perf_counter() if start is None else start
+        self.waited = 0.0  # seconds the consumer of deltas() spent waiting for workers
+        self._lock = threading.Lock()
+        self.finished = self.start
+        for job in jobs:
+            job.add_done_callback(self._done)
+
+    @classmethod
+    def ready(cls, deltas: list[TensorDelta] | None, digests: list[bytes]) -> _Prepared:
+        jobs: list[Future[tuple[TensorDelta | None, bytes]]] = []
+        for i, d in enumerate(digests):
+            f: Future[tuple[TensorDelta | None, bytes]] = Future()
+            f.set_result((deltas[i] if deltas is not None else None, d))
+            jobs.append(f)
+        return cls(jobs, deltas is not None)
+
+    def _done(self, _: object) -> None:
+        with self._lock:
+            self.finished = max(self.finished, time.perf_counter())
+
+    def _result(self, i: int) -> tuple[TensorDelta | None, bytes]:
+        t = time.perf_counter()
+        r = self.jobs[i].result()
+        self.waited += time.perf_counter() - t
+        return r
+
+    def deltas(self) -> Iterator[TensorDelta]:
+        for i in range(len(self.jobs)):
+            d = self._result(i)[0]
+            assert d is not None
+            yield d
+
+    def digests(self) -> list[bytes]:
+        return [self._result(i)[1] for i in range(len(self.jobs))]
+
+    def settle(self) -> None:
+        """Wait for every job (after a failure: nothing may still read the caller's tensors)."""
+        wait(self.jobs)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from the first submission until the last tensor was done (call after digests())."""
+        return self.finished - self.start
+
+
+def _prepare(
+    base: ServedModel | None,
+    base_digests: list[bytes] | None,
+    target: _Served,
+    stages: _Stages,
+    level: int = 3,
+) -> _Prepared:
+    """Cast, diff against ``base`` (None: no base, or a different layout) and hash, tensor by tensor,
+    on the worker pool, in layout order."""
+    start = time.perf_counter()
+    model = target.model
+    usable = base is not None and base.specs == model.specs and base_digests is not None
+    jobs: list[Future[tuple[TensorDelta | None, bytes]]] = []
+    for i, (spec, data) in enumerate(model):
+        cast, target.pending[i] = target.pending[i], None
+        b = base.data[i] if usable and base is not None else None
+        bd = base_digests[i] if usable and base_digests is not None else None
+        jobs.append(_work_pool().submit(_tensor, spec, data, cast, b, bd, level, stages))
+    return _Prepared(jobs, usable, start)
 
 
 class Publisher:
@@ -91,15 +425,22 @@ class Publisher:
         if certificate is not None:
             self.board.put_certificate(signing_key.key_id, certificate)
         self._lock = threading.Lock()  # guards the chain state below
+        self._counter_lock = threading.Lock()  # guards the version counter and the open sharded version
         self._prev: ServedModel | None = None
         self._prev_digests: list[bytes] | None = None
+        self._prev_version: int | None = None  # version of _prev (the base of the next patch)
+        self._prev_owned = False  # _prev's buffers belong to this publisher alone (reusable once replaced)
         self._prev_manifest: bytes | None = None
         self._version = 0
         self._counter = 0
         self._catalog: list[CatalogEntry] = []
         self._anchor_requested = False
         self._dropped: list[CatalogEntry] = []
-        self._queue: queue.Queue[tuple[int, ServedModel, bool, float, Future[PublishInfo]] | None] | None = None
+        self._buffers = _Buffers()
+        self._ranks: dict[int, _Rank] = {}
+        self._sharded: ShardedPublish | None = None
+        self._queue: queue.Queue[tuple[int, _Served, bool, float, _Stages, Future[PublishInfo]] | None] | None
+        self._queue = None
         self._worker: threading.Thread | None = None
         if resume:
             self._resume()
@@ -117,36 +458,64 @@ class Publisher:
         """Publish the next version as an anchor as well (e.g. before scaling up the fleet)."""
         self._anchor_requested = True
 
+    def _wants_anchor(self, version: int, anchor: bool) -> bool:
+        wanted = anchor or self._anchor_requested or version == 1 or version % self.anchor_every == 0
+        self._anchor_requested = False
+        return wanted
+
     def publish(
         self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], *, anchor: bool = False
     ) -> PublishInfo | Future[PublishInfo]:
         """Publish the next version; in background mode returns a Future once the served copy is taken."""
         start = self.clock()
-        with torch.no_grad():
-            served = ServedModel.from_tensors(self.format.convert(_state_dict(model_or_state)))
-        with self._lock:
+        stages = _Stages()
+        if self._sharded is not None:
+            raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
+        with stages.time("cast"):
+            target = _cast(self.format, _state_dict(model_or_state), self._buffers)
+            if self._queue is not None:
+                target.fill_all()  # the served copy is taken before returning; else cast while diffing
+        with self._counter_lock:
+            if self._sharded is not None:
+                raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
             self._version += 1
             version = self._version
-        anchor = (
-            anchor
-            or self._anchor_requested
-            or version == 1
-            or version % self.anchor_every == 0
-            or bool(self.format.refreshed and len(self.format.refreshed) * 2 > len(served))
+        anchor = self._wants_anchor(version, anchor) or bool(
+            self.format.refreshed and len(self.format.refreshed) * 2 > len(target.model)
         )
-        self._anchor_requested = False
         if self._queue is None:
-            return self._publish(version, served, anchor, start)
+            return self._publish(version, target, anchor, start, stages)
         fut: Future[PublishInfo] = Future()
         try:
-            self._queue.put_nowait((version, served, anchor, start, fut))
+            self._queue.put_nowait((version, target, anchor, start, stages, fut))
         except queue.Full:
-            with self._lock:
+            with self._counter_lock:
                 self._version -= 1
             raise PublisherBehindError(
                 f"publisher is {self._queue.maxsize} versions behind training; version {version} was not taken"
             ) from None
         return fut
+
+    def begin_sharded(self, world_size: int, *, anchor: bool = False) -> ShardedPublish:
+        """Open the next version for ``world_size`` ranks, each adding its own disjoint shard.
+
+        Reserves the version number; until the returned handle is finalized or aborted,
+        ``publish`` and another ``begin_sharded`` are refused.  In background mode, versions
+        still queued are published first.
+        """
+        if world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        start = self.clock()
+        self.flush()
+        with self._counter_lock:
+            if self._sharded is not None:
+                raise RuntimeError(f"sharded version {self._sharded.version} is already open")
+            self._version += 1
+            version = self._version
+            base_version = self._prev_version  # read without the chain lock: finalize checks it again
+            shard = ShardedPublish(self, version, world_size, self._wants_anchor(version, anchor), base_version, start)
+            self._sharded = shard
+        return shard
 
     def flush(self) -> None:
         """Wait until every queued version is on the board."""
@@ -190,6 +559,7 @@ class Publisher:
                 f"run {self.run_id!r} on this board was published with another key; use a new run id"
             ) from None
         self._prev, self._prev_digests = held.model, held.digests
+        self._prev_version = head.version
         self._version = head.version
         self._counter = head.counter
         self._catalog = list(head.catalog)
@@ -202,64 +572,109 @@ class Publisher:
             try:
                 if item is None:
                     return
-                version, served, anchor, start, fut = item
+                version, target, anchor, start, stages, fut = item
                 try:
-                    fut.set_result(self._publish(version, served, anchor, start))
+                    fut.set_result(self._publish(version, target, anchor, start, stages))
                 except BaseException as e:  # the future carries it to the trainer
                     fut.set_exception(e)
             finally:
                 self._queue.task_done()
 
-    def _publish(self, version: int, served: ServedModel, anchor: bool, start: float) -> PublishInfo:
+    def _publish(self, version: int, target: _Served, anchor: bool, start: float, stages: _Stages) -> PublishInfo:
         with self._lock:
+            prepared = _prepare(self._prev, self._prev_digests, target, stages)
+            try:
+                return self._commit(version, target.model, target.owned, prepared, anchor, start, stages, refreshed=0)
+            except BaseException:
+                prepared.settle()
+                raise
+
+    def _commit(
+        self,
+        version: int,
+        served: ServedModel,
+        owned: bool,
+        prepared: _Prepared,
+        anchor: bool,
+        start: float,
+        stages: _Stages,
+        *,
+        refreshed: int,
+    ) -> PublishInfo:
+        """Encode, sign and write ``served`` as ``version`` (a patch when ``prepared`` has deltas against
+        the previous version, and/or an anchor), then move the head.  Call with the chain lock held.
+        """
+        assert self._lock.locked()
+        if refreshed * 2 > len(served):
+            anchor = True  # most fp8 scales moved: the patch is dense anyway
+        patchable = prepared.has_deltas and self._prev is not None and self._prev.specs == served.specs
+        encoded_patch = None
+        if patchable:  # else a new layout, which only an anchor reaches
+            t = time.perf_counter()
+            encoded_patch = assemble(prepared.deltas())  # while the workers finish the last tensors
+            stages.add("encode", time.perf_counter() - t - prepared.waited)
+        final = prepared.digests()
+        stages.add("prepare", prepared.seconds)
+        encoded_anchor = None
+        if anchor or not patchable:
+            with stages.time("anchor"):
+                encoded_anchor = assemble(diff_tensor(spec, None, data) for spec, data in served)
+        with stages.time("sign"):
             now_ms = int(self.clock() * 1000)
-            digests = served.digests()
             common = {
                 "run_id": self.run_id,
                 "version": version,
                 "now_ms": now_ms,
                 "key": self.key,
                 "chunk_size": self.chunk_size,
-                "target_digests": digests,
                 "prev_manifest": self._prev_manifest,
+                "metadata": served.metadata,
             }
             patch: Version | None = None
             anchor_v: Version | None = None
-            if self._prev is not None and self._prev.specs != served.specs:
-                anchor = True  # a new layout cannot be patched: only an anchor reaches it
-            elif self._prev is not None:
-                patch = build_version(
-                    self._prev,
-                    served,
-                    base_version=version - 1,
-                    base_digests=self._prev_digests,
+            if encoded_patch is not None:
+                assert self._prev is not None and self._prev_digests is not None
+                patch = sign_version(
+                    encoded_patch,
+                    served.specs,
+                    final,
+                    base_version=self._prev_version,
+                    base_root=state_root(self._prev.specs, self._prev_digests),
                     **common,  # type: ignore[arg-type]
                 )
-            if anchor or patch is None:
-                anchor_v = build_version(None, served, **common)  # type: ignore[arg-type]
-            primary = patch or anchor_v
-            assert primary is not None
+            if encoded_anchor is not None:
+                anchor_v = sign_version(encoded_anchor, served.specs, final, **common)  # type: ignore[arg-type]
+        primary = patch or anchor_v
+        assert primary is not None
+        with stages.time("write"):
             for v in (anchor_v, patch):
                 if v is not None:
                     mid = self.board.put_version(v)
                     self._catalog.append(
                         CatalogEntry(version, v.manifest.kind, v.manifest.base_version, v.manifest.payload_size, mid)
                     )
-            self._prev, self._prev_digests = served, digests
+            if self._prev is not None and self._prev_owned:
+                self._buffers.give(self._prev)
+            self._prev, self._prev_digests, self._prev_owned = served, final, owned
+            self._prev_version = version
             self._prev_manifest = primary.manifest.manifest_id
             self._retain()
             self._write_head()
             self._collect_garbage()
-            changed = patch.encoded.changed / max(patch.encoded.numel, 1) if patch and patch.encoded else 1.0
-            return PublishInfo(
-                version=version,
-                changed_fraction=changed,
-                patch_bytes=patch.manifest.payload_size if patch else 0,
-                anchor_bytes=anchor_v.manifest.payload_size if anchor_v else None,
-                served_bytes=served.nbytes,
-                seconds=self.clock() - start,
-                manifest_id=primary.manifest.manifest_id,
-            )
+        if patch is not None and patch.encoded is not None:
+            changed_fraction = patch.encoded.changed / max(patch.encoded.numel, 1)
+        else:
+            changed_fraction = 1.0
+        return PublishInfo(
+            version=version,
+            changed_fraction=changed_fraction,
+            patch_bytes=patch.manifest.payload_size if patch else 0,
+            anchor_bytes=anchor_v.manifest.payload_size if anchor_v else None,
+            served_bytes=served.nbytes,
+            seconds=self.clock() - start,
+            manifest_id=primary.manifest.manifest_id,
+            stages=dict(stages.seconds),
+        )
 
     def _retain(self) -> None:
         anchors = sorted(e.version for e in self._catalog if e.kind == Kind.ANCHOR)
@@ -290,3 +705,241 @@ class Publisher:
         if self._dropped:
             self.board.collect_garbage(self._catalog)
             self._dropped = []
+
+
+# ---------------------------------------------------------------- sharded trainers
+
+
+class _Rank:
+    """What one rank keeps between versions: its previous served shard, the base of its next deltas."""
+
+    def __init__(self, fmt: ServedFormat) -> None:
+        self.format = fmt
+        self.buffers = _Buffers()
+        self.version: int | None = None
+        self.served: ServedModel | None = None
+        self.owned = False  # served's buffers are the rank's own: reusable once it is replaced
+        self.digests: list[bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPart:
+    """What one rank hands to ``finalize``: small, whatever the size of its tensors.
+
+    ``deltas`` and ``digests`` are what the payload and manifest need; ``served`` is the rank's
+    new shard, by reference (no copy), read only when the version carries an anchor (a rank in
+    another process would send it only then: ``ShardedPublish.anchor`` is known before ``add``).
+    """
+
+    rank: int
+    version: int
+    base_version: int | None
+    specs: list[TensorSpec]  # sorted by name
+    digests: list[bytes]
+    deltas: list[TensorDelta] | None  # against base_version's tensors; None: no base or new layout
+    served: ServedModel
+    owned: bool
+    refreshed: int
+    stages: dict[str, float]
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(d.nbytes for d in self.deltas or [])
+
+
+class ShardedPublish:
+    """One version published by several ranks: ``add`` once per rank (any thread), then ``finalize``."""
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        version: int,
+        world_size: int,
+        anchor: bool,
+        base_version: int | None,
+        start: float,
+    ) -> None:
+        self._pub = publisher
+        self.version = version
+        self.world_size = world_size
+        self.anchor = anchor  # decided up front, so ranks know whether finalize will need their bytes
+        self.base_version = base_version
+        self._start = start
+        self._lock = threading.Lock()
+        self._parts: dict[int, ShardPart] = {}
+        self._adding: set[int] = set()
+        self._closed: str | None = None  # "finalized" or "aborted"
+
+    def __enter__(self) -> ShardedPublish:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._closed is None:
+            self.abort()
+
+    def add(
+        self, rank: int, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], *, version: int | None = None
+    ) -> ShardPart:
+        """Rank ``rank``'s shard: cast to the served format, diff against the rank's previous shard, hash.
+
+        Ranks may call this concurrently from their own threads.  ``version``, when given, must be
+        this handle's version (a rank's own idea of which version it is contributing to).
+        """
+        if version is not None and version != self.version:
+            raise ValueError(
+                f"rank {rank} adds to version {version}, but this sharded publish is version {self.version}"
+            )
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        with self._lock:
+            self._check_open()
+            if rank in self._parts or rank in self._adding:
+                raise ValueError(f"rank {rank} already added its shard to version {self.version}")
+            self._adding.add(rank)
+        try:
+            part = self._make_part(rank, _state_dict(model_or_state))
+        finally:
+            with self._lock:
+                self._adding.discard(rank)
+        with self._lock:
+            self._check_open()
+            self._parts[rank] = part
+        return part
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"sharded version {self.version} was already {self._closed}")
+
+    def _make_part(self, rank: int, state: Mapping[str, torch.Tensor]) -> ShardPart:
+        pub = self._pub
+        with pub._counter_lock:
+            r = pub._ranks.get(rank)
+            if r is None:
+                fmt = dataclasses.replace(pub.format, scales={}, refreshed=[])
+                r = pub._ranks[rank] = _Rank(fmt)
+        stages = _Stages()
+        with stages.time("cast"):
+            target = _cast(r.format, state, r.buffers)
+        served = target.model
+        base, base_digests = self._base(r, served.specs)
+        prepared = _prepare(base, base_digests, target, stages)
+        try:
+            deltas = list(prepared.deltas()) if prepared.has_deltas else None
+            digests = prepared.digests()
+        except BaseException:
+            prepared.settle()
+            raise
+        stages.add("prepare", prepared.seconds)
+        return ShardPart(
+            rank=rank,
+            version=self.version,
+            base_version=self.base_version if deltas is not None else None,
+            specs=served.specs,
+            digests=digests,
+            deltas=deltas,
+            served=served,
+            owned=target.owned,
+            refreshed=len(r.format.refreshed),
+            stages=dict(stages.seconds),
+        )
+
+    def _base(self, r: _Rank, specs: list[TensorSpec]) -> tuple[ServedModel | None, list[bytes] | None]:
+        """The rank's base for ``specs``: its own previous shard, else (new rank, moved tensors, a
+        version published unsharded, a resumed run) those tensors of the publisher's previous version."""
+        if self.base_version is None:
+            return None, None
+        if r.version == self.base_version and r.served is not None and r.served.specs == specs:
+            return r.served, r.digests
+        prev, prev_digests = self._pub._prev, self._pub._prev_digests
+        if prev is None or prev_digests is None:
+            return None, None
+        index = {s.name: i for i, s in enumerate(prev.specs)}
+        idx = [index.get(s.name) for s in specs]
+        if any(i is None or prev.specs[i] != s for i, s in zip(idx, specs, strict=True)):
+            return None, None  # new or reshaped tensors: only an anchor reaches this layout
+        sel = [i for i in idx if i is not None]
+        return ServedModel(specs, [prev.data[i] for i in sel]), [prev_digests[i] for i in sel]
+
+    def abort(self) -> None:
+        """Give the version number back; nothing was written."""
+        pub = self._pub
+        with self._lock:
+            self._check_open()
+            self._closed = "aborted"
+        with pub._counter_lock:
+            if pub._version == self.version:
+                pub._version -= 1
+            pub._sharded = None
+
+    def finalize(self) -> PublishInfo:
+        """Assemble one payload and one manifest over the union of the shards; sign, write, move the head.
+
+        Refuses (and stays open, nothing written) while a rank is missing, when two ranks hold a
+        tensor of the same name, or when a shard was made for another version or base.
+        """
+        with self._lock:
+            self._check_open()
+            missing = [r for r in range(self.world_size) if r not in self._parts]
+            if missing:
+                raise ValueError(f"version {self.version}: rank(s) {missing} have not added their shard")
+            parts = [self._parts[r] for r in range(self.world_size)]
+            owner: dict[str, int] = {}
+            for p in parts:
+                if p.version != self.version:
+                    raise ValueError(f"rank {p.rank}'s shard was made for version {p.version}, not {self.version}")
+                if p.deltas is not None and p.base_version != self.base_version:
+                    raise ValueError(
+                        f"rank {p.rank}'s deltas are against version {p.base_version}, "
+                        f"but version {self.version} patches version {self.base_version}"
+                    )
+                for s in p.specs:
+                    if s.name in owner:
+                        raise ValueError(f"tensor {s.name!r} is in the shards of ranks {owner[s.name]} and {p.rank}")
+                    owner[s.name] = p.rank
+            self._closed = "finalized"
+        try:
+            return self._finalize(parts)
+        except BaseException:
+            with self._lock:
+                self._closed = None  # nothing moved: the caller may retry or abort
+            raise
+
+    def _finalize(self, parts: list[ShardPart]) -> PublishInfo:
+        pub = self._pub
+        stages = _Stages()
+        for p in parts:
+            for k, v in p.stages.items():
+                stages.add(k, v)
+        # Merge the shards into name order: (name, part, index in part).
+        order = sorted((s.name, pi, i) for pi, p in enumerate(parts) for i, s in enumerate(p.specs))
+        specs = [parts[pi].specs[i] for _, pi, i in order]
+        data = [parts[pi].served.data[i] for _, pi, i in order]
+        digests = [parts[pi].digests[i] for _, pi, i in order]
+        deltas: list[TensorDelta] | None = None
+        if all(p.deltas is not None for p in parts):
+            deltas = [parts[pi].deltas[i] for _, pi, i in order]  # type: ignore[index]
+        metadata: dict[str, str] = {}
+        served = ServedModel(specs, data, metadata)
+        with pub._lock:
+            if pub._prev_version != self.base_version:
+                raise RuntimeError(
+                    f"the chain moved to version {pub._prev_version} since version {self.version} was opened"
+                )
+            info = pub._commit(
+                self.version,
+                served,
+                False,  # the union references the ranks' buffers: they recycle them, not the publisher
+                _Prepared.ready(deltas, digests),
+                self.anchor,
+                self._start,
+                stages,
+                refreshed=sum(p.refreshed for p in parts),
+            )
+            with pub._counter_lock:
+                for p in parts:
+                    r = pub._ranks[p.rank]
+                    if r.served is not None and r.owned:
+                        r.buffers.give(r.served)  # neither the chain nor any rank reads it any more
+                    r.served, r.owned, r.digests, r.version = p.served, p.owned, p.digests, self.version
+                pub._sharded = None
+        return info

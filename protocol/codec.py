@@ -30,9 +30,9 @@ import collections
 import itertools
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cache
 
@@ -102,26 +102,109 @@ Progress = Callable[[int], None]  # called with the byte size of each tensor don
 
 
 # ---------------------------------------------------------------- encoding
+#
+# Encoding is two steps, so that the expensive per-tensor part can run anywhere (another thread,
+# another rank of a sharded trainer) and only its small result travels:
+#
+# - ``diff_tensor``: one tensor's record and stream pieces (scan, encoding choice): O(tensor);
+# - ``assemble``: the pieces of every tensor, in layout order, into the shared compressed
+#   streams and the payload: O(patch).
+#
+# ``encode_patch`` is exactly ``assemble(diff_tensor(...) for each tensor)``, streamed.
 
 
-def encode_patch(
-    base: ServedModel | None, target: ServedModel, *, level: int = 3, progress: Progress | None = None
-) -> EncodedPatch:
-    """Encode target against base (or, with no base, as a full anchor)."""
-    if base is not None:
-        base.same_layout(target)
+@dataclass(frozen=True, slots=True)
+class TensorDelta:
+    """One tensor's share of a patch: its record and the stream pieces it writes, in write order.
+
+    ``full`` (FULL records only) references the target's bytes instead of holding byte planes:
+    they are cut into planes as they are compressed, so an anchor never holds a second copy.
+    """
+
+    spec: TensorSpec
+    encoding: Encoding
+    changed: int
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    full: torch.Tensor | None = None
+
+    @property
+    def stat(self) -> TensorStat:
+        return TensorStat(self.spec.name, self.encoding, self.changed, self.spec.numel)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this delta holds (its pieces; a referenced ``full`` tensor is not counted)."""
+        total = 0
+        for parts in self.pieces.values():
+            for p in parts:
+                total += p.values.nbytes if isinstance(p, Fields) else p.nbytes
+        return total
+
+
+def diff_tensor(
+    spec: TensorSpec,
+    base: torch.Tensor | None,
+    target: torch.Tensor,
+    level: int = 3,
+    *,
+    changes: Changes | None = None,
+) -> TensorDelta:
+    """One tensor's delta: ``target`` against ``base`` (flat uint8 tensors of ``spec``), or FULL without a base.
+
+    ``changes``, when given, must be what ``protocol.diffscan.scan`` returns for these two
+    tensors' word views (a caller that scanned block by block, e.g. while the blocks were in
+    cache, passes its result instead of scanning again).
+    """
+    for what, data in (("target", target), ("base", base)):
+        if data is not None and (data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != spec.nbytes):
+            raise ValueError(f"{spec.name}: {what} must be a flat uint8 tensor of {spec.nbytes} bytes")
+    if base is None:
+        return TensorDelta(spec, Encoding.FULL, spec.numel, {}, target)
+    if spec.numel == 0:
+        return TensorDelta(spec, Encoding.SAME, 0)
+    ch = changes if changes is not None else scan(word_view(base, spec), word_view(target, spec))
+    k = len(ch)
+    if k == 0:
+        return TensorDelta(spec, Encoding.SAME, 0)
+    enc, pieces = _sparse_pieces(spec, ch)
+    if k < DENSE_PROBE * spec.numel:
+        return TensorDelta(spec, enc, k, pieces)
+    options: list[tuple[Encoding, dict[str, list[Piece]] | None]] = [
+        (enc, pieces),
+        (Encoding.XOR, _dense_pieces("xor", spec, base, target)),
+        (Encoding.FULL, None),
+    ]
+    best = min(
+        options,
+        key=lambda o: compressed_size(o[1], level) if o[1] is not None else _full_size(spec, target, level),
+    )
+    if best[1] is None:
+        return TensorDelta(spec, Encoding.FULL, k, {}, target)
+    return TensorDelta(spec, best[0], k, best[1])
+
+
+def assemble(deltas: Iterable[TensorDelta], level: int = 3, *, progress: Progress | None = None) -> EncodedPatch:
+    """The payload of the given deltas, one per tensor of the layout, in layout (name) order.
+
+    Deltas are consumed one at a time (a generator keeps at most one in memory); ``level`` is
+    the zstd level, which must be the one the deltas were chosen with for identical output.
+    """
     writer = StreamWriter(level)
     records: list[list[int]] = []
     stats: list[TensorStat] = []
-    for i, (spec, tdata) in enumerate(target):
-        if base is None:
-            enc, k = _write_full(writer, spec, tdata), spec.numel
+    last: str | None = None
+    for d in deltas:
+        if last is not None and d.spec.name <= last:
+            raise ValueError(f"deltas must be in layout order with unique names: {d.spec.name!r} after {last!r}")
+        last = d.spec.name
+        if d.full is not None:
+            _write_full(writer, d.spec, d.full)
         else:
-            enc, k = _encode_tensor(writer, spec, base.data[i], tdata, level)
-        records.append([int(enc), k])
-        stats.append(TensorStat(spec.name, enc, k, spec.numel))
+            writer.emit(d.pieces)
+        records.append([int(d.encoding), d.changed])
+        stats.append(d.stat)
         if progress:
-            progress(spec.nbytes)
+            progress(d.spec.nbytes)
     table, raw_size = writer.finish()
     header = msgpack.packb([records, [[name, raw, len(comp)] for name, raw, comp in table]])
     header_z = zstandard.ZstdCompressor(level=level).compress(header)
@@ -130,29 +213,17 @@ def encode_patch(
     return EncodedPatch(b"".join(parts), stats, raw_size)
 
 
-def _encode_tensor(
-    writer: StreamWriter, spec: TensorSpec, bdata: torch.Tensor, tdata: torch.Tensor, level: int
-) -> tuple[Encoding, int]:
-    if spec.numel == 0:
-        return Encoding.SAME, 0
-    ch = scan(word_view(bdata, spec), word_view(tdata, spec))
-    k = len(ch)
-    if k == 0:
-        return Encoding.SAME, 0
-    sparse = _sparse_pieces(spec, ch)
-    if k < DENSE_PROBE * spec.numel:
-        writer.emit(sparse[1])
-        return sparse[0], k
-    options = [sparse, (Encoding.XOR, _dense_pieces("xor", spec, bdata, tdata)), (Encoding.FULL, None)]
-    best = min(
-        options,
-        key=lambda o: compressed_size(o[1], level) if o[1] is not None else _full_size(spec, tdata, level),
+def encode_patch(
+    base: ServedModel | None, target: ServedModel, *, level: int = 3, progress: Progress | None = None
+) -> EncodedPatch:
+    """Encode target against base (or, with no base, as a full anchor)."""
+    if base is not None:
+        base.same_layout(target)
+    deltas = (
+        diff_tensor(spec, base.data[i] if base is not None else None, tdata, level)
+        for i, (spec, tdata) in enumerate(target)
     )
-    if best[1] is None:
-        _write_full(writer, spec, tdata)
-    else:
-        writer.emit(best[1])
-    return best[0], k
+    return assemble(deltas, level, progress=progress)
 
 
 def rice_bits(n: int, k: int) -> int:

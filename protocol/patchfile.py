@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from protocol.errors import (
 )
 from protocol.keys import KeyPolicy, SigningKey
 from protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
-from protocol.served import ServedModel, bytes_digest, state_root
+from protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, state_root
 
 FILE_MAGIC = b"PSWPATCH"
 FILE_FORMAT = 1
@@ -70,16 +71,56 @@ def build_version(
     base_root = None
     if base is not None:
         base_root = state_root(base.specs, base_digests if base_digests is not None else base.digests())
+    return sign_version(
+        encoded,
+        target.specs,
+        digests,
+        run_id=run_id,
+        version=version,
+        now_ms=now_ms,
+        base_version=base_version,
+        base_root=base_root,
+        key=key,
+        chunk_size=chunk_size,
+        ttl_ms=ttl_ms,
+        prev_manifest=prev_manifest,
+        metadata=target.metadata,
+    )
+
+
+def sign_version(
+    encoded: EncodedPatch,
+    specs: list[TensorSpec],
+    digests: list[bytes],
+    *,
+    run_id: str,
+    version: int,
+    now_ms: int,
+    base_version: int | None = None,
+    base_root: bytes | None = None,
+    key: SigningKey | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ttl_ms: int = DEFAULT_TTL_MS,
+    prev_manifest: bytes | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Version:
+    """Chunk an already encoded payload and sign its manifest (the second half of :func:`build_version`).
+
+    ``specs`` and ``digests`` describe the target (layout order); a patch gives its base's version
+    and state root (:func:`protocol.served.state_root`), an anchor neither.
+    """
+    if (base_version is None) != (base_root is None):
+        raise ValueError("give both base_version and base_root (patch), or neither (anchor)")
     manifest = Manifest(
         run_id=run_id,
         version=version,
-        kind=Kind.ANCHOR if base is None else Kind.PATCH,
+        kind=Kind.ANCHOR if base_version is None else Kind.PATCH,
         base_version=base_version,
         base_root=base_root,
-        specs=tuple(target.specs),
+        specs=tuple(specs),
         digests=tuple(digests),
-        target_root=state_root(target.specs, digests),
-        layout_hash=target.layout_hash(),
+        target_root=state_root(specs, digests),
+        layout_hash=layout_hash(specs),
         payload_size=len(encoded.payload),
         raw_size=encoded.raw_size,
         chunk_size=chunk_size,
@@ -87,7 +128,7 @@ def build_version(
         created_ms=now_ms,
         expires_ms=now_ms + ttl_ms,
         prev_manifest=prev_manifest,
-        metadata=dict(target.metadata),
+        metadata=dict(metadata or {}),
     )
     manifest.check()
     return Version(SignedManifest.sign(manifest, key), manifest, encoded.payload, encoded)
