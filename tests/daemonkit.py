@@ -82,6 +82,12 @@ class Daemon:
                 raise AssertionError(f"daemon not at version {version}: {st}; log: {self.log.read_text()[-3000:]}")
             await asyncio.sleep(0.1)
 
+    def cleanup(self) -> None:
+        """End of a test: kill the process if it still runs, remove its shared memory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+        self.destroy_store()
+
     def destroy_store(self) -> None:
         from daemon.weightstore import StoreError, WeightStore
 

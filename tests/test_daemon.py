@@ -45,9 +45,7 @@ async def test_versions_land_in_place_and_the_engine_sees_them_without_reloading
         view.close()
         assert d.terminate() == 0
     finally:
-        if d.proc and d.proc.poll() is None:
-            d.kill()
-        d.destroy_store()
+        d.cleanup()
         await sw.close()
 
 
@@ -72,9 +70,7 @@ async def test_sigterm_is_graceful_and_a_restart_reattaches_without_refetching(t
         await d.wait_version(v)
         assert d.terminate() == 0
     finally:
-        if d.proc and d.proc.poll() is None:
-            d.kill()
-        d.destroy_store()
+        d.cleanup()
         await sw.close()
 
 
@@ -95,9 +91,7 @@ async def test_store_smaller_than_the_model_is_a_clear_error(tmp_path: Path) -> 
         assert st["version"] is None
         assert d.terminate() == 0
     finally:
-        if d.proc and d.proc.poll() is None:
-            d.kill()
-        d.destroy_store()
+        d.cleanup()
         await sw.close()
 
 

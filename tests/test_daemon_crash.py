@@ -95,7 +95,5 @@ async def test_kill_9_during_activation_never_exposes_a_torn_version(tmp_path: P
     finally:
         if reader is not None:
             reader.stop.set()
-        if d.proc and d.proc.poll() is None:
-            d.kill()
-        d.destroy_store()
+        d.cleanup()
         await sw.close()

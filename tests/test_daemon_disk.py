@@ -67,7 +67,5 @@ async def test_full_data_dir(tmp_path: Path, tiny_fs: Path) -> None:
         view.close()
         assert d.terminate() == 0
     finally:
-        if d.proc and d.proc.poll() is None:
-            d.kill()
-        d.destroy_store()
+        d.cleanup()
         await sw.close()

@@ -73,7 +73,5 @@ async def test_pinned_requests_wait_for_their_version_then_report_it(tmp_path: P
     finally:
         if engine is not None:
             await engine.close()
-        if d.proc and d.proc.poll() is None:
-            d.kill()
-        d.destroy_store()
+        d.cleanup()
         await sw.close()
