@@ -32,33 +32,38 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import blake3
 import torch
 
 from daemon.board import Board
+from daemon.publish_work import (
+    Buffers,
+    Prepared,
+    Served,
+    Stages,
+    cast_served,
+    prepare,
+    state_dict_of,
+)
 from daemon.pull import Held, Puller
 from daemon.served_format import ServedFormat
 from daemon.sources import DirSource
 from protocol.catalog import CatalogEntry
 from protocol.chunks import DEFAULT_CHUNK_SIZE
 from protocol.codec import TensorDelta, assemble, diff_tensor
-from protocol.diffscan import Changes, scan
 from protocol.errors import PublisherBehindError, UntrustedKeyError
 from protocol.head import Head
 from protocol.keys import SigningKey, TrustedKeys
 from protocol.manifest import Kind
 from protocol.patchfile import Version, sign_version
-from protocol.served import ServedModel, TensorSpec, bytes_digest, state_root, word_view
+from protocol.served import ServedModel, TensorSpec, state_root
 
 DEFAULT_HEAD_TTL_S = 120.0
 # Stage names of PublishInfo.stages (seconds; see docs/board.md "Publish latency").
@@ -82,314 +87,6 @@ class PublishInfo:
     # head, garbage collection) are wall times.  A sharded version sums cast, diff, digests and
     # prepare over its ranks.
     stages: dict[str, float] = field(default_factory=dict)
-
-
-def _state_dict(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    if isinstance(model_or_state, torch.nn.Module):
-        return model_or_state.state_dict()
-    return model_or_state
-
-
-# Per-tensor work (cast, scan, hash, sparse coding) runs on this many worker threads, one tensor
-# each: the work is CPU-bound (about 8 memcpys' worth per served byte), so it scales with cores
-# until memory bandwidth runs out.
-WORKERS = max(1, min(8, os.cpu_count() or 1))
-# The fused loop works in blocks of this many bytes of served data: a block's source, served
-# bytes and base (2 + 4 + 2 MiB for bf16 from fp32) stay in cache from the cast to the hash.
-BLOCK_BYTES = 1 << 21
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _work_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:  # ranks may ask for it at the same time
-        if _pool is None:
-            _pool = _new_work_pool()
-        return _pool
-
-
-def _new_work_pool() -> ThreadPoolExecutor:
-    """Workers that run torch ops on one thread each (the workers already use every core).
-
-    ``torch.set_num_threads`` sets the calling thread's OpenMP thread count and a process-wide
-    default for threads that have not used torch yet; each worker sets 1 for itself, then the
-    caller puts the default back, before any work is submitted.
-    """
-    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="publish")
-    threads = torch.get_num_threads()
-    if threads > 1:
-        barrier = threading.Barrier(WORKERS + 1)
-
-        def single() -> None:
-            torch.get_num_threads()  # torch's lazy per-thread setup first, or it would undo the next line
-            torch.set_num_threads(1)
-            barrier.wait()
-
-        started = [pool.submit(single) for _ in range(WORKERS)]  # all block at the barrier: one per thread
-        barrier.wait()
-        torch.set_num_threads(threads)
-        for f in started:
-            f.result()
-    return pool
-
-
-class _Stages:
-    """Accumulates stage seconds; safe to add to from several threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.seconds: dict[str, float] = {}
-
-    def add(self, stage: str, seconds: float) -> None:
-        with self._lock:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
-
-    @contextmanager
-    def time(self, stage: str) -> Iterator[None]:
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(stage, time.perf_counter() - t)
-
-
-class _Buffers:
-    """Served buffers of a version no longer needed, reused by the next cast (no fresh pages)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[str, torch.Tensor] = {}  # name -> flat uint8
-
-    def take(self, name: str, dtype: torch.dtype, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        with self._lock:
-            flat = self._free.pop(name, None)
-        nbytes = shape.numel() * dtype.itemsize
-        if flat is None or flat.numel() != nbytes or flat.device != device or nbytes == 0:
-            return torch.empty(shape, dtype=dtype, device=device)
-        return flat.view(dtype).view(shape)
-
-    def give(self, model: ServedModel) -> None:
-        """Hand back every buffer of ``model``, which nothing may use any more."""
-        with self._lock:
-            self._free = dict(zip((s.name for s in model.specs), model.data, strict=True))
-
-
-@dataclass(slots=True)
-class _Served:
-    """A served copy: the model (its buffers allocated) and the casts into them not yet done.
-
-    The workers cast each tensor block by block, right before scanning and hashing the block
-    (``_tensor``); background mode casts everything up front, before ``publish`` returns.
-    """
-
-    model: ServedModel
-    owned: bool  # the buffers are the publisher's own: reusable once this version is replaced
-    pending: list[tuple[torch.Tensor, torch.Tensor] | None]  # per tensor: (buffer, source) still to copy
-
-    def fill(self, i: int) -> None:
-        p = self.pending[i]
-        if p is not None:
-            with torch.no_grad():
-                p[0].copy_(p[1])
-            self.pending[i] = None
-
-    def fill_all(self) -> None:
-        for i in range(len(self.pending)):
-            self.fill(i)
-
-
-def _cast(fmt: ServedFormat, state: Mapping[str, torch.Tensor], buffers: _Buffers) -> _Served:
-    """The served copy of ``state``, its casts left pending (see :class:`_Served`).
-
-    bf16, fp16 and as_is cast tensor by tensor into recycled buffers (bitwise what
-    ``ServedFormat.convert`` returns: ``Tensor.to`` is ``copy_`` into a fresh tensor); fp8 goes
-    through ``convert`` (scales), at once.  The copy is always taken, even when a tensor already
-    has the served dtype, so later in-place updates of the weights never reach a published version.
-    """
-    if fmt.name not in ("bf16", "fp16", "as_is"):
-        with torch.no_grad():
-            model = ServedModel.from_tensors(fmt.convert(state))
-        return _Served(model, False, [None] * len(model))
-    fmt.refreshed = []
-    served_float = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt.name)
-    out: dict[str, torch.Tensor] = {}
-    sources: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        t = t.detach()
-        dtype = served_float if served_float is not None and t.is_floating_point() else t.dtype
-        out[name] = buffers.take(name, dtype, t.shape, t.device)
-        sources[name] = t
-    model = ServedModel.from_tensors(out)
-    return _Served(model, True, [(out[s.name], sources[s.name]) for s in model.specs])
-
-
-def _tensor(
-    spec: TensorSpec,
-    data: torch.Tensor,
-    cast: tuple[torch.Tensor, torch.Tensor] | None,
-    base: torch.Tensor | None,
-    base_digest: bytes | None,
-    level: int,
-    stages: _Stages,
-) -> tuple[TensorDelta | None, bytes]:
-    """One tensor's served bytes (``cast``: the copy still to do), delta against ``base`` and digest.
-
-    On the CPU this is one pass over the tensor in blocks: cast a block, scan it against the
-    base's block, hash it, while the block is in cache.  Hashing starts at the first changed
-    block (the unchanged blocks before it are hashed then); a tensor with no change keeps
-    ``base_digest`` without being hashed.  Elsewhere (another device, a strided source) the same
-    steps run on the whole tensor.
-    """
-    clock = time.perf_counter
-    cast_s = scan_s = hash_s = 0.0
-    if cast is not None and not (cast[1].device.type == cast[0].device.type == "cpu" and cast[1].is_contiguous()):
-        t = clock()
-        cast[0].copy_(cast[1])
-        cast, cast_s = None, clock() - t
-    if data.device.type != "cpu":
-        t = clock()
-        delta = diff_tensor(spec, base, data, level) if base is not None else None
-        t2 = clock()
-        unchanged = delta is not None and delta.changed == 0
-        digest = base_digest if unchanged and base_digest is not None else bytes_digest(data)
-        stages.add("cast", cast_s)
-        stages.add("diff", t2 - t)
-        stages.add("digests", clock() - t2)
-        return delta, digest
-    width = spec.dt.width
-    step = max(8, BLOCK_BYTES // width)  # elements; a multiple of 8, so blocks start on 64-bit words
-    raw = data.numpy()
-    src = cast[1].view(-1) if cast is not None else None
-    dst = cast[0].view(-1) if cast is not None else None
-    bw = word_view(base, spec) if base is not None else None
-    tw = word_view(data, spec)
-    hasher = blake3.blake3() if base is None else None
-    found: list[Changes] = []
-    starts: list[int] = []
-    for s in range(0, spec.numel, step):
-        e = min(s + step, spec.numel)
-        t0 = clock()
-        if src is not None and dst is not None:
-            dst[s:e].copy_(src[s:e])
-        t1 = clock()
-        if bw is not None:
-            ch = scan(bw[s:e], tw[s:e])
-            if len(ch):
-                found.append(ch)
-                starts.append(s)
-                if hasher is None:
-                    hasher = blake3.blake3()
-                    hasher.update(raw[: s * width].data)  # the unchanged blocks so far
-        t2 = clock()
-        if hasher is not None:
-            hasher.update(raw[s * width : e * width].data)
-        t3 = clock()
-        cast_s, scan_s, hash_s = cast_s + t1 - t0, scan_s + t2 - t1, hash_s + t3 - t2
-    delta = None
-    t = clock()
-    if base is not None:
-        if found:
-            changes = Changes(
-                torch.cat([c.positions + s for c, s in zip(found, starts, strict=True)]),
-                torch.cat([c.old for c in found]),
-                torch.cat([c.new for c in found]),
-            )
-        else:
-            empty = tw[:0]
-            changes = Changes(torch.empty(0, dtype=torch.int64), empty, empty)
-        delta = diff_tensor(spec, base, data, level, changes=changes)
-    scan_s += clock() - t
-    if hasher is None:  # nothing changed
-        assert base_digest is not None
-        digest = base_digest
-    else:
-        t = clock()
-        digest = hasher.digest()
-        hash_s += clock() - t
-    stages.add("cast", cast_s)
-    stages.add("diff", scan_s)
-    stages.add("digests", hash_s)
-    return delta, digest
-
-
-class _Prepared:
-    """Per-tensor results (delta, digest) in layout order, as the workers finish them.
-
-    The patch is assembled from :meth:`deltas` while later tensors are still being worked on.
-    """
-
-    def __init__(
-        self, jobs: list[Future[tuple[TensorDelta | None, bytes]]], has_deltas: bool, start: float | None = None
-    ) -> None:
-        self.jobs = jobs
-        self.has_deltas = has_deltas
-        self.start = time.perf_counter() if start is None else start
-        self.waited = 0.0  # seconds the consumer of deltas() spent waiting for workers
-        self._lock = threading.Lock()
-        self.finished = self.start
-        for job in jobs:
-            job.add_done_callback(self._done)
-
-    @classmethod
-    def ready(cls, deltas: list[TensorDelta] | None, digests: list[bytes]) -> _Prepared:
-        jobs: list[Future[tuple[TensorDelta | None, bytes]]] = []
-        for i, d in enumerate(digests):
-            f: Future[tuple[TensorDelta | None, bytes]] = Future()
-            f.set_result((deltas[i] if deltas is not None else None, d))
-            jobs.append(f)
-        return cls(jobs, deltas is not None)
-
-    def _done(self, _: object) -> None:
-        with self._lock:
-            self.finished = max(self.finished, time.perf_counter())
-
-    def _result(self, i: int) -> tuple[TensorDelta | None, bytes]:
-        t = time.perf_counter()
-        r = self.jobs[i].result()
-        self.waited += time.perf_counter() - t
-        return r
-
-    def deltas(self) -> Iterator[TensorDelta]:
-        for i in range(len(self.jobs)):
-            d = self._result(i)[0]
-            assert d is not None
-            yield d
-
-    def digests(self) -> list[bytes]:
-        return [self._result(i)[1] for i in range(len(self.jobs))]
-
-    def settle(self) -> None:
-        """Wait for every job (after a failure: nothing may still read the caller's tensors)."""
-        wait(self.jobs)
-
-    @property
-    def seconds(self) -> float:
-        """Wall time from the first submission until the last tensor was done (call after digests())."""
-        return self.finished - self.start
-
-
-def _prepare(
-    base: ServedModel | None,
-    base_digests: list[bytes] | None,
-    target: _Served,
-    stages: _Stages,
-    level: int = 3,
-) -> _Prepared:
-    """Cast, diff against ``base`` (None: no base, or a different layout) and hash, tensor by tensor,
-    on the worker pool, in layout order."""
-    start = time.perf_counter()
-    model = target.model
-    usable = base is not None and base.specs == model.specs and base_digests is not None
-    jobs: list[Future[tuple[TensorDelta | None, bytes]]] = []
-    for i, (spec, data) in enumerate(model):
-        cast, target.pending[i] = target.pending[i], None
-        b = base.data[i] if usable and base is not None else None
-        bd = base_digests[i] if usable and base_digests is not None else None
-        jobs.append(_work_pool().submit(_tensor, spec, data, cast, b, bd, level, stages))
-    return _Prepared(jobs, usable, start)
 
 
 class Publisher:
@@ -436,10 +133,10 @@ class Publisher:
         self._catalog: list[CatalogEntry] = []
         self._anchor_requested = False
         self._dropped: list[CatalogEntry] = []
-        self._buffers = _Buffers()
+        self._buffers = Buffers()
         self._ranks: dict[int, _Rank] = {}
         self._sharded: ShardedPublish | None = None
-        self._queue: queue.Queue[tuple[int, _Served, bool, float, _Stages, Future[PublishInfo]] | None] | None
+        self._queue: queue.Queue[tuple[int, Served, bool, float, Stages, Future[PublishInfo]] | None] | None
         self._queue = None
         self._worker: threading.Thread | None = None
         if resume:
@@ -468,11 +165,11 @@ class Publisher:
     ) -> PublishInfo | Future[PublishInfo]:
         """Publish the next version; in background mode returns a Future once the served copy is taken."""
         start = self.clock()
-        stages = _Stages()
+        stages = Stages()
         if self._sharded is not None:
             raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
         with stages.time("cast"):
-            target = _cast(self.format, _state_dict(model_or_state), self._buffers)
+            target = cast_served(self.format, state_dict_of(model_or_state), self._buffers)
             if self._queue is not None:
                 target.fill_all()  # the served copy is taken before returning; else cast while diffing
         with self._counter_lock:
@@ -580,9 +277,9 @@ class Publisher:
             finally:
                 self._queue.task_done()
 
-    def _publish(self, version: int, target: _Served, anchor: bool, start: float, stages: _Stages) -> PublishInfo:
+    def _publish(self, version: int, target: Served, anchor: bool, start: float, stages: Stages) -> PublishInfo:
         with self._lock:
-            prepared = _prepare(self._prev, self._prev_digests, target, stages)
+            prepared = prepare(self._prev, self._prev_digests, target, stages)
             try:
                 return self._commit(version, target.model, target.owned, prepared, anchor, start, stages, refreshed=0)
             except BaseException:
@@ -594,10 +291,10 @@ class Publisher:
         version: int,
         served: ServedModel,
         owned: bool,
-        prepared: _Prepared,
+        prepared: Prepared,
         anchor: bool,
         start: float,
-        stages: _Stages,
+        stages: Stages,
         *,
         refreshed: int,
     ) -> PublishInfo:
@@ -715,7 +412,7 @@ class _Rank:
 
     def __init__(self, fmt: ServedFormat) -> None:
         self.format = fmt
-        self.buffers = _Buffers()
+        self.buffers = Buffers()
         self.version: int | None = None
         self.served: ServedModel | None = None
         self.owned = False  # served's buffers are the rank's own: reusable once it is replaced
@@ -797,7 +494,7 @@ class ShardedPublish:
                 raise ValueError(f"rank {rank} already added its shard to version {self.version}")
             self._adding.add(rank)
         try:
-            part = self._make_part(rank, _state_dict(model_or_state))
+            part = self._make_part(rank, state_dict_of(model_or_state))
         finally:
             with self._lock:
                 self._adding.discard(rank)
@@ -817,12 +514,12 @@ class ShardedPublish:
             if r is None:
                 fmt = dataclasses.replace(pub.format, scales={}, refreshed=[])
                 r = pub._ranks[rank] = _Rank(fmt)
-        stages = _Stages()
+        stages = Stages()
         with stages.time("cast"):
-            target = _cast(r.format, state, r.buffers)
+            target = cast_served(r.format, state, r.buffers)
         served = target.model
         base, base_digests = self._base(r, served.specs)
-        prepared = _prepare(base, base_digests, target, stages)
+        prepared = prepare(base, base_digests, target, stages)
         try:
             deltas = list(prepared.deltas()) if prepared.has_deltas else None
             digests = prepared.digests()
@@ -906,7 +603,7 @@ class ShardedPublish:
 
     def _finalize(self, parts: list[ShardPart]) -> PublishInfo:
         pub = self._pub
-        stages = _Stages()
+        stages = Stages()
         for p in parts:
             for k, v in p.stages.items():
                 stages.add(k, v)
@@ -929,7 +626,7 @@ class ShardedPublish:
                 self.version,
                 served,
                 False,  # the union references the ranks' buffers: they recycle them, not the publisher
-                _Prepared.ready(deltas, digests),
+                Prepared.ready(deltas, digests),
                 self.anchor,
                 self._start,
                 stages,

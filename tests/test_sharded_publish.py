@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from daemon import publisher
+from daemon import publish_work
 from daemon.board import Board
 from daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
 from daemon.pull import Held, Puller
@@ -316,7 +316,7 @@ def test_blockwise_cast_scan_hash_matches_whole_tensors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
     """Tiny blocks: changes only in a late block, only in the first, nowhere, odd tails, every dtype."""
-    monkeypatch.setattr(publisher, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(publish_work, "BLOCK_BYTES", 64)
     key = SigningKey.generate()
     pub = Publisher(tmp_path / "blocks", key, run_id=RUN, served_format=fmt, anchor_every=100)
     g = torch.Generator().manual_seed(7)
@@ -362,20 +362,20 @@ def test_a_failed_publish_leaves_the_chain_as_it_was(tmp_path: Path, monkeypatch
     states = train_states(3, seed=6)
     pub.publish(states[0])
     before = file_bytes(pub.board)
-    real = publisher.diff_tensor
+    real = publish_work.diff_tensor
 
     def failing(spec, *args, **kwargs):  # type: ignore[no-untyped-def]
         if spec.name.startswith("3."):
             raise MemoryError("injected")
         return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(publisher, "diff_tensor", failing)
+    monkeypatch.setattr(publish_work, "diff_tensor", failing)
     with pytest.raises(MemoryError, match="injected"):
         pub.publish(states[1])
     with pytest.raises(MemoryError, match="injected"):
         publish_sharded(pub, states[1])
     assert file_bytes(pub.board) == before
-    monkeypatch.setattr(publisher, "diff_tensor", real)
+    monkeypatch.setattr(publish_work, "diff_tensor", real)
     info = pub.publish(states[2])  # version numbers are never reused; the patch is against version 1
     assert isinstance(info, PublishInfo) and info.version == 3 and info.patch_bytes > 0
     assert pub.board.manifest(info.manifest_id).base_version == 1
