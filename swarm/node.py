@@ -354,21 +354,24 @@ class SwarmNode:
     # ------------------------------------------------------------ serving
 
     async def handle_chunk(self, chunk_hash: bytes, requester: str = "") -> ChunkReply:
-        data = self.chunks.get(chunk_hash)
-        if data is None:
+        if chunk_hash not in self.chunks:
             return Missing()
-        if self.config.is_seed:
-            now = self.clock.now()
-            last, given_to = self._seed_served.get(chunk_hash, (-math.inf, ()))
-            if now - last < self.config.seed_copy_window:
-                self.metrics.busy_replies += 1
-                return Busy(self.config.busy_retry_after, given_to)
-            self._seed_served[chunk_hash] = (now, (requester,) if requester else ())
-            self._announce_dirty = True  # the offer shrank
+        if self.config.is_seed and (refusal := self._seed_refusal(chunk_hash)) is not None:
+            return refusal  # checked before reading the chunk or queueing for a slot
         if not await self._upload_slot():
             self.metrics.busy_replies += 1
             return Busy(self.config.busy_retry_after)
         try:
+            if self.config.is_seed:
+                # Check the window again now that a slot is ours, and only now count the copy as given:
+                # a request refused for want of a slot must not use up the chunk's window.
+                if (refusal := self._seed_refusal(chunk_hash)) is not None:
+                    return refusal
+                self._seed_served[chunk_hash] = (self.clock.now(), (requester,) if requester else ())
+                self._announce_dirty = True  # the offer shrank
+            data = self.chunks.get(chunk_hash)
+            if data is None:
+                return Missing()
             now = self.clock.now()
             await self.clock.sleep(self.upload_bucket.reserve(now, len(data)) - now)
             self.metrics.bytes_uploaded += len(data)
@@ -376,6 +379,14 @@ class SwarmNode:
             return data
         finally:
             self._release_upload_slot()
+
+    def _seed_refusal(self, chunk_hash: bytes) -> Busy | None:
+        """A seed hands out each chunk once per window; within it, point the requester at the holders."""
+        last, given_to = self._seed_served.get(chunk_hash, (-math.inf, ()))
+        if self.clock.now() - last < self.config.seed_copy_window:
+            self.metrics.busy_replies += 1
+            return Busy(self.config.busy_retry_after, given_to)
+        return None
 
     async def _upload_slot(self) -> bool:
         """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry."""
