@@ -43,7 +43,8 @@ import zstandard
 
 from protocol import ordered
 from protocol.diffscan import Changes, scan
-from protocol.errors import FormatError, LimitExceededError, TruncatedError, UnsupportedFormatError
+from protocol.docfields import read_prefix
+from protocol.errors import FormatError, LimitExceededError, TruncatedError
 from protocol.served import ServedModel, TensorSpec, word_view
 from protocol.streams import (
     MAX_WINDOW,
@@ -361,13 +362,7 @@ def raw_bound(spec: TensorSpec, enc: Encoding, k: int) -> int:
 def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHeader:
     """Parse and bound-check a payload's header against the layout it is meant for."""
     mv = memoryview(payload)
-    if len(mv) < _PREFIX.size:
-        raise TruncatedError("patch payload shorter than its fixed header")
-    magic, fmt, hlen = _PREFIX.unpack_from(mv)
-    if magic != PAYLOAD_MAGIC:
-        raise FormatError("not a patchswarm patch payload (bad magic)")
-    if fmt != PAYLOAD_FORMAT:
-        raise UnsupportedFormatError(f"patch payload format {fmt} (this build reads {PAYLOAD_FORMAT})")
+    (hlen,) = read_prefix(_PREFIX, mv, PAYLOAD_MAGIC, PAYLOAD_FORMAT, "patch payload")
     if any(mv[5:8]):
         raise FormatError("patch payload reserved bytes are not zero")
     body = mv[_PREFIX.size :]

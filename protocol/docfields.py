@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
-from protocol.errors import FormatError
+from protocol.errors import FormatError, TruncatedError, UnsupportedFormatError
 
 DIGEST_SIZE = 32
 
@@ -47,3 +48,15 @@ def field(d: dict[str, Any], key: str, what: str) -> Any:
     if key not in d:
         raise FormatError(f"{what}: missing field {key!r}")
     return d[key]
+
+
+def read_prefix(layout: struct.Struct, data: memoryview, magic: bytes, fmt: int, what: str) -> tuple[Any, ...]:
+    """Unpack a fixed header ``(magic, format, ...)``, checking length, magic and format version."""
+    if len(data) < layout.size:
+        raise TruncatedError(f"{what} shorter than its fixed header")
+    fields = layout.unpack_from(data)
+    if fields[0] != magic:
+        raise FormatError(f"not a patchswarm {what} (bad magic)")
+    if fields[1] != fmt:
+        raise UnsupportedFormatError(f"{what} format {fields[1]} (this build reads {fmt})")
+    return tuple(fields[2:])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
 from protocol.codec import EncodedPatch, Progress, apply_update, encode_patch, iter_updates
+from protocol.docfields import read_prefix
 from protocol.errors import (
     BaseMismatchError,
     FormatError,
@@ -24,7 +25,6 @@ from protocol.errors import (
     LimitExceededError,
     TargetMismatchError,
     TruncatedError,
-    UnsupportedFormatError,
 )
 from protocol.keys import KeyPolicy, SigningKey
 from protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
@@ -163,13 +163,7 @@ def open_file(
 ) -> Version:
     """Parse a patch file and verify it: signature (if a policy is given), manifest, every chunk."""
     mv = memoryview(data)
-    if len(mv) < _FILE_PREFIX.size:
-        raise TruncatedError("patch file shorter than its fixed header")
-    magic, fmt, env_len = _FILE_PREFIX.unpack_from(mv)
-    if magic != FILE_MAGIC:
-        raise FormatError("not a patchswarm patch file (bad magic)")
-    if fmt != FILE_FORMAT:
-        raise UnsupportedFormatError(f"patch file format {fmt} (this build reads {FILE_FORMAT})")
+    (env_len,) = read_prefix(_FILE_PREFIX, mv, FILE_MAGIC, FILE_FORMAT, "patch file")
     if env_len > MAX_MANIFEST_BYTES + 256:
         raise LimitExceededError("manifest envelope larger than allowed")
     end = _FILE_PREFIX.size + env_len
