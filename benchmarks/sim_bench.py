@@ -2,10 +2,12 @@
 
     .venv/bin/python -m benchmarks.sim_bench network --hosts 1000 --chunks 125
     .venv/bin/python -m benchmarks.sim_bench swarm --peers 32
+    .venv/bin/python -m benchmarks.sim_bench swarm --hosts 1000 --patch-mb 500 --chunk-mib 4
 
 ``network``: every host fetches ``chunks`` chunks of ``chunk`` bytes, ``inflight`` at a time,
 each from a random other host (no protocol: only the flow model's cost).  ``swarm``: real
-SwarmNodes fetching a small published model (tests/swarmkit.py's board) in virtual time.
+SwarmNodes fetching a small published model (tests/swarmkit.py's board) in virtual time; with
+``--hosts``, real nodes on a synthetic run with placeholder payloads (simulations/synthetic.py).
 Prints wall seconds, events and virtual time; the numbers go in docs/simulation.md.
 """
 
@@ -22,13 +24,26 @@ from simulations.network import Flow, Host, Network, Region
 
 
 def network_bench(
-    hosts: int, chunks: int, chunk: int, inflight: int, rate: float, latency: float, seed: int, quantum: float = 0.0
+    hosts: int,
+    chunks: int,
+    chunk: int,
+    inflight: int,
+    rate: float,
+    latency: float,
+    seed: int,
+    quantum: float = 0.0,
+    check: int = 0,
 ) -> None:
+    """The flow model alone.  ``check`` > 0: every ``check`` event times, recompute the allocation from
+    scratch, compare it with the incremental one and time both (the ratio is measured in this run)."""
     rng = random.Random(seed)
     names = [f"h{i}" for i in range(hosts)]
     net = Network([Host(n, "r", up=rate, down=rate) for n in names], [Region("r", latency)], quantum=quantum)
     left = dict.fromkeys(names, chunks)
     events = 0
+    full_s = full_cpu = 0.0  # seconds spent in full recomputations (excluded from the figures)
+    fulls = 0
+    worst = 0.0  # largest relative difference, incremental vs full
 
     def start(now: float, dst: str) -> None:
         if left[dst] <= 0:
@@ -43,18 +58,37 @@ def network_bench(
         for _ in range(min(inflight, chunks)):
             start(0.0, n)
     t0 = time.perf_counter()
+    c0 = time.process_time()
     while (t := net.next_event_time()) < math.inf:
         done: list[Flow] = net.advance(t)
         events += 1
         for f in done:
             start(t, str(f.tag))
-    wall = time.perf_counter() - t0
+        if check and events % check == 0:
+            f0, fc0 = time.perf_counter(), time.process_time()
+            full = net.full_allocation()
+            full_s += time.perf_counter() - f0
+            full_cpu += time.process_time() - fc0
+            fulls += 1
+            for f in net.active_flows():
+                worst = max(worst, abs(f.rate - full[f.id]) / full[f.id] if full[f.id] else abs(f.rate))
+    wall = time.perf_counter() - t0 - full_s
+    cpu = time.process_time() - c0 - full_cpu
     flows = hosts * chunks
     print(
         f"network: {hosts} hosts x {chunks} chunks of {chunk} B, {inflight} in flight: {flows} flows, "
-        f"{events} event times (quantum {quantum:g} s), virtual {net.now:.3f} s, "
-        f"wall {wall:.2f} s ({flows / wall:.0f} flows/s)"
+        f"{events} event times (quantum {quantum:g} s), virtual {net.now:.6f} s: "
+        f"wall {wall:.2f} s, cpu {cpu:.2f} s: {flows / wall:.0f} flows/s wall, {flows / cpu:.0f} flows/s cpu, "
+        f"{events / cpu:.0f} events/s cpu; {net.sharer.visits / max(events, 1):.1f} resources re-examined per "
+        f"event, {net.sharer.restarts} fallbacks to a full recomputation"
     )
+    if fulls:
+        per_event, per_full = cpu / events, full_cpu / fulls
+        print(
+            f"  check: {fulls} full recomputations, largest relative difference {worst:.1e}; cpu per full "
+            f"recomputation {per_full * 1e3:.2f} ms, per incremental event {per_event * 1e3:.3f} ms "
+            f"(x{per_full / per_event:.0f})"
+        )
 
 
 def swarm_bench(peers: int, seed: int) -> None:
@@ -81,6 +115,49 @@ def swarm_bench(peers: int, seed: int) -> None:
     )
 
 
+def placeholder_bench(
+    hosts: int,
+    patch_mb: float,
+    chunk_mib: float,
+    versions: int,
+    interval: float,
+    rate: float,
+    latency: float,
+    seed: int,
+) -> None:
+    """Real nodes, placeholder payloads: ``hosts`` peers and a seed, all at ``rate`` both ways."""
+    from simulations.placeholder import placeholder_held
+    from simulations.runner import simulate_stream
+    from simulations.synthetic import synthetic_setup
+
+    run = synthetic_setup(patch_bytes=int(patch_mb * 1e6), chunk_bytes=int(chunk_mib * (1 << 20)), versions=versions)
+    peers = [Host(f"h{i:05d}", "r0", up=rate, down=rate) for i in range(hosts)]
+    cpu0 = time.process_time()
+    r = simulate_stream(
+        run.setup,
+        Host("seed", "r0", up=rate, down=rate),
+        peers,
+        versions=run.versions,
+        interval=interval,
+        regions=[Region("r0", latency)],
+        start_from=placeholder_held(0),
+        seed=seed,
+    )
+    cpu = time.process_time() - cpu0
+    print(
+        f"swarm (placeholders): {hosts} hosts, {versions} x {patch_mb:g} MB in {chunk_mib:g} MiB chunks, "
+        f"{rate * 8 / 1e9:g} Gbit/s, {latency * 1e3:g} ms: wall {r.wall_seconds:.1f} s (cpu {cpu:.1f} s), "
+        f"{r.events} events ({r.events / r.wall_seconds:.0f}/s wall), "
+        f"{r.messages.chunk_requests} chunk requests, {r.messages.gossip_messages} gossip messages"
+    )
+    for v in r.versions:
+        ratio = v.time_to_all / v.lower_bound if v.lower_bound else math.inf
+        print(
+            f"  version {v.version}: time to all {v.time_to_all:.3f} s virtual, Kumar-Ross {v.lower_bound:.3f} s "
+            f"(x{ratio:.2f}), seed egress {v.seed_egress / v.payload_bytes:.2f} copies, {v.hosts_done}/{hosts} hosts"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="what", required=True)
@@ -93,12 +170,22 @@ def main() -> None:
     n.add_argument("--latency", type=float, default=0.0005)
     n.add_argument("--seed", type=int, default=0)
     n.add_argument("--quantum", type=float, default=0.0)
-    w = sub.add_parser("swarm")
-    w.add_argument("--peers", type=int, default=32)
+    n.add_argument("--check", type=int, default=0, help="compare with a full recomputation every N event times")
+    w = sub.add_parser("swarm", help="real nodes; with --hosts: placeholder payloads (--patch-mb, --chunk-mib)")
+    w.add_argument("--peers", type=int, default=32, help="real-board mode: peers fetching the small test model")
+    w.add_argument("--hosts", type=int, default=0, help="placeholder mode: this many peers")
+    w.add_argument("--patch-mb", type=float, default=500.0)
+    w.add_argument("--chunk-mib", type=float, default=4.0)
+    w.add_argument("--versions", type=int, default=1)
+    w.add_argument("--interval", type=float, default=5.0, help="virtual seconds between versions")
+    w.add_argument("--rate", type=float, default=10e9 / 8, help="bytes/s, every host's uplink and downlink")
+    w.add_argument("--latency", type=float, default=0.0005)
     w.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     if a.what == "network":
-        network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum)
+        network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum, a.check)
+    elif a.hosts:
+        placeholder_bench(a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed)
     else:
         swarm_bench(a.peers, a.seed)
 

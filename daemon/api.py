@@ -6,6 +6,7 @@
     GET  /v1/events                  server-sent events: one per state change
     GET  /v1/layout                  the weight layout and how to attach to the store
     POST /v1/ack                     an engine acknowledges the version it now serves
+    POST /v1/store                   an engine registers the buffer it allocated (store.kind cuda, engine-shm)
     GET  /metrics                    Prometheus metrics
 
 The socket is created with mode 0660 (and the configured group), so only the daemon's user
@@ -19,7 +20,7 @@ import contextlib
 import grp
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ MAX_WAIT_S = 300.0
 STATUS_KEY: web.AppKey[Status] = web.AppKey("status", Status)
 LAYOUT_KEY: web.AppKey[Callable[[], dict[str, Any] | None]] = web.AppKey("layout", object)  # type: ignore[arg-type]
 METRICS_KEY: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics", object)  # type: ignore[arg-type]
+# body -> (HTTP status, JSON answer); the daemon checks and maps the engine's buffer
+StoreRegistrar = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
+REGISTER_KEY: web.AppKey[StoreRegistrar | None] = web.AppKey("register", object)  # type: ignore[arg-type]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -92,12 +96,23 @@ async def layout(request: web.Request) -> web.Response:
     return _json(info)
 
 
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON body; ValueError for anything else (deep nesting included, not a 500)."""
+    try:
+        return await request.json()
+    except RecursionError as e:
+        raise ValueError("JSON nested too deeply") from e
+
+
 async def ack(request: web.Request) -> web.Response:
     s = request.app[STATUS_KEY]
     try:
-        body = await request.json()
-        engine, ver = str(body["engine"]), int(body["version"])
+        body = await _json_body(request)
+        engine, ver = body["engine"], body["version"]
     except (ValueError, KeyError, TypeError):
+        return _bad('body must be {"engine": <name>, "version": <int>}')
+    # Exactly a non-negative integer: not a bool, float, string or infinity dressed as a version.
+    if type(engine) is not str or type(ver) is not int or not 0 <= ver < 1 << 63:
         return _bad('body must be {"engine": <name>, "version": <int>}')
     if not engine or len(engine) > 128:
         return _bad("engine name must be 1 to 128 characters")
@@ -107,23 +122,41 @@ async def ack(request: web.Request) -> web.Response:
     return _json({"engine": engine, "version": ver, "applied": s.version})
 
 
+async def store_registration(request: web.Request) -> web.Response:
+    registrar = request.app[REGISTER_KEY]
+    if registrar is None:
+        return _json({"error": "NotEngineStore", "message": "this daemon does not take engine buffers"}, 409)
+    try:
+        body = await _json_body(request)
+    except ValueError:
+        return _bad("body must be JSON: {engine, layout_hash, buffer}")
+    code, answer = await registrar(body)
+    return _json(answer, code)
+
+
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS_KEY](), content_type="text/plain", charset="utf-8")
 
 
 def make_api_app(
-    st: Status, layout_info: Callable[[], dict[str, Any] | None], metrics_text: Callable[[], bytes]
+    st: Status,
+    layout_info: Callable[[], dict[str, Any] | None],
+    metrics_text: Callable[[], bytes],
+    *,
+    register_store: StoreRegistrar | None = None,
 ) -> web.Application:
     app = web.Application(client_max_size=1 << 16)
     app[STATUS_KEY] = st
     app[LAYOUT_KEY] = layout_info
     app[METRICS_KEY] = metrics_text
+    app[REGISTER_KEY] = register_store
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/version", version)
     app.router.add_get("/v1/wait", wait)
     app.router.add_get("/v1/events", events)
     app.router.add_get("/v1/layout", layout)
     app.router.add_post("/v1/ack", ack)
+    app.router.add_post("/v1/store", store_registration)
     app.router.add_get("/metrics", metrics)
     return app
 

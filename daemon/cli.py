@@ -26,6 +26,7 @@ from daemon.publisher import Publisher, PublishInfo
 from daemon.pull import Held, Puller
 from daemon.pull_state import PullState
 from daemon.served_format import ServedFormat
+from daemon.simulate_cli import add_simulate_parser
 from daemon.sources import source_for
 from daemon.swarm_cli import add_swarm_args
 from protocol.codec import read_header
@@ -488,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("patch", metavar="PATCH")
     v.add_argument("--trust", action="append", required=True, metavar="KEY.pub")
     v.set_defaults(func=cmd_verify)
+
+    add_simulate_parser(sub)
     return p
 
 

@@ -44,17 +44,28 @@ _UNITS = {
 _DURATION = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}
 
 
+def _finite(x: float | int, v: Any) -> float:
+    """``float(x)``, refusing what has no finite value (inf, nan, integers past the float range)."""
+    try:
+        f = float(x)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise ValueError(f"expected a finite value, got {v!r}")
+    return f
+
+
 def parse_size(v: Any) -> float:
     if isinstance(v, bool):
         raise ValueError("expected a size")
     if isinstance(v, int | float):
-        if not math.isfinite(v) or v < 0:
+        if v < 0:
             raise ValueError(f"expected a finite, non-negative size, got {v!r}")
-        return float(v)
+        return _finite(v, v)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(v))
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"expected a size like '100MB' or '16GiB', got {v!r}")
-    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+    return _finite(float(m.group(1)) * _UNITS[m.group(2).upper()], v)
 
 
 def parse_rate(v: Any) -> float:
@@ -68,11 +79,11 @@ def parse_rate(v: Any) -> float:
 
 def parse_duration(v: Any) -> float:
     if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0:
-        return float(v)
+        return _finite(v, v)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)\s*", str(v))
     if not m:
         raise ValueError(f"expected a duration like '500ms', '5s' or '2m', got {v!r}")
-    return float(m.group(1)) * _DURATION[m.group(2)]
+    return _finite(float(m.group(1)) * _DURATION[m.group(2)], v)
 
 
 def parse_listen(v: Any) -> str:
@@ -121,6 +132,13 @@ def parse_int(v: Any) -> int:
     if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, str) and v.strip().isdigit())):
         raise ValueError(f"expected a whole number, got {v!r}")
     return int(v)
+
+
+def parse_device(v: Any) -> str:
+    s = parse_str(v).strip()
+    if s in ("", "cpu") or re.fullmatch(r"cuda:[0-9]{1,3}", s) or re.fullmatch(r"(?i)GPU-[0-9a-f-]{8,64}", s):
+        return s
+    raise ValueError(f"expected '', 'cpu', 'cuda:N' or 'GPU-<uuid>', got {v!r}")
 
 
 def choice(*options: str) -> Callable[[Any], str]:
@@ -182,17 +200,34 @@ SCHEMA: list[Key] = [
     Key(
         "store",
         "kind",
-        choice("shm", "cuda"),
+        choice("shm", "cuda", "engine-shm"),
         "shm",
-        "Where the served weights live: host shared memory or CUDA memory shared by IPC handle (engine-allocated).",
+        "Where the served weights live. shm: host shared memory the daemon allocates. cuda: one GPU buffer the "
+        "engine allocates and registers (POST /v1/store) by CUDA IPC handle; it survives a daemon crash. "
+        "engine-shm: the same engine-allocated flow with a host shared-memory buffer (CPU engines, tests).",
     ),
-    Key("store", "name", parse_name, None, "Shared-memory name of the store (default: patchswarm-<run_id>)."),
+    Key(
+        "store",
+        "device",
+        parse_device,
+        "",
+        "store.kind cuda: the GPU the engine's buffer must be on (cuda:N as the daemon sees it, or GPU-<uuid>); "
+        "empty = any GPU the daemon can see. A registration on another GPU is refused (422 DeviceMismatch).",
+    ),
+    Key(
+        "store",
+        "name",
+        parse_name,
+        None,
+        "Shared-memory name of the store (default: patchswarm-<run_id>); for engine stores, the control block.",
+    ),
     Key(
         "store",
         "size",
         parse_size,
         0,
-        "Capacity in bytes ('16GiB'); 0 = exactly the model. A model larger than this is refused.",
+        "Capacity in bytes ('16GiB'); 0 = exactly the model. A model larger than this is refused (engine stores: "
+        "the engine's buffer must hold the model; registering a smaller one gets 422 BufferTooSmall).",
     ),
     Key("api", "socket", parse_str, "/run/patchswarm/api.sock", "Unix socket of the local HTTP API."),
     Key("api", "group", parse_str, "", "Group owning the socket (mode 0660); empty = the daemon's group."),
@@ -252,9 +287,13 @@ def load_config(path: str | os.PathLike[str] | None, env: Mapping[str, str] | No
     if path is not None:
         source = str(path)
         try:
-            raw = tomllib.loads(Path(path).read_text())
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such configuration file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        except RecursionError:  # tomllib recurses once per nesting level of arrays and inline tables
+            raise ConfigError(f"{path}: not valid TOML (nested too deeply)") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
     return from_mapping(raw, env if env is not None else os.environ, source)

@@ -4,6 +4,8 @@ An engine process imports this module only (no protocol/diffscan machinery): ``a
 store from the JSON ``attach_info`` the daemon publishes and returns an ``EngineView`` of
 zero-copy typed tensors plus a ``FenceReader``; ``allocate`` is for engine-owned buffers (the
 GPU placement: the engine allocates one buffer, the daemon writes into it through one handle).
+``daemon.engine_client.DaemonClient`` talks to the daemon's unix socket: ``open_store`` attaches,
+or allocates and registers the buffer (POST /v1/store); ``wait_version`` and ``ack`` follow versions.
 
 The store's byte format (layout, control block, shared-memory segments, buffer handles) lives
 here too, because both sides must read it the same way; the writer is daemon/weightstore.py.

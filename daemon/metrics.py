@@ -7,6 +7,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from swarm.node import Metrics as NodeMetrics
+from swarm.node import SwarmNode
 
 
 class DaemonMetrics:
@@ -23,8 +24,31 @@ class DaemonMetrics:
         self.applied = Counter("patchswarm_versions_applied", "Versions activated in the store", registry=r)
         self.bytes_in = Counter("patchswarm_received_bytes", "Chunk bytes received", ["source"], registry=r)
         self.bytes_out = Counter("patchswarm_uploaded_bytes", "Chunk bytes served to peers", registry=r)
-        self.chunk_failures = Counter("patchswarm_chunk_failures", "Chunks that failed their hash", registry=r)
+        self.chunk_failures = Counter(
+            "patchswarm_chunk_failures", "Chunks that failed their size or hash check", registry=r
+        )
         self.bans = Counter("patchswarm_peer_bans", "Peers banned for sending bad chunks", registry=r)
+        self.heads_refused = Counter(
+            "patchswarm_heads_refused",
+            "Signed heads refused (forged, untrusted or revoked signer, expired, other run, rewind, equivocation)",
+            ["reason"],
+            registry=r,
+        )
+        self.objects_refused = Counter(
+            "patchswarm_objects_refused",
+            "Board objects from peers or mirrors that were not the ones asked for (wrong manifest hash)",
+            registry=r,
+        )
+        self.run_halted = Gauge(
+            "patchswarm_run_halted",
+            "1 when equivocation by the run's signer halted it (proof kept on disk)",
+            registry=r,
+        )
+        self.head_ttl = Gauge(
+            "patchswarm_head_ttl_seconds",
+            "Seconds until the newest accepted head expires (negative: the board may be frozen)",
+            registry=r,
+        )
         self.apply_failures = Counter("patchswarm_apply_failures", "Versions that failed to fetch or apply", registry=r)
         self.pause = Histogram(
             "patchswarm_activation_pause_seconds",
@@ -33,10 +57,16 @@ class DaemonMetrics:
             registry=r,
         )
         self._seen = NodeMetrics()
+        self._refused_seen: dict[str, int] = {}
+        self._objects_seen = 0
         self._stale_since: float | None = None
 
-    def sync(self, node: NodeMetrics, applied: int | None, target: int | None) -> None:
+    def sync(
+        self, node: NodeMetrics, applied: int | None, target: int | None, *, swarm: SwarmNode | None = None
+    ) -> None:
         """Fold the swarm node's running totals in (as deltas) and refresh the gauges."""
+        if swarm is not None:
+            self._sync_trust(swarm)
         for counter, field, labels in (
             (self.bytes_in, "bytes_from_peers", {"source": "peer"}),
             (self.bytes_in, "bytes_from_seed", {"source": "seed"}),
@@ -60,6 +90,21 @@ class DaemonMetrics:
         elif lag <= 0:
             self._stale_since = None
         self.stale_seconds.set(0 if self._stale_since is None else time.monotonic() - self._stale_since)
+
+    def _sync_trust(self, swarm: SwarmNode) -> None:
+        stats = swarm.puller.stats
+        for reason, count in stats.refused.items():
+            delta = count - self._refused_seen.get(reason, 0)
+            if delta > 0:
+                self.heads_refused.labels(reason=reason).inc(delta)
+            self._refused_seen[reason] = count
+        refused_objects = getattr(swarm.source, "refused", 0)
+        if refused_objects > self._objects_seen:
+            self.objects_refused.inc(refused_objects - self._objects_seen)
+            self._objects_seen = refused_objects
+        self.run_halted.set(1 if swarm.puller.tracker.halted else 0)
+        if stats.head_expires_ms is not None:
+            self.head_ttl.set(stats.head_expires_ms / 1000 - time.time())
 
     def render(self) -> bytes:
         out: bytes = generate_latest(self.registry)

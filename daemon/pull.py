@@ -9,6 +9,8 @@ chunk, then applies and checks base and target digests.  The rollout daemon reus
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,14 +21,16 @@ from daemon.board import Board
 from daemon.sources import BoardSource
 from protocol.catalog import CatalogEntry, plan
 from protocol.chunks import verify_chunk
-from protocol.errors import ChunkError, FormatError, MissingError, UntrustedKeyError
-from protocol.head import Head, HeadTracker, verify_head
+from protocol.errors import ChunkError, FormatError, MissingError, PatchswarmError, UntrustedKeyError
+from protocol.head import HEAD_TAG, Head, HeadTracker, verify_head
 from protocol.keys import KeyPolicy
 from protocol.manifest import Manifest, SignedManifest
 from protocol.patchfile import apply_version
 from protocol.served import ServedModel, state_root
 from protocol.signed import MAX_ENVELOPE_BYTES, Envelope
 from protocol.trust import DEFAULT_SKEW_MS, TrustState
+
+log = logging.getLogger("patchswarm.pull")
 
 MAX_HEAD_BYTES = 16 << 20
 MAX_DOC_BYTES = 1 << 16
@@ -45,6 +49,10 @@ class Held:
 class PullStats:
     steps: list[CatalogEntry] = field(default_factory=list)
     bytes_fetched: int = 0
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)  # heads, by error class
+    last_refusal: str | None = None
+    head_expires_ms: int | None = None  # of the newest head accepted (a frozen board lets it pass)
+    marks_dropped: int = 0  # high-water marks forgotten because their signer was revoked
 
 
 class Puller:
@@ -96,10 +104,57 @@ class Puller:
         data = await self.source.get(Board.head_rel(self.run_id), MAX_HEAD_BYTES)
         if data is None:
             raise MissingError(f"the board has no head for run {self.run_id!r}")
-        await self._ensure_certified(Envelope.from_bytes(data, "patchswarm/head").key_id)
-        head, env = verify_head(data, self.trust, now_ms=self._now_ms(), skew_ms=self._skew_ms)
-        self.tracker.accept(head, env)
+        head = await self.accept_head(data)
+        assert head is not None  # any head's counter is above -1
         return head
+
+    async def accept_head(self, data: bytes, *, newer_than: int = -1) -> Head | None:
+        """Verify a head from any source and move the high-water mark past it.
+
+        Returns the head if its counter is above ``newer_than`` (what the caller follows now),
+        None for one that is not (a lagging source: nothing to do).  Anything refused (forged,
+        untrusted or revoked signer, expired, another run, a rewind, equivocation) raises and is
+        counted in ``stats.refused`` by error class.
+        """
+        try:
+            await self._ensure_certified(Envelope.from_bytes(data, HEAD_TAG).key_id)
+            head, env = verify_head(data, self.trust, now_ms=self._now_ms(), skew_ms=self._skew_ms)
+            if head.run_id != self.run_id:  # before the counter: another run's head is never "just old"
+                raise FormatError(f"head is for run {head.run_id!r}, this host follows {self.run_id!r}")
+            if self._mark_signer_revoked():
+                newer_than = -1  # the caller's counter came from the same void head
+            if head.counter < newer_than:
+                return None
+            self.tracker.accept(head, env)
+        except PatchswarmError as e:
+            self.stats.refused[type(e).__name__] += 1
+            self.stats.last_refusal = str(e)
+            raise
+        if head.counter == self.tracker.counter:
+            self.stats.head_expires_ms = head.expires_ms
+        return head if head.counter > newer_than else None
+
+    def _mark_signer_revoked(self) -> bool:
+        """Forget the high-water mark if the root has since revoked the key that signed it (True).
+
+        A leaked key can sign a head with a huge counter before it is revoked ("fast-forward");
+        were the mark kept, every later head of the honest signer would look like a rewind.  As
+        TUF does on key rotation, marks set by a revoked key are dropped.  Only an explicit
+        revocation counts: a certificate merely not fetched yet (after a restart) keeps the mark.
+        """
+        if not (isinstance(self.trust, TrustState) and self.trust.root and self.tracker.envelope):
+            return False
+        signer = Envelope.from_bytes(self.tracker.envelope, HEAD_TAG).key_id
+        if signer not in self.trust.root.revoked:
+            return False
+        log.warning(
+            "run %r: the head at counter %d was signed by a key revoked since; its mark is dropped",
+            self.run_id,
+            self.tracker.counter,
+        )
+        self.tracker.forget()
+        self.stats.marks_dropped += 1
+        return True
 
     async def fetch_manifest(self, entry: CatalogEntry) -> Manifest:
         data = await self.source.get(Board.manifest_rel(entry.manifest_id), MAX_ENVELOPE_BYTES)

@@ -1,20 +1,26 @@
 """A host's persisted high-water marks: the head it last accepted and the root documents it trusts.
 
 Kept so that a restarted puller refuses a rewound head or an older trust root, as TUF clients do.
+Proof of equivocation (both signed heads) is written to ``equivocation/`` beside the state file the
+moment it is found; while such a file exists for the run, the run stays halted across restarts.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import msgpack
 
 from daemon.board import write_atomic
-from protocol.errors import FormatError
+from protocol.errors import EquivocationError, FormatError
 from protocol.head import HeadTracker
 from protocol.trust import RootDocument, TrustState
+
+log = logging.getLogger("patchswarm.daemon")
 
 
 @dataclass(slots=True)
@@ -24,6 +30,20 @@ class PullState:
 
     @classmethod
     def load(cls, path: Path, run_id: str) -> PullState:
+        state = cls._read(path, run_id)
+        evidence = evidence_dir(path)
+        for f in sorted(evidence.glob(f"{run_id}.*.msgpack")):
+            try:
+                proof = msgpack.unpackb(f.read_bytes(), raw=False)
+                state.tracker.evidence.append((bytes(proof["first"]), bytes(proof["second"])))
+                state.tracker.halted = str(proof["what"])
+            except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+                raise FormatError(f"{f}: equivocation proof is corrupt; inspect it before removing it") from None
+        state.tracker.on_equivocation = lambda err: write_evidence(evidence, run_id, err)
+        return state
+
+    @classmethod
+    def _read(cls, path: Path, run_id: str) -> PullState:
         if not path.exists():
             return cls(HeadTracker(run_id), {})
         try:
@@ -47,3 +67,19 @@ class PullState:
     def save(self, path: Path, trust: TrustState) -> None:
         obj = {"head": self.tracker.state(), "roots": dict(trust.root_bodies)}
         write_atomic(path, msgpack.packb(obj, use_bin_type=True))
+
+
+def evidence_dir(state_path: Path) -> Path:
+    return state_path.parent / "equivocation"
+
+
+def write_evidence(directory: Path, run_id: str, err: EquivocationError) -> None:
+    """Both signed documents, durably, before the error goes any further (a crash must not lose them)."""
+    proof = {"run": run_id, "what": str(err), "first": err.first, "second": err.second}
+    name = f"{run_id}.{blake3.blake3(err.first + err.second).hexdigest()[:16]}.msgpack"
+    try:
+        write_atomic(directory / name, msgpack.packb(proof, use_bin_type=True))
+    except OSError as e:  # the run is halted in memory anyway; say loudly that the proof is not on disk
+        log.error("equivocation proof could not be written to %s: %s (%s)", directory, e, err)
+        return
+    log.error("equivocation: %s; run %r halted, proof in %s", err, run_id, directory / name)

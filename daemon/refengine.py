@@ -21,7 +21,11 @@ HTTP API (see docs/sidecar.md):
   request (KV state kept) until ``POST /continue_generation``.
 - ``GET /health``: ``{"status": "ok", "version": v, "paused": bool}``.
 
-CLI: ``python -m daemon.refengine --listen 127.0.0.1:8000 --safetensors v0001.safetensors``.
+CLI: ``python -m daemon.refengine --listen 127.0.0.1:8000 --safetensors v0001.safetensors``, or from a
+rollout daemon's store: ``--daemon-socket /run/patchswarm/api.sock [--device cuda:0] [--engine-name NAME]``
+(attach to a shm store; for store.kind cuda / engine-shm allocate the buffer on the device and register
+it with POST /v1/store, re-registering whenever the daemon's store shows another buffer); it
+acknowledges every version it serves with POST /v1/ack.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import re
+import signal
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,7 +237,7 @@ def forward_logits(tensors: Mapping[str, torch.Tensor], shape: LMShape, idx: tor
 
 def greedy_next(tensors: Mapping[str, torch.Tensor], shape: LMShape, context: Sequence[int]) -> int:
     with torch.inference_mode():
-        idx = torch.tensor(list(context[-shape.seq_len :]), dtype=torch.long)
+        idx = torch.tensor(list(context[-shape.seq_len :]), dtype=torch.long, device=tensors["tok.weight"].device)
         return int(forward_logits(tensors, shape, idx)[-1].argmax())
 
 
@@ -449,26 +454,92 @@ def _source_from_file(path: Path, version: int | None) -> StaticSource:
     return StaticSource(tensors, version)
 
 
+async def _follow_daemon(client: Any, view: Any, engine: str, every_s: float = 0.5) -> None:
+    """Acknowledge each version the engine now serves (POST /v1/ack); for an engine-allocated buffer,
+    register it again when the daemon's store shows none or another one (a store re-created, a
+    registration lost; a restarted daemon re-imports the buffer by itself, so this is the fallback)."""
+    from daemon.engine import StoreError
+
+    loop = asyncio.get_running_loop()
+    acked, acked_at = None, 0.0
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            got = view.read_version()
+            # Again every few seconds too: a restarted daemon has forgotten the acknowledgements.
+            if got is not None and (got[0] != acked or loop.time() - acked_at > 5.0):
+                await asyncio.to_thread(client.ack, engine, got[0])
+                acked, acked_at = got[0], loop.time()
+            if view.handle is None:
+                continue
+            info = (await asyncio.to_thread(client.layout))["attach"]
+            buf = info.get("buffer")
+            if buf is None or buf.get("buffer_id") != view.handle["buffer_id"]:
+                await asyncio.to_thread(client.register, view, engine)
+                print(f"refengine re-registered its buffer ({info.get('state')})", flush=True)
+        except (StoreError, OSError, KeyError, ValueError):
+            pass  # the daemon is down or restarting: keep serving, try again
+
+
+def _source_from_daemon(socket_path: str, device: str, engine: str, wait_s: float) -> tuple[StoreViewSource, Any]:
+    """Open the daemon's store and wait (up to ``wait_s``) for a version in it."""
+    import time
+
+    from daemon.engine_client import DaemonClient
+
+    client = DaemonClient(socket_path)
+    view = client.open_store(device, engine, wait_s)
+    deadline = time.monotonic() + wait_s
+    while view.read_version() is None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"refengine: no version in the store after {wait_s:g} s")
+        time.sleep(0.05)
+    return StoreViewSource(view), client
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m daemon.refengine", description=__doc__.splitlines()[0])
     ap.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT")
-    ap.add_argument("--safetensors", type=Path, required=True, help="served version to load (a TinyLM export)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--safetensors", type=Path, help="served version to load (a TinyLM export)")
+    src.add_argument("--daemon-socket", help="serve from a rollout daemon's weight store (its api.socket)")
+    ap.add_argument("--device", default="cpu", help="where an engine-allocated buffer lives (cpu, cuda:N)")
+    ap.add_argument("--engine-name", default="refengine", help="name given to the daemon (registration, acks)")
+    ap.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the daemon's first version")
     ap.add_argument("--version", type=int, default=None, help="version to report (default: file metadata, else 0)")
     ap.add_argument("--n-heads", type=int, default=None)
     args = ap.parse_args(argv)
     host, _, port = args.listen.rpartition(":")
-    source = _source_from_file(args.safetensors, args.version)
+    client = None
+    if args.daemon_socket:
+        source: WeightSource
+        source, client = _source_from_daemon(args.daemon_socket, args.device, args.engine_name, args.wait)
+    else:
+        source = _source_from_file(args.safetensors, args.version)
 
     async def run() -> None:
         server = await start_engine(source, host.strip("[]") or "127.0.0.1", int(port), n_heads=args.n_heads)
         print(f"refengine serving version {source.version()} at {server.url}", flush=True)
+        keeper = None
+        if client is not None and isinstance(source, StoreViewSource):
+            keeper = asyncio.create_task(_follow_daemon(client, source.view, args.engine_name))
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
+            if keeper is not None:
+                keeper.cancel()
             await server.close()
 
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         asyncio.run(run())
+    finally:
+        if isinstance(source, StoreViewSource):
+            close = getattr(source.view, "close", None)
+            if close is not None:
+                close()  # an engine-owned CPU buffer is removed with it
     return 0
 
 

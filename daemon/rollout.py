@@ -27,18 +27,22 @@ from typing import Any
 from daemon import systemd
 from daemon.api import make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig
+from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics
 from daemon.pull import Held
 from daemon.pull_state import PullState
 from daemon.status import Phase, Status
 from daemon.weightstore import (
+    ENGINE_BUFFER_KINDS,
+    RegistrationError,
     StoreError,
     StoreLayout,
     StoreMissingError,
     StoreState,
     StoreTooSmallError,
     WeightStore,
+    check_registration,
     diff_updates,
 )
 from protocol.keys import load_public_key
@@ -49,6 +53,8 @@ from swarm.server import RunningNode, start_http_node
 
 log = logging.getLogger("patchswarm.daemon")
 FAULT_ENV = "PATCHSWARM_FAULT_AT"
+HEAD_REFUSED = "head refused"  # status reason prefix while the newest head fails verification
+AWAITING_ENGINE = "waiting for the engine to register its buffer (POST /v1/store)"
 
 
 class DaemonError(Exception):
@@ -67,6 +73,10 @@ class RolloutDaemon:
         self._runners: list[Any] = []
         self._servers: list[Any] = []  # sidecar servers (closed at shutdown)
         self._activating = asyncio.Lock()
+        # Engine-allocated stores (store.kind cuda / engine-shm): the engine registers its buffer.
+        self.engine_kind = cfg["store.kind"] in ENGINE_BUFFER_KINDS
+        self.device_uuid: str | None = None  # the GPU a CUDA buffer must be on (None: any)
+        self._loading: asyncio.Task[None] | None = None
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
@@ -94,17 +104,24 @@ class RolloutDaemon:
         A journaled activation is finished or rolled back, then the contents are verified against
         the version the store claims before anything is reported or served.
         """
-        if self.cfg["store.kind"] != "shm":
-            raise DaemonError(
-                "store.kind: 'cuda' stores are attached by the engine (see docs/weightstore.md); "
-                "this daemon build runs 'shm' stores"
-            )
+        self._check_store_config()
         try:
-            store = WeightStore.open(self.cfg.store_name)
+            store = WeightStore.open(self.cfg.store_name)  # an engine buffer is re-imported if the engine lives
         except StoreMissingError:
             return
         except StoreError as e:
             raise DaemonError(f"store.name: {self.cfg.store_name}: {e}") from None
+        if store.kind != (KIND_ENGINE_BUFFER if self.engine_kind else KIND_HOST):
+            store.close()
+            what = "an engine-buffer" if store.kind == KIND_ENGINE_BUFFER else "a host shared-memory"
+            raise DaemonError(
+                f"store.kind: {self.cfg.store_name} is {what} store, but store.kind is {self.cfg['store.kind']!r}: "
+                "stop its engine and remove the store, or change store.name"
+            )
+        if store.data is None:
+            log.info("store %s has no engine buffer (the engine is gone): %s", self.cfg.store_name, AWAITING_ENGINE)
+            self.store = store
+            return
         try:
             outcome = recover(store, self.journal_dir)  # verifies (and rolls back if it must)
         except StoreError as e:
@@ -116,16 +133,16 @@ class RolloutDaemon:
         if header.state != StoreState.READY:
             self.store = store
             return
-        # The shadow copy comes from the store itself; its digests double as the store's verification.
-        model = store.read_model()
-        digests = model.digests()
-        root = state_root(model.specs, digests)
+        # The shadow copy comes from the store itself; its digests (computed where the weights live,
+        # on the GPU for a GPU store) double as the store's verification.
+        digests = store.digests()
+        root = state_root(store.layout.specs, digests)
         if root != header.root:
             log.error("store contents do not verify against version %s; it will be reloaded", header.version)
             store.mark_failed()
             self.store = store
             return
-        self.shadow = Held(header.version, model, digests)
+        self.shadow = Held(header.version, store.read_model(), digests)
         self.store = store
         log.info(
             "store re-attached at version %s (%s)",
@@ -140,7 +157,7 @@ class RolloutDaemon:
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
         state.restore_into(self.trust)
         self._open_store()
-        api = make_api_app(self.status, self._layout_info, self._metrics_text)
+        api = make_api_app(self.status, self._layout_info, self._metrics_text, register_store=self._register_store)
         try:
             self._runners.append(await serve_unix(api, self.cfg["api.socket"], self.cfg["api.group"]))
         except PermissionError as e:
@@ -175,7 +192,7 @@ class RolloutDaemon:
         )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
-            self.status.update(phase=Phase.IDLE)
+            self.status.update(phase=Phase.IDLE, **({"reason": AWAITING_ENGINE} if self._awaiting_engine() else {}))
         systemd.notify("READY=1", f"STATUS=serving version {self.status.version}")
 
     async def _start_sidecar(self) -> None:
@@ -192,25 +209,41 @@ class RolloutDaemon:
         """Called by the swarm node with a new verified version: make the engine serve it."""
         async with self._activating:
             self.status.update(phase=Phase.STAGING, target=max(held.version, self.status.target or 0))
-            try:
-                await self._activate(held)
-            except StoreTooSmallError as e:
-                self.status.update(phase=Phase.ERROR, reason=f"store.size: {e}")
-                raise
-            except StoreError as e:
-                self.status.update(phase=Phase.ERROR, reason=str(e))
-                raise
-            self.shadow = held
-            self._persist_state()
-            self.status.update(
-                phase=Phase.IDLE, version=held.version, root=state_root(held.model.specs, held.digests).hex()
-            )
+            self._crash_if_armed("staging")
+            await self._serve(held)
 
-    async def _activate(self, held: Held) -> None:
+    async def _serve(self, held: Held) -> None:
+        """Make the engine serve ``held`` (the caller holds the activation lock)."""
+        try:
+            applied = await self._activate(held)
+        except StoreTooSmallError as e:
+            self.status.update(phase=Phase.ERROR, reason=f"store.size: {e}")
+            raise
+        except StoreError as e:
+            self.status.update(phase=Phase.ERROR, reason=str(e))
+            raise
+        self.shadow = held
+        self._persist_state()
+        if not applied:  # the version waits in the shadow until the engine registers a buffer
+            self.status.update(phase=Phase.IDLE, reason=AWAITING_ENGINE)
+            return
+        self.status.update(
+            phase=Phase.IDLE, version=held.version, root=state_root(held.model.specs, held.digests).hex()
+        )
+
+    async def _activate(self, held: Held) -> bool:
+        """Write ``held`` into the store; False when an engine store has no buffer to write into yet."""
         root = state_root(held.model.specs, held.digests)
         layout = StoreLayout.from_specs(held.model.specs)
         if self.store is not None and self.store.layout.layout_hash != layout.layout_hash:
             raise StoreError("the model's layout changed: restart the engine and give the daemon a new store.name")
+        if self.store is None and self.engine_kind:
+            size = int(self.cfg["store.size"])
+            if size and layout.nbytes > size:
+                raise StoreTooSmallError(layout.nbytes, size)
+            self.store = WeightStore.create(self.cfg.store_name, layout, engine_buffer=True)
+        if self.store is not None and self.store.data is None:
+            return False
         ready = self.store is not None and self.store.header().state == StoreState.READY
         if self.store is None or not ready or self.shadow is None:
             # First version on this host (or a store that needs a full reload): load everything.
@@ -229,7 +262,7 @@ class RolloutDaemon:
                     self.gate.end_activation(hdr.version if hdr.state == StoreState.READY else self.gate.applied)
             self.status.update(last_activation_pause_s=time.perf_counter() - start)
             self.metrics.applied.inc()
-            return
+            return True
         updates = diff_updates(self.shadow.model, held.model)
         self._arm_fault_injection(self.store)
         if self.gate is not None:
@@ -245,6 +278,14 @@ class RolloutDaemon:
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)
         log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
+        return True
+
+    @staticmethod
+    def _crash_if_armed(reached: str) -> None:
+        """Crash tests only: PATCHSWARM_FAULT_AT=staging kills the process once a verified version is
+        staged (the shadow copy rebuilt), before the store is touched."""
+        if os.environ.get(FAULT_ENV) == reached:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @staticmethod
     def _arm_fault_injection(store: WeightStore) -> None:
@@ -266,10 +307,89 @@ class RolloutDaemon:
         with contextlib.suppress(OSError):
             PullState(self.node.node.puller.tracker).save(self.state_path, self.trust)
 
+    # ------------------------------------------------------------ engine-allocated stores
+
+    def _check_store_config(self) -> None:
+        kind, dev = self.cfg["store.kind"], self.cfg["store.device"]
+        if kind != "cuda":
+            if dev not in ("", "cpu"):
+                raise DaemonError(f"store.device: {dev!r} needs store.kind = 'cuda' (store.kind is {kind!r})")
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DaemonError("store.kind: 'cuda' needs CUDA in the daemon's process (torch.cuda.is_available() false)")
+        if dev.lower().startswith("gpu-"):
+            self.device_uuid = dev
+        elif dev.startswith("cuda:"):
+            index, count = int(dev[5:]), torch.cuda.device_count()
+            if index >= count:
+                raise DaemonError(f"store.device: {dev}, but this process sees {count} GPU(s)")
+            self.device_uuid = str(torch.cuda.get_device_properties(index).uuid)
+        elif dev:
+            raise DaemonError(f"store.device: {dev!r} is not a GPU for store.kind 'cuda' (use cuda:N or GPU-<uuid>)")
+
+    def _awaiting_engine(self) -> bool:
+        return self.engine_kind and self.store is not None and self.store.data is None
+
+    async def _register_store(self, body: Any) -> tuple[int, dict[str, Any]]:
+        """POST /v1/store: the engine gives the daemon its buffer; the current version is loaded into it."""
+        if not self.engine_kind:
+            msg = "store.kind is 'shm': the daemon allocates the store; attach with GET /v1/layout"
+            return 409, {"error": "NotEngineStore", "message": msg}
+        if self.store is None:
+            msg = "the daemon holds no version yet, so the store has no layout: register once GET /v1/layout answers"
+            return 409, {"error": "NotReady", "message": msg}
+        store = self.store
+        try:
+            engine, handle = check_registration(
+                store.segment.name, store.layout, body, kind=self.cfg["store.kind"], device_uuid=self.device_uuid
+            )
+        except RegistrationError as e:
+            return (400 if e.code == "BadRequest" else 422), {"error": e.code, "message": str(e)}
+        async with self._activating:
+            if store.buffer_id != handle["buffer_id"] or store.data is None:
+                try:
+                    store.attach_buffer(handle)  # a new buffer: EMPTY until loaded
+                except StoreTooSmallError as e:
+                    return 422, {"error": "BufferTooSmall", "message": f"the engine's buffer: {e}"}
+                except StoreError as e:
+                    return 422, {"error": "BadHandle", "message": f"cannot map the engine's buffer: {e}"}
+                recover(store, self.journal_dir)  # a journal for an earlier buffer is void now
+                self.status.update(version=None, root=None)
+                log.info("engine %s registered buffer %x (%s)", engine, handle["buffer_id"], handle["kind"])
+            hdr = store.header()
+            loading = hdr.state != StoreState.READY and self.shadow is not None
+            if loading:
+                self._loading = asyncio.create_task(self._load_registered())
+        state = "loading" if loading else ("ready" if hdr.state == StoreState.READY else "waiting_for_version")
+        return 202 if loading else 200, {
+            "engine": engine,
+            "buffer_id": handle["buffer_id"],
+            "state": state,
+            "version": hdr.version if hdr.state == StoreState.READY else None,
+            "target": self.shadow.version if self.shadow is not None else None,
+        }
+
+    async def _load_registered(self) -> None:
+        """Load the version the daemon holds into a newly registered engine buffer."""
+        async with self._activating:
+            held = self.shadow
+            if held is None or self.store is None or self.store.header().state == StoreState.READY:
+                return
+            self.status.update(phase=Phase.ACTIVATING, target=max(held.version, self.status.target or 0))
+            try:
+                await self._serve(held)
+            except StoreError as e:
+                log.error("loading version %s into the engine's buffer failed: %s", held.version, e)
+
     # ------------------------------------------------------------ reporting
 
     def _layout_info(self) -> dict[str, Any] | None:
-        if self.store is None or self.store.header().state != StoreState.READY:
+        if self.store is None:
+            return None
+        # An engine store is published before it holds a version: the engine allocates from it.
+        if not self.engine_kind and self.store.header().state != StoreState.READY:
             return None
         return {"layout": self.store.layout.to_json(), "attach": self.store.attach_info()}
 
@@ -301,10 +421,18 @@ class RolloutDaemon:
                 changes["phase"] = Phase.IDLE
         if n.error and self.status.phase == Phase.IDLE and head_version != self.status.version:
             changes["reason"] = n.error
+        if n.head_error and self.status.phase == Phase.IDLE:
+            changes["reason"] = f"{HEAD_REFUSED}: {n.head_error}"
+        elif "reason" not in changes and (self.status.reason or "").startswith(HEAD_REFUSED):
+            changes["reason"] = None
+        if self._awaiting_engine() and self.status.phase in (Phase.IDLE, Phase.FETCHING):
+            changes["reason"] = AWAITING_ENGINE
+        if n.puller.tracker.halted:  # equivocation: the engine keeps its version, the operator must act
+            changes.update(phase=Phase.ERROR, reason=f"run halted: {n.puller.tracker.halted}")
         self.status.update(**changes)
         if self.gate is not None and head_version is not None:
             self.gate.set_target(head_version)
-        self.metrics.sync(n.metrics, self.status.version, head_version)
+        self.metrics.sync(n.metrics, self.status.version, head_version, swarm=n)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         interval = systemd.watchdog_interval()
@@ -322,6 +450,8 @@ class RolloutDaemon:
     async def shutdown(self) -> None:
         systemd.notify("STOPPING=1")
         self.status.update(phase=Phase.STOPPING)
+        if self._loading is not None:
+            self._loading.cancel()  # a load into a just-registered buffer not begun yet: the next start does it
         async with self._activating:  # an activation in progress finishes first; staging is abandoned
             if self.node is not None:
                 await self.node.stop()

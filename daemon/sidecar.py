@@ -437,14 +437,27 @@ def split_body_constraint(body: bytes, content_type: str) -> tuple[bytes, Versio
     """Take ``weight_version`` out of a JSON object body; other bodies are returned untouched."""
     if not body or not (_is_json(content_type) or content_type == ""):
         return body, VersionConstraint()
-    try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return body, VersionConstraint()
+    obj = _loads(body)
     if not isinstance(obj, dict) or BODY_KEY not in obj:
         return body, VersionConstraint()
     constraint = constraint_from_json(obj.pop(BODY_KEY))
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode(), constraint
+    return _dumps(obj), constraint
+
+
+def _loads(data: bytes) -> object:
+    """The JSON value of ``data``, or None when it is not JSON this process can hold (the body is then
+    passed on untouched): ValueError covers bad UTF-8, bad JSON and integers of over 4300 digits."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _dumps(obj: object) -> bytes:
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate (an escaped \ud800 in the input): keep it as an escape
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _is_json(mimetype: str) -> bool:
@@ -619,14 +632,11 @@ async def _buffered(
 
 
 def _with_versions(data: bytes, start: int, end: int) -> bytes:
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return data
+    obj = _loads(data)
     if not isinstance(obj, dict):
         return data
     obj[BODY_KEY] = {"start": start, "end": end}
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return _dumps(obj)
 
 
 async def _streamed(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from daemon.device_blake3 import device_digests
 from daemon.engine import (
     _HANDLE_CAP,
     _OFF_DATA,
@@ -60,6 +62,7 @@ __all__ = [
     "ActivationStats",
     "Header",
     "JournalError",
+    "RegistrationError",
     "Slot",
     "StoreError",
     "StoreLayout",
@@ -71,8 +74,11 @@ __all__ = [
     "StoreVerifyError",
     "TensorUpdate",
     "WeightStore",
+    "check_registration",
     "diff_updates",
 ]
+
+log = logging.getLogger("patchswarm.store")
 
 # Above this fraction of changed elements a tensor is written whole (a copy beats a scatter).
 DENSE_FRACTION = 0.125
@@ -88,6 +94,69 @@ class StoreVerifyError(StoreError, DigestMismatchError):
 
 class JournalError(StoreError):
     """The activation journal could not be written or read; memory was not touched if raised by activate."""
+
+
+class RegistrationError(StoreError):
+    """An engine's buffer registration (POST /v1/store) that does not fit the store; ``code`` names why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# store.kind of an engine-allocated store -> the kind of buffer handle its engine registers
+ENGINE_BUFFER_KINDS = {"cuda": "cuda_ipc", "engine-shm": "shm_buffer"}
+
+
+def _gpu_id(uuid: str) -> str:
+    """nvidia-smi writes GPU-<uuid>, torch the bare uuid."""
+    return uuid.lower().removeprefix("gpu-")
+
+
+def check_registration(
+    store_name: str, layout: StoreLayout, body: Any, *, kind: str, device_uuid: str | None
+) -> tuple[str, dict[str, Any]]:
+    """(engine name, buffer handle) from a registration body, checked against the store and its config.
+
+    ``kind`` is store.kind; ``device_uuid`` the GPU a CUDA buffer must be on (None: any).  Only the
+    claims are checked here; mapping the buffer (``attach_buffer``) checks what is really there.
+    """
+    if not isinstance(body, dict):
+        raise RegistrationError("BadRequest", "body must be a JSON object")
+    engine, lay_hash, handle = body.get("engine"), body.get("layout_hash"), body.get("buffer")
+    if not isinstance(engine, str) or not 1 <= len(engine) <= 128:
+        raise RegistrationError("BadRequest", "engine must be a name of 1 to 128 characters")
+    if not isinstance(lay_hash, str) or not isinstance(handle, dict):
+        raise RegistrationError("BadRequest", "body needs layout_hash (hex) and buffer (engine.allocate's handle)")
+    got, want = handle.get("kind"), ENGINE_BUFFER_KINDS[kind]
+    if got not in ENGINE_BUFFER_KINDS.values():
+        raise RegistrationError("BadRequest", f"buffer.kind must be cuda_ipc or shm_buffer, got {got!r}")
+    if got != want:
+        raise RegistrationError("KindMismatch", f"store.kind is {kind!r}: register a {want} buffer, not {got}")
+    nbytes, buffer_id = handle.get("nbytes"), handle.get("buffer_id")
+    for field, v in (("nbytes", nbytes), ("buffer_id", buffer_id)):
+        if type(v) is not int or not 0 <= v < 1 << 63:
+            raise RegistrationError("BadRequest", f"buffer.{field} must be a non-negative 63-bit integer")
+    if lay_hash != layout.layout_hash.hex():
+        raise RegistrationError(
+            "LayoutMismatch",
+            f"the buffer was laid out for layout {lay_hash[:16]}..., the store serves "
+            f"{layout.layout_hash.hex()[:16]}...: allocate from the current GET /v1/layout",
+        )
+    assert isinstance(nbytes, int)
+    if nbytes < layout.nbytes:
+        raise RegistrationError("BufferTooSmall", f"the buffer holds {nbytes} bytes, the layout needs {layout.nbytes}")
+    if got == "shm_buffer":
+        name = handle.get("name")
+        if not isinstance(name, str) or not name.startswith(f"{store_name}.buf."):
+            raise RegistrationError("BadHandle", f"a CPU engine buffer must be named {store_name}.buf.<id> (allocate)")
+    else:
+        uuid = handle.get("device_uuid")
+        if not isinstance(uuid, str) or not isinstance(handle.get("args"), dict):
+            raise RegistrationError("BadRequest", "a cuda_ipc buffer needs args and device_uuid (export_buffer)")
+        if device_uuid is not None and _gpu_id(uuid) != _gpu_id(device_uuid):
+            raise RegistrationError("DeviceMismatch", f"store.device is GPU {device_uuid}; the buffer is on {uuid}")
+    return engine, handle
 
 
 # ---------------------------------------------------------------- updates
@@ -249,11 +318,19 @@ class WeightStore:
         """
         if self.kind != KIND_ENGINE_BUFFER:
             raise StoreStateError("a host store has its own data region")
-        data, seg = import_buffer(handle, self.shm_dir)
         text = json.dumps(handle, separators=(",", ":")).encode()
         if len(text) > self.control.get(_OFF_HANDLE + 8):
             raise StoreError("engine buffer handle too large")
-        self.bind_buffer(data, int(handle["buffer_id"]), keep_contents=keep_contents)
+        data, seg = import_buffer(handle, self.shm_dir)
+        try:
+            self.bind_buffer(data, int(handle["buffer_id"]), keep_contents=keep_contents)
+        except StoreError:
+            if seg is not None:
+                del data
+                seg.close()
+            raise
+        if self._buffer_seg is not None and self._buffer_seg is not seg:
+            self._buffer_seg.close()  # the previous engine's buffer
         self._buffer_seg, self.buffer = seg, handle
         off = self.control.get(_OFF_HANDLE)
         self.segment.mm[off : off + len(text)] = text
@@ -271,10 +348,16 @@ class WeightStore:
             self.control.begin(StoreState.EMPTY)
             self.control.publish(0, ZERO_ROOT, StoreState.EMPTY, buffer_id=buffer_id)
 
+    @property
+    def buffer_id(self) -> int | None:
+        """Id of the engine buffer the store writes into (None: host store, or none attached)."""
+        return None if self.buffer is None else int(self.buffer["buffer_id"])
+
     def attach_info(self) -> dict[str, Any]:
         """What an engine needs to attach (JSON-able; published on the daemon's API)."""
         info: dict[str, Any] = {
             "kind": "shm" if self.kind == KIND_HOST else "engine_buffer",
+            "state": self.header().state.name.lower(),
             "name": self.segment.name,
             "shm_dir": str(self.shm_dir),
             "layout": self.layout.to_json(),
@@ -316,9 +399,19 @@ class WeightStore:
     def slot_words(self, i: int) -> torch.Tensor:
         return word_view(self.slot_bytes(i), self.layout.slots[i].spec)
 
-    def digests(self) -> list[bytes]:
-        """Per-tensor BLAKE3 of the store's bytes (zero-copy on host; tensor by tensor to host otherwise)."""
-        return [bytes_digest(self.slot_bytes(i)) for i in range(len(self.layout.slots))]
+    def digests(self, on_device: bool | None = None) -> list[bytes]:
+        """Per-tensor BLAKE3 of the store's bytes where they live: zero-copy on the host, and on the
+        GPU for a GPU store (``device_digests``; only 32 bytes per tensor come back).  ``on_device``
+        forces the torch path (True) or the host library (False; copies a GPU store to the host)."""
+        slots = [self.slot_bytes(i) for i in range(len(self.layout.slots))]
+        if on_device is None:
+            on_device = self._require_data().device.type != "cpu"
+        if on_device:
+            try:
+                return device_digests(slots)
+            except torch.OutOfMemoryError:
+                log.warning("no GPU memory for the device digest: hashing a host copy, tensor by tensor")
+        return [bytes_digest(t) for t in slots]
 
     def root(self) -> bytes:
         return state_root(self.layout.specs, self.digests())

@@ -9,6 +9,7 @@ different heads with the same counter).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,33 +128,91 @@ def verify_head(data: bytes, policy: KeyPolicy, *, now_ms: int, skew_ms: int) ->
 
 @dataclass(slots=True)
 class HeadTracker:
-    """A host's high-water mark for one run; persisted by the caller via ``state()``/``restore``."""
+    """A host's high-water mark for one run; persisted by the caller via ``state()``/``restore``.
+
+    Equivocation (a forked or compromised signer) halts the run: two different signed heads with
+    one counter, or a newer head that names a different manifest for a version an earlier head
+    already listed.  Both signed heads are kept in ``evidence`` (and handed to ``on_equivocation``
+    so the host can store them), and every later head is refused until an operator intervenes.
+    """
 
     run_id: str
     counter: int = -1
     version: int = -1
     body: bytes = b""
+    envelope: bytes = b""  # the signed head behind ``body``: half of the proof if equivocation shows up
     evidence: list[tuple[bytes, bytes]] = field(default_factory=list)
+    halted: str | None = None
+    on_equivocation: Callable[[EquivocationError], None] | None = None
 
     def accept(self, head: Head, env: Envelope) -> bool:
         """True if ``head`` is newer than what was seen; raises on rewind, replay or equivocation."""
         if head.run_id != self.run_id:
             raise FormatError(f"head is for run {head.run_id!r}, this host follows {self.run_id!r}")
+        if self.halted is not None:
+            raise EquivocationError(f"run {self.run_id!r} is halted ({self.halted})", *self.evidence[-1])
         if head.counter == self.counter:
             if env.body != self.body:
-                self.evidence.append((self.body, env.body))
-                raise EquivocationError(f"head counter {head.counter} of run {self.run_id!r}", self.body, env.body)
+                self._equivocation(f"head counter {head.counter} of run {self.run_id!r}", env)
             return False
         if head.counter < self.counter:
             raise RollbackError(f"head counter {head.counter} is older than seen {self.counter}")
         if head.version < self.version:
             raise RollbackError(f"head rewinds run {self.run_id!r} from version {self.version} to {head.version}")
-        self.counter, self.version, self.body = head.counter, head.version, env.body
+        if self.body:
+            forked = _forked_version(Head.from_bytes(self.body), head)
+            if forked is not None:
+                self._equivocation(
+                    f"version {forked} of run {self.run_id!r} (heads {self.counter} and {head.counter})", env
+                )
+        self.counter, self.version, self.body, self.envelope = head.counter, head.version, env.body, env.to_bytes()
         return True
 
+    def forget(self) -> None:
+        """Drop the mark (its signer was revoked since): the next valid head sets it afresh."""
+        self.counter, self.version, self.body, self.envelope = -1, -1, b"", b""
+
+    def _equivocation(self, what: str, env: Envelope) -> None:
+        # Without the signed envelope of the earlier head (a state from an older build) the bodies still
+        # show the conflict, but only the envelopes prove who signed it.
+        first, second = self.envelope or self.body, env.to_bytes()
+        err = EquivocationError(what, first, second)
+        self.evidence.append((first, second))
+        self.halted = str(err)
+        if self.on_equivocation is not None:
+            self.on_equivocation(err)
+        raise err
+
     def state(self) -> dict[str, Any]:
-        return {"run": self.run_id, "counter": self.counter, "version": self.version, "body": self.body}
+        return {
+            "run": self.run_id,
+            "counter": self.counter,
+            "version": self.version,
+            "body": self.body,
+            "envelope": self.envelope,
+        }
 
     @classmethod
     def restore(cls, state: dict[str, Any]) -> HeadTracker:
-        return cls(str(state["run"]), int(state["counter"]), int(state["version"]), bytes(state["body"]))
+        return cls(
+            str(state["run"]),
+            int(state["counter"]),
+            int(state["version"]),
+            bytes(state["body"]),
+            bytes(state.get("envelope", b"")),
+        )
+
+
+def _forked_version(old: Head, new: Head) -> int | None:
+    """A version ``old`` already covered for which ``new`` lists a manifest ``old`` did not.
+
+    A publisher only ever adds catalog entries for versions past its previous head (retention
+    only removes), so a new entry at or below the old head's version is a second history.
+    """
+    known: dict[int, set[bytes]] = {}
+    for e in old.catalog:
+        known.setdefault(e.version, set()).add(e.manifest_id)
+    for e in new.catalog:
+        if e.version <= old.version and e.manifest_id not in known.get(e.version, {e.manifest_id}):
+            return e.version
+    return None

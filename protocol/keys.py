@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InternalError, InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -51,8 +51,10 @@ class SigningKey:
     def load(cls, path: str | os.PathLike[str]) -> SigningKey:
         try:
             key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # UnsupportedAlgorithm: an unknown OID
             raise FormatError(f"{path}: not an unencrypted PEM private key ({e})") from None
+        except InternalError:  # a known OID with a key of the wrong size (X448's with 32 bytes)
+            raise FormatError(f"{path}: not a valid private key (key setup failed)") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise FormatError(f"{path}: not an Ed25519 private key")
         return cls(key)
@@ -62,8 +64,10 @@ def load_public_key(path: str | os.PathLike[str]) -> bytes:
     """Raw 32-byte Ed25519 public key from a PEM file."""
     try:
         key = serialization.load_pem_public_key(Path(path).read_bytes())
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:
         raise FormatError(f"{path}: not a PEM public key ({e})") from None
+    except InternalError:
+        raise FormatError(f"{path}: not a valid public key (key setup failed)") from None
     if not isinstance(key, Ed25519PublicKey):
         raise FormatError(f"{path}: not an Ed25519 public key")
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)

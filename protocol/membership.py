@@ -17,7 +17,10 @@ Protocol, per node:
   to ``gossip_fanout`` random members; ``Sync`` exchanges full state (anti-entropy, join).
 - Precedence: a higher incarnation wins; at equal incarnation LEFT > DEAD > SUSPECT > ALIVE.  Only
   a node raises its own incarnation: when it hears it is suspected or declared dead it refutes by
-  gossiping ALIVE at a higher incarnation.
+  gossiping ALIVE at a higher incarnation.  A claim more than ``MAX_INCARNATION_JUMP`` above the
+  incarnation this node knows is ignored: honest incarnations grow by one per refutation, so only a
+  forger (an insider holding the cluster secret) makes such jumps, and accepting them would let one
+  message push a victim's incarnation to the wire limit, after which it could never refute again.
 - Lifeguard: suspicion starts at the longest timeout and shrinks towards the shortest as other
   nodes independently confirm it (``Update.origin`` names who asserted a suspicion); a local
   health score (``awareness``) slows this node's own probing while its own messages seem to be
@@ -221,6 +224,9 @@ class _Broadcast:
     transmits: int
     order: int
 
+
+# Far more refutations than a node makes in its life, far less than the 2**63 the wire carries.
+MAX_INCARNATION_JUMP = 1 << 20
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 
@@ -483,7 +489,7 @@ class Membership:
         state, origin = u.state, u.origin
         if synced_from and state is DEAD:  # memberlist: a pushed DEAD becomes our suspicion, not a verdict
             state, origin = SUSPECT, synced_from
-        if u.incarnation < m.incarnation:
+        if u.incarnation < m.incarnation or u.incarnation > m.incarnation + MAX_INCARNATION_JUMP:
             return
         if u.incarnation == m.incarnation:
             if state is SUSPECT and m.state is SUSPECT:
@@ -502,7 +508,7 @@ class Membership:
             self._events.append((m.info, state))
 
     def _about_me(self, u: Update) -> None:
-        if self._left:
+        if self._left or u.incarnation > self._incarnation + MAX_INCARNATION_JUMP:
             return
         if u.state is ALIVE:
             if u.incarnation > self._incarnation or (u.incarnation == self._incarnation and u.info != self._me):

@@ -14,12 +14,9 @@ This is SimGrid's CM02 model without its bandwidth/latency correction factors; s
 docs/simulation.md for the golden case it reproduces and for the derivations.
 
 The allocation is recomputed at events only (activations, completions, cancellations), and
-only for the flows an event can affect: the flows sharing a resource with the changed flow,
-recomputed against the capacity the other flows leave them, and then widened until every flow
-near the change again satisfies the max-min condition (each flow is capped, or crosses a
-saturated resource where no flow runs faster).  That condition characterises the max-min
-allocation, so the incremental result equals a recomputation from scratch, which
-``Network.full_allocation`` provides for tests.
+only where an event can change it: ``network_share.Sharer`` replays progressive filling in level
+order over the resources whose level can move, and leaves the rest alone; the result equals a
+recomputation from scratch, which ``Network.full_allocation`` provides for tests.
 
 Pure and deterministic: no clock, no randomness, no I/O; every iteration follows insertion
 order (flow ids), never hashing order.  Units: bytes and seconds (rates in bytes/s).
@@ -32,8 +29,24 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from simulations.network_share import TOLERANCE, Flow, Resource, Sharer, has_bottleneck, progressive_filling
+
+__all__ = [
+    "DEFAULT_WINDOW",
+    "TOLERANCE",
+    "Backbone",
+    "Flow",
+    "Host",
+    "Network",
+    "NetworkError",
+    "Region",
+    "Resource",
+    "Traffic",
+    "has_bottleneck",
+    "progressive_filling",
+]
+
 DEFAULT_WINDOW = float(4 << 20)  # bytes: the per-flow ceiling is window / RTT
-TOLERANCE = 1e-9  # relative: "saturated", "at its cap", "no flow runs faster"
 
 
 class NetworkError(Exception):
@@ -66,109 +79,6 @@ class Backbone:
     b: str
     capacity: float = math.inf
     latency: float = 0.0
-
-
-class Resource:
-    """One shared capacity: a host's uplink or downlink, or one direction of a backbone link."""
-
-    __slots__ = ("capacity", "flows", "held", "index", "load", "name", "peak")
-
-    def __init__(self, index: int, name: str, capacity: float) -> None:
-        self.index = index
-        self.name = name
-        self.capacity = capacity
-        self.flows: dict[int, Flow] = {}  # active flows crossing it, by id (insertion order)
-        self.held: dict[int, Flow] = {}  # those of them bottlenecked here
-        self.load = 0.0  # sum of their rates, refreshed whenever they change
-        self.peak = 0.0  # the fastest of them
-
-    def refresh(self) -> None:
-        load = peak = 0.0
-        for f in self.flows.values():
-            load += f.rate
-            peak = max(peak, f.rate)
-        self.load, self.peak = load, peak
-
-    def saturated(self) -> bool:
-        return self.load >= self.capacity * (1.0 - TOLERANCE)
-
-    def __repr__(self) -> str:
-        return f"Resource({self.name!r}, {self.capacity:g})"
-
-
-class Flow:
-    """One transfer.  Read-only for callers; the network updates it."""
-
-    __slots__ = (
-        "active_at",
-        "bottleneck",
-        "cap",
-        "done_at",
-        "dst",
-        "id",
-        "last",
-        "latency",
-        "on_done",
-        "rate",
-        "remaining",
-        "resources",
-        "size",
-        "src",
-        "start",
-        "state",
-        "tag",
-        "version",
-    )
-
-    def __init__(
-        self,
-        fid: int,
-        src: str,
-        dst: str,
-        size: float,
-        start: float,
-        latency: float,
-        cap: float,
-        resources: tuple[Resource, ...],
-        on_done: Callable[[Flow], None] | None,
-        tag: object,
-    ) -> None:
-        self.id = fid
-        self.src = src
-        self.dst = dst
-        self.size = size
-        self.start = start
-        self.latency = latency
-        self.active_at = start + latency
-        self.cap = cap  # window / RTT (inf without latency or window)
-        self.resources = resources  # finite-capacity resources it crosses
-        self.on_done = on_done
-        self.tag = tag
-        self.state = "pending"  # pending -> active -> done | cancelled
-        self.rate = 0.0
-        self.remaining = float(size)
-        self.last = self.active_at  # time `remaining` was last settled
-        self.done_at = math.nan
-        self.version = 0  # bumps whenever the scheduled completion changes
-        self.bottleneck: Resource | None = None  # where its rate is decided (None: its cap, or nothing)
-
-    def settle(self, now: float) -> None:
-        if now > self.last:
-            if self.rate == math.inf:
-                self.remaining = 0.0
-            else:
-                self.remaining = max(0.0, self.remaining - self.rate * (now - self.last))
-            self.last = now
-
-    def finish_time(self) -> float:
-        if self.remaining <= 0.0 or self.rate == math.inf:
-            return self.last
-        if self.rate <= 0.0:
-            return math.inf
-        return self.last + self.remaining / self.rate
-
-    def __repr__(self) -> str:
-        return f"Flow({self.id}, {self.src}->{self.dst}, {self.size:g} B, {self.state}, {self.rate:g} B/s)"
 
 
 @dataclass
@@ -224,7 +134,9 @@ class Network:
         self._next_id = 0
         self._pending: list[tuple[float, int, Flow]] = []  # (activation time, id, flow)
         self._completions: list[tuple[float, int, int, Flow]] = []  # (finish time, id, version, flow)
+        self._checked: tuple[float, int, int, Flow] | None = None  # the first completion, known valid
         self._active: dict[int, Flow] = {}
+        self.sharer = Sharer(self._resources)  # the max-min allocator (its counters: visits, restarts)
 
     def _resource(self, name: str, capacity: float) -> Resource | None:
         if capacity < 0 or math.isnan(capacity):
@@ -321,24 +233,40 @@ class Network:
             return
         flow.settle(self.now)
         self._retire(flow, "cancelled")
-        self._reallocate([], list(flow.resources))
+        self._reshare([], flow.resources)
 
     def next_event_time(self) -> float:
         """When the next activation or completion happens (``math.inf``: nothing left)."""
         while self._pending and self._pending[0][2].state != "pending":
             heapq.heappop(self._pending)
-        while self._completions and not self._valid(self._completions[0]):
-            heapq.heappop(self._completions)
-        t = math.inf
+        t = self._first_completion()
         if self._pending:
-            t = self._pending[0][0]
-        if self._completions:
-            t = min(t, self._completions[0][0])
+            t = min(t, self._pending[0][0])
         q = self.quantum
         if q > 0 and t < math.inf:
             grid = math.ceil(t / q) * q
             t = max(grid if grid >= t else grid + q, self.now)
         return t
+
+    def _first_completion(self) -> float:
+        """The earliest completion: superseded entries dropped, early ones (the rate fell since) moved on."""
+        heap = self._completions
+        if heap and heap[0] is self._checked:  # validated, and no rate changed since
+            return heap[0][0]
+        while heap:
+            t, _, version, f = heap[0]
+            if f.state != "active" or version != f.version:
+                heapq.heappop(heap)
+                continue
+            actual = f.finish_time()
+            if actual > t:
+                f.version += 1
+                f.due = actual
+                heapq.heapreplace(heap, (actual, f.id, f.version, f))
+                continue
+            self._checked = heap[0]
+            return t
+        return math.inf
 
     @staticmethod
     def _valid(entry: tuple[float, int, int, Flow]) -> bool:
@@ -360,19 +288,21 @@ class Network:
                     f.state = "active"
                     f.last = self.now
                     self._active[f.id] = f
-                    for r in f.resources:
-                        r.flows[f.id] = f
-                    started.append(f)
-            while self._completions and self._completions[0][0] <= te:
-                entry = heapq.heappop(self._completions)
-                if self._valid(entry):
-                    f = entry[3]
-                    f.settle(self.now)
-                    f.remaining = 0.0
-                    self._retire(f, "done")
-                    freed.extend(f.resources)
-                    done.append(f)
-            self._reallocate(started, freed)
+                    if f.resources:
+                        Sharer.join(f)
+                        started.append(f)
+                    else:  # nothing shared: only its cap limits it
+                        f.rate = f.cap
+                        f.due = f.finish_time()
+                        heapq.heappush(self._completions, (f.due, f.id, f.version, f))
+            while self._first_completion() <= te:
+                f = heapq.heappop(self._completions)[3]
+                f.settle(self.now)
+                f.remaining = 0.0
+                self._retire(f, "done")
+                freed.extend(f.resources)
+                done.append(f)
+            self._reshare(started, freed)
         self.now = max(self.now, t) if t < math.inf else self.now
         for f in done:
             if f.on_done is not None:
@@ -383,100 +313,36 @@ class Network:
         flow.state = state
         flow.done_at = self.now
         del self._active[flow.id]
-        self._bottleneck(flow, None)
-        for r in flow.resources:
-            del r.flows[flow.id]
-            r.load -= flow.rate  # refreshed exactly once the freed capacity is re-shared
+        self._checked = None
+        Sharer.leave(flow)
         self.traffic.add(flow.src, flow.dst, flow.size - flow.remaining)
         flow.rate = 0.0
 
-    # ------------------------------------------------------------ allocation
-
-    def _reallocate(self, started: Sequence[Flow], freed: Sequence[Resource]) -> None:
-        """Re-share capacity after flows started (``started``) or left ``freed`` resources."""
-        # First guess at who is affected: the new flows, and the flows bottlenecked where they start or
-        # where capacity was freed (the others are decided elsewhere); the checks below widen it as needed.
-        scope: dict[int, Flow] = {}
-        for f in started:
-            scope[f.id] = f
-            for r in f.resources:
-                scope.update(r.held)
-        for r in freed:
-            scope.update(r.held)
-        if not scope:
-            for r in freed:
-                r.refresh()
+    def _reshare(self, started: Sequence[Flow], freed: Sequence[Resource]) -> None:
+        """Re-share capacity after flows started or left ``freed`` resources; reschedule the completions."""
+        if not started and not freed:
             return
-        before = {fid: f.rate for fid, f in scope.items()}
-        for f in started:
-            before[f.id] = -1.0  # always schedule its completion
-        while True:
-            touched: dict[int, Resource] = {r.index: r for r in freed}
-            inside: dict[int, float] = {}  # per resource: the scope's share of its (last refreshed) load
-            for f in scope.values():
-                f.settle(self.now)
-                for r in f.resources:
-                    touched[r.index] = r
-                    inside[r.index] = inside.get(r.index, 0.0) + f.rate
-            residual = {i: max(0.0, r.capacity - (r.load - inside.get(i, 0.0))) for i, r in touched.items()}
-            allocation = progressive_filling(list(scope.values()), residual)
-            for f in scope.values():
-                f.rate, b = allocation[f.id]
-                self._bottleneck(f, self._resources[b] if b >= 0 else None)
-            for r in touched.values():
-                r.refresh()
-            size = len(scope)
-            for g in self._violators(scope, touched):
-                if g.id not in scope:  # a flow outside lost its bottleneck: it must be re-shared too
-                    before[g.id] = g.rate
-                    scope[g.id] = g
-                    continue
-                # A flow inside sits where an outside flow runs faster: bring those in (or, failing that, all).
-                faster = [h for r in g.resources for h in r.flows.values() if h.id not in scope and h.rate > g.rate]
-                for h in faster or [h for r in g.resources for h in r.flows.values()]:
-                    before.setdefault(h.id, h.rate)
-                    scope[h.id] = h
-            if len(scope) == size:  # nothing to widen: the scope already holds every flow concerned
-                break
-        for fid, f in scope.items():
-            if f.rate != before[fid]:
+        self._checked = None
+        heap = self._completions
+        for f in self.sharer.reshare(self.now, started, freed):
+            # its completion: last + remaining / rate (Flow.finish_time), inlined: this is the hot path
+            rate = f.rate
+            t = (
+                f.last
+                if f.remaining <= 0.0 or rate == math.inf
+                else f.last + f.remaining / rate
+                if rate > 0.0
+                else math.inf
+            )
+            if t < f.due:  # earlier than its entry: a new one (a later completion keeps the entry, see above)
                 f.version += 1
-                heapq.heappush(self._completions, (f.finish_time(), f.id, f.version, f))
+                f.due = t
+                heapq.heappush(heap, (t, f.id, f.version, f))
+        if len(heap) > 4 * len(self._active) + 1024:  # drop the superseded entries
+            self._completions = [e for e in heap if self._valid(e)]
+            heapq.heapify(self._completions)
 
-    @staticmethod
-    def _bottleneck(f: Flow, r: Resource | None) -> None:
-        """Record where ``f`` is bottlenecked (None: at its cap, or unconstrained)."""
-        if f.bottleneck is r:
-            return
-        if f.bottleneck is not None:
-            del f.bottleneck.held[f.id]
-        f.bottleneck = r
-        if r is not None:
-            r.held[f.id] = f
-
-    def _violators(self, scope: dict[int, Flow], touched: dict[int, Resource]) -> list[Flow]:
-        """Flows whose max-min condition may have broken and does not hold (so the allocation is not max-min).
-
-        A flow outside the scope kept its rate; its condition can only have broken if the resource
-        it was bottlenecked at changed, so only those flows (``Resource.held``) are rechecked.
-        """
-        bad = [f for f in scope.values() if not self._still_bottlenecked(f)]
-        for r in touched.values():
-            bad.extend(g for g in list(r.held.values()) if g.id not in scope and not self._still_bottlenecked(g))
-        return bad
-
-    def _still_bottlenecked(self, f: Flow) -> bool:
-        b = f.bottleneck
-        if b is None:
-            if f.rate == math.inf or f.rate >= f.cap * (1.0 - TOLERANCE):
-                return True
-        elif b.saturated() and f.rate >= b.peak * (1.0 - TOLERANCE):
-            return True
-        for r in f.resources:  # another resource may do
-            if r is not b and r.saturated() and f.rate >= r.peak * (1.0 - TOLERANCE):
-                self._bottleneck(f, r)
-                return True
-        return False
+    # ------------------------------------------------------------ allocation
 
     def full_allocation(self) -> dict[int, float]:
         """The max-min rates of the active flows computed from scratch (for checking the incremental ones)."""
@@ -488,61 +354,3 @@ class Network:
 
     def resources(self) -> list[Resource]:
         return list(self._resources)
-
-
-def has_bottleneck(f: Flow) -> bool:
-    """Max-min condition for one flow: at its own cap, or on a saturated resource where none runs faster."""
-    if f.rate == math.inf or f.rate >= f.cap * (1.0 - TOLERANCE):
-        return True
-    return any(r.saturated() and f.rate >= r.peak * (1.0 - TOLERANCE) for r in f.resources)
-
-
-def progressive_filling(flows: Sequence[Flow], residual: dict[int, float]) -> dict[int, tuple[float, int]]:
-    """Max-min fair rates of ``flows`` given each resource's capacity left to them (by resource index).
-
-    All rates rise together; when a resource fills (or a flow reaches its cap) the flows there
-    freeze, and the rest keep rising.  Ties are broken by resource index and flow id.  Returns
-    flow id -> (rate, index of the resource it froze at, or -1 for its cap / no constraint).
-    """
-    rates: dict[int, tuple[float, int]] = {}
-    left = dict(residual)
-    members: dict[int, list[Flow]] = {}
-    for f in flows:
-        for r in f.resources:
-            members.setdefault(r.index, []).append(f)
-    count = {i: len(m) for i, m in members.items()}
-    version = dict.fromkeys(members, 0)
-    heap = [(max(0.0, left[i]) / n, i, 0) for i, n in count.items()]
-    heapq.heapify(heap)
-    caps = sorted((f.cap, f.id, f) for f in flows if f.cap < math.inf)
-    ci = 0
-
-    def freeze(f: Flow, rate: float, at: int) -> None:
-        rates[f.id] = (rate, at)
-        for r in f.resources:
-            i = r.index
-            left[i] -= rate
-            count[i] -= 1
-            version[i] += 1
-            if count[i] > 0:
-                heapq.heappush(heap, (max(0.0, left[i]) / count[i], i, version[i]))
-
-    while len(rates) < len(flows):
-        while heap and heap[0][2] != version[heap[0][1]]:
-            heapq.heappop(heap)
-        while ci < len(caps) and caps[ci][1] in rates:
-            ci += 1
-        share = heap[0][0] if heap else math.inf
-        cap = caps[ci][0] if ci < len(caps) else math.inf
-        if cap <= share:
-            if cap == math.inf:
-                for f in flows:  # nothing constrains the rest
-                    rates.setdefault(f.id, (math.inf, -1))
-                break
-            freeze(caps[ci][2], cap, -1)
-            continue
-        i = heap[0][1]
-        for f in members[i]:
-            if f.id not in rates:
-                freeze(f, share, i)
-    return rates

@@ -13,6 +13,7 @@ buckets are left unlimited so that the model, not the node, is the bottleneck.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -31,8 +32,8 @@ from simulations.bounds import kumar_ross
 from simulations.clock import SimClock, VirtualTimeLoop, run_virtual
 from simulations.network import Backbone, Host, Network, Region
 from simulations.transport import MessageStats, SimNet
-from swarm.node import NodeConfig, SwarmNode
-from swarm.stores import BoardChunkStore
+from swarm.node import ApplyVersion, NodeConfig, SwarmNode, VerifyChunk
+from swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,25 @@ class SwarmSetup:
     cluster_secret: bytes
     policy: Callable[[], KeyPolicy]  # a fresh trust state per node (nodes update theirs)
     epoch: float = field(default_factory=time.time)  # the Unix time that virtual time 0 stands for
+    # Placeholder mode (simulations/synthetic.py fills these): the seed's chunk store (None: the
+    # board's chunk files), the nodes' chunk check and apply (None: the production ones), and how
+    # to move the board's head to a version (needed by ``simulate_stream``).
+    seed_chunks: Callable[[], ChunkStore] | None = None
+    verify_chunk: VerifyChunk | None = None
+    apply: ApplyVersion | None = None
+    publish: Callable[[int], None] | None = None
+
+    def hooks(self) -> dict[str, Any]:
+        """SwarmNode keyword arguments for the injected verification and apply (empty: production)."""
+        kw: dict[str, Any] = {}
+        if self.verify_chunk is not None:
+            kw["verify_chunk"] = self.verify_chunk
+        if self.apply is not None:
+            kw["apply"] = self.apply
+        return kw
+
+    def seed_store(self) -> ChunkStore:
+        return self.seed_chunks() if self.seed_chunks is not None else BoardChunkStore(self.board.root)
 
 
 @dataclass(frozen=True)
@@ -130,8 +150,9 @@ async def run_swarm(
         clock,
         setup.policy(),
         random.Random(f"{seed}:{seed_host.id}"),
-        chunks=BoardChunkStore(setup.board.root),
+        chunks=setup.seed_store(),
         board=setup.board,
+        **setup.hooks(),
     )
     nodes = [seed_node]
     for i, h in enumerate(peers):
@@ -148,6 +169,7 @@ async def run_swarm(
                 random.Random(f"{seed}:{h.id}"),
                 held=held,
                 on_version=recorder(h.id),
+                **setup.hooks(),
             )
         )
     for node in nodes:
@@ -189,3 +211,402 @@ async def run_swarm(
 def simulate_swarm(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], version: int, **kw: Any) -> SwarmResult:
     """Run ``run_swarm`` on a fresh virtual-time loop (no wall-clock waiting) and return its result."""
     return run_virtual(run_swarm(setup, seed_host, peers, version, **kw))
+
+
+# ---------------------------------------------------------------- a stream of versions, with churn
+
+
+class SimChunkStore(MemoryChunkStore):
+    """``MemoryChunkStore`` without its O(cache) walk on every insert while the cache has room (same
+    contents, same evictions): a simulated node inserts a chunk per event."""
+
+    def put(self, chunk_hash: bytes, data: bytes) -> None:
+        if chunk_hash not in self._data and self._bytes + len(data) <= self.max_bytes:
+            self._data[chunk_hash] = data
+            self._bytes += len(data)
+            return
+        super().put(chunk_hash, data)
+
+
+# NodeConfig fields a stream run sets unless node_options says otherwise: choose announcement targets
+# among 32 random live members instead of all (O(1) per announcement instead of O(N); same at N <= 32).
+SIM_NODE_DEFAULTS: dict[str, Any] = {"announce_sample": 32}
+
+
+@dataclass(frozen=True)
+class Churn:
+    """Hosts crash and come back (never the seed).
+
+    ``rate``: crashes per host per virtual second (Poisson), each followed by a downtime drawn
+    from an exponential of mean ``downtime``; ``schedule``: explicit ``(at, host id, seconds
+    down)`` crashes on top; ``events``: explicit ``(at, host id, up)`` switches (``up=False``
+    crashes the host if it is up, ``True`` brings it back if it is down), in any order.
+
+    A crash kills the node at once: its transfers in both directions stop, its memory (chunk
+    cache, partial downloads, peer views) is lost.  ``persist=True``: it rejoins holding its last
+    complete version, as a daemon whose weight store survived the crash does; ``False``: it
+    rejoins with nothing and fetches the anchor again.  It rejoins through the seed and two
+    random live peers.
+    """
+
+    rate: float = 0.0
+    downtime: float = 30.0
+    schedule: tuple[tuple[float, str, float], ...] = ()
+    events: tuple[tuple[float, str, bool], ...] = ()
+    persist: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rate < 0 or self.downtime <= 0:
+            raise ValueError("churn needs rate >= 0 and downtime > 0")
+
+
+@dataclass(frozen=True)
+class HostVersion:
+    """One row: when ``host`` first held ``version`` (or a newer one), and where its chunks came from."""
+
+    host: str
+    version: int
+    published: float  # virtual seconds when the head named the version
+    done: float  # virtual seconds when the host first held it (inf: never, within the run)
+    from_seed: int  # chunk bytes of this version's manifest the host took from the seed (all its lives)
+    from_peers: int
+
+    @property
+    def latency(self) -> float:
+        return self.done - self.published
+
+
+@dataclass(frozen=True)
+class VersionStats:
+    version: int
+    published: float
+    payload_bytes: int  # the version's own payload (a patch over the one before)
+    time_to_all: float  # seconds from publication until every peer held it (inf: someone never did)
+    lower_bound: float  # Kumar-Ross for payload_bytes over the seed's and peers' links
+    seed_egress: int  # chunk bytes of this version the seed handed out (that arrived)
+    peer_bytes: int  # chunk bytes of this version peers handed each other
+    hosts_done: int
+
+
+@dataclass(frozen=True)
+class Outage:
+    host: str
+    down: float
+    up: float  # inf: still down at the end
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    rows: tuple[HostVersion, ...]  # by version, then in the order the peers were given
+    versions: tuple[VersionStats, ...]
+    seed_uploaded: int  # chunk bytes the seed node served (all versions; replies cut short by a crash included)
+    sent: dict[str, float]  # bytes each host put on the network
+    messages: MessageStats
+    errors: dict[str, str]  # last error per host (a node's catch-up failure), if any
+    outages: tuple[Outage, ...]
+    events: int  # how often virtual time moved (simulated event instants)
+    end: float  # virtual seconds when the run stopped
+    wall_seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def complete(self) -> bool:
+        return all(r.done < float("inf") for r in self.rows)
+
+
+async def run_stream(
+    setup: SwarmSetup,
+    seed_host: Host,
+    peers: Sequence[Host],
+    *,
+    versions: Sequence[int],
+    interval: float,
+    regions: Sequence[Region] = (),
+    backbones: Sequence[Backbone] = (),
+    window: float | None = None,
+    quantum: float = 0.0,
+    seed: int = 0,
+    churn: Churn | None = None,
+    start_from: Held | None = None,
+    deadline: float = 600.0,
+    membership: MembershipConfig | None = None,
+    node_options: dict[str, Any] | None = None,
+    gossip_flows: bool = False,
+    progress: Callable[[float, int, int], None] | None = None,
+) -> StreamResult:
+    """Publish ``versions`` one every ``interval`` virtual seconds (the first at 0) on the seed's
+    board (its head first moved to ``start_from``'s version, or to ``versions[0]``), and run the
+    seed plus ``peers`` until every peer held every version or ``deadline`` virtual seconds passed
+    after the last publication.  See ``simulate_stream``."""
+    if setup.publish is None:
+        raise ValueError("a stream needs a setup that can move its head (SwarmSetup.publish)")
+    if interval < 0:
+        raise ValueError("interval must be >= 0")
+    wall0 = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    jumps0 = loop.jumps if isinstance(loop, VirtualTimeLoop) else 0
+    kw: dict[str, Any] = {} if window is None else {"window": window}
+    network = Network([seed_host, *peers], regions, backbones, quantum=quantum, **kw)
+    net = SimNet(network, gossip_flows=gossip_flows)
+    clock = SimClock(setup.epoch)
+    t0 = clock.now()
+    options = {**SIM_NODE_DEFAULTS, **(node_options or {})}
+    base = NodeConfig("", setup.run_id, setup.cluster_secret, membership=membership or MembershipConfig(), **options)
+    order = [h.id for h in peers]
+    by_id = {h.id: h for h in peers}
+    published: dict[int, float] = {}
+    done: dict[tuple[str, int], float] = {}
+    total_rows = len(peers) * len(versions)
+    everyone = asyncio.Event()
+    if not total_rows:
+        everyone.set()
+    wanted = list(versions)
+
+    def recorder(host: str) -> Callable[[Held], None]:
+        def on_version(held: Held) -> None:
+            now = clock.now() - t0
+            for v in wanted:
+                if v <= held.version and v in published and (host, v) not in done:
+                    done[(host, v)] = now
+            if progress is not None:
+                progress(now, len(done), total_rows)
+            if len(done) == total_rows:
+                everyone.set()
+
+        return on_version
+
+    def addr(host_id: str) -> str:
+        return f"sim://{host_id}"
+
+    seed_node = SwarmNode(
+        replace(base, node_id=seed_host.id, region=seed_host.region, is_seed=True),
+        addr(seed_host.id),
+        net.transport(seed_host.id),
+        clock,
+        setup.policy(),
+        random.Random(f"{seed}:{seed_host.id}"),
+        chunks=setup.seed_store(),
+        board=setup.board,
+        **setup.hooks(),
+    )
+    nodes: dict[str, SwarmNode] = {}
+    lives: dict[str, int] = {}
+    retired: list[SwarmNode] = []  # crashed incarnations (their byte counters still count)
+    outages: list[Outage] = []
+    down_since: dict[str, float] = {}
+    pick = random.Random(f"{seed}:bootstrap")
+
+    def clone(held: Held | None) -> Held | None:
+        return None if held is None else Held(held.version, held.model.clone(), list(held.digests))
+
+    def make(host_id: str, held: Held | None, bootstrap: list[str]) -> SwarmNode:
+        h = by_id[host_id]
+        life = lives.get(host_id, 0)
+        lives[host_id] = life + 1
+        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap)
+        rng = random.Random(f"{seed}:{h.id}" if life == 0 else f"{seed}:{h.id}:{life}")
+        node = SwarmNode(
+            cfg,
+            addr(h.id),
+            net.transport(h.id),
+            clock,
+            setup.policy(),
+            rng,
+            chunks=SimChunkStore(cfg.cache_bytes),
+            held=held,
+            on_version=recorder(h.id),
+            **setup.hooks(),
+        )
+        nodes[host_id] = node
+        net.register(node.info.addr, host_id, node.handlers())
+        return node
+
+    for i, hid in enumerate(order):
+        make(hid, clone(start_from), [addr(seed_host.id), *(addr(p) for p in order[max(0, i - 2) : i])])
+    net.register(seed_node.info.addr, seed_host.id, seed_node.handlers())
+    tasks: list[asyncio.Task[None]] = []
+
+    async def publisher() -> None:
+        assert setup.publish is not None
+        for i, v in enumerate(versions):
+            await asyncio.sleep(t0 + i * interval - clock.now())
+            setup.publish(v)
+            published[v] = i * interval
+
+    saved: dict[str, Held | None] = {}
+
+    async def kill(hid: str) -> None:
+        node = nodes.pop(hid, None)
+        if node is None:
+            return  # already down
+        down_since[hid] = clock.now() - t0
+        net.crash(hid)
+        await node.stop(leave=False)
+        await node.transport.close()
+        retired.append(node)
+        saved[hid] = node.held if churn is None or churn.persist else None
+
+    async def revive(hid: str) -> None:
+        if hid in nodes or hid not in down_since:
+            return  # up already
+        up = [p for p in order if p in nodes]
+        bootstrap = [addr(seed_host.id), *(addr(p) for p in pick.sample(up, min(2, len(up))))]
+        outages.append(Outage(hid, down_since.pop(hid), clock.now() - t0))
+        await make(hid, saved.pop(hid, None), bootstrap).start()
+
+    async def crash(hid: str, down_for: float) -> None:
+        await kill(hid)
+        await asyncio.sleep(down_for)
+        await revive(hid)
+
+    async def poisson(hid: str, c: Churn) -> None:
+        rng = random.Random(f"{seed}:churn:{hid}")
+        while True:
+            await asyncio.sleep(rng.expovariate(c.rate))
+            await crash(hid, rng.expovariate(1.0 / c.downtime))
+
+    async def scheduled(at: float, hid: str, down_for: float) -> None:
+        await asyncio.sleep(t0 + at - clock.now())
+        await crash(hid, down_for)
+
+    async def switch(at: float, hid: str, up: bool) -> None:
+        await asyncio.sleep(t0 + at - clock.now())
+        await (revive(hid) if up else kill(hid))
+
+    # The head starts at what the hosts hold (a board reused from an earlier run may be further on).
+    setup.publish(start_from.version if start_from is not None else versions[0])
+    try:
+        await seed_node.start()
+        for hid in order:
+            await nodes[hid].start()
+        tasks.append(asyncio.create_task(publisher()))
+        if churn is not None:
+            for at, hid, down_for in churn.schedule:
+                if hid not in by_id:
+                    raise ValueError(f"churn schedule names unknown host {hid!r}")
+                tasks.append(asyncio.create_task(scheduled(at, hid, down_for)))
+            for at, hid, up in churn.events:
+                if hid not in by_id:
+                    raise ValueError(f"churn events name unknown host {hid!r}")
+                tasks.append(asyncio.create_task(switch(at, hid, up)))
+            if churn.rate > 0:
+                tasks.extend(asyncio.create_task(poisson(hid, churn)) for hid in order)
+        last = t0 + max(0, len(versions) - 1) * interval
+        try:
+            async with asyncio.timeout_at(last + deadline):
+                await everyone.wait()
+        except TimeoutError:
+            pass
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for node in [seed_node, *nodes.values()]:
+            await node.stop(leave=False)
+            await node.transport.close()
+        net.close()
+    end = clock.now() - t0
+    outages.extend(Outage(hid, at, float("inf")) for hid, at in down_since.items())  # still down at the end
+    return _stream_result(
+        setup,
+        seed_host,
+        peers,
+        versions,
+        published,
+        done,
+        [*nodes.values(), *retired],
+        seed_node,
+        net,
+        outages,
+        (loop.jumps if isinstance(loop, VirtualTimeLoop) else 0) - jumps0,
+        end,
+        time.perf_counter() - wall0,
+    )
+
+
+def _stream_result(
+    setup: SwarmSetup,
+    seed_host: Host,
+    peers: Sequence[Host],
+    versions: Sequence[int],
+    published: dict[int, float],
+    done: dict[tuple[str, int], float],
+    nodes: list[SwarmNode],
+    seed_node: SwarmNode,
+    net: SimNet,
+    outages: list[Outage],
+    events: int,
+    end: float,
+    wall: float,
+) -> StreamResult:
+    head = Head.from_bytes(
+        Envelope.from_bytes(setup.board.read(Board.head_rel(setup.run_id)) or b"", "patchswarm/head").body
+    )
+    entries = {e.version: e for e in head.catalog}
+    from_seed: dict[tuple[str, int], int] = {}
+    from_peers: dict[tuple[str, int], int] = {}
+    mids = {e.manifest_id: e.version for e in head.catalog}
+    for node in nodes:
+        hid = node.config.node_id
+        for counts, into in (
+            (node.metrics.seed_bytes_by_manifest, from_seed),
+            (node.metrics.peer_bytes_by_manifest, from_peers),
+        ):
+            for mid, n in counts.items():
+                v = mids.get(mid)
+                if v is not None:
+                    into[(hid, v)] = into.get((hid, v), 0) + n
+    inf = float("inf")
+    rows: list[HostVersion] = []
+    stats: list[VersionStats] = []
+    ups, downs = [p.up for p in peers], [p.down for p in peers]
+    for v in versions:
+        at = published.get(v, inf)
+        vrows = [
+            HostVersion(
+                p.id, v, at, done.get((p.id, v), inf), from_seed.get((p.id, v), 0), from_peers.get((p.id, v), 0)
+            )
+            for p in peers
+        ]
+        rows.extend(vrows)
+        size = entries[v].size if v in entries else 0
+        latencies = [r.latency for r in vrows]
+        stats.append(
+            VersionStats(
+                version=v,
+                published=at,
+                payload_bytes=size,
+                time_to_all=max(latencies, default=0.0) if all(r.done < inf for r in vrows) else inf,
+                lower_bound=kumar_ross(size, seed_host.up, ups, downs),
+                seed_egress=sum(r.from_seed for r in vrows),
+                peer_bytes=sum(r.from_peers for r in vrows),
+                hosts_done=sum(1 for r in vrows if r.done < inf),
+            )
+        )
+    errors = {n.config.node_id: n.error for n in nodes if n.error}
+    return StreamResult(
+        rows=tuple(rows),
+        versions=tuple(stats),
+        seed_uploaded=seed_node.metrics.bytes_uploaded,
+        sent=dict(sorted(net.network.traffic.sent.items())),
+        messages=net.stats,
+        errors=dict(sorted(errors.items())),
+        outages=tuple(sorted(outages, key=lambda o: (o.down, o.host))),
+        events=events,
+        end=end,
+        wall_seconds=wall,
+    )
+
+
+def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], **kw: Any) -> StreamResult:
+    """Run ``run_stream`` on a fresh virtual-time loop and return its result.
+
+    Keywords: ``versions`` (published in this order), ``interval`` (virtual seconds between
+    publications; the first at 0), ``regions``, ``backbones``, ``window``, ``quantum`` (network
+    event batching, seconds), ``seed`` (every random choice: nodes, churn, rejoin bootstrap),
+    ``churn`` (a ``Churn``), ``start_from`` (what every peer holds at 0), ``deadline`` (virtual
+    seconds after the last publication), ``membership``, ``node_options`` (NodeConfig fields),
+    ``gossip_flows``, ``progress(virtual_now, rows_done, rows_total)``.
+    """
+    return run_virtual(run_stream(setup, seed_host, peers, **kw))

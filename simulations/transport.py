@@ -11,8 +11,9 @@ flow and waits for it.  ``SimTransport`` is one host's ``swarm.transport.Transpo
   it); a bytes reply then travels back as a flow (latency, then max-min shared bandwidth),
   a Busy/Missing reply as a one-way message.  The whole exchange obeys ``timeout``.
 
-Chunk replies carry the serving node's bytes; ``placeholder_bytes`` gives shared, sized
-stand-ins for studies where payloads are not materialised (see docs/simulation.md).
+``SimNet.crash(host)`` kills a host: its endpoints go and its flows stop with a TransportError
+(used for churn).  Chunk replies carry the serving node's bytes; ``placeholder_bytes`` gives
+shared, sized stand-ins for studies where payloads are not materialised (simulations/placeholder.py).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class SimNet:
         self.stats = MessageStats()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
-        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._waiters: dict[int, tuple[Flow, asyncio.Future[None]]] = {}
 
     # ------------------------------------------------------------ endpoints
 
@@ -74,6 +75,22 @@ class SimNet:
     def unregister(self, addr: str) -> None:
         """The host at ``addr`` goes away: later requests to it fail (flows under way still finish)."""
         self.endpoints.pop(addr, None)
+
+    def crash(self, host: str) -> None:
+        """``host`` dies: its addresses stop answering and every flow to or from it stops now (the
+        bytes moved so far count as sent); whoever waits on such a flow gets a TransportError."""
+        for addr in [a for a, ep in self.endpoints.items() if ep.host == host]:
+            del self.endpoints[addr]
+        now = self._net_now()
+        self._advance(now)
+        for fid, (flow, waiter) in list(self._waiters.items()):
+            if flow.src == host or flow.dst == host:
+                del self._waiters[fid]
+                if flow.state in ("pending", "active"):
+                    self.network.cancel(now, flow)
+                if not waiter.done():
+                    waiter.set_exception(TransportError(f"{host}: connection reset"))
+        self._arm()
 
     def endpoint(self, addr: str) -> Endpoint:
         ep = self.endpoints.get(addr)
@@ -93,27 +110,34 @@ class SimNet:
     async def transfer(self, src: str, dst: str, nbytes: float, tag: object = None) -> Flow:
         """Move ``nbytes`` from host src to host dst through the network model; returns the finished flow."""
         loop = asyncio.get_running_loop()
-        self._advance(loop.time())
-        flow = self.network.add_flow(loop.time(), src, dst, nbytes, tag=tag)
+        now = self._net_now()
+        self._advance(now)
+        flow = self.network.add_flow(now, src, dst, nbytes, tag=tag)
         done: asyncio.Future[None] = loop.create_future()
-        self._waiters[flow.id] = done
+        self._waiters[flow.id] = (flow, done)
         self._arm()
         try:
             await done
         except asyncio.CancelledError:
             self._waiters.pop(flow.id, None)
             if flow.state in ("pending", "active"):
-                self._advance(loop.time())
-                self.network.cancel(loop.time(), flow)
+                now = self._net_now()
+                self._advance(now)
+                self.network.cancel(now, flow)
                 self._arm()
             raise
         return flow
 
+    def _net_now(self) -> float:
+        """The loop's time, never behind the network's: asyncio runs a timer up to its clock resolution
+        early, so the network, advanced to the timer's exact deadline, may be a nanosecond ahead."""
+        return max(asyncio.get_running_loop().time(), self.network.now)
+
     def _advance(self, t: float) -> None:
         for flow in self.network.advance(t):
-            waiter = self._waiters.pop(flow.id, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            entry = self._waiters.pop(flow.id, None)
+            if entry is not None and not entry[1].done():
+                entry[1].set_result(None)
 
     def _arm(self) -> None:
         t = self.network.next_event_time()
@@ -171,6 +195,7 @@ class SimTransport:
         async def exchange() -> ChunkReply:
             ep = await self._request(addr)
             reply = await _serve(ep.handlers.chunk(chunk_hash, requester))
+            self._still_there(addr, ep)
             if isinstance(reply, Busy | Missing):
                 await net.message(ep.host, self.host)
                 return reply
@@ -189,6 +214,7 @@ class SimTransport:
         async def exchange() -> bytes | None:
             ep = await self._request(addr)
             data = await _serve(ep.handlers.object(path))
+            self._still_there(addr, ep)
             if data is None:
                 await net.message(ep.host, self.host)
                 return None
@@ -204,6 +230,11 @@ class SimTransport:
         ep = self.net.endpoint(addr)
         await self.net.message(self.host, ep.host)
         return self.net.endpoint(addr)
+
+    def _still_there(self, addr: str, ep: Endpoint) -> None:
+        """The server that handled a request must still be the one at ``addr`` to answer it (not crashed)."""
+        if self.net.endpoints.get(addr) is not ep:
+            raise TransportError(f"{addr}: connection reset")
 
     async def _bounded(self, addr: str, work: Callable[[], Coroutine[Any, Any, T]], timeout: float) -> T:
         if self.closed:

@@ -90,7 +90,7 @@ class HttpTransport:
                     return Missing()
                 if r.status != 200:
                     raise TransportError(f"GET {url}: HTTP {r.status}")
-                return await read_bounded(r, size, url)
+                return await read_chunk(r, size)
         except (TimeoutError, aiohttp.ClientError, ValueError, LimitExceededError) as e:
             raise TransportError(f"GET {url}: {type(e).__name__}") from None
 
@@ -110,6 +110,18 @@ class HttpTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def read_chunk(r: aiohttp.ClientResponse, size: int) -> bytes:
+    """A chunk reply, cut at ``size + 1`` bytes whatever the peer sends (an endless stream, a body that
+    inflates without end): the caller's size check then refuses it like any wrong-size chunk and bans
+    the peer, where a transport error would only rest it."""
+    buf = bytearray()
+    async for piece in r.content.iter_chunked(1 << 16):
+        buf += piece
+        if len(buf) > size:
+            return bytes(buf[: size + 1])
+    return bytes(buf)
 
 
 async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> bytes:

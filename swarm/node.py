@@ -24,9 +24,9 @@ from daemon.board import Board
 from daemon.pull import Held, Puller
 from protocol.bitfield import Bitfield
 from protocol.catalog import CatalogEntry, plan
-from protocol.chunks import verify_chunk
+from protocol.chunks import ChunkRef, verify_chunk
 from protocol.errors import ChunkError, PatchswarmError
-from protocol.head import Head, verify_head
+from protocol.head import Head
 from protocol.keys import KeyPolicy
 from protocol.manifest import Manifest
 from protocol.membership import Membership, MembershipConfig, MemberState, Message, NodeInfo, Send
@@ -34,13 +34,26 @@ from protocol.patchfile import apply_version
 from protocol.ratelimit import TokenBucket, UploadSlots
 from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
 from protocol.signed import Envelope
-from protocol.trust import DEFAULT_SKEW_MS, TrustState
 from protocol.wire import Announcement, GossipFrame, WireError, decode_frame, encode_frame
 from swarm.sources import SwarmSource
 from swarm.stores import ChunkStore, MemoryChunkStore
 from swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, Transport, TransportError
 
 log = logging.getLogger("patchswarm.swarm")
+
+# Injection points (the simulator passes size-only checks and a no-op apply for sized placeholders).
+VerifyChunk = Callable[[int, bytes, ChunkRef], None]
+ApplyVersion = Callable[[Held | None, Manifest, list[bytes]], Held]
+
+
+def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+    """The production apply: join the verified chunks and apply them to a copy of the held model."""
+    base = held if held is not None and manifest.base_version is not None else None
+    model, digests = apply_version(
+        base.model.clone() if base else None, manifest, b"".join(parts), base_digests=base.digests if base else None
+    )
+    return Held(manifest.version, model, digests)
+
 
 MAX_OBJECT_BYTES = 64 << 20
 REJOIN_INTERVAL = 5.0
@@ -70,6 +83,7 @@ class NodeConfig:
     announce_interval: float = 0.05
     announce_fanout: int = 6  # peers told at once when availability changes (those that lack what we have first)
     announce_refresh: float = 0.5  # even without changes, a few random peers hear from us this often
+    announce_sample: int = 0  # >0: choose announcement targets among this many random live members (0: all)
     cache_bytes: int = 1 << 30
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -94,6 +108,9 @@ class Metrics:
     bans: int = 0
     versions_applied: int = 0
     apply_failures: int = 0
+    # Chunk bytes received per manifest id (for per-version accounting in studies).
+    seed_bytes_by_manifest: dict[bytes, int] = field(default_factory=dict)
+    peer_bytes_by_manifest: dict[bytes, int] = field(default_factory=dict)
 
 
 class SwarmNode:
@@ -110,6 +127,8 @@ class SwarmNode:
         board: Board | None = None,
         held: Held | None = None,
         on_version: Callable[[Held], Awaitable[None] | None] | None = None,
+        verify_chunk: VerifyChunk = verify_chunk,
+        apply: ApplyVersion = apply_chunks,
     ) -> None:
         self.config = config
         self.info = NodeInfo(config.node_id, addr, config.zone, config.region)
@@ -122,6 +141,8 @@ class SwarmNode:
         self.objects: dict[str, bytes] = {}  # verified board objects this node serves
         self.held = held
         self.on_version = on_version
+        self.verify_chunk = verify_chunk
+        self.apply = apply
         self.metrics = Metrics()
         self.membership = Membership(self.info, config.membership, rng, clock.now())
         self.peers: dict[str, PeerView] = {}
@@ -139,17 +160,23 @@ class SwarmNode:
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
         self._peers_changed = asyncio.Event()
+        self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
         self._announce_dirty = False
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
         self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._seed_served: dict[bytes, tuple[float, tuple[str, ...]]] = {}
         self._seq = 0
-        self._refreshed: dict[bytes, dict[str, int]] = {}  # manifest -> peer -> seq last given to its scheduler
+        # manifest being downloaded -> peers whose announcement or hints changed since its scheduler last heard
+        # (a dict as an ordered set: the same order in every process)
+        self._dirty: dict[bytes, dict[str, None]] = {}
+        self._alive: list[NodeInfo] = []  # live members, kept from membership events (for sampled announcements)
+        self._alive_at: dict[str, int] = {}  # node id -> index in _alive
         self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.error: str | None = None
+        self.head_error: str | None = None  # why the last head this node checked was refused
 
     # ------------------------------------------------------------ lifecycle
 
@@ -272,6 +299,8 @@ class SwarmNode:
             return
         self._seq += 1
         self.peers[sender.node_id] = PeerView(sender, ann, now, self._seq)
+        for dirty in self._dirty.values():
+            dirty[sender.node_id] = None
         if log.isEnabledFor(logging.DEBUG) and ann.partial:
             log.debug(
                 "%s: hears %s has %s",
@@ -279,23 +308,40 @@ class SwarmNode:
                 sender.node_id,
                 [bin(int.from_bytes(b, "little")).count("1") for _, b in ann.partial],
             )
-        self._peers_changed.set()
+        self._note_peers_changed()
         if ann.head_counter > self.head_counter and self.board is None:
             self._spawn(self._fetch_head(prefer=sender.addr))
 
     def _apply_membership_events(self) -> None:
         for info, state in self.membership.drain_events():
+            self._track_alive(info, state)
             if state in (MemberState.DEAD, MemberState.LEFT):
                 self.peers.pop(info.node_id, None)
                 for sched in self.partial.values():
                     sched.remove_peer(info.node_id)
-                self._peers_changed.set()
+                self._note_peers_changed()
+
+    def _track_alive(self, info: NodeInfo, state: MemberState) -> None:
+        """Keep ``_alive`` (what ``membership.alive()`` lists, unsorted) without an O(members) walk."""
+        at = self._alive_at.get(info.node_id)
+        if state in (MemberState.ALIVE, MemberState.SUSPECT):
+            if at is None:
+                self._alive_at[info.node_id] = len(self._alive)
+                self._alive.append(info)
+            else:
+                self._alive[at] = info  # its address may have changed
+        elif at is not None:  # swap-remove
+            last = self._alive.pop()
+            del self._alive_at[info.node_id]
+            if last.node_id != info.node_id:
+                self._alive[at] = last
+                self._alive_at[last.node_id] = at
 
     async def _membership_loop(self) -> None:
         last_join = self.clock.now()
         while not self._stopping:
             now = self.clock.now()
-            if not self.membership.alive() and now - last_join >= REJOIN_INTERVAL:
+            if now - last_join >= REJOIN_INTERVAL and not self.membership.alive():  # cheap test first
                 # Alone (a long partition, or every peer restarted): knock on the bootstrap list again.
                 last_join = now
                 seeds = [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
@@ -324,8 +370,15 @@ class SwarmNode:
                 self._spawn(self._send(info.addr, frame))
 
     def _announce_targets(self, count: int) -> list[NodeInfo]:
-        """Peers that lack chunks we hold first ("interested", as BitTorrent says), nearest first, then anyone."""
-        alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
+        """Peers that lack chunks we hold first ("interested", as BitTorrent says), nearest first, then anyone.
+
+        With ``announce_sample`` > 0 only that many live members, drawn at random, are considered:
+        O(sample) instead of O(members) per announcement (large simulated swarms)."""
+        sample = self.config.announce_sample
+        if 0 < sample < len(self._alive):
+            alive = self.rng.sample(self._alive, sample)
+        else:
+            alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
         mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
         interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
         self.rng.shuffle(interested)
@@ -456,16 +509,17 @@ class SwarmNode:
             data = await self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer)
             if data is None:
                 return
-            env = Envelope.from_bytes(data, "patchswarm/head")
-            await self.puller._ensure_certified(env.key_id)
-            skew = self.policy.skew_ms if isinstance(self.policy, TrustState) else DEFAULT_SKEW_MS
-            head, env = verify_head(data, self.policy, now_ms=int(self._wall() * 1000), skew_ms=skew)
-            if head.counter <= self.head_counter:
-                return
-            self.puller.tracker.accept(head, env)
+            # Verified, checked against the high-water mark (rewind, equivocation) and counted when refused.
+            accepted = await self.puller.accept_head(data, newer_than=self.head_counter)
         except (PatchswarmError, TransportError) as e:
             log.warning("%s: head refused: %s", self.info.node_id, e)
+            if isinstance(e, PatchswarmError):
+                self.head_error = str(e)  # e.g. expired beyond the clock skew: the host reports it
             return
+        self.head_error = None
+        if accepted is None:
+            return
+        head = accepted
         self.head, self.head_counter = head, head.counter
         log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
         self.objects[Board.head_rel(self.config.run_id)] = data
@@ -499,14 +553,10 @@ class SwarmNode:
             manifest = await self.puller.fetch_manifest(entry)
             log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
             self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.last_manifest_bytes(entry.manifest_id)
-            payload = await self._download(manifest)
+            parts = await self._download(manifest)
             self.phase = "staging"
-            held = self.held
-            base = held if held is not None and entry.base_version is not None else None
-            model, digests = apply_version(
-                base.model.clone() if base else None, manifest, payload, base_digests=base.digests if base else None
-            )
-            new = Held(manifest.version, model, digests)
+            new = self.apply(self.held, manifest, parts)
+            del parts
             if self.on_version is not None:
                 # The host activates first (e.g. into the engine's memory); if that fails, this node
                 # does not adopt the version and will try again.
@@ -521,7 +571,7 @@ class SwarmNode:
                 break  # a newer head arrived: replan from here
         self.phase = "idle"
 
-    async def _download(self, manifest: Manifest) -> bytes:
+    async def _download(self, manifest: Manifest) -> list[bytes]:
         mid = manifest.manifest_id
         sizes = [c.size for c in manifest.chunks]
         have = Bitfield(len(sizes))
@@ -531,6 +581,7 @@ class SwarmNode:
         me = PeerInfo(self.info.node_id, self.info.zone, self.info.region)
         sched = ChunkScheduler(sizes, me, self.config.scheduler, self.rng, have)
         self.partial[mid] = sched
+        self._dirty[mid] = dict.fromkeys(self.peers)
         pinned = getattr(self.chunks, "pinned", None)
         if isinstance(pinned, set):
             pinned.update(ref.hash for ref in manifest.chunks)
@@ -544,25 +595,21 @@ class SwarmNode:
                     if task:
                         task.cancel()
                 for req in sched.next_requests(now):
-                    running[(req.chunk, req.peer_id)] = asyncio.create_task(self._fetch(sched, manifest, req, running))
+                    running[(req.chunk, req.peer_id)] = asyncio.create_task(
+                        self._fetch(sched, manifest, mid, req, running)
+                    )
                 if sched.complete:
                     break
                 self._peers_changed.clear()
                 deadline = sched.next_deadline()
                 timeout = 0.25 if deadline is None else max(0.005, min(0.25, deadline - self.clock.now()))
-                helpers = [
-                    asyncio.ensure_future(self._peers_changed.wait()),
-                    asyncio.ensure_future(self.clock.sleep(timeout)),
-                ]
-                await asyncio.wait([*helpers, *running.values()], return_when=asyncio.FIRST_COMPLETED)
-                for h in helpers:
-                    h.cancel()
+                await self._until_change(timeout, list(running.values()))
         finally:
             for task in running.values():
                 task.cancel()
             del self.partial[mid]
             self._hints.pop(mid, None)
-            self._refreshed.pop(mid, None)
+            self._dirty.pop(mid, None)
             if isinstance(pinned, set):
                 pinned.difference_update(ref.hash for ref in manifest.chunks)
         parts = []
@@ -573,13 +620,45 @@ class SwarmNode:
             parts.append(data)
         self.complete.append(mid)
         self.complete = self.complete[-16:]
-        return b"".join(parts)
+        return parts
+
+    def _note_peers_changed(self) -> None:
+        self._peers_changed.set()
+        waiter = self._change_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _until_change(self, timeout: float, tasks: list[asyncio.Task[None]]) -> None:
+        """Wait until what peers hold changes, a fetch ends, or ``timeout`` (loop) seconds pass.
+
+        One future, one timer and done-callbacks rather than helper tasks: a download loop wakes
+        about once per chunk, so this is on the hot path of large (simulated) swarms."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        timer = loop.call_later(max(0.0, timeout), wake)
+        self._change_waiter = fut
+        for t in tasks:
+            t.add_done_callback(wake)
+        try:
+            await fut
+        finally:
+            self._change_waiter = None
+            timer.cancel()
+            for t in tasks:
+                t.remove_done_callback(wake)
 
     def _touch(self, node_id: str) -> None:
         view = self.peers.get(node_id)
         if view is not None:
             self._seq += 1
             view.seq = self._seq
+            for dirty in self._dirty.values():
+                dirty[node_id] = None
 
     def _refresh_peers(self, sched: ChunkScheduler, mid: bytes, nchunks: int, now: float) -> None:
         """Tell the scheduler who holds what: announcements, plus the seed's hints not yet announced.
@@ -587,11 +666,14 @@ class SwarmNode:
         Only peers whose announcement or hints changed since the last call are looked at, so one
         wake-up costs O(changes), not O(peers)."""
         hints = self._hints.get(mid, {})
-        given = self._refreshed.setdefault(mid, {})
-        for view in list(self.peers.values()):
-            if given.get(view.info.node_id) == view.seq:
+        changed = self._dirty.get(mid)
+        if not changed:
+            return
+        self._dirty[mid] = {}
+        for node_id in changed:
+            view = self.peers.get(node_id)
+            if view is None:
                 continue
-            given[view.info.node_id] = view.seq
             ann = view.ann
             peer = PeerInfo(view.info.node_id, view.info.zone, view.info.region, is_seed=ann.seed)
             bits = dict(ann.partial).get(mid)
@@ -613,6 +695,7 @@ class SwarmNode:
         self,
         sched: ChunkScheduler,
         manifest: Manifest,
+        mid: bytes,
         req: Request,
         running: dict[tuple[int, str], asyncio.Task[None]],
     ) -> None:
@@ -642,21 +725,21 @@ class SwarmNode:
             if isinstance(reply, Busy):
                 self.metrics.busy_replies += 1
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
-                hints = self._hints.setdefault(manifest.manifest_id, {})
+                hints = self._hints.setdefault(mid, {})
                 for holder in reply.holders:
                     if holder != self.info.node_id:
                         hints.setdefault(holder, set()).add(req.chunk)
                         self._touch(holder)
                 if reply.holders:
-                    self._peers_changed.set()
+                    self._note_peers_changed()
                 return
             if isinstance(reply, Missing):
-                self._hints.get(manifest.manifest_id, {}).get(req.peer_id, set()).discard(req.chunk)
+                self._hints.get(mid, {}).get(req.peer_id, set()).discard(req.chunk)
                 self._touch(req.peer_id)
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
                 return
             try:
-                verify_chunk(req.chunk, reply, ref)
+                self.verify_chunk(req.chunk, reply, ref)
             except ChunkError as e:
                 self.metrics.hash_failures += 1
                 self.metrics.bans += 1
@@ -668,15 +751,18 @@ class SwarmNode:
             self.chunks.put(ref.hash, reply)
             if view.ann.seed:
                 self.metrics.bytes_from_seed += len(reply)
+                by = self.metrics.seed_bytes_by_manifest
             else:
                 self.metrics.bytes_from_peers += len(reply)
+                by = self.metrics.peer_bytes_by_manifest
+            by[mid] = by.get(mid, 0) + len(reply)
             end = self.clock.now()
             for dup in sched.on_success(end, req.chunk, req.peer_id, len(reply), max(end - start, 1e-6)):
                 task = running.get((dup.chunk, dup.peer_id))
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
             self._announce_dirty = True
-            self._peers_changed.set()
+            self._note_peers_changed()
         finally:
             running.pop((req.chunk, req.peer_id), None)
 

@@ -28,6 +28,7 @@ class SwarmSource:
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
         self.fetched: dict[str, bytes] = {}
+        self.refused = 0  # answers that were not the object asked for (a lying peer or mirror)
         self._boards = [HttpSource(url) for url in node.config.seed_urls]
 
     def last_manifest_bytes(self, manifest_id: bytes) -> bytes:
@@ -50,10 +51,12 @@ class SwarmSource:
         if not rel.startswith("manifests/"):
             return True
         try:
-            body = Envelope.from_bytes(data, "patchswarm/manifest").body
+            if blake3.blake3(Envelope.from_bytes(data, "patchswarm/manifest").body).hexdigest() == rel.split("/", 1)[1]:
+                return True
         except Exception:
-            return False
-        return blake3.blake3(body).hexdigest() == rel.split("/", 1)[1]
+            pass
+        self.refused += 1
+        return False
 
     async def get(self, rel: str, limit: int, prefer: str | None = None) -> bytes | None:
         node = self.node

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.membership import (
+    MAX_INCARNATION_JUMP,
     Ack,
     Gossip,
     Membership,
@@ -336,6 +337,20 @@ def test_refutation_and_precedence_rules() -> None:
     assert dict((i.node_id, s) for i, s in m.members())["p1"] is ALIVE
     m.receive(1.0, infos[0], Sync((Update(p1, 3, DEAD),), reply=False))  # pushed DEAD only makes it suspect
     assert dict((i.node_id, s) for i, s in m.members())["p1"] is SUSPECT
+
+
+def test_incarnation_jumps_beyond_the_bound_are_ignored() -> None:
+    # An insider forging "you are suspect at 2**63 - 1" must not push a node to an incarnation the
+    # wire cannot carry (it could never refute again), nor pin another member DEAD for good.
+    m, infos = _lone_node(3)
+    me = m.local().info
+    m.receive(1.0, infos[0], Gossip((Update(me, (1 << 63) - 1, SUSPECT, "p0"),)))
+    assert m.incarnation == 0 and m.local().state is ALIVE
+    m.receive(1.0, infos[0], Gossip((Update(me, MAX_INCARNATION_JUMP, SUSPECT, "p0"),)))
+    assert m.incarnation == MAX_INCARNATION_JUMP + 1  # within the bound: refuted as usual
+    p1 = infos[1]
+    m.receive(1.0, infos[0], Gossip((Update(p1, (1 << 63) - 1, DEAD, "p0"),)))
+    assert dict((i.node_id, s) for i, s in m.members())["p1"] is ALIVE
 
 
 def _scenario(seed: int) -> list[tuple[float, str, str, MemberState]]:

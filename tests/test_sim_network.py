@@ -1,4 +1,9 @@
-"""The flow-level network model: the golden max-min case, caps, routes, and properties of every allocation."""
+"""The flow-level network model: the golden max-min case, caps, routes, and properties of every allocation.
+
+The incremental re-sharing (simulations/network_share.py) is checked against a recomputation from
+scratch after every event, on random scenarios and on random swarm-shaped workloads (many flows
+per link, equal capacities, so ties everywhere), and must never need its fallback.
+"""
 
 from __future__ import annotations
 
@@ -214,6 +219,7 @@ def simulate(sc: Scenario, check: bool) -> list[tuple[int, float, float]]:
             if f.size > 0 and f.rate < math.inf and f.id in moved:
                 assert moved[f.id] == pytest.approx(f.size, rel=1e-6, abs=1e-6)
     if check:
+        assert net.sharer.restarts == 0  # the incremental path handled every event itself
         total = sum(f.size - f.remaining for f in flows.values())
         assert sum(net.traffic.sent.values()) == pytest.approx(total)
         assert sum(net.traffic.received.values()) == pytest.approx(total)
@@ -290,3 +296,76 @@ def test_a_change_reaches_flows_beyond_the_saturated_resources_it_touches() -> N
     net.advance(net.next_event_time())
     assert f.state == "done" and f.done_at == 1.0
     assert (g.rate, k.rate, h.rate) == (4.0, 6.0, 4.0)
+
+
+# ---------------------------------------------------------------- swarm-shaped workloads
+
+
+@dataclass
+class Swarm:
+    hosts: list[Host]
+    window: float | None
+    steps: list[tuple[str, int, int, float]]  # ("add", src, dst, bytes) at the current time, or ("next", ...)
+
+
+@st.composite
+def swarms(draw: st.DrawFn) -> Swarm:
+    """Hosts with equal or few distinct link speeds (ties), flows added in bursts as others complete."""
+    n = draw(st.integers(3, 12))
+    speeds = st.sampled_from([4.0, 8.0, 8.0, 12.0, math.inf])
+    hosts = [Host(f"h{i}", "r", draw(speeds), draw(speeds)) for i in range(n)]
+    steps: list[tuple[str, int, int, float]] = []
+    for _ in range(draw(st.integers(1, 60))):
+        if draw(st.booleans()):
+            src = draw(st.integers(0, n - 1))
+            dst = (src + draw(st.integers(1, n - 1))) % n
+            steps.append(("add", src, dst, draw(st.sampled_from([1.0, 4.0, 4.0, 16.0]))))
+        else:
+            steps.append(("next", draw(st.integers(0, 3)), 0, 0.0))  # ... or cancel flow k of the active ones
+    return Swarm(hosts, draw(st.sampled_from([None, 4.0])), steps)
+
+
+def run_swarm(sw: Swarm, latency: float) -> list[tuple[int, float]]:
+    net = Network(sw.hosts, [Region("r", latency)], window=sw.window)
+    flows: list[Flow] = []
+    t = 0.0
+    for kind, a, b, size in sw.steps:
+        if kind == "add":
+            flows.append(net.add_flow(t, sw.hosts[a].id, sw.hosts[b].id, size))
+            continue
+        if a == 0 and net.active_flows():  # cancel the oldest active flow
+            net.cancel(t, net.active_flows()[0])
+        elif (t_next := net.next_event_time()) < math.inf:
+            t = t_next
+            net.advance(t)
+        check_allocation(net)
+    run_all(net)
+    assert net.sharer.restarts == 0
+    return [(f.id, f.done_at) for f in flows]
+
+
+@given(swarms(), st.sampled_from([0.0, 0.001]))
+def test_incremental_sharing_on_swarm_workloads_equals_a_full_recomputation(sw: Swarm, latency: float) -> None:
+    assert run_swarm(sw, latency) == run_swarm(sw, latency)
+
+
+def test_a_full_recomputation_leaves_books_the_incremental_sharing_continues_from() -> None:
+    """``Sharer.recompute`` (the fallback) rebuilds every flow's bottleneck and every resource's sums."""
+    import random
+
+    rng = random.Random(3)
+    hosts = [Host(f"h{i}", "r", up=rng.choice([5.0, 10.0]), down=rng.choice([5.0, 10.0, 20.0])) for i in range(12)]
+    net = Network(hosts, [Region("r", 0.001)], window=None)
+    for _ in range(80):
+        s, d = rng.sample(range(12), 2)
+        net.add_flow(rng.choice([0.0, 0.5, 1.0]), hosts[s].id, hosts[d].id, rng.choice([2.0, 5.0, 9.0]))
+    for step in range(40):
+        t = net.next_event_time()
+        net.advance(t)
+        if step % 7 == 3:
+            before = {f.id: f.rate for f in net.active_flows()}
+            net.sharer.recompute(t, sorted(net.active_flows(), key=lambda f: f.id))
+            assert {f.id: f.rate for f in net.active_flows()} == pytest.approx(before, rel=1e-9)
+        check_allocation(net)
+    run_all(net)
+    assert net.sharer.restarts == 0

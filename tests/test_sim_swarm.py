@@ -1,15 +1,22 @@
-"""Real SwarmNodes in virtual time: a seed and eight peers on a simulated network with rate limits."""
+"""Real SwarmNodes in virtual time: a seed and peers on a simulated network with rate limits; placeholder streams."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from daemon.pull import Held
+from protocol.errors import ChunkError, PatchswarmError
 from protocol.served import state_root
+from protocol.trust import TrustState
 from simulations.network import Backbone, Host, Region
-from simulations.runner import SwarmResult, SwarmSetup, simulate_swarm
+from simulations.placeholder import apply_nothing, placeholder_held, verify_size
+from simulations.runner import Churn, Outage, StreamResult, SwarmResult, SwarmSetup, simulate_stream, simulate_swarm
+from simulations.synthetic import SyntheticRun, synthetic_setup
+from simulations.transport import placeholder_bytes
 from tests.swarmkit import RUN, SECRET, Swarm
 
 MB = 1e6
@@ -115,3 +122,174 @@ def test_gossip_as_flows_still_converges(published: Swarm) -> None:
     )
     check(published, r, 1, 4)
     assert sum(r.sent.values()) > 4 * r.payload_bytes  # gossip bytes now count as traffic
+
+
+# ---------------------------------------------------------------- upload slots
+
+
+def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> None:
+    """docs/simulation.md section 6 item 4: a handler cancelled in the slot queue must not keep the slot."""
+    import asyncio
+    import contextlib
+    import random
+
+    from protocol.trust import TrustState
+    from simulations.clock import SimClock, run_virtual
+    from simulations.network import Network
+    from simulations.transport import SimNet
+    from swarm.node import NodeConfig, SwarmNode
+
+    data = b"c" * 10_000
+
+    async def main() -> list[tuple[int, int]]:
+        net = SimNet(Network([Host("a")], [Region("", 0.001)]))
+        cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_rate=10_000.0, upload_queue_wait=100.0)
+        node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        node.chunks.put(b"h", data)
+        seen: list[tuple[int, int]] = []
+        for handed_over in (False, True):
+            first = asyncio.ensure_future(node.handle_chunk(b"h", "x"))  # holds the one slot for ~0.9 s
+            await asyncio.sleep(0.01)
+            queued = asyncio.ensure_future(node.handle_chunk(b"h", "y"))
+            await asyncio.sleep(0.01)
+            seen.append((node.upload_slots.in_use, len(node._upload_queue)))
+            if handed_over:
+                # Cancel it right after `first` hands it the slot, before it runs again.
+                first.add_done_callback(lambda _, q=queued: q.cancel())  # type: ignore[misc]
+            else:
+                queued.cancel()
+            assert await first == data
+            with contextlib.suppress(asyncio.CancelledError):
+                await queued
+            assert queued.cancelled()
+            seen.append((node.upload_slots.in_use, len(node._upload_queue)))
+            assert await node.handle_chunk(b"h", "z") == data  # the slot is still there to take
+        net.close()
+        return seen
+
+    assert run_virtual(main()) == [(1, 1), (0, 0), (1, 1), (0, 0)]
+
+
+# ---------------------------------------------------------------- placeholder streams
+
+
+def placeholder_peers(n: int, up: float = 50 * MB) -> tuple[Host, list[Host]]:
+    return Host("seed", "r0", up=100 * MB, down=100 * MB), [Host(f"h{i:02d}", "r0", up=up, down=up) for i in range(n)]
+
+
+def stream(run: Any, n: int = 12, **kw: Any) -> StreamResult:
+    seed, peers = placeholder_peers(n)
+    args: dict[str, Any] = {
+        "versions": run.versions,
+        "interval": 2.0,
+        "regions": [Region("r0", 0.001)],
+        "start_from": placeholder_held(0),
+        "deadline": 60.0,
+        "seed": 4,
+    }
+    return simulate_stream(run.setup, seed, peers, **{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> SyntheticRun:
+    return synthetic_setup(patch_bytes=20_000_000, chunk_bytes=1 << 20, versions=3)
+
+
+def test_synthetic_manifests_and_heads_are_real_signed_documents(synthetic: SyntheticRun) -> None:
+    from protocol.head import verify_head
+    from protocol.manifest import SignedManifest
+
+    policy = synthetic.setup.policy()
+    assert isinstance(policy, TrustState)
+    board = synthetic.board
+    cert = board.read(next(k for k in board.files if k.startswith("certs/")))
+    assert cert is not None
+    policy.add_certificate(cert)
+    now_ms = int(synthetic.setup.epoch * 1000)
+    for v in (0, *synthetic.versions):
+        head, _ = verify_head(board.heads[v], policy, now_ms=now_ms, skew_ms=0)
+        assert (head.version, head.counter, len(head.catalog)) == (v, v, v + 1)
+        m = SignedManifest.from_bytes(board.read(f"manifests/{head.manifest_id.hex()}") or b"").verify(
+            policy, now_ms=now_ms
+        )
+        assert m.payload_size == (20_000_000 if v else synthetic.anchor_bytes)
+        assert m.base_version == (v - 1 if v else None) and len(m.chunks) == 20
+    forged = bytearray(board.heads[1])
+    forged[-1] ^= 1
+    with pytest.raises(PatchswarmError):
+        verify_head(bytes(forged), policy, now_ms=now_ms, skew_ms=0)
+
+
+def test_placeholder_checks_sizes_and_applies_nothing(synthetic: SyntheticRun) -> None:
+    from protocol.chunks import ChunkRef
+
+    verify_size(0, placeholder_bytes(5), ChunkRef(5, b"\0" * 32))
+    with pytest.raises(ChunkError):
+        verify_size(3, placeholder_bytes(4), ChunkRef(5, b"\0" * 32))
+    m = synthetic.board.manifest(synthetic.board.manifest_ids[2])
+    held = apply_nothing(placeholder_held(1), m, [placeholder_bytes(r.size) for r in m.chunks])
+    assert held.version == 2 and held.model.specs == []
+    with pytest.raises(ChunkError):
+        apply_nothing(placeholder_held(1), m, [])
+    with pytest.raises(ValueError):
+        synthetic_setup(patch_bytes=0)
+
+
+def test_a_stream_of_placeholder_versions_reaches_every_host(synthetic: SyntheticRun) -> None:
+    r = stream(synthetic)
+    assert r.complete, r.errors
+    assert r.errors == {}
+    assert [v.version for v in r.versions] == [1, 2, 3]
+    assert [v.published for v in r.versions] == [0.0, 2.0, 4.0]
+    for v in r.versions:
+        assert v.payload_bytes == 20_000_000 and v.hosts_done == 12
+        assert v.time_to_all >= v.lower_bound > 0
+        assert v.seed_egress >= v.payload_bytes  # every chunk left the seed at least once
+    for row in r.rows:
+        assert row.from_seed + row.from_peers == 20_000_000, row
+        assert row.done >= row.published
+    assert sum(row.from_peers for row in r.rows) > sum(row.from_seed for row in r.rows)
+    assert r.events > 0 and r.wall_seconds > 0
+
+
+def test_the_same_seed_gives_identical_stream_results(synthetic: SyntheticRun) -> None:
+    churn = Churn(rate=0.05, downtime=1.0)
+    a, b = stream(synthetic, churn=churn), stream(synthetic, churn=churn)
+    assert a == b
+    assert a.outages  # the churn happened
+    assert stream(synthetic, churn=churn, seed=5) != a
+
+
+def test_a_host_that_crashes_mid_download_loses_its_transfers_and_catches_up(synthetic: SyntheticRun) -> None:
+    # h03 dies 0.3 s after version 2 appears (mid-download), comes back 3 s later holding version 1.
+    r = stream(synthetic, churn=Churn(schedule=((2.3, "h03", 3.0),)))
+    assert r.complete, r.errors
+    assert r.outages == (Outage("h03", pytest.approx(2.3), pytest.approx(5.3)),)
+    rows = {(row.host, row.version): row for row in r.rows}
+    assert rows[("h03", 2)].done > 5.3 and rows[("h03", 3)].done > 5.3
+    assert rows[("h03", 1)].done < 2.0  # done before the crash
+    others = max(row.done for row in r.rows if row.host != "h03" and row.version == 2)
+    assert others < 5.3  # the others did not wait for it
+    # What h03 fetched before the crash was lost with its memory: it took at least the whole patch again.
+    assert rows[("h03", 2)].from_seed + rows[("h03", 2)].from_peers >= 20_000_000
+
+
+def test_hosts_down_at_the_end_and_fresh_rejoins(synthetic: SyntheticRun) -> None:
+    events = ((1.0, "h01", False), (30.0, "h01", True), (0.5, "h02", False))
+    r = stream(synthetic, churn=Churn(events=events, persist=False), deadline=40.0)
+    rows = {(row.host, row.version): row for row in r.rows}
+    assert not r.complete
+    assert all(rows[("h02", v)].done == math.inf for v in (2, 3))  # never came back
+    assert Outage("h02", pytest.approx(0.5), math.inf) in r.outages
+    # h01 came back with nothing: the anchor (20 MB) and the three patches.
+    assert rows[("h01", 3)].done > 30.0
+    assert sum(rows[("h01", v)].from_seed + rows[("h01", v)].from_peers for v in (2, 3)) == 40_000_000
+
+
+def test_stream_input_errors(synthetic: SyntheticRun, published: Swarm) -> None:
+    with pytest.raises(ValueError, match="unknown host"):
+        stream(synthetic, churn=Churn(schedule=((1.0, "nobody", 1.0),)))
+    with pytest.raises(ValueError, match="publish"):
+        stream(SyntheticRun(setup_of(published), synthetic.board, (1,), 1, 1, 1 << 20))
+    with pytest.raises(ValueError):
+        Churn(rate=-1)

@@ -156,3 +156,25 @@ def test_placeholders_are_shared_and_sized() -> None:
     a, b = placeholder_bytes(4 << 20), placeholder_bytes(4 << 20)
     assert a is b and len(a) == 4 << 20 and not any(a[:16])
     assert math.isclose(len(placeholder_bytes(10)), 10)
+
+
+def test_a_crashed_host_stops_its_flows_and_answers_nothing() -> None:
+    async def main() -> tuple[float, float, float]:
+        net = make_net()
+        net.register("sim://server", "server", serving({b"a": b"x" * 1_000_000}, {}, []))
+        loop = asyncio.get_running_loop()
+        fetch = asyncio.ensure_future(net.transport("client").get_chunk("sim://server", b"a", 1 << 20, 60.0, "client"))
+        await asyncio.sleep(0.52)  # request 0.01 + latency 0.01: 0.5 s of transfer done, half the chunk
+        net.crash("server")
+        with pytest.raises(TransportError, match="reset"):
+            await fetch
+        failed_at = loop.time()
+        with pytest.raises(TransportError, match="refused"):
+            await net.transport("client").get_chunk("sim://server", b"a", 1 << 20, 60.0, "client")
+        assert net.network.active_flows() == []
+        net.close()
+        return failed_at, net.network.traffic.sent.get("server", 0.0), net.network.traffic.received.get("client", 0.0)
+
+    failed_at, sent, received = run_virtual(main())
+    assert failed_at == pytest.approx(0.52)
+    assert sent == pytest.approx(500_000) and received == pytest.approx(500_000)  # the moved half counts

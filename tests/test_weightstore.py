@@ -11,15 +11,20 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from daemon import weightstore
+from daemon.device_blake3 import device_digests
 from daemon.engine import ALIGN, CONTROL_SIZE, FenceReader, SharedSegment, allocate, attach
 from daemon.journal import journal_path
 from daemon.weightstore import (
     JournalError,
+    RegistrationError,
     StoreError,
     StoreLayout,
     StoreLayoutMismatch,
@@ -30,6 +35,7 @@ from daemon.weightstore import (
     StoreVerifyError,
     TensorUpdate,
     WeightStore,
+    check_registration,
     diff_updates,
 )
 from protocol.served import ServedModel, TensorSpec, layout_hash
@@ -354,3 +360,101 @@ def test_attach_info_is_json_and_numpy_views(loaded: WeightStore) -> None:
     assert view.tensor("a.weight").dtype == torch.bfloat16
     assert set(view.tensors()) == {s.name for s in SPECS}
     view.close()
+
+
+# ---------------------------------------------------------------- digests where the weights live
+
+
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3072, 3073, 5 * 1024 + 7, 8 * 1024, 9 * 1024 + 1]
+
+
+@pytest.mark.parametrize("batch_chunks", [1 << 18, 3, 1])
+def test_device_digests_equal_blake3(batch_chunks: int) -> None:
+    """The torch BLAKE3 (what a GPU store hashes with) against the blake3 library, on the CPU:
+    chunk and block edges, single-chunk roots, odd tree levels, tensors split across passes."""
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in EDGE_LENGTHS]
+    assert device_digests(ts, batch_chunks=batch_chunks) == [blake3.blake3(t.numpy().data).digest() for t in ts]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(0, 20 * 1024), min_size=1, max_size=4), st.integers(8, 64))
+def test_device_digests_any_lengths(lengths: list[int], batch_chunks: int) -> None:
+    ts = [torch.arange(n, dtype=torch.int64).mul_(2654435761).remainder_(251).to(torch.uint8) for n in lengths]
+    assert device_digests(ts, batch_chunks=batch_chunks) == [blake3.blake3(t.numpy().data).digest() for t in ts]
+
+
+def test_store_digests_on_device_path_match_host(loaded: WeightStore) -> None:
+    assert loaded.digests(on_device=True) == loaded.digests(on_device=False) == model(7, 1).digests()
+
+
+def test_device_digest_out_of_memory_falls_back_to_host_copies(
+    loaded: WeightStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine may leave the daemon no GPU memory for the digest's scratch: the store hashes host copies."""
+
+    def out_of_memory(tensors: list[torch.Tensor], batch_chunks: int | None = None) -> list[bytes]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(weightstore, "device_digests", out_of_memory)
+    assert loaded.digests(on_device=True) == model(7, 1).digests()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_store_root_is_computed_on_the_gpu(name: str) -> None:
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    store.bind_buffer(torch.zeros(lay.nbytes, dtype=torch.uint8, device="cuda"), buffer_id=9)
+    m = model(5, 1)
+    store.load(m, 1, m.root())  # verified with the device digest
+    assert store.digests() == store.digests(on_device=False) == m.digests()
+    store.close()
+
+
+# ---------------------------------------------------------------- engine registrations (POST /v1/store)
+
+
+def test_registration_checks_name_each_mismatch() -> None:
+    lay = StoreLayout.from_specs(SPECS)
+    h = lay.layout_hash.hex()
+    shm = {"kind": "shm_buffer", "name": "st.buf.01", "nbytes": lay.nbytes, "buffer_id": 1}
+    gpu = {"kind": "cuda_ipc", "args": {}, "device_uuid": "ab-cd", "nbytes": lay.nbytes, "buffer_id": 2}
+
+    def code(body: object, kind: str = "engine-shm", device: str | None = None) -> str:
+        try:
+            check_registration("st", lay, body, kind=kind, device_uuid=device)
+        except RegistrationError as e:
+            return e.code
+        return "ok"
+
+    assert code({"engine": "e", "layout_hash": h, "buffer": shm}) == "ok"
+    assert code({"engine": "e", "layout_hash": h, "buffer": gpu}, "cuda") == "ok"
+    assert code({"engine": "e", "layout_hash": h, "buffer": gpu}, "cuda", "GPU-AB-CD") == "ok"  # nvidia-smi spelling
+    assert code({"engine": "e", "layout_hash": h, "buffer": gpu}, "cuda", "ef-01") == "DeviceMismatch"
+    assert code({"engine": "e", "layout_hash": h, "buffer": gpu}) == "KindMismatch"
+    assert code({"engine": "e", "layout_hash": h, "buffer": shm}, "cuda") == "KindMismatch"
+    assert code({"engine": "e", "layout_hash": "00" * 32, "buffer": shm}) == "LayoutMismatch"
+    assert code({"engine": "e", "layout_hash": h, "buffer": shm | {"nbytes": lay.nbytes - 1}}) == "BufferTooSmall"
+    assert code({"engine": "e", "layout_hash": h, "buffer": shm | {"name": "other.buf.1"}}) == "BadHandle"
+    malformed = [
+        ([], "engine-shm"),
+        ({"engine": ""}, "engine-shm"),
+        ({"engine": "e", "layout_hash": h}, "engine-shm"),
+        ({"engine": "e", "layout_hash": h, "buffer": shm | {"buffer_id": -1}}, "engine-shm"),
+        ({"engine": "e", "layout_hash": h, "buffer": {"kind": "x"}}, "engine-shm"),
+        ({"engine": "e", "layout_hash": h, "buffer": gpu | {"device_uuid": 3}}, "cuda"),
+    ]
+    for body, kind in malformed:
+        assert code(body, kind) == "BadRequest", body
+
+
+def test_attach_buffer_refuses_a_buffer_smaller_than_claimed(name: str) -> None:
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    small = SharedSegment.create(f"{name}.buf.small", 4096)
+    with pytest.raises(StoreTooSmallError):
+        store.attach_buffer({"kind": "shm_buffer", "name": small.name, "nbytes": lay.nbytes, "buffer_id": 3})
+    assert store.data is None and store.attach_info()["buffer"] is None  # nothing changed
+    small.unlink()
+    small.close()
+    store.close()

@@ -1,0 +1,122 @@
+"""GPU checks that are not pytest tests: the codec's torch path and the store digest on a device.
+
+    python benchmarks/gpu_check.py [--device cuda:0] [--gb 2] [--frac 0.005] [--tensor-mb 128] [--json OUT.json]
+
+a) Codec on the device: a synthetic bf16 model (0.5% of values moved by one or two ulps) lives on
+   the device; ``encode_patch`` scans it there (protocol.diffscan's torch path) and the payload must
+   be byte-identical to the one encoded from a host copy; ``apply_patch`` onto a device copy of the
+   base must rebuild the target bit for bit.  Prints both encode times and the device apply time.
+b) Digest where the weights live: ``daemon.device_blake3.device_digests`` (BLAKE3 in torch ops) over
+   the model's tensors on the device against the blake3 library over a host copy; prints both
+   times and the GB/s of the device digest.
+
+Any mismatch exits 1.  Run by benchmarks/gpu_check.sh; ``--device cpu`` runs the same code on
+the host (a check of the script itself, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.device_blake3 import device_digests
+from protocol.codec import apply_patch, encode_patch
+from protocol.served import ServedModel, TensorSpec, bytes_digest
+
+COLS = 4096
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t
+
+
+def synthetic(total: int, frac: float, device: torch.device, tensor_mb: int = 128) -> tuple[ServedModel, ServedModel]:
+    """Two bf16 versions around N(0, 0.02): ``frac`` of the values moved by one or two ulps."""
+    rows = max(1, (tensor_mb << 20) // (COLS * 2))
+    g = torch.Generator(device=device).manual_seed(0)
+    specs, old, new = [], [], []
+    for i in range(max(1, total // (rows * COLS * 2))):
+        w = (torch.randn(rows * COLS, generator=g, device=device) * 0.02).to(torch.bfloat16).view(torch.int16)
+        k = int(w.numel() * frac)
+        pos = torch.randint(0, w.numel(), (k,), generator=g, device=device)
+        v = w.clone()
+        v[pos] += torch.randint(1, 3, (k,), dtype=torch.int16, generator=g, device=device)
+        specs.append(TensorSpec(f"layers.{i:04d}.weight", "BF16", (rows, COLS)))
+        old.append(w.view(torch.uint8))
+        new.append(v.view(torch.uint8))
+    return ServedModel(specs, old), ServedModel(specs, new)
+
+
+def to_host(m: ServedModel) -> ServedModel:
+    return ServedModel(m.specs, [t.cpu() for t in m.data])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--gb", type=float, default=2.0, help="model size in GB")
+    ap.add_argument("--frac", type=float, default=0.005)
+    ap.add_argument("--tensor-mb", type=int, default=128, help="size of each tensor (the last model tensor is whole)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: CUDA not available, skipped")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"skipped": "CUDA not available"}))
+        return 0
+    res: dict[str, Any] = {"device": str(dev), "torch": torch.__version__}
+    if dev.type == "cuda":
+        res["device_name"] = torch.cuda.get_device_name(dev)
+    base, target = synthetic(int(args.gb * 1e9), args.frac, dev, args.tensor_mb)
+    res["model_bytes"], res["tensors"] = base.nbytes, len(base)
+    print(f"model: {base.nbytes / 1e9:.2f} GB bf16 in {len(base)} tensors on {dev}, {args.frac:.2%} changed")
+
+    # a) codec: device encode == host encode, device apply rebuilds the target
+    encode_patch(ServedModel(base.specs[:1], base.data[:1]), ServedModel(target.specs[:1], target.data[:1]))  # warm
+    enc_dev, res["encode_device_s"] = timed(dev, lambda: encode_patch(base, target))
+    hb, ht = to_host(base), to_host(target)
+    enc_host, res["encode_host_s"] = timed(torch.device("cpu"), lambda: encode_patch(hb, ht))
+    res["payload_bytes"] = len(enc_dev.payload)
+    res["payload_identical"] = enc_dev.payload == enc_host.payload
+    work = ServedModel(base.specs, [t.clone() for t in base.data])
+    rebuilt, res["apply_device_s"] = timed(dev, lambda: apply_patch(work, enc_dev.payload, base.specs))
+    res["apply_bitwise"] = rebuilt.bitwise_equal(target)
+    print(f"codec: encode on {dev} {res['encode_device_s']:.2f} s, on host {res['encode_host_s']:.2f} s, "
+          f"payload {res['payload_bytes'] / 1e6:.1f} MB identical={res['payload_identical']}; "
+          f"apply on {dev} {res['apply_device_s']:.3f} s bitwise={res['apply_bitwise']}")  # fmt: skip
+
+    # b) digests where the weights live
+    device_digests(target.data[:1])  # warm-up (allocator, kernels)
+    on_dev, res["digest_device_s"] = timed(dev, lambda: device_digests(target.data))
+    on_host, res["digest_host_copy_s"] = timed(dev, lambda: [bytes_digest(t) for t in target.data])
+    res["digests_equal"] = on_dev == on_host
+    res["digest_device_gb_s"] = target.nbytes / 1e9 / res["digest_device_s"]
+    print(f"digest: on {dev} {res['digest_device_s']:.2f} s ({res['digest_device_gb_s']:.2f} GB/s), host copy + "
+          f"blake3 {res['digest_host_copy_s']:.2f} s, equal={res['digests_equal']}")  # fmt: skip
+    ok = res["payload_identical"] and res["apply_bitwise"] and res["digests_equal"]
+    res["ok"] = ok
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    print("gpu_check.py:", "OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

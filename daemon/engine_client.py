@@ -1,0 +1,104 @@
+"""The engine's client of the daemon's unix-socket API: find the store, attach or register, follow versions.
+
+Blocking (http.client over AF_UNIX), so an engine needs no event loop to use it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.engine import EngineView, StoreError, allocate, attach
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+class DaemonClient:
+    """The engine's side of the daemon's unix-socket API (blocking; no event loop needed).
+
+    ``open_store`` is the whole start-up: the layout, then attach (shm store) or allocate on the
+    engine's device and register the buffer (engine stores: store.kind cuda / engine-shm).
+    """
+
+    def __init__(self, socket_path: str | Path, timeout: float = 30.0) -> None:
+        self.socket_path = str(socket_path)
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> tuple[int, Any]:
+        conn = _UnixHTTPConnection(self.socket_path, self.timeout if timeout is None else timeout)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+        finally:
+            conn.close()
+
+    def layout(self, wait_s: float = 0.0, poll_s: float = 0.2) -> dict[str, Any]:
+        """GET /v1/layout; retries while the daemon is down or has no layout yet, for up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                code, body = self.request("GET", "/v1/layout")
+                if code == 200:
+                    return dict(body)
+                why = f"{code} {body}"
+            except OSError as e:
+                why = f"daemon not reachable at {self.socket_path}: {e}"
+            if time.monotonic() >= deadline:
+                raise StoreError(f"no store layout from the daemon: {why}")
+            time.sleep(poll_s)
+
+    def register(self, view: EngineView, engine: str) -> dict[str, Any]:
+        """POST /v1/store with the engine's buffer; the daemon's 4xx answer becomes a StoreError."""
+        if view.handle is None:
+            raise StoreError("only an engine-allocated view (allocate) has a buffer to register")
+        body = {"engine": engine, "layout_hash": view.layout.layout_hash.hex(), "buffer": view.handle}
+        code, answer = self.request("POST", "/v1/store", body)
+        if code >= 400:
+            raise StoreError(f"the daemon refused the buffer ({code} {answer.get('error')}): {answer.get('message')}")
+        return dict(answer)
+
+    def wait_version(self, version: int, timeout: float = 30.0) -> bool:
+        """Long poll until the daemon has applied ``version`` (or newer)."""
+        code, body = self.request("GET", f"/v1/wait?version={version}&timeout={timeout}", timeout=timeout + 10)
+        return code == 200 and bool(body["reached"])
+
+    def ack(self, engine: str, version: int) -> None:
+        self.request("POST", "/v1/ack", {"engine": engine, "version": version})
+
+    def open_store(
+        self, device: torch.device | str = "cpu", engine: str = "engine", wait_s: float = 60.0
+    ) -> EngineView:
+        """Map the daemon's store: attach to a host store, or allocate on ``device`` and register."""
+        info = self.layout(wait_s)["attach"]
+        if info["kind"] == "shm":
+            return attach(info)
+        view = allocate(info, device)
+        try:
+            self.register(view, engine)
+        except BaseException:
+            view.close()
+            raise
+        return view

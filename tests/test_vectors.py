@@ -1,0 +1,212 @@
+"""Negative vectors, after Sigstore's conformance suite: one folder per case under tests/vectors/.
+
+    tests/vectors/<parser>/<case>/input.*        the bytes under test
+                                  previous*.bin  documents accepted first, in name order (heads, roots)
+                                  expected.toml  error = exact class name ("none": must be accepted),
+                                                 message = a substring of the error, [context] = inputs
+
+Keys, the certificate and the base/target models the cases refer to are fixture files in
+tests/vectors/_fixtures/.  tests/vectors/generate.py (re)creates everything deterministically and
+checks each case against :func:`run_case` as it writes it.  Every case must fail with exactly the
+expected class and message, and must not allocate more than a bounded amount of memory doing so.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import tracemalloc
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from multidict import CIMultiDict
+
+from daemon.config import load_config
+from daemon.sidecar import HEADER_EXACT, HEADER_MIN, constraint_from_headers, split_body_constraint
+from protocol.bitfield import Bitfield
+from protocol.chunks import ChunkRef, verify_chunk
+from protocol.head import HeadTracker, verify_head
+from protocol.keys import SigningKey, load_public_key
+from protocol.manifest import Kind, SignedManifest
+from protocol.patchfile import apply_version, open_file
+from protocol.safetensors_io import load_safetensors
+from protocol.served import ServedModel
+from protocol.trust import TrustState
+from protocol.wire import decode_frame
+
+VECTORS = Path(__file__).parent / "vectors"
+FIXTURES = VECTORS / "_fixtures"
+RUN = "run-fuzz"
+NOW_MS = 2_000_000
+SKEW_MS = 1_000
+# Most Python-heap bytes a case may allocate while being refused (bombs included).
+MAX_PEAK_BYTES = 64 << 20
+
+
+@cache
+def root_key() -> bytes:
+    return load_public_key(FIXTURES / "root.key.pub")
+
+
+@cache
+def fixture_model(name: str) -> ServedModel:
+    return load_safetensors(FIXTURES / f"{name}.safetensors")
+
+
+def trust(case: Path, ctx: dict[str, Any]) -> TrustState:
+    """The pinned root, the root documents of the case (previous-root*.bin) and the certificates in
+    ``ctx["certs"]`` (default: the trainer's, for RUN)."""
+    ts = TrustState(root_key(), skew_ms=int(ctx.get("skew_ms", SKEW_MS)))
+    for doc in sorted(case.glob("previous-root*.bin")):
+        ts.update_root(doc.read_bytes())
+    for cert in ctx.get("certs", ["trainer.cert"]):
+        ts.add_certificate((FIXTURES / cert).read_bytes())
+    return ts
+
+
+def _input(case: Path) -> Path:
+    (path,) = case.glob("input.*")
+    return path
+
+
+def run_manifest(case: Path, ctx: dict[str, Any]) -> object:
+    signed = SignedManifest.from_bytes(_input(case).read_bytes())
+    return signed.verify(trust(case, ctx), now_ms=int(ctx.get("now_ms", NOW_MS)), skew_ms=SKEW_MS)
+
+
+def run_patchfile(case: Path, ctx: dict[str, Any]) -> object:
+    version = open_file(_input(case).read_bytes(), trust(case, ctx), now_ms=int(ctx.get("now_ms", NOW_MS)))
+    base = fixture_model(ctx.get("base", "base")).clone() if version.manifest.kind == Kind.PATCH else None
+    return apply_version(base, version.manifest, version.payload)
+
+
+def run_head(case: Path, ctx: dict[str, Any]) -> object:
+    ts, now = trust(case, ctx), int(ctx.get("now_ms", NOW_MS))
+    tracker = HeadTracker(ctx.get("follow", RUN))
+    for prev in sorted(case.glob("previous-head*.bin")):
+        tracker.accept(*verify_head(prev.read_bytes(), ts, now_ms=now, skew_ms=SKEW_MS))
+    return tracker.accept(*verify_head(_input(case).read_bytes(), ts, now_ms=now, skew_ms=SKEW_MS))
+
+
+def run_trust_root(case: Path, ctx: dict[str, Any]) -> object:
+    return trust(case, {"certs": []}).update_root(_input(case).read_bytes())
+
+
+def run_certificate(case: Path, ctx: dict[str, Any]) -> object:
+    ts = trust(case, {"certs": []})
+    cert = ts.add_certificate(_input(case).read_bytes())
+    ts.check(cert.key, run_id=ctx.get("run", cert.run_id), now_ms=int(ctx.get("now_ms", NOW_MS)))
+    return cert
+
+
+def run_keys(case: Path, ctx: dict[str, Any]) -> object:
+    path = _input(case)
+    return SigningKey.load(path) if ctx.get("kind") == "private" else load_public_key(path)
+
+
+def run_gossip(case: Path, ctx: dict[str, Any]) -> object:
+    return decode_frame(ctx["secret"].encode(), _input(case).read_bytes())
+
+
+def run_bitfield(case: Path, ctx: dict[str, Any]) -> object:
+    return Bitfield.from_bytes(int(ctx["n"]), _input(case).read_bytes())
+
+
+def run_chunk(case: Path, ctx: dict[str, Any]) -> object:
+    verify_chunk(int(ctx.get("index", 0)), _input(case).read_bytes(), ChunkRef(ctx["size"], bytes.fromhex(ctx["hash"])))
+    return None
+
+
+def run_safetensors(case: Path, ctx: dict[str, Any]) -> object:
+    return load_safetensors(_input(case))
+
+
+def run_config(case: Path, ctx: dict[str, Any]) -> object:
+    return load_config(_input(case), env=ctx.get("env", {}))
+
+
+def run_sidecar(case: Path, ctx: dict[str, Any]) -> object:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for value in ctx.get("min_headers", []):
+        headers.add(HEADER_MIN, value)
+    for value in ctx.get("exact_headers", []):
+        headers.add(HEADER_EXACT, value)
+    from_headers = constraint_from_headers(headers)
+    body, from_body = split_body_constraint(_input(case).read_bytes(), ctx.get("content_type", "application/json"))
+    return body, from_headers.merged(from_body)
+
+
+RUNNERS: dict[str, Callable[[Path, dict[str, Any]], object]] = {
+    "manifest": run_manifest,
+    "patchfile": run_patchfile,
+    "head": run_head,
+    "trust_root": run_trust_root,
+    "certificate": run_certificate,
+    "keys": run_keys,
+    "gossip": run_gossip,
+    "bitfield": run_bitfield,
+    "chunk": run_chunk,
+    "safetensors": run_safetensors,
+    "config": run_config,
+    "sidecar": run_sidecar,
+}
+
+
+def expected_of(case: Path) -> dict[str, Any]:
+    with open(case / "expected.toml", "rb") as fh:
+        return tomllib.load(fh)
+
+
+def run_case(case: Path) -> BaseException | None:
+    """Run one case; returns the exception it raised (None when it was accepted)."""
+    expected = expected_of(case)
+    try:
+        RUNNERS[case.parent.name](case, expected.get("context", {}))
+    except Exception as e:
+        return e
+    return None
+
+
+def mismatch(case: Path, got: BaseException | None) -> str | None:
+    """Why ``got`` is not what the case expects (None when it is)."""
+    expected = expected_of(case)
+    want, message = expected["error"], expected.get("message", "")
+    if want == "none":
+        return None if got is None else f"expected acceptance, got {type(got).__name__}: {got}"
+    if got is None:
+        return f"expected {want}, but the input was accepted"
+    if type(got).__name__ != want or message not in str(got):
+        return f"expected {want} containing {message!r}, got {type(got).__name__}: {got}"
+    return None
+
+
+CASES = sorted(p.parent for p in VECTORS.glob("*/*/expected.toml") if not p.parent.parent.name.startswith("_"))
+
+
+def test_there_are_cases_for_every_parser() -> None:
+    per_parser = {name: sum(1 for c in CASES if c.parent.name == name) for name in RUNNERS}
+    assert all(n >= 2 for n in per_parser.values()), per_parser
+    assert len(CASES) >= 40
+    assert {c.parent.name for c in CASES} <= set(RUNNERS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}/{c.name}" for c in CASES])
+def test_vector(case: Path) -> None:
+    expected = expected_of(case)
+    assert expected.get("description"), "every case says what it is about"
+    tracemalloc.start()
+    try:
+        got = run_case(case)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    problem = mismatch(case, got)
+    assert problem is None, problem
+    assert peak < MAX_PEAK_BYTES, f"{peak} bytes allocated"
+
+
+def test_fixture_data_stays_small() -> None:
+    total = sum(p.stat().st_size for p in VECTORS.rglob("*") if p.is_file())
+    assert total < 1 << 20, total
