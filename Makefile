@@ -32,12 +32,14 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
 
-# Tests need nginx (serving a board) and systemd-analyze (checking the unit); as root this installs
+# Tests need nginx (serving a board), systemd-analyze (checking the unit) and faketime (clock-skew
+# faults); as root this installs
 # them from apt, otherwise those tests are skipped with a message.
 system-deps:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
+	command -v faketime >/dev/null 2>&1 || missing="$$missing faketime"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
 	  echo "could not install$$missing; the tests that need them will be skipped"; \

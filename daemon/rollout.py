@@ -21,8 +21,9 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from daemon import systemd
 from daemon.api import make_api_app, serve_unix
@@ -50,6 +51,21 @@ from protocol.served import state_root
 from protocol.trust import TrustState
 from swarm.node import NodeConfig
 from swarm.server import RunningNode, start_http_node
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking store operation in a thread, so the API and the sidecar keep answering while
+    it writes (their p99 otherwise carries every activation).  Cancelling the caller (SIGTERM)
+    waits for the write to finish: the store is never closed under a writer."""
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
 
 log = logging.getLogger("patchswarm.daemon")
 FAULT_ENV = "PATCHSWARM_FAULT_AT"
@@ -255,7 +271,7 @@ class RolloutDaemon:
             if self.gate is not None:
                 await self.gate.begin_activation("quiesce", held.version)
             try:
-                self.store.load(held.model, held.version, root)
+                await off_loop(self.store.load, held.model, held.version, root)
             finally:
                 if self.gate is not None:
                     hdr = self.store.header()
@@ -263,13 +279,13 @@ class RolloutDaemon:
             self.status.update(last_activation_pause_s=time.perf_counter() - start)
             self.metrics.applied.inc()
             return True
-        updates = diff_updates(self.shadow.model, held.model)
+        updates = await off_loop(diff_updates, self.shadow.model, held.model)
         self._arm_fault_injection(self.store)
         if self.gate is not None:
             await self.gate.begin_activation(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
         try:
-            stats = self.store.activate(held.version, root, updates, self.journal_dir)
+            stats = await off_loop(self.store.activate, held.version, root, updates, self.journal_dir)
         finally:
             if self.gate is not None:
                 # Reopen at whatever the store now holds: the new version, or the old one on failure.

@@ -325,16 +325,8 @@ class Network:
         self._checked = None
         heap = self._completions
         for f in self.sharer.reshare(self.now, started, freed):
-            # its completion: last + remaining / rate (Flow.finish_time), inlined: this is the hot path
-            rate = f.rate
-            t = (
-                f.last
-                if f.remaining <= 0.0 or rate == math.inf
-                else f.last + f.remaining / rate
-                if rate > 0.0
-                else math.inf
-            )
-            if t < f.due:  # earlier than its entry: a new one (a later completion keeps the entry, see above)
+            t = f.finish_time()
+            if t < f.due:  # earlier than its entry: a new one (a later one keeps it: see _first_completion)
                 f.version += 1
                 f.due = t
                 heapq.heappush(heap, (t, f.id, f.version, f))

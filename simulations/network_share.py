@@ -489,11 +489,14 @@ class Sharer:
                     for s in f.resources:
                         if s is not r:
                             touch(s)
-                if r.water < INF:
+                if r.water == INF:
+                    continue
+                if queue and queue[0][0] <= r.water:
                     r.version += 1
                     r.queued = r.water
                     push(queue, (r.water, r.index, r.version, r))
-                continue
+                    continue
+                key = level = r.water  # nothing comes before its fill: fill it now
             r.filled = True
             r.water = key
             if r.expired or key != r.level:  # the flows it holds move to the new level

@@ -337,11 +337,21 @@ def test_sigkill_at_random_moments(launcher: Launcher, store: WeightStore, tmp_p
     rng = random.Random(1234)
     engine = _engine(store)
     actions: dict[str, int] = {}
+    # Kill moments are drawn over about two activations as long as one takes on this machine now
+    # (a fixed window would fall entirely before the first write on a loaded machine).
+    pid = launcher.send("go")
+    launcher.expect("ready")
+    t0 = time.monotonic()
+    launcher.expect("activated")
+    period = time.monotonic() - t0
+    os.kill(pid, signal.SIGKILL)
+    launcher.expect("dead")
+    recover(WeightStore.open(store.segment.name), tmp_path)
     for _ in range(20):
         pid = launcher.send("go")
         launcher.expect("ready")
         before = launcher.last
-        time.sleep(rng.uniform(0.0, 0.06))
+        time.sleep(rng.uniform(0.0, 2 * period))
         os.kill(pid, signal.SIGKILL)
         launcher.expect("dead")
         after = launcher.last
