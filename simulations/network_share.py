@@ -59,7 +59,7 @@ class Resource:
         self.capacity = capacity
         self.flows: dict[int, Flow] = {}  # active flows crossing it, by id (insertion order)
         self.held: dict[int, Flow] = {}  # those of them bottlenecked here (their rate is `level`)
-        self.level = INF  # the rate of the flows held here (inf when none)
+        self.level = INF  # the rate of the flows held here (inf: none; may outlive them when a tie moves them)
         # Scratch state of the re-sharing in progress (valid while `epoch` is the Sharer's).
         self.epoch = 0
         self.water = INF  # the level it would fill at, given what its flows are known to do

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -107,13 +107,15 @@ async def run_swarm(
     deadline: float = 600.0,
     membership: MembershipConfig | None = None,
     node_options: dict[str, Any] | None = None,
+    host_options: Mapping[str, dict[str, Any]] | None = None,
     gossip_flows: bool = False,
     start_from: Held | None = None,
 ) -> SwarmResult:
     """Simulate on the running (virtual-time) loop; see ``simulate_swarm`` for the synchronous entry.
 
     ``start_from``: the version every peer holds at the start (None: nothing).  ``node_options``:
-    NodeConfig fields for every node.  ``deadline``: virtual seconds before giving up.
+    NodeConfig fields for every node; ``host_options``: more, per host id (e.g. a node-enforced
+    ``upload_rate`` per host, as loopback daemons have).  ``deadline``: virtual seconds before giving up.
     """
     kw: dict[str, Any] = {} if window is None else {"window": window}
     network = Network([seed_host, *peers], regions, backbones, **kw)
@@ -142,7 +144,10 @@ async def run_swarm(
     def addr(host: Host) -> str:
         return f"sim://{host.id}"
 
-    seed_cfg = replace(base, node_id=seed_host.id, region=seed_host.region, is_seed=True)
+    per_host = host_options or {}
+    seed_cfg = replace(
+        base, node_id=seed_host.id, region=seed_host.region, is_seed=True, **per_host.get(seed_host.id, {})
+    )
     seed_node = SwarmNode(
         seed_cfg,
         addr(seed_host),
@@ -158,7 +163,7 @@ async def run_swarm(
     for i, h in enumerate(peers):
         held = Held(start_from.version, start_from.model.clone(), list(start_from.digests)) if start_from else None
         bootstrap = [addr(seed_host), *(addr(p) for p in peers[max(0, i - 2) : i])]
-        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap)
+        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap, **per_host.get(h.id, {}))
         nodes.append(
             SwarmNode(
                 cfg,
@@ -330,6 +335,7 @@ async def run_stream(
     deadline: float = 600.0,
     membership: MembershipConfig | None = None,
     node_options: dict[str, Any] | None = None,
+    host_options: Mapping[str, dict[str, Any]] | None = None,
     gossip_flows: bool = False,
     progress: Callable[[float, int, int], None] | None = None,
 ) -> StreamResult:
@@ -350,6 +356,7 @@ async def run_stream(
     clock = SimClock(setup.epoch)
     t0 = clock.now()
     options = {**SIM_NODE_DEFAULTS, **(node_options or {})}
+    per_host = host_options or {}
     base = NodeConfig("", setup.run_id, setup.cluster_secret, membership=membership or MembershipConfig(), **options)
     order = [h.id for h in peers]
     by_id = {h.id: h for h in peers}
@@ -378,7 +385,7 @@ async def run_stream(
         return f"sim://{host_id}"
 
     seed_node = SwarmNode(
-        replace(base, node_id=seed_host.id, region=seed_host.region, is_seed=True),
+        replace(base, node_id=seed_host.id, region=seed_host.region, is_seed=True, **per_host.get(seed_host.id, {})),
         addr(seed_host.id),
         net.transport(seed_host.id),
         clock,
@@ -402,7 +409,7 @@ async def run_stream(
         h = by_id[host_id]
         life = lives.get(host_id, 0)
         lives[host_id] = life + 1
-        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap)
+        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap, **per_host.get(h.id, {}))
         rng = random.Random(f"{seed}:{h.id}" if life == 0 else f"{seed}:{h.id}:{life}")
         node = SwarmNode(
             cfg,
@@ -431,6 +438,11 @@ async def run_stream(
             await asyncio.sleep(t0 + i * interval - clock.now())
             setup.publish(v)
             published[v] = i * interval
+            for hid, node in nodes.items():  # hosts already holding it (or newer) have it now
+                if node.held is not None and node.held.version >= v:
+                    done.setdefault((hid, v), published[v])
+            if len(done) == total_rows:
+                everyone.set()
 
     saved: dict[str, Held | None] = {}
 
@@ -439,11 +451,11 @@ async def run_stream(
         if node is None:
             return  # already down
         down_since[hid] = clock.now() - t0
+        saved[hid] = node.held if churn is None or churn.persist else None
+        retired.append(node)
         net.crash(hid)
         await node.stop(leave=False)
         await node.transport.close()
-        retired.append(node)
-        saved[hid] = node.held if churn is None or churn.persist else None
 
     async def revive(hid: str) -> None:
         if hid in nodes or hid not in down_since:
@@ -550,8 +562,8 @@ def _stream_result(
     for node in nodes:
         hid = node.config.node_id
         for counts, into in (
-            (node.metrics.seed_bytes_by_manifest, from_seed),
-            (node.metrics.peer_bytes_by_manifest, from_peers),
+            (node.seed_bytes_by_manifest, from_seed),
+            (node.peer_bytes_by_manifest, from_peers),
         ):
             for mid, n in counts.items():
                 v = mids.get(mid)
@@ -607,6 +619,7 @@ def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], *
     event batching, seconds), ``seed`` (every random choice: nodes, churn, rejoin bootstrap),
     ``churn`` (a ``Churn``), ``start_from`` (what every peer holds at 0), ``deadline`` (virtual
     seconds after the last publication), ``membership``, ``node_options`` (NodeConfig fields),
+    ``host_options`` (NodeConfig fields per host id, over node_options),
     ``gossip_flows``, ``progress(virtual_now, rows_done, rows_total)``.
     """
     return run_virtual(run_stream(setup, seed_host, peers, **kw))

@@ -108,9 +108,6 @@ class Metrics:
     bans: int = 0
     versions_applied: int = 0
     apply_failures: int = 0
-    # Chunk bytes received per manifest id (for per-version accounting in studies).
-    seed_bytes_by_manifest: dict[bytes, int] = field(default_factory=dict)
-    peer_bytes_by_manifest: dict[bytes, int] = field(default_factory=dict)
 
 
 class SwarmNode:
@@ -144,6 +141,10 @@ class SwarmNode:
         self.verify_chunk = verify_chunk
         self.apply = apply
         self.metrics = Metrics()
+        # Chunk bytes received per manifest id, from the seed and from peers (per-version accounting;
+        # kept out of Metrics, which daemons print as JSON).
+        self.seed_bytes_by_manifest: dict[bytes, int] = {}
+        self.peer_bytes_by_manifest: dict[bytes, int] = {}
         self.membership = Membership(self.info, config.membership, rng, clock.now())
         self.peers: dict[str, PeerView] = {}
         self.head: Head | None = None
@@ -751,10 +752,10 @@ class SwarmNode:
             self.chunks.put(ref.hash, reply)
             if view.ann.seed:
                 self.metrics.bytes_from_seed += len(reply)
-                by = self.metrics.seed_bytes_by_manifest
+                by = self.seed_bytes_by_manifest
             else:
                 self.metrics.bytes_from_peers += len(reply)
-                by = self.metrics.peer_bytes_by_manifest
+                by = self.peer_bytes_by_manifest
             by[mid] = by.get(mid, 0) + len(reply)
             end = self.clock.now()
             for dup in sched.on_success(end, req.chunk, req.peer_id, len(reply), max(end - start, 1e-6)):

@@ -1,25 +1,30 @@
 """The simulator against real nodes: the same swarm, the same upload limits, the same time to all.
 
-A seed and eight peers fetch one ~3 MB version.  Real: in-process SwarmNodes over real HTTP on
-loopback, each node's own token bucket holding its uplink to its limit.  Simulated: the same
-nodes in virtual time on the flow model, the limits as the hosts' uplinks (the nodes' buckets
-unlimited).  Same bootstrap pattern (the seed and the two previous peers), gossip only (no board
-polling), same node settings.  Time to all must agree within 15%.
+A seed (0.5 MB/s up) and eight peers (0.5 and 0.3 MB/s up, alternating) fetch one ~3 MB
+version.  Real: in-process SwarmNodes over real HTTP on loopback.  Simulated: the same nodes in
+virtual time on the flow model.  Same bootstrap pattern (the seed and the two previous peers),
+gossip only (no board polling), same node settings; time to all must agree within 15% (the
+simulated figure is the mean of three seeds: one run's random choices move it by ~10%).
 
-Settings that make one real run a fair sample of what the model predicts:
-* one upload at a time per host: a node's token bucket serves concurrent uploads one after the
-  other (FIFO) where the flow model shares the uplink max-min; with one upload they coincide
-  (with several, eight 64 KiB chunks on a slow uplink all finish late together in the model,
-  one by one in the node, and request timeouts make the two diverge);
-* the seed hands each chunk out once (a 30 s copy window): its egress, which sets the time here,
-  does not hinge on when retries happen to land;
-* slow links (0.3-0.5 MB/s) and announcements every 0.2 s: the transfer, not loopback's CPU cost
-  on this shared machine, sets the real time.
+Where the limits live matters, and is the same on both sides: on loopback the only thing that
+can hold a host's uplink is the node's own token bucket, so the simulated nodes get the same
+buckets (``host_options``) on unconstrained simulated links.  Modelling the limit as the host's
+uplink instead is a different regime, not a wrong one: a node's bucket waits *inside* the upload
+handler (FIFO, holding an upload slot), whereas a NIC-limited host returns from the handler at
+once and its transfers share the link max-min afterwards (slots then count handlers, not bytes on
+the wire).  Measured here with the limits as uplinks: 13.6 s simulated against 9.1 s real on a
+quiet machine; the sharing model itself is checked against the golden case in
+tests/test_sim_network.py.
+
+Also: the seed hands each chunk out once (a 30 s copy window), so its egress, which sets the time
+here, does not hinge on when retries land; slow links and announcements every 0.2 s keep the
+real run's CPU cost on this shared machine small next to the transfer time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable
@@ -33,6 +38,7 @@ from daemon.publisher import Publisher
 from daemon.pull import Held
 from protocol.scheduler import SchedulerConfig
 from protocol.trust import Certificate
+from simulations.bounds import kumar_ross
 from simulations.network import Host, Region
 from simulations.runner import SwarmResult, SwarmSetup, payload_bytes, simulate_swarm
 from swarm.node import NodeConfig
@@ -46,8 +52,6 @@ CHUNK = 64 << 10
 # The same node settings on both sides (see the module docstring); deadlines sized for slow uplinks.
 OPTIONS: dict[str, Any] = {
     "membership": FAST_MEMBERSHIP,
-    "max_uploads": 1,
-    "seed_max_uploads": 1,
     "seed_copy_window": 30.0,
     "announce_interval": 0.2,
     "scheduler": SchedulerConfig(deadline_rate=10e3),
@@ -108,8 +112,10 @@ async def test_simulated_time_to_all_agrees_with_real_loopback_nodes(tmp_path: P
     s, version, size = publish_model(tmp_path)
     assert size > 2.5 * MB  # the transfer, not the protocol's fixed delays, sets the time
     real = await real_time_to_all(s, version)
-    seed = Host("seed", "r0", up=SEED_UP)
-    peers = [Host(f"n{i}", "r0", up=rate) for i, rate in enumerate(PEER_UP)]
+    # The limits where the loopback nodes have them: in each node's token bucket (see the docstring).
+    seed = Host("seed", "r0")
+    peers = [Host(f"n{i}", "r0") for i in range(len(PEER_UP))]
+    limits = {"seed": {"upload_rate": SEED_UP}} | {f"n{i}": {"upload_rate": r} for i, r in enumerate(PEER_UP)}
     setup = SwarmSetup(s.board, RUN, SECRET, s.policy, epoch=time.time())
     options = {k: v for k, v in OPTIONS.items() if k != "membership"}
 
@@ -122,16 +128,18 @@ async def test_simulated_time_to_all_agrees_with_real_loopback_nodes(tmp_path: P
             regions=[Region("r0", 0.0001)],
             membership=FAST_MEMBERSHIP,
             node_options=options,
+            host_options=limits,
             seed=seed_,
         )
 
     # The protocol's random choices move one run's time to all by a few percent: average three.
     # simulate_swarm runs its own loop: keep it off this test's loop (a thread has none).
     sims = [await asyncio.to_thread(simulate, k) for k in range(3)]
+    bound = kumar_ross(size, SEED_UP, PEER_UP, [math.inf] * len(PEER_UP))
     for sim in sims:
         assert sim.complete and sim.errors == {}
-        assert sim.time_to_all >= sim.lower_bound
+        assert sim.time_to_all >= bound
         assert sim.seed_uploaded == sim.payload_bytes  # one copy from the seed, as in the real run
     simulated = sum(sim.time_to_all for sim in sims) / len(sims)
-    print(f"time to all: real {real:.2f} s, simulated {simulated:.2f} s (mean of 3), bound {sims[0].lower_bound:.2f} s")
+    print(f"time to all: real {real:.2f} s, simulated {simulated:.2f} s (mean of 3), bound {bound:.2f} s")
     assert abs(simulated - real) <= 0.15 * real

@@ -293,3 +293,10 @@ def test_stream_input_errors(synthetic: SyntheticRun, published: Swarm) -> None:
         stream(SyntheticRun(setup_of(published), synthetic.board, (1,), 1, 1, 1 << 20))
     with pytest.raises(ValueError):
         Churn(rate=-1)
+
+
+def test_a_version_hosts_already_hold_is_done_when_published(synthetic: SyntheticRun) -> None:
+    r = stream(synthetic, n=4, versions=(0, 1), interval=1.0)
+    assert r.complete
+    assert [row.done for row in r.rows if row.version == 0] == [0.0] * 4
+    assert r.versions[0].time_to_all == 0.0 and r.versions[0].seed_egress == 0
