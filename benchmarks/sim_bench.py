@@ -14,11 +14,13 @@ Prints wall seconds, events and virtual time; the numbers go in docs/simulation.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from simulations.network import Flow, Host, Network, Region
 
@@ -124,6 +126,7 @@ def placeholder_bench(
     rate: float,
     latency: float,
     seed: int,
+    node_options: dict[str, Any] | None = None,
 ) -> None:
     """Real nodes, placeholder payloads: ``hosts`` peers and a seed, all at ``rate`` both ways."""
     from simulations.placeholder import placeholder_held
@@ -142,6 +145,7 @@ def placeholder_bench(
         regions=[Region("r0", latency)],
         start_from=placeholder_held(0),
         seed=seed,
+        node_options=node_options,
     )
     cpu = time.process_time() - cpu0
     print(
@@ -156,6 +160,18 @@ def placeholder_bench(
             f"  version {v.version}: time to all {v.time_to_all:.3f} s virtual, Kumar-Ross {v.lower_bound:.3f} s "
             f"(x{ratio:.2f}), seed egress {v.seed_egress / v.payload_bytes:.2f} copies, {v.hosts_done}/{hosts} hosts"
         )
+        print("    " + phase_breakdown(r.marks, v.version, v.published))
+
+
+def phase_breakdown(marks: dict[str, tuple[tuple[str, int, float], ...]], version: int, published: float) -> str:
+    """Where the hosts' time went: virtual ms after publication at which they passed each step (median / p90 / max)."""
+    parts = []
+    for step in ("head", "manifest", "chunk", "chunks", "applied"):
+        ts = sorted(t - published for m in marks.values() for w, v, t in m if w == step and v == version)
+        if ts:
+            q = [ts[min(len(ts) - 1, int(f * len(ts)))] * 1e3 for f in (0.5, 0.9)]
+            parts.append(f"{step} {q[0]:.0f}/{q[1]:.0f}/{ts[-1] * 1e3:.0f}")
+    return "ms after publication (median/p90/max): " + ", ".join(parts)
 
 
 def main() -> None:
@@ -181,11 +197,13 @@ def main() -> None:
     w.add_argument("--rate", type=float, default=10e9 / 8, help="bytes/s, every host's uplink and downlink")
     w.add_argument("--latency", type=float, default=0.0005)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--node", action="append", default=[], metavar="FIELD=JSON", help="a NodeConfig field (repeatable)")
     a = p.parse_args()
     if a.what == "network":
         network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum, a.check)
     elif a.hosts:
-        placeholder_bench(a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed)
+        options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.node)}
+        placeholder_bench(a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed, options)
     else:
         swarm_bench(a.peers, a.seed)
 

@@ -239,7 +239,8 @@ SCHEMA: list[Key] = [
         "commit_mode",
         choice("quiesce", "in_place"),
         "quiesce",
-        "quiesce: drain every request before activating; in_place: drain only requests pinned to an exact version.",
+        "quiesce: drain every request before activating; in_place: drain only requests pinned to an exact "
+        "version and pause the engine (POST upstream /pause_generation, then /continue_generation) while writing.",
     ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
     Key("metrics", "listen", parse_listen, None, "Prometheus metrics address (also served on the API socket)."),

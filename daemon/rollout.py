@@ -25,12 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
+
 from daemon import systemd
 from daemon.api import make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig
 from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics
+from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from daemon.pull import Held
 from daemon.pull_state import PullState
 from daemon.status import Phase, Status
@@ -53,6 +56,9 @@ from swarm.node import NodeConfig
 from swarm.server import RunningNode, start_http_node
 
 T = TypeVar("T")
+
+# A pause waits for the engine's step in progress; beyond this the engine is taken as unresponsive.
+ENGINE_CALL_TIMEOUT_S = 30.0
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -281,20 +287,47 @@ class RolloutDaemon:
             return True
         updates = await off_loop(diff_updates, self.shadow.model, held.model)
         self._arm_fault_injection(self.store)
+        in_place = self.gate is not None and self.cfg["sidecar.commit_mode"] == "in_place"
         if self.gate is not None:
             await self.gate.begin_activation(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
+        paused = False
         try:
+            if in_place:
+                # Unpinned requests stay in flight across the switch: the engine must hold them
+                # between steps while the weights change (docs/sidecar.md, attribution guarantee).
+                await self._engine_call(sglang_pause_generation("in_place"))
+                paused = True
             stats = await off_loop(self.store.activate, held.version, root, updates, self.journal_dir)
         finally:
             if self.gate is not None:
                 # Reopen at whatever the store now holds: the new version, or the old one on failure.
                 self.gate.end_activation(self.store.header().version)
+            if paused:  # resumed only after end_activation, so no request reports a version it did not see
+                with contextlib.suppress(StoreError):
+                    await self._engine_call(sglang_continue_generation())
         self.metrics.pause.observe(stats.pause_s)
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)
         log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
         return True
+
+    async def _engine_call(self, req: EngineRequest) -> None:
+        """One control call to the engine behind the sidecar (``sidecar.upstream``); StoreError if it fails."""
+        url = self.cfg["sidecar.upstream"].rstrip("/") + req.path
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ENGINE_CALL_TIMEOUT_S)) as session,
+                session.request(req.method, url, json=req.json, params=req.params) as resp,
+            ):
+                if resp.status >= 400:
+                    raise StoreError(f"sidecar.upstream {req.path} answered {resp.status}: {(await resp.text())[:200]}")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise StoreError(
+                f"sidecar.commit_mode 'in_place' needs the engine's {req.path} at sidecar.upstream: {e}"
+            ) from e
+        if req.path == "/pause_generation":
+            log.info("engine paused for activation")
 
     @staticmethod
     def _crash_if_armed(reached: str) -> None:

@@ -29,9 +29,10 @@ Protocol, per node:
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -225,6 +226,54 @@ class _Broadcast:
     order: int
 
 
+class _SortedIds:
+    """Node ids kept sorted (bisect): the k-th id by node_id in O(1), an insert or removal in O(log n) plus
+    a memmove, so ``random.sample`` over the ids draws exactly what it drew over a freshly sorted list."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def add(self, node_id: str) -> None:
+        i = bisect.bisect_left(self.ids, node_id)
+        if i == len(self.ids) or self.ids[i] != node_id:
+            self.ids.insert(i, node_id)
+
+    def discard(self, node_id: str) -> None:
+        i = bisect.bisect_left(self.ids, node_id)
+        if i < len(self.ids) and self.ids[i] == node_id:
+            del self.ids[i]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class _InfoView(Sequence[NodeInfo]):
+    """The NodeInfo of sorted ids, optionally without one id: what ``_pick`` samples from, without copying."""
+
+    def __init__(self, ids: list[str], members: dict[str, _Member], skip: str | None = None) -> None:
+        self._ids = ids
+        self._members = members
+        self._skip = -1
+        if skip is not None:
+            i = bisect.bisect_left(ids, skip)
+            if i < len(ids) and ids[i] == skip:
+                self._skip = i
+
+    def __len__(self) -> int:
+        return len(self._ids) - (self._skip >= 0)
+
+    def __getitem__(self, i: int) -> NodeInfo:  # type: ignore[override]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if 0 <= self._skip <= i:
+            i += 1
+        return self._members[self._ids[i]].info
+
+
 # Far more refutations than a node makes in its life, far less than the 2**63 the wire carries.
 MAX_INCARNATION_JUMP = 1 << 20
 
@@ -244,8 +293,14 @@ class Membership:
         self._left = False
         self._awareness = 0
         self._members: dict[str, _Member] = {}
+        # Indexes over _members by state, kept by _track (O(log n) per change instead of a sort per query).
+        self._usable = _SortedIds()  # ALIVE or SUSPECT
+        self._alive_ids = _SortedIds()  # ALIVE
+        self._dead_ids = _SortedIds()  # DEAD
+        self._gone: set[str] = set()  # DEAD or LEFT: reclaimed after dead_reclaim
         self._suspicions: dict[str, _Suspicion] = {}
         self._queue: dict[str, _Broadcast] = {}
+        self._queue_order: list[tuple[int, int, str]] = []  # (transmits, -order, node_id) of _queue, sorted
         self._order = 0
         self._probe_order: list[str] = []
         self._probe_index = 0
@@ -286,7 +341,12 @@ class Membership:
 
     def alive(self) -> list[NodeInfo]:
         """Usable peers (ALIVE and SUSPECT), excluding self, by node_id."""
-        return [m.info for m in self._sorted() if m.state <= SUSPECT]
+        members = self._members
+        return [members[k].info for k in self._usable.ids]
+
+    def alive_count(self) -> int:
+        """How many members ``alive()`` would list (O(1))."""
+        return len(self._usable)
 
     def known(self) -> list[Update]:
         """Full state, self included, by node_id: what a ``Sync`` carries."""
@@ -303,7 +363,7 @@ class Membership:
         """Earliest time ``tick`` has work; ``math.inf`` when none (only after ``leave``)."""
         times = [r.nack_at for r in self._relays.values()]
         times.extend(s.deadline for s in self._suspicions.values())
-        times.extend(m.since + self._cfg.dead_reclaim for m in self._members.values() if m.state >= DEAD)
+        times.extend(self._members[k].since + self._cfg.dead_reclaim for k in self._gone)
         if self._probe is not None:
             times.append(self._probe.deadline if self._probe.indirect else self._probe.timeout_at)
         elif not self._left:
@@ -391,9 +451,10 @@ class Membership:
                 m = self._members.get(node_id)
                 if m is not None and m.state is SUSPECT and m.incarnation == s.incarnation:
                     self._apply(Update(m.info, m.incarnation, DEAD, self._me.node_id), now)
-        for node_id in sorted(self._members):
+        for node_id in sorted(self._gone):
             m = self._members[node_id]
-            if m.state >= DEAD and m.since + self._cfg.dead_reclaim <= now:
+            if m.since + self._cfg.dead_reclaim <= now:
+                self._track(node_id, m.state, None)
                 del self._members[node_id]
         if self._queue and self._next_gossip_at <= now:
             self._next_gossip_at = now + self._cfg.gossip_interval
@@ -412,7 +473,9 @@ class Membership:
         if p is not None and not p.indirect and p.timeout_at <= now:
             p.indirect = True
             p.deadline = max(p.deadline, now + (cfg.probe_interval - cfg.probe_timeout) * scale)
-            helpers = self._pick(cfg.indirect_probes, lambda m: m.state is ALIVE and m.info != p.target)
+            known = self._members.get(p.target.node_id)
+            skip = p.target.node_id if known is not None and known.info == p.target else None
+            helpers = self._pick(cfg.indirect_probes, self._alive_ids, skip)
             out.extend(Send(h, PingReq(p.seq, p.target, self._take())) for h in helpers)
         if p is not None and p.indirect and p.deadline <= now:
             self._probe = None
@@ -499,6 +562,7 @@ class Membership:
         changed = state != m.state or u.info != m.info
         if state != m.state:
             m.since = now
+            self._track(node_id, m.state, state)
         m.info, m.incarnation, m.state, m.origin = u.info, u.incarnation, state, origin
         self._suspicions.pop(node_id, None)
         if state is SUSPECT:
@@ -529,6 +593,7 @@ class Membership:
     def _add(self, u: Update, now: float) -> None:
         m = _Member(u.info, u.incarnation, u.state, u.origin, now)
         self._members[u.info.node_id] = m
+        self._track(u.info.node_id, None, u.state)
         pos = self._rng.randint(0, len(self._probe_order))
         self._probe_order.insert(pos, u.info.node_id)
         if pos < self._probe_index:
@@ -538,7 +603,7 @@ class Membership:
         self._events.append((u.info, u.state))
 
     def _start_suspicion(self, m: _Member, now: float) -> None:
-        n = 1 + sum(1 for x in self._members.values() if x.state <= SUSPECT)
+        n = 1 + len(self._usable)
         shortest, longest = suspicion_bounds(self._cfg, n)
         expected = self._cfg.suspicion_confirmations
         if n - 2 < expected:  # too few others to ever confirm: do not wait for them
@@ -560,32 +625,48 @@ class Membership:
     # ----------------------------------------------------------------- dissemination
 
     def _broadcast(self, u: Update) -> None:
+        node_id = u.info.node_id
+        old = self._queue.get(node_id)
+        if old is not None:
+            self._queue_remove(old.transmits, old.order, node_id)
         self._order += 1
-        self._queue[u.info.node_id] = _Broadcast(u, 0, self._order)
+        self._queue[node_id] = _Broadcast(u, 0, self._order)
+        self._queue_order.insert(0, (0, -self._order, node_id))  # the newest of the least sent: first
+
+    def _queue_remove(self, transmits: int, order: int, node_id: str) -> None:
+        q = self._queue_order
+        del q[bisect.bisect_left(q, (transmits, -order, node_id))]
 
     def _take(self, first: Update | None = None) -> tuple[Update, ...]:
+        """Up to max_piggyback queued updates, least sent first, newest first among equals (the queue
+        is kept in that order, so a message costs O(max_piggyback log n), not a sort of the queue)."""
         out = [] if first is None else [first]
         if not self._queue:
             return tuple(out)
         limit = self._cfg.retransmit_mult * math.ceil(math.log10(len(self._members) + 2))
-        queued = sorted(self._queue.items(), key=lambda kv: (kv[1].transmits, -kv[1].order))
-        for node_id, b in queued[: self._cfg.max_piggyback - len(out)]:
+        q = self._queue_order
+        k = max(0, self._cfg.max_piggyback - len(out))
+        taken, q[:k] = q[:k], []
+        for transmits, neg_order, node_id in taken:
+            b = self._queue[node_id]
             out.append(b.update)
-            b.transmits += 1
+            b.transmits = transmits + 1
             if b.transmits >= limit:
                 del self._queue[node_id]
+            else:
+                bisect.insort(q, (b.transmits, neg_order, node_id))
         return tuple(out)
 
     def _gossip_round(self, now: float) -> list[Send]:
-        targets = self._pick(self._cfg.gossip_fanout, lambda m: m.state <= SUSPECT)
+        targets = self._pick(self._cfg.gossip_fanout, self._usable)
         return [Send(t, Gossip(self._take())) for t in targets if self._queue]
 
     def _sync_round(self) -> list[Send]:
-        out = [self._sync_to(t, reply=True) for t in self._pick(1, lambda m: m.state is ALIVE)]
-        if not any(m.state <= SUSPECT for m in self._members.values()):
+        out = [self._sync_to(t, reply=True) for t in self._pick(1, self._alive_ids)]
+        if not self._usable:
             out.extend(self._sync_to(seed, reply=True) for seed in self._seeds)
         # one presumed-dead member too: a healed partition finds its way back (lost if it really is dead)
-        out.extend(self._sync_to(t, reply=True) for t in self._pick(1, lambda m: m.state is DEAD))
+        out.extend(self._sync_to(t, reply=True) for t in self._pick(1, self._dead_ids))
         return out
 
     def _sync_to(self, to: NodeInfo, reply: bool) -> Send:
@@ -599,9 +680,26 @@ class Membership:
         verdict = Update(m.info, m.incarnation, m.state, m.origin)
         return [Send(sender, Gossip(self._take(first=verdict)))]
 
-    def _pick(self, k: int, keep: Callable[[_Member], bool]) -> list[NodeInfo]:
-        pool = [m.info for m in self._sorted() if keep(m)]
+    def _pick(self, k: int, among: _SortedIds, skip: str | None = None) -> list[NodeInfo]:
+        """``k`` random members of an index (by node_id, less ``skip``): the draws a sample over the
+        filtered, sorted member list makes, without building that list."""
+        pool = _InfoView(among.ids, self._members, skip)
         return self._rng.sample(pool, min(k, len(pool)))
+
+    def _track(self, node_id: str, old: MemberState | None, new: MemberState | None) -> None:
+        """Move a member between the state indexes (``None``: not a member)."""
+        for state, present in ((old, False), (new, True)):
+            if state is None:
+                continue
+            op = _SortedIds.add if present else _SortedIds.discard
+            if state <= SUSPECT:
+                op(self._usable, node_id)
+            if state is ALIVE:
+                op(self._alive_ids, node_id)
+            if state is DEAD:
+                op(self._dead_ids, node_id)
+            if state >= DEAD:
+                (self._gone.add if present else self._gone.discard)(node_id)
 
     def _sorted(self) -> list[_Member]:
         return [self._members[k] for k in sorted(self._members)]

@@ -138,9 +138,16 @@ class _Peer:
     failures: int = 0  # consecutive
     bytes: int = 0
     missing: dict[int, float] = field(default_factory=dict)  # chunk -> until when its claims are ignored
+    bits: int | None = None  # ``has`` as an int (bit i: chunk i), None until needed after a change
 
     def holds(self, chunk: int) -> bool:
         return self.has is None or self.has.has(chunk)
+
+    def mask(self) -> int:
+        """``has`` as an int, kept between changes (``next_requests`` ANDs it with the pool per call)."""
+        if self.bits is None:
+            self.bits = -1 if self.has is None else int.from_bytes(self.has.to_bytes(), "little")
+        return self.bits
 
 
 @dataclass(slots=True)
@@ -157,7 +164,22 @@ class _Round:
     free: list[_Peer]
     any_banned: bool
     slow_below: float | None  # a holder measured below this is "too slow" (None: seed rate unknown)
-    fast: list[_Peer]  # non-banned non-seed peers not too slow
+    peers: dict[str, _Peer]
+    _fast: list[_Peer] | None = None
+
+    @property
+    def fast(self) -> list[_Peer]:
+        """Non-banned non-seed peers not too slow (computed on first use: most rounds never ask)."""
+        if self._fast is None:
+            now, slow_below = self.now, self.slow_below
+            self._fast = [
+                p
+                for p in self.peers.values()
+                if not p.info.is_seed
+                and p.banned_until <= now
+                and (slow_below is None or p.rate is None or p.rate >= slow_below)
+            ]
+        return self._fast
 
 
 _COUNTERS: tuple[str, ...] = ("requests", "duplicates", "seed_requests", "successes", "bytes", "seed_bytes")
@@ -186,6 +208,9 @@ class ChunkScheduler:
         self._rng = rng
         self._have = have.copy() if have is not None else Bitfield(n)
         self._peers: dict[str, _Peer] = {}
+        self._seeds: dict[str, _Peer] = {}  # the seeds among _peers
+        self._banned: set[str] = set()  # peers that may still be banned (pruned as bans expire)
+        self._wakes: list[tuple[float, str]] = []  # heap: (end of a rest or ban, peer); stale entries dropped lazily
         self._avail = [0] * n  # non-seed peers with an explicit bitfield holding each chunk
         self._n_full = 0  # non-seed peers holding everything (has=None): add to every chunk
         self._perm = list(range(n))
@@ -217,6 +242,14 @@ class ChunkScheduler:
     @property
     def complete(self) -> bool:
         return self._have.complete
+
+    def holds(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` is held (no copy, unlike ``have``)."""
+        return chunk in self._have
+
+    @property
+    def held_count(self) -> int:
+        return self._have.count()
 
     @property
     def inflight(self) -> int:
@@ -266,7 +299,11 @@ class ChunkScheduler:
             old_counted = not p.info.is_seed
         new_counted = not peer.is_seed
         old_has = p.has
-        p.info, p.has = peer, new_has
+        p.info, p.has, p.bits = peer, new_has, None
+        if peer.is_seed:
+            self._seeds[peer.peer_id] = p
+        else:
+            self._seeds.pop(peer.peer_id, None)
         removed: list[int] = []
         added: list[int] = []
         full_delta = 0
@@ -295,6 +332,8 @@ class ChunkScheduler:
         p.missing.pop(chunk, None)  # news newer than its MISSING answer
         if p.has is None or not p.has.set(self._index(chunk)):
             return
+        if p.bits is not None:
+            p.bits |= 1 << chunk
         if not p.info.is_seed:
             self._avail_change(chunk, +1, now)
 
@@ -303,6 +342,8 @@ class ChunkScheduler:
         p = self._peers.pop(peer_id, None)
         if p is None:
             return []
+        self._seeds.pop(peer_id, None)
+        self._banned.discard(peer_id)
         dropped = [self._drop_flight(c, peer_id).request for c in sorted(p.inflight)]
         if not p.info.is_seed:
             if p.has is None:
@@ -329,8 +370,8 @@ class ChunkScheduler:
         # Peers holding nothing in the pool cannot take a new chunk: leave them out of the scan.
         pool = self._pool
         pool_bits = int.from_bytes(pool.to_bytes(), "little")
-        useful = [p for p in rnd.free if p.has is None or int.from_bytes(p.has.to_bytes(), "little") & pool_bits]
-        scan = _Round(now, useful, rnd.any_banned, rnd.slow_below, rnd.fast)
+        useful = [p for p in rnd.free if p.has is None or p.mask() & pool_bits]
+        scan = _Round(now, useful, rnd.any_banned, rnd.slow_below, self._peers, rnd._fast)
         early = self._epoch is not None and now - self._epoch < cfg.seed_patience
         while self._random_left > 0 and scan.free and self._n_inflight < cfg.max_inflight:
             candidates = []
@@ -430,9 +471,10 @@ class ChunkScheduler:
         """
         deadlines = [f.request.deadline for fl in self._flights.values() for f in fl.values()]
         later: list[float] = []
-        for p in self._peers.values():
-            later.extend((p.resting_until, p.banned_until))
-        seeds = [p for p in self._peers.values() if p.info.is_seed]
+        wake = self._first_wake()
+        if wake is not None:
+            later.append(wake)
+        seeds = list(self._seeds.values())
         if self._epoch is not None and seeds:  # when a waiting chunk may go to a seed
             ready = min(max(p.resting_until, p.banned_until) for p in seeds)
             patience = self._cfg.seed_patience
@@ -446,6 +488,17 @@ class ChunkScheduler:
                 )
         after = self._now
         return min(deadlines + [t for t in later if t > after], default=None)
+
+    def _first_wake(self) -> float | None:
+        """The earliest future end of a peer's rest or ban (the heap's stale or past entries are dropped)."""
+        heap, after = self._wakes, self._now
+        while heap:
+            t, pid = heap[0]
+            p = self._peers.get(pid)
+            if t > after and p is not None and (p.resting_until == t or p.banned_until == t):
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _first_patience_end(self) -> float | None:
         """The earliest future end of seed patience among chunks whose waiting clock was restarted."""
@@ -461,25 +514,22 @@ class ChunkScheduler:
 
     def _round(self, now: float) -> _Round:
         cfg = self._cfg
-        free: list[_Peer] = []
-        fast: list[_Peer] = []
-        any_banned = False
+        peer_cap, seed_cap = cfg.max_inflight_per_peer, cfg.max_inflight_seed
+        free = [
+            p
+            for p in self._peers.values()
+            if p.resting_until <= now
+            and p.banned_until <= now
+            and len(p.inflight) < (seed_cap if p.info.is_seed else peer_cap)
+        ]
+        if self._banned:
+            self._banned = {pid for pid in self._banned if self._peers[pid].banned_until > now}
         seed_rate: float | None = None
-        for p in self._peers.values():
-            banned = p.banned_until > now
-            any_banned |= banned
-            cap = cfg.max_inflight_seed if p.info.is_seed else cfg.max_inflight_per_peer
-            if not banned and p.resting_until <= now and len(p.inflight) < cap:
-                free.append(p)
-            if p.info.is_seed and not banned and p.rate is not None:
+        for p in self._seeds.values():
+            if p.banned_until <= now and p.rate is not None:
                 seed_rate = p.rate if seed_rate is None else max(seed_rate, p.rate)
         slow_below = None if seed_rate is None else seed_rate / cfg.slow_factor
-        for p in self._peers.values():
-            if p.info.is_seed or p.banned_until > now:
-                continue
-            if slow_below is None or p.rate is None or p.rate >= slow_below:
-                fast.append(p)
-        return _Round(now, free, any_banned, slow_below, fast)
+        return _Round(now, free, bool(self._banned), slow_below, self._peers)
 
     def _choose(self, chunk: int, rnd: _Round, waiting_since: float | None = None) -> _Peer | None:
         """The peer to ask for ``chunk`` now, or None.  ``waiting_since`` marks an endgame duplicate."""
@@ -583,11 +633,14 @@ class ChunkScheduler:
         cfg = self._cfg
         if reason is FailureReason.HASH:
             p.banned_until = max(p.banned_until, now + cfg.ban_seconds)
+            self._banned.add(p.info.peer_id)
+            heapq.heappush(self._wakes, (p.banned_until, p.info.peer_id))
             self._counters["bans"] += 1
             return
         if reason is FailureReason.MISSING:
             self._counters["missing"] += 1
             p.missing[chunk] = now + cfg.failure_backoff
+            p.bits = None
             if p.has is None:
                 p.has = Bitfield.full(len(self._sizes))
                 if not p.info.is_seed:  # from "holds everything" to an explicit bitfield
@@ -610,6 +663,7 @@ class ChunkScheduler:
         else:
             self._counters["errors"] += 1
         p.resting_until = max(p.resting_until, now + rest)
+        heapq.heappush(self._wakes, (p.resting_until, p.info.peer_id))
 
     # ------------------------------------------------------------------ bookkeeping
 

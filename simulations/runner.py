@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -312,6 +313,8 @@ class StreamResult:
     events: int  # how often virtual time moved (simulated event instants)
     end: float  # virtual seconds when the run stopped
     wall_seconds: float = field(default=0.0, compare=False)
+    # per host (its last life): the node's (step, version, virtual seconds) marks, see SwarmNode.marks
+    marks: dict[str, tuple[tuple[str, int, float], ...]] = field(default_factory=dict, compare=False)
 
     @property
     def complete(self) -> bool:
@@ -338,6 +341,7 @@ async def run_stream(
     host_options: Mapping[str, dict[str, Any]] | None = None,
     gossip_flows: bool = False,
     progress: Callable[[float, int, int], None] | None = None,
+    pace_seed: bool = True,
 ) -> StreamResult:
     """Publish ``versions`` one every ``interval`` virtual seconds (the first at 0) on the seed's
     board (its head first moved to ``start_from``'s version, or to ``versions[0]``), and run the
@@ -356,7 +360,12 @@ async def run_stream(
     clock = SimClock(setup.epoch)
     t0 = clock.now()
     options = {**SIM_NODE_DEFAULTS, **(node_options or {})}
-    per_host = host_options or {}
+    per_host = dict(host_options or {})
+    if pace_seed and math.isfinite(seed_host.up):
+        # The seed sends one chunk after another at its link rate (its token bucket holds the upload slot
+        # meanwhile) instead of starting every requested chunk at once: under max-min sharing those would
+        # all finish together at the end, and no peer could relay any of them before.
+        per_host[seed_host.id] = {"upload_rate": seed_host.up, "upload_burst": 0.0, **per_host.get(seed_host.id, {})}
     base = NodeConfig("", setup.run_id, setup.cluster_secret, membership=membership or MembershipConfig(), **options)
     order = [h.id for h in peers]
     by_id = {h.id: h for h in peers}
@@ -437,6 +446,7 @@ async def run_stream(
         for i, v in enumerate(versions):
             await asyncio.sleep(t0 + i * interval - clock.now())
             setup.publish(v)
+            seed_node.board_changed()  # as a publisher's notification would: no wait for the seed's next board read
             published[v] = i * interval
             for hid, node in nodes.items():  # hosts already holding it (or newer) have it now
                 if node.held is not None and node.held.version >= v:
@@ -597,6 +607,8 @@ def _stream_result(
             )
         )
     errors = {n.config.node_id: n.error for n in nodes if n.error}
+    t0 = seed_node.clock.now() - end
+    marks = {n.config.node_id: tuple((w, v, t - t0) for w, v, t in n.marks) for n in nodes}
     return StreamResult(
         rows=tuple(rows),
         versions=tuple(stats),
@@ -608,6 +620,7 @@ def _stream_result(
         events=events,
         end=end,
         wall_seconds=wall,
+        marks=marks,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import math
 import random
@@ -43,7 +44,7 @@ log = logging.getLogger("patchswarm.swarm")
 
 # Injection points (the simulator passes size-only checks and a no-op apply for sized placeholders).
 VerifyChunk = Callable[[int, bytes, ChunkRef], None]
-ApplyVersion = Callable[[Held | None, Manifest, list[bytes]], Held]
+ApplyVersion = Callable[[Held | None, Manifest, list[bytes]], Held | Awaitable[Held]]
 
 
 def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
@@ -53,6 +54,12 @@ def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes]) -> H
         base.model.clone() if base else None, manifest, b"".join(parts), base_digests=base.digests if base else None
     )
     return Held(manifest.version, model, digests)
+
+
+async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+    """``apply_chunks`` in a worker thread: decoding and hashing a big model takes seconds, during
+    which a real node must keep answering gossip, chunk requests and its host's API."""
+    return await asyncio.to_thread(apply_chunks, held, manifest, parts)
 
 
 MAX_OBJECT_BYTES = 64 << 20
@@ -71,6 +78,7 @@ class NodeConfig:
     is_seed: bool = False
     upload_rate: float = math.inf  # bytes/s
     download_rate: float = math.inf
+    upload_burst: float = 0.1  # seconds at upload_rate the upload bucket may send at once
     max_uploads: int = 8
     upload_queue: int = 32  # requests waiting for an upload slot before refusals start
     upload_queue_wait: float = 1.0
@@ -84,6 +92,8 @@ class NodeConfig:
     announce_fanout: int = 6  # peers told at once when availability changes (those that lack what we have first)
     announce_refresh: float = 0.5  # even without changes, a few random peers hear from us this often
     announce_sample: int = 0  # >0: choose announcement targets among this many random live members (0: all)
+    head_push: bool = True  # a node that accepts a new head tells announce_fanout peers that lack it at once
+    board_watch_interval: float = 0.1  # how often a seed re-reads its board's head
     cache_bytes: int = 1 << 30
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -154,7 +164,7 @@ class SwarmNode:
         self.applied: list[CatalogEntry] = []  # every catalog step this node applied, in order
         self.phase = "idle"  # idle | fetching | staging (applying and verifying a version off to the side)
         # Bursts of a tenth of a second: a limit holds over any window longer than that.
-        self.upload_bucket = TokenBucket(config.upload_rate, config.upload_rate * 0.1)
+        self.upload_bucket = TokenBucket(config.upload_rate, config.upload_rate * config.upload_burst)
         self.download_bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
         self.upload_slots = UploadSlots(config.seed_max_uploads if config.is_seed else config.max_uploads)
         self.source = SwarmSource(self)
@@ -163,6 +173,7 @@ class SwarmNode:
         self._peers_changed = asyncio.Event()
         self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
         self._announce_dirty = False
+        self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
         self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._seed_served: dict[bytes, tuple[float, tuple[str, ...]]] = {}
@@ -176,6 +187,9 @@ class SwarmNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
+        # (what, version, clock time) of each step of the latest catch-ups: "head" accepted, "manifest"
+        # fetched, "chunk" (the first one verified), "chunks" (all), "applied"; for studies of where time goes.
+        self.marks: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=64)
         self.error: str | None = None
         self.head_error: str | None = None  # why the last head this node checked was refused
 
@@ -310,8 +324,11 @@ class SwarmNode:
                 [bin(int.from_bytes(b, "little")).count("1") for _, b in ann.partial],
             )
         self._note_peers_changed()
-        if ann.head_counter > self.head_counter and self.board is None:
-            self._spawn(self._fetch_head(prefer=sender.addr))
+        if ann.head_counter > max(self.head_counter, self._head_fetching) and self.board is None:
+            # One fetch per newer counter: every peer pushing the same head would otherwise cost a
+            # fetch and a signature check each.  If it fails, the next announcement retries.
+            self._head_fetching = ann.head_counter
+            self._spawn(self._fetch_head(prefer=sender.addr, counter=ann.head_counter))
 
     def _apply_membership_events(self) -> None:
         for info, state in self.membership.drain_events():
@@ -342,7 +359,7 @@ class SwarmNode:
         last_join = self.clock.now()
         while not self._stopping:
             now = self.clock.now()
-            if now - last_join >= REJOIN_INTERVAL and not self.membership.alive():  # cheap test first
+            if now - last_join >= REJOIN_INTERVAL and not self.membership.alive_count():  # cheap test first
                 # Alone (a long partition, or every peer restarted): knock on the bootstrap list again.
                 last_join = now
                 seeds = [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
@@ -369,6 +386,29 @@ class SwarmNode:
             frame = self._frame(None)
             for info in targets:
                 self._spawn(self._send(info.addr, frame))
+
+    def _push_head(self) -> None:
+        """Tell peers that have not announced our head counter about it now, not at the next announce tick:
+        a head spreads in hops, and each hop waiting for the tick would add up to ``announce_interval``."""
+        if not self.config.head_push or self._stopping:
+            return
+        sample = self.config.announce_sample
+        if 0 < sample < len(self._alive):
+            alive = self.rng.sample(self._alive, sample)
+        else:
+            alive = sorted(self._alive, key=lambda i: i.node_id)
+        behind = []
+        for info in alive:
+            view = self.peers.get(info.node_id)
+            if view is None or view.ann.head_counter < self.head_counter:
+                behind.append(info)
+        self.rng.shuffle(behind)
+        targets = behind[: self.config.announce_fanout]
+        if not targets:
+            return
+        frame = self._frame(None)
+        for info in targets:
+            self._spawn(self._send(info.addr, frame))
 
     def _announce_targets(self, count: int) -> list[NodeInfo]:
         """Peers that lack chunks we hold first ("interested", as BitTorrent says), nearest first, then anyone.
@@ -414,7 +454,7 @@ class SwarmNode:
             return refusal  # checked before reading the chunk or queueing for a slot
         if not await self._upload_slot():
             self.metrics.busy_replies += 1
-            return Busy(self.config.busy_retry_after)
+            return Busy(self._busy_retry_after())
         try:
             if self.config.is_seed:
                 # Check the window again now that a slot is ours, and only now count the copy as given:
@@ -441,6 +481,16 @@ class SwarmNode:
             self.metrics.busy_replies += 1
             return Busy(self.config.busy_retry_after, given_to)
         return None
+
+    def _busy_retry_after(self) -> float:
+        """When a refused requester should come back: ``busy_retry_after``, or sooner when the upload bucket's
+        backlog (what the queued uploads have booked) drains sooner, so a paced uplink does not go idle."""
+        retry = self.config.busy_retry_after
+        if math.isfinite(self.config.upload_rate):
+            now = self.clock.now()
+            backlog = self.upload_bucket.reserve(now, 0) - now
+            retry = min(retry, max(backlog / 2, 0.001))
+        return retry
 
     async def _upload_slot(self) -> bool:
         """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry."""
@@ -490,6 +540,7 @@ class SwarmNode:
             self.head, self.head_counter = head, head.counter
             self.complete = [e.manifest_id for e in head.catalog]
             self._announce_dirty = True
+            self._push_head()
 
     async def _board_watch_loop(self) -> None:
         while not self._stopping:
@@ -497,14 +548,25 @@ class SwarmNode:
                 self._load_board_head()
             except (PatchswarmError, OSError) as e:
                 log.warning("seed: cannot read the board head: %s", e)
-            await self.clock.sleep(0.1)
+            await self.clock.sleep(self.config.board_watch_interval)
+
+    def board_changed(self) -> None:
+        """The seed's board head may have moved (a publisher's notification): read it now, not at the next watch."""
+        self._load_board_head()
 
     async def _head_poll_loop(self) -> None:
         while not self._stopping:
             await self._fetch_head(prefer=None)
             await self.clock.sleep(self.config.head_poll_interval)
 
-    async def _fetch_head(self, prefer: str | None) -> None:
+    async def _fetch_head(self, prefer: str | None, counter: int = -1) -> None:
+        try:
+            await self._fetch_head_once(prefer)
+        finally:
+            if self._head_fetching == counter:
+                self._head_fetching = -1
+
+    async def _fetch_head_once(self, prefer: str | None) -> None:
         try:
             await self.puller.refresh_trust()
             data = await self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer)
@@ -522,10 +584,12 @@ class SwarmNode:
             return
         head = accepted
         self.head, self.head_counter = head, head.counter
+        self.marks.append(("head", head.version, self.clock.now()))
         log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
         self.objects[Board.head_rel(self.config.run_id)] = data
         self._announce_dirty = True
         self._wake.set()
+        self._push_head()
 
     # ------------------------------------------------------------ fetching versions
 
@@ -553,10 +617,13 @@ class SwarmNode:
             self.phase = "fetching"
             manifest = await self.puller.fetch_manifest(entry)
             log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
+            self.marks.append(("manifest", entry.version, self.clock.now()))
             self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.last_manifest_bytes(entry.manifest_id)
             parts = await self._download(manifest)
+            self.marks.append(("chunks", entry.version, self.clock.now()))
             self.phase = "staging"
-            new = self.apply(self.held, manifest, parts)
+            applied = self.apply(self.held, manifest, parts)
+            new = await applied if inspect.isawaitable(applied) else applied
             del parts
             if self.on_version is not None:
                 # The host activates first (e.g. into the engine's memory); if that fails, this node
@@ -565,6 +632,7 @@ class SwarmNode:
                 if asyncio.iscoroutine(result):
                     await result
             self.held = new
+            self.marks.append(("applied", entry.version, self.clock.now()))
             self.applied.append(entry)
             self.metrics.versions_applied += 1
             self._announce_dirty = True
@@ -747,9 +815,11 @@ class SwarmNode:
                 log.warning("%s: %s from %s: banned", self.info.node_id, e, req.peer_id)
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.HASH)
                 return
-            if req.chunk in sched.have:
+            if sched.holds(req.chunk):
                 return  # an endgame duplicate lost the race
             self.chunks.put(ref.hash, reply)
+            if sched.held_count == 0:
+                self.marks.append(("chunk", manifest.version, self.clock.now()))
             if view.ann.seed:
                 self.metrics.bytes_from_seed += len(reply)
                 by = self.seed_bytes_by_manifest

@@ -32,7 +32,11 @@ VERSIONS = 3
 
 
 @pytest.mark.asyncio
-async def test_no_request_is_attributed_to_the_wrong_version_across_activations(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["quiesce", "in_place"])
+async def test_no_request_is_attributed_to_the_wrong_version_across_activations(tmp_path: Path, mode: str) -> None:
+    """quiesce: every request runs on one version.  in_place: unpinned requests may span the switch
+    (the daemon pauses the engine through /pause_generation while it writes), but every token's
+    version still lies in the reported [start, end] and exact pins run on their version."""
     traj = generate("tiny", steps=VERSIONS)
     sw = Swarm(tmp_path)
     now = int(time.time() * 1000)
@@ -43,6 +47,7 @@ async def test_no_request_is_attributed_to_the_wrong_version_across_activations(
     engine_port, sidecar_port = free_port(), free_port()
     extra = (
         f'[sidecar]\nenabled = true\nlisten = "127.0.0.1:{sidecar_port}"\nupstream = "http://127.0.0.1:{engine_port}"\n'
+        f'commit_mode = "{mode}"\n'
     )
     d = make_daemon(sw, "d1", tmp_path, extra=extra)
     d.start()
@@ -59,7 +64,9 @@ async def test_no_request_is_attributed_to_the_wrong_version_across_activations(
         engine = await start_engine(StoreViewSource(view), port=engine_port)
         done = asyncio.Event()
         url = f"http://127.0.0.1:{sidecar_port}/generate"
-        load = asyncio.create_task(sidecar_load(url, RATE, done.is_set, pin, prompt=[2, 5, 6, 7, 1]))
+        load = asyncio.create_task(
+            sidecar_load(url, RATE, done.is_set, pin, prompt=[2, 5, 6, 7, 1], single_version=mode == "quiesce")
+        )
         for step in range(1, VERSIONS):
             await asyncio.sleep(0.5)
             await asyncio.to_thread(pub.publish, traj.bf16[step])
@@ -73,6 +80,8 @@ async def test_no_request_is_attributed_to_the_wrong_version_across_activations(
         assert result.completed == result.sent
         assert set(range(1, VERSIONS + 1)) <= result.versions  # the load spanned every activation
         assert kinds["free:200"] and kinds["min:200"] and kinds["exact:200"] and kinds["exact:409"], kinds
+        paused = d.log.read_text().count("engine paused for activation")
+        assert paused == (VERSIONS - 1 if mode == "in_place" else 0), paused
     finally:
         if engine is not None:
             await engine.close()

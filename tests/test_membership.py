@@ -436,3 +436,63 @@ def test_random_faults_never_break_invariants_and_the_cluster_heals(
         check_invariants(net, own, views)
     if not reclaim:  # with forgetting, a long enough split stays split (see protocol/membership.py)
         assert_all_alive(net)
+
+
+def check_indexes(m: Membership) -> None:
+    """The state indexes and the ordered broadcast queue agree with a recomputation from the members."""
+    members = m._members
+    assert m._usable.ids == sorted(k for k, x in members.items() if x.state <= SUSPECT)
+    assert m._alive_ids.ids == sorted(k for k, x in members.items() if x.state is ALIVE)
+    assert m._dead_ids.ids == sorted(k for k, x in members.items() if x.state is MemberState.DEAD)
+    assert m._gone == {k for k, x in members.items() if x.state >= MemberState.DEAD}
+    assert m.alive() == [i for i, s in sorted(m.members(), key=lambda e: e[0].node_id) if s <= SUSPECT]
+    assert m.alive_count() == len(m.alive())
+    assert m._queue_order == sorted((b.transmits, -b.order, k) for k, b in m._queue.items())
+
+
+@settings(max_examples=20)
+@given(st.integers(0, 2**16), st.lists(OPS, max_size=20))
+def test_state_indexes_match_a_recomputation_under_random_faults(seed: int, ops: list[tuple[str, float]]) -> None:
+    net = Net(seed, 5, config=CFG)
+    for i in range(5):
+        net.boot(f"n{i}", seeds=("n0",) if i else ())
+    for op, arg in ops:
+        node = f"n{int(arg)}"
+        if op == "advance":
+            net.run(arg)
+        elif op == "crash":
+            net.crash(node)
+        elif op == "restart" and node in net.crashed:
+            net.boot(node, seeds=("n0", "n1"))
+        for k in net.live():
+            check_indexes(net.nodes[k])
+    net.run(60.0)  # past dead_reclaim: forgotten members leave every index
+    for k in net.live():
+        check_indexes(net.nodes[k])
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 2**16), st.lists(st.integers(1, 40), min_size=1, max_size=8))
+def test_piggyback_takes_the_least_sent_then_newest_updates(seed: int, batches: list[int]) -> None:
+    m, infos = _lone_node(1)
+    rng = random.Random(seed)
+    for n, size in enumerate(batches):
+        ups = tuple(Update(NodeInfo(f"q{rng.randrange(60)}", f"sim://{n}"), n + 1, ALIVE, "x") for _ in range(size))
+        m.receive(float(n), infos[0], Gossip(ups))
+        for _ in range(rng.randrange(4)):
+            expected = sorted(m._queue.items(), key=lambda kv: (kv[1].transmits, -kv[1].order))
+            want = [b.update for _, b in expected[: CFG.max_piggyback]]
+            assert list(m._take()) == want
+            check_indexes(m)
+
+
+def test_random_picks_are_drawn_from_the_sorted_members_like_a_plain_sample() -> None:
+    m, infos = _lone_node(300)
+    for seed in range(20):
+        m._rng = random.Random(seed)
+        got = m._pick(3, m._usable)
+        pool = sorted(infos, key=lambda i: i.node_id)
+        assert got == random.Random(seed).sample(pool, 3)
+        m._rng = random.Random(seed)
+        skip = pool[seed].node_id
+        assert m._pick(4, m._alive_ids, skip) == random.Random(seed).sample([i for i in pool if i.node_id != skip], 4)
