@@ -52,6 +52,11 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(60)
 
+    async def stop(self) -> int:
+        """SIGTERM and wait, off the event loop: the test's own in-process nodes (the seed) must
+        keep answering, or the daemon's goodbye to them waits out its timeout."""
+        return await asyncio.to_thread(self.terminate)
+
     async def status(self) -> dict[str, Any] | None:
         try:
             async with (

@@ -410,7 +410,7 @@ class CrashLoop:
         self.view = attach((await self.daemon.get("/v1/layout"))["attach"])
         self.watcher = FenceWatcher(self.view, self.sw.served)
         self.watcher.start()
-        assert self.daemon.terminate() == 0  # each kill_once starts it
+        assert await self.daemon.stop() == 0  # each kill_once starts it
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -526,6 +526,6 @@ class CrashLoop:
         self.report.violations += self.watcher.errors
         self.report.engine_reads = self.watcher.observations
         self.report.versions_served = sorted(self.watcher.seen)
-        if d.terminate() != 0:
+        if await d.stop() != 0:
             self.report.violations.append("the daemon did not stop cleanly after convergence")
         return head

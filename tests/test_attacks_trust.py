@@ -172,7 +172,7 @@ async def test_replayed_head_is_refused_after_a_restart(world: AttackWorld) -> N
     old_head = world.head_bytes()  # genuine, signed by the current key
     v = world.publish(everywhere=True)
     await world.d.wait_version(v, timeout=60)
-    assert world.d.terminate() == 0
+    assert await world.d.stop() == 0
     counter = world.persisted_counter()
     assert counter == current(world)[0].counter
     # Back up talking only to the adversary, as its peer and its board mirror, which replays the older head.

@@ -43,7 +43,7 @@ async def test_versions_land_in_place_and_the_engine_sees_them_without_reloading
                 assert first[n].view(-1).equal(sw.served[v].typed(i).view(-1)), n
         assert (await d.get("/v1/status"))["state"] == "idle"
         view.close()
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         d.cleanup()
         await sw.close()
@@ -58,7 +58,7 @@ async def test_sigterm_is_graceful_and_a_restart_reattaches_without_refetching(t
     d.start()
     try:
         await d.wait_version(2)
-        assert d.terminate() == 0
+        assert await d.stop() == 0
         assert shm_exists(d.store)  # the engine's weights outlive the daemon
         assert not Path(d.socket).exists()
         d.start()
@@ -68,7 +68,7 @@ async def test_sigterm_is_graceful_and_a_restart_reattaches_without_refetching(t
         assert "store re-attached at version 2" in log
         v = sw.publish(scale=5e-4)
         await d.wait_version(v)
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         d.cleanup()
         await sw.close()
@@ -89,7 +89,7 @@ async def test_store_smaller_than_the_model_is_a_clear_error(tmp_path: Path) -> 
         assert st is not None and st["state"] == "error", st
         assert st["reason"].startswith("store.size:") and "needs" in st["reason"], st["reason"]
         assert st["version"] is None
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         d.cleanup()
         await sw.close()

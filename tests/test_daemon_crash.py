@@ -66,7 +66,7 @@ async def test_kill_9_during_activation_never_exposes_a_torn_version(tmp_path: P
         view = attach((await d.get("/v1/layout"))["attach"])
         reader = Reader(view, sw.served)
         reader.start()
-        d.terminate()
+        await d.stop()
         for _ in range(KILLS):
             point = rng.choice(POINTS)
             os.environ[FAULT_ENV] = point
@@ -91,7 +91,7 @@ async def test_kill_9_during_activation_never_exposes_a_torn_version(tmp_path: P
         got = view.read_version()
         assert got == (head, sw.served[head].root())
         print(f"{KILLS} kills; engine reads checked: {reader.observations}, versions seen: {sorted(reader.checked)}")
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         if reader is not None:
             reader.stop.set()

@@ -65,7 +65,7 @@ async def test_full_data_dir(tmp_path: Path, tiny_fs: Path) -> None:
         await d.wait_version(v)
         assert view.read_version() == (v, sw.served[v].root())
         view.close()
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         d.cleanup()
         await sw.close()

@@ -69,7 +69,7 @@ async def test_pinned_requests_wait_for_their_version_then_report_it(tmp_path: P
             st = await d.get("/v1/status")
             assert st["version"] == 2
         view.close()
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         if engine is not None:
             await engine.close()

@@ -48,7 +48,7 @@ async def test_bounded_skew_is_tolerated_and_beyond_it_the_head_is_refused_clear
         clock.set(0)
         st = await d.wait_version(v3)
         assert st["reason"] is None and engine_sees(view, sw.served) == v3
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         if view is not None:
             view.close()

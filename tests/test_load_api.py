@@ -39,7 +39,7 @@ async def test_version_queries_during_distribution_are_all_answered_and_never_go
         assert result.completed == result.sent > 0
         assert {1, 2, 3} <= result.versions
         assert set(result.latencies) == {"/v1/version", "/v1/status"}
-        assert d.terminate() == 0
+        assert await d.stop() == 0
     finally:
         d.cleanup()
         await sw.close()
