@@ -222,18 +222,6 @@ def simulate_swarm(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], ve
 # ---------------------------------------------------------------- a stream of versions, with churn
 
 
-class SimChunkStore(MemoryChunkStore):
-    """``MemoryChunkStore`` without its O(cache) walk on every insert while the cache has room (same
-    contents, same evictions): a simulated node inserts a chunk per event."""
-
-    def put(self, chunk_hash: bytes, data: bytes) -> None:
-        if chunk_hash not in self._data and self._bytes + len(data) <= self.max_bytes:
-            self._data[chunk_hash] = data
-            self._bytes += len(data)
-            return
-        super().put(chunk_hash, data)
-
-
 # NodeConfig fields a stream run sets unless node_options says otherwise: choose announcement targets
 # among 32 random live members instead of all (O(1) per announcement instead of O(N); same at N <= 32).
 SIM_NODE_DEFAULTS: dict[str, Any] = {"announce_sample": 32}
@@ -427,7 +415,7 @@ async def run_stream(
             clock,
             setup.policy(),
             rng,
-            chunks=SimChunkStore(cfg.cache_bytes),
+            chunks=MemoryChunkStore(cfg.cache_bytes),
             held=held,
             on_version=recorder(h.id),
             **setup.hooks(),

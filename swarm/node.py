@@ -63,6 +63,7 @@ async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: li
 
 
 MAX_OBJECT_BYTES = 64 << 20
+SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
 
 
@@ -251,18 +252,68 @@ class SwarmNode:
         )
 
     def _seed_offers(self) -> tuple[tuple[bytes, bytes], ...]:
-        """What a seed offers of the newest versions: chunks it has not handed out within the window."""
+        """What a seed offers of the newest versions: chunks it has not handed out within the window,
+        less those it handed out before that peers now announce (see ``_seed_refusal``)."""
         assert self.board is not None
         now = self.clock.now()
+        window = self.config.seed_copy_window
         offers = []
         for mid in self.complete[-2:]:
             hashes = self._seed_manifest_chunks(mid)
             offer = Bitfield(len(hashes))
+            announced: int | None = None  # computed only if some handed-out chunk's window has passed
             for i, h in enumerate(hashes):
-                if now - self._seed_served.get(h, (-math.inf, ()))[0] >= self.config.seed_copy_window:
-                    offer.set(i)
+                last = self._seed_served.get(h, (-math.inf, ()))[0]
+                if now - last < window:
+                    continue
+                if now - last < SEED_HOLD_WINDOWS * window:
+                    if announced is None:
+                        announced = self._announced_bits(mid)
+                    if announced >> i & 1:
+                        continue
+                offer.set(i)
             offers.append((mid, offer.to_bytes()))
         return tuple(offers)
+
+    def _announced_bits(self, mid: bytes) -> int:
+        """The chunks of ``mid`` some non-seed peer heard from within the window announces (bit i: chunk i; -1: all)."""
+        bits = 0
+        recent = self.clock.now() - self.config.seed_copy_window
+        for view in self.peers.values():
+            ann = view.ann
+            if ann.seed or view.seen < recent:
+                continue
+            if mid in ann.complete:
+                return -1
+            for m, b in ann.partial:
+                if m == mid:
+                    bits |= int.from_bytes(b, "little")
+        return bits
+
+    def _announced_holders(self, chunk_hash: bytes, limit: int = 4) -> tuple[str, ...]:
+        """Up to ``limit`` non-seed peers heard from within the window that announce holding the chunk (O(peers)).
+
+        Only recent announcements count: a crashed holder stops announcing long before membership
+        declares it dead."""
+        recent = self.clock.now() - self.config.seed_copy_window
+        for mid in self.complete[-2:]:
+            hashes = self._seed_manifest_chunks(mid)
+            if chunk_hash not in hashes:
+                continue
+            i = hashes.index(chunk_hash)
+            holders = []
+            for view in self.peers.values():
+                ann = view.ann
+                if ann.seed or view.seen < recent:
+                    continue
+                if mid in ann.complete or any(
+                    m == mid and len(b) * 8 > i and b[i >> 3] >> (i & 7) & 1 for m, b in ann.partial
+                ):
+                    holders.append(view.info.node_id)
+                    if len(holders) >= limit:
+                        break
+            return tuple(holders)
+        return ()
 
     def _seed_manifest_chunks(self, mid: bytes) -> list[bytes]:
         hashes = self._seed_chunk_lists.get(mid)
@@ -475,11 +526,22 @@ class SwarmNode:
             self._release_upload_slot()
 
     def _seed_refusal(self, chunk_hash: bytes) -> Busy | None:
-        """A seed hands out each chunk once per window; within it, point the requester at the holders."""
+        """A seed hands out each chunk once per window; within it, point the requester at the holders.
+
+        After the window, a chunk handed out before is refused still while live peers announce holding
+        it: on a slow (or loaded) swarm the window passes before the peers have passed the chunk
+        round, and the seed would otherwise serve it again to everyone who has not found a holder yet.
+        It is served again once no live peer announces it (its holders died or never shared it), and
+        after ``SEED_HOLD_WINDOWS`` windows in any case: an announcement is only a claim (a lying or
+        broken peer must not keep the chunk from everyone)."""
         last, given_to = self._seed_served.get(chunk_hash, (-math.inf, ()))
-        if self.clock.now() - last < self.config.seed_copy_window:
+        age = self.clock.now() - last
+        if age < self.config.seed_copy_window:
             self.metrics.busy_replies += 1
             return Busy(self.config.busy_retry_after, given_to)
+        if age < SEED_HOLD_WINDOWS * self.config.seed_copy_window and (holders := self._announced_holders(chunk_hash)):
+            self.metrics.busy_replies += 1
+            return Busy(self.config.busy_retry_after, holders)
         return None
 
     def _busy_retry_after(self) -> float:
@@ -795,9 +857,16 @@ class SwarmNode:
                 self.metrics.busy_replies += 1
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
                 hints = self._hints.setdefault(mid, {})
+                # Near the end a hint about a live member that never announced to us still names a holder
+                # worth asking (earlier, many nodes asking the seed's first holder at once only crowd it).
+                last_chunks = len(manifest.chunks) - sched.held_count <= self.config.scheduler.endgame_remaining
                 for holder in reply.holders:
                     if holder != self.info.node_id:
                         hints.setdefault(holder, set()).add(req.chunk)
+                        if last_chunks and holder not in self.peers and holder in self._alive_at:
+                            info = self._alive[self._alive_at[holder]]
+                            ann = Announcement(self.config.run_id, -1, -1)
+                            self.peers[holder] = PeerView(info, ann, self.clock.now())
                         self._touch(holder)
                 if reply.holders:
                     self._note_peers_changed()

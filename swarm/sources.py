@@ -35,17 +35,21 @@ class SwarmSource:
         return self.fetched.get(f"manifests/{manifest_id.hex()}", b"")
 
     def _candidates(self, rel: str, prefer: str | None) -> list[str]:
+        """``prefer``, then random peers (holders of a manifest first), then one seed.
+
+        O(peers) filtering and O(PEER_TRIES) random draws per object, not a sort of every peer view."""
         node = self.node
         addrs: list[str] = [prefer] if prefer else []
-        views = sorted(node.peers.values(), key=lambda v: v.info.node_id)
+        views = list(node.peers.values())
         if rel.startswith("manifests/"):
             mid = bytes.fromhex(rel.split("/", 1)[1])
             holders = [v for v in views if mid in v.ann.complete or any(m == mid for m, _ in v.ann.partial)]
             views = holders or views
         others = [v.info.addr for v in views if v.info.addr not in addrs]
-        node.rng.shuffle(others)
-        seeds = [v.info.addr for v in views if v.ann.seed and v.info.addr not in addrs]
-        return (addrs + others)[:PEER_TRIES] + seeds[:1]
+        want = max(0, PEER_TRIES - len(addrs))
+        picked = node.rng.sample(others, min(want, len(others)))
+        seeds = sorted(v.info.addr for v in views if v.ann.seed and v.info.addr not in addrs)
+        return addrs + picked + seeds[:1]
 
     def _acceptable(self, rel: str, data: bytes) -> bool:
         if not rel.startswith("manifests/"):

@@ -39,11 +39,19 @@ class MemoryChunkStore:
             return
         self._data[chunk_hash] = data
         self._bytes += len(data)
-        for old in list(self._data):
-            if self._bytes <= self.max_bytes:
+        if self._bytes <= self.max_bytes:
+            return  # room to spare: no walk over the cache
+        # Least recently used first, skipping pinned chunks and the new one; stop once under the bound.
+        excess = self._bytes - self.max_bytes
+        evict = []
+        for old, held in self._data.items():
+            if excess <= 0:
                 break
             if old not in self.pinned and old != chunk_hash:
-                self._bytes -= len(self._data.pop(old))
+                evict.append(old)
+                excess -= len(held)
+        for old in evict:
+            self._bytes -= len(self._data.pop(old))
 
     def __contains__(self, chunk_hash: object) -> bool:
         return chunk_hash in self._data

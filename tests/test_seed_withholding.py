@@ -1,0 +1,44 @@
+"""A seed keeps a chunk it handed out from being served again while peers announce holding it
+(swarm/node.py ``_seed_refusal``), even once ``seed_copy_window`` has passed: on a slow or loaded
+swarm the window passes before the peers have passed the chunks round."""
+
+from __future__ import annotations
+
+import pytest
+
+import swarm.node
+from simulations.network import Host, Region
+from simulations.placeholder import placeholder_held
+from simulations.runner import StreamResult, simulate_stream
+from simulations.synthetic import synthetic_setup
+
+
+def run(window: float) -> StreamResult:
+    synthetic = synthetic_setup(patch_bytes=20_000_000, chunk_bytes=1 << 20, versions=1)
+    rate = 1.25e8  # 1 Gbit/s: the transfer (about 0.3 s) outlasts the short copy window below
+    return simulate_stream(
+        synthetic.setup,
+        Host("seed", "r0", up=rate, down=rate),
+        [Host(f"h{i:02d}", "r0", up=rate, down=rate) for i in range(16)],
+        versions=synthetic.versions,
+        interval=1.0,
+        regions=[Region("r0", 0.0005)],
+        start_from=placeholder_held(0),
+        node_options={"seed_copy_window": window},
+    )
+
+
+def test_a_short_copy_window_does_not_make_the_seed_serve_chunks_peers_announce(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    held = run(0.02)
+    monkeypatch.setattr(swarm.node, "SEED_HOLD_WINDOWS", 1)  # the window alone decides again
+    window_only = run(0.02)
+    for r in (held, window_only):
+        assert r.complete, r.errors
+    (v,), (w,) = held.versions, window_only.versions
+    print(
+        f"seed egress / patch: announced holders withheld {v.seed_egress / v.payload_bytes:.2f}, "
+        f"window only {w.seed_egress / w.payload_bytes:.2f}"
+    )
+    assert v.seed_egress < w.seed_egress
