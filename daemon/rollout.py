@@ -52,7 +52,7 @@ from daemon.weightstore import (
 from protocol.keys import load_public_key
 from protocol.served import state_root
 from protocol.trust import TrustState
-from swarm.node import NodeConfig
+from swarm.node import NodeConfig, apply_chunks_off_loop
 from swarm.server import RunningNode, start_http_node
 
 T = TypeVar("T")
@@ -211,6 +211,7 @@ class RolloutDaemon:
             held=self.shadow,
             rng=random.Random(),
             on_version=self._on_version,
+            apply=apply_chunks_off_loop,  # the API and the sidecar keep answering while a version stages
         )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:

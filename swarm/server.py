@@ -13,7 +13,7 @@ from daemon.pull import Held
 from daemon.seed import board_app
 from protocol.keys import KeyPolicy
 from swarm.http import HttpTransport, add_routes
-from swarm.node import ApplyVersion, NodeConfig, SwarmNode, apply_chunks_off_loop
+from swarm.node import ApplyVersion, NodeConfig, SwarmNode, apply_chunks
 from swarm.stores import BoardChunkStore
 from swarm.transport import ChunkReply, Handlers, SystemClock
 
@@ -43,7 +43,7 @@ async def start_http_node(
     held: Held | None = None,
     rng: random.Random | None = None,
     on_version: Callable[[Held], Awaitable[None] | None] | None = None,
-    apply: ApplyVersion = apply_chunks_off_loop,
+    apply: ApplyVersion = apply_chunks,
 ) -> RunningNode:
     """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
     box: list[SwarmNode] = []
