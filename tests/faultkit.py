@@ -149,12 +149,17 @@ def contents_root(view: EngineView) -> bytes:
     return state_root([s.spec for s in view.layout.slots], digests)
 
 
-def engine_sees(view: EngineView, served: dict[int, ServedModel]) -> int | None:
+def engine_sees(view: EngineView, served: dict[int, ServedModel], stable_within: float = 2.0) -> int | None:
     """What an engine reading now would be told it serves, checked: a stable fence whose version is a
     published one, whose root is that version's, and whose bytes hash to that root.  None: no
-    version is exposed (mid-write or empty), which an engine must treat as "do not attribute"."""
+    version is exposed (mid-write or empty), which an engine must treat as "do not attribute".
+    A fence left odd by a daemon killed mid-write stays odd until the next start: after
+    ``stable_within`` seconds that is "mid-write" too (never an endless wait)."""
     for _ in range(1000):
-        obs = view.fence.consistent(lambda: contents_root(view))
+        try:
+            obs = view.fence.consistent(lambda: contents_root(view), timeout=stable_within)
+        except TimeoutError:
+            return None
         if obs.changed:
             continue  # the daemon wrote meanwhile: read again
         if obs.version is None:
