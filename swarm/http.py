@@ -112,25 +112,28 @@ class HttpTransport:
             self._session = None
 
 
+async def _read_at_most(r: aiohttp.ClientResponse, n: int) -> bytes:
+    """The body's first ``n`` bytes at most; whatever the peer sends past them is never buffered."""
+    buf = bytearray()
+    async for piece in r.content.iter_chunked(1 << 16):
+        buf += piece
+        if len(buf) >= n:
+            return bytes(buf[:n])
+    return bytes(buf)
+
+
 async def read_chunk(r: aiohttp.ClientResponse, size: int) -> bytes:
     """A chunk reply, cut at ``size + 1`` bytes whatever the peer sends (an endless stream, a body that
     inflates without end): the caller's size check then refuses it like any wrong-size chunk and bans
     the peer, where a transport error would only rest it."""
-    buf = bytearray()
-    async for piece in r.content.iter_chunked(1 << 16):
-        buf += piece
-        if len(buf) > size:
-            return bytes(buf[: size + 1])
-    return bytes(buf)
+    return await _read_at_most(r, size + 1)
 
 
 async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
     """Read at most ``limit`` bytes: a server sending more is cut off, never buffered."""
     if r.content_length is not None and r.content_length > limit:
         raise LimitExceededError(f"{what}: {r.content_length} bytes, more than the {limit} expected")
-    buf = bytearray()
-    async for piece in r.content.iter_chunked(1 << 16):
-        buf += piece
-        if len(buf) > limit:
-            raise LimitExceededError(f"{what}: response runs past the {limit} bytes expected")
-    return bytes(buf)
+    data = await _read_at_most(r, limit + 1)
+    if len(data) > limit:
+        raise LimitExceededError(f"{what}: response runs past the {limit} bytes expected")
+    return data

@@ -28,19 +28,27 @@ class Daemon:
     store: str
     socket: str
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.log = self.dir / "daemon.log"
 
-    def start(self) -> None:
+    def start(self, **extra_env: str) -> None:
+        """Start the process; ``extra_env`` (and ``env``) add to this process's environment (config
+        overrides, PATCHSWARM_FAULT_AT, faketime)."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(self.config)],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env, **extra_env},
             )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -84,25 +84,10 @@ class SeedProc:
 
 @dataclass
 class EnvDaemon(Daemon):
-    """A daemon started with extra environment (config overrides, PATCHSWARM_FAULT_AT, faketime)."""
+    """A fleet daemon: a fixed listen port, and the port peers reach it on behind a Partition proxy."""
 
-    env: dict[str, str] = field(default_factory=dict)
     listen_port: int = 0
     proxy_port: int = 0  # where peers reach it when it runs behind a Partition proxy (0: none)
-
-    def start(self, **extra_env: str) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(self.config)],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env, **extra_env},
-            )
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 def fleet_daemon(

@@ -85,16 +85,19 @@ async def test_decompression_bomb_is_cut_at_the_chunk_size_and_its_sender_banned
     await bad_chunks(world, "bomb")
 
 
-async def unresponsive(world: AttackWorld, **behaviour: object) -> dict[str, float]:
-    """Leak a version to an adversary that answers ``behaviour``-ly, let the daemon start on it, then
-    release the honest copy: the version must land from the seed, with no hash failure counted."""
+async def unresponsive(
+    world: AttackWorld, asked_for: tuple[str, ...] = ("chunk", "object"), **behaviour: object
+) -> dict[str, float]:
+    """Leak a version to an adversary that answers ``behaviour``-ly, let the daemon ask it for one of
+    ``asked_for``, then release the honest copy: the version must land from the seed, with no hash
+    failure counted."""
     m0 = await world.metrics()
-    asked = sum(world.adversary.requests[k] for k in ("chunk", "object"))
+    asked = sum(world.adversary.requests[k] for k in asked_for)
     world.adversary.behave(**behaviour)
     v = world.publish(to_adversary=True)  # the adversary is the only holder: it is asked first
 
     async def tried() -> bool:
-        return sum(world.adversary.requests[k] for k in ("chunk", "object")) > asked
+        return sum(world.adversary.requests[k] for k in asked_for) > asked
 
     await world.until("a request to the adversary", tried)
     world.release()
@@ -109,7 +112,9 @@ async def unresponsive(world: AttackWorld, **behaviour: object) -> dict[str, flo
 
 async def test_slow_retrieval_does_not_stall_the_download(world: AttackWorld) -> None:
     chunks = world.adversary.requests["chunk"]
-    await unresponsive(world, chunks="slow")  # promises each chunk, sends one byte every 0.2 s
+    # It serves the manifest, then promises each chunk and sends one byte every 0.2 s; the honest
+    # copy is released only once a chunk was asked of it (not just the manifest).
+    await unresponsive(world, asked_for=("chunk",), chunks="slow")
     assert world.adversary.requests["chunk"] > chunks
 
 
