@@ -3,6 +3,10 @@
     .venv/bin/python -m benchmarks.sim_bench network --hosts 1000 --chunks 125
     .venv/bin/python -m benchmarks.sim_bench swarm --peers 32
     .venv/bin/python -m benchmarks.sim_bench swarm --hosts 1000 --patch-mb 500 --chunk-mib 4
+    .venv/bin/python -m benchmarks.sim_bench swarm --hosts 10000 --patch-mb 50 --member max_members=128
+
+``--node FIELD=JSON`` / ``--sched FIELD=JSON`` / ``--member FIELD=JSON`` set NodeConfig, SchedulerConfig and
+MembershipConfig fields (repeatable); ``--quantum`` batches network events.
 
 ``network``: every host fetches ``chunks`` chunks of ``chunk`` bytes, ``inflight`` at a time,
 each from a random other host (no protocol: only the flow model's cost).  ``swarm``: real
@@ -127,8 +131,11 @@ def placeholder_bench(
     latency: float,
     seed: int,
     node_options: dict[str, Any] | None = None,
+    quantum: float = 0.0,
+    membership: dict[str, Any] | None = None,
 ) -> None:
     """Real nodes, placeholder payloads: ``hosts`` peers and a seed, all at ``rate`` both ways."""
+    from protocol.membership import MembershipConfig
     from simulations.placeholder import placeholder_held
     from simulations.runner import simulate_stream
     from simulations.synthetic import synthetic_setup
@@ -146,6 +153,8 @@ def placeholder_bench(
         start_from=placeholder_held(0),
         seed=seed,
         node_options=node_options,
+        quantum=quantum,
+        membership=MembershipConfig(**membership) if membership else None,
     )
     cpu = time.process_time() - cpu0
     print(
@@ -198,12 +207,21 @@ def main() -> None:
     w.add_argument("--latency", type=float, default=0.0005)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--node", action="append", default=[], metavar="FIELD=JSON", help="a NodeConfig field (repeatable)")
+    w.add_argument("--member", action="append", default=[], metavar="FIELD=JSON", help="a MembershipConfig field")
+    w.add_argument("--sched", action="append", default=[], metavar="FIELD=JSON", help="a SchedulerConfig field")
+    w.add_argument("--quantum", type=float, default=0.0, help="network event batching, seconds (0: exact)")
     a = p.parse_args()
     if a.what == "network":
         network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum, a.check)
     elif a.hosts:
-        options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.node)}
-        placeholder_bench(a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed, options)
+        options: dict[str, Any] = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.node)}
+        if a.sched:
+            from protocol.scheduler import SchedulerConfig
+
+            options["scheduler"] = SchedulerConfig(**{k: json.loads(v) for k, v in (o.split("=", 1) for o in a.sched)})
+        member = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.member)}
+        args = (a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed)
+        placeholder_bench(*args, options, a.quantum, member)
     else:
         swarm_bench(a.peers, a.seed)
 

@@ -227,6 +227,23 @@ def worker_swarm(role: str, argv: list[str]) -> int:
     overrides = load_overrides(None).get(role, {})
     if os.environ.get("PATCHSWARM_BENCH_TRACE"):
         trace_apply()
+        import logging
+
+        # Every chunk request's outcome (swarm.node logs them at debug), timestamped, on stderr.
+        logging.basicConfig(level=logging.INFO, format="%(created).3f %(name)s %(message)s")
+        logging.getLogger("patchswarm.swarm").setLevel(logging.DEBUG)
+        import gc
+
+        gc_start: list[float] = [0.0]
+
+        def gc_timer(phase: str, info: dict[str, Any]) -> None:  # collections that stall the loop
+            if phase == "start":
+                gc_start[0] = time.monotonic()
+            elif time.monotonic() - gc_start[0] > 0.02:
+                rec = {"event": "gc", "gen": info["generation"], "seconds": time.monotonic() - gc_start[0]}
+                print(json.dumps(rec), flush=True)
+
+        gc.callbacks.append(gc_timer)
     host, port = parse_listen(args.listen)
     config = apply_overrides(_config(args, is_seed=role == "seed", listen=args.listen), overrides)
 

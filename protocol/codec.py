@@ -438,8 +438,10 @@ class _UlpSteps:
 
 
 def _decode(
-    payload: bytes | memoryview, specs: list[TensorSpec], base: ServedModel | None
+    payload: bytes | memoryview, specs: list[TensorSpec], base: ServedModel | None, *, into: ServedModel | None = None
 ) -> Iterator[TensorUpdate | _UlpSteps]:
+    """Decoded records in layout order.  With ``into`` (the model being patched, possibly ``base`` itself),
+    dense records are decoded straight into its tensors, and their updates carry those very tensors."""
     header = read_header(payload, specs)
     reader = StreamReader(header.streams)
     for i, (spec, (enc, k)) in enumerate(zip(specs, header.records, strict=True)):
@@ -449,10 +451,12 @@ def _decode(
             raise FormatError(f"{spec.name}: patch needs a base version but none was given")
         device = base.data[i].device if base is not None else torch.device("cpu")
         if enc == Encoding.FULL:
-            yield TensorUpdate(i, enc, None, _read_dense(reader, "full", spec, None, device))
+            out = into.data[i] if into is not None else None
+            yield TensorUpdate(i, enc, None, _read_dense(reader, "full", spec, None, device, out))
         elif enc == Encoding.XOR:
             assert base is not None
-            yield TensorUpdate(i, enc, None, _read_dense(reader, "xor", spec, base.data[i], device))
+            out = into.data[i] if into is not None else None
+            yield TensorUpdate(i, enc, None, _read_dense(reader, "xor", spec, base.data[i], device, out))
         elif enc == Encoding.SPARSE_RAW:
             pos = torch.from_numpy(_read_positions(reader, spec, k)).to(device)
             yield TensorUpdate(
@@ -464,10 +468,11 @@ def _decode(
 
 
 def iter_updates(
-    payload: bytes | memoryview, specs: list[TensorSpec], base: ServedModel | None
+    payload: bytes | memoryview, specs: list[TensorSpec], base: ServedModel | None, *, into: ServedModel | None = None
 ) -> Iterator[TensorUpdate]:
-    """Decode a payload tensor by tensor.  Reads base values (for ulp and xor) but writes nothing."""
-    for u in _decode(payload, specs, base):
+    """Decode a payload tensor by tensor.  Reads base values (for ulp and xor) but writes nothing,
+    except with ``into``: see :func:`_decode` (apply each update to ``into`` before the next is read)."""
+    for u in _decode(payload, specs, base, into=into):
         if isinstance(u, _UlpSteps):
             assert base is not None
             yield _ulp_update(u, specs[u.index], base.data[u.index])
@@ -476,16 +481,33 @@ def iter_updates(
 
 
 def _read_dense(
-    reader: StreamReader, prefix: str, spec: TensorSpec, bdata: torch.Tensor | None, device: torch.device
+    reader: StreamReader,
+    prefix: str,
+    spec: TensorSpec,
+    bdata: torch.Tensor | None,
+    device: torch.device,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    out = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+    # Element s of the output depends only on element s of the base: ``out`` may be ``bdata`` itself.
+    if out is None:
+        out = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
     words = word_view(out, spec)
+    base = word_view(bdata, spec) if bdata is not None else None
     w = spec.dt.width
     for s in range(0, spec.numel, SLICE):
         n = min(SLICE, spec.numel - s)
-        part = torch.from_numpy(reader.read_planes(prefix, n, w).copy()).to(device)
-        if bdata is not None:
-            part ^= word_view(bdata, spec)[s : s + n]
+        planes = reader.read_planes(prefix, n, w)
+        if device.type == "cpu":
+            # One pass from the decoded bytes straight into the output (read-only planes need no copy).
+            dst = words[s : s + n].numpy()
+            if base is None:
+                np.copyto(dst, planes)
+            else:
+                np.bitwise_xor(planes, base[s : s + n].numpy(), out=dst)
+            continue
+        part = torch.from_numpy(planes.copy()).to(device)
+        if base is not None:
+            part ^= base[s : s + n]
         words[s : s + n] = part
     return out
 
@@ -566,7 +588,8 @@ def apply_update(model: ServedModel, update: TensorUpdate) -> None:
     """Write one decoded update into ``model`` in place (touches only changed positions when sparse)."""
     spec = model.specs[update.index]
     if update.positions is None:
-        model.data[update.index].copy_(update.values)
+        if update.values is not model.data[update.index]:  # else decoded in place (``into``)
+            model.data[update.index].copy_(update.values)
     else:
         word_view(model.data[update.index], spec)[update.positions] = update.values
 
@@ -588,7 +611,7 @@ def apply_patch(base: ServedModel | None, payload: bytes | memoryview, specs: li
     jobs: collections.deque[tuple[Future[None], int]] = collections.deque()
     inflight = 0
     try:
-        for u in _decode(payload, specs, base):
+        for u in _decode(payload, specs, base, into=model):
             if not isinstance(u, _UlpSteps):
                 apply_update(model, u)
                 continue

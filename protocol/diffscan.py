@@ -106,15 +106,18 @@ def _scan_words(
         w = np.flatnonzero(np.not_equal(x, y, out=mask[: e - s]))
         if w.size == 0:
             continue
+        # Second look, at the changed words only (gathered while the block is in cache): which lanes differ.
+        xo = x[w].view(a.dtype)
+        yn = y[w].view(a.dtype)
         if lanes == 1:
-            pos = w + s
-        else:
-            # Second look, while the block is still in cache: which lanes of each changed word differ.
-            hit = np.flatnonzero((x[w] ^ y[w]).view(a.dtype) != 0)
-            pos = (w[hit >> shift] + s) * lanes + (hit & (lanes - 1))
-        pos_parts.append(pos)
-        old_parts.append(a[pos])
-        new_parts.append(b[pos])
+            pos_parts.append(w + s)
+            old_parts.append(xo)
+            new_parts.append(yn)
+            continue
+        hit = np.flatnonzero(xo != yn)
+        pos_parts.append((w + s)[hit >> shift] * lanes + (hit & (lanes - 1)))
+        old_parts.append(xo[hit])  # from the gathered words, not from the block again
+        new_parts.append(yn[hit])
     if not pos_parts:
         return np.empty(0, dtype=np.int64), a[:0], b[:0]
     return np.concatenate(pos_parts), np.concatenate(old_parts), np.concatenate(new_parts)

@@ -25,11 +25,24 @@ Protocol, per node:
   nodes independently confirm it (``Update.origin`` names who asserted a suspicion); a local
   health score (``awareness``) slows this node's own probing while its own messages seem to be
   getting lost (failed probes with no ``Nack``, refuted suspicions).
+- Bounded view (``max_members`` = k > 0; 0, the default, is SWIM's full membership): a node keeps
+  at most k other members, those with the lowest *rank*, a hash of (its id, their id), among the
+  members it has heard of.  The view is thus a pseudo-random k-subset that does not depend on the
+  order in which members were heard of, and every member sits in about k views, so it is probed
+  about as often as under full membership.  The join seeds (by address) always keep their place:
+  they are the contacts a node falls back on (in patchswarm, the trainer's seed).  A member that
+  loses its place is forgotten silently (it is alive: a driver may keep talking to it).  Updates
+  about members outside the view are still relayed, once per (incarnation, state) as remembered in
+  a bounded record of recent facts, so joins and deaths reach every view; a DEAD or LEFT one is
+  also reported by ``drain_events`` (a driver may know that member from elsewhere).  The
+  broadcast queue is bounded too.  Memory and a ``Sync`` are O(k) instead of O(N): for clusters
+  of thousands of hosts (docs/simulation.md section 6).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -145,6 +158,7 @@ class MembershipConfig:
     max_piggyback: int = 16
     suspicion_confirmations: int = 3  # Lifeguard K: independent suspectors expected
     nack_fraction: float = 0.8  # a helper nacks after this share of (probe_interval - probe_timeout)
+    max_members: int = 0  # >0: a bounded view of at most this many other members (see the module docstring)
 
     def __post_init__(self) -> None:
         if not 0 < self.probe_timeout < self.probe_interval:
@@ -159,6 +173,8 @@ class MembershipConfig:
             raise ValueError("awareness_max >= 1, max_piggyback >= 1, suspicion_confirmations >= 0 required")
         if not 0 < self.nack_fraction < 1:
             raise ValueError("need 0 < nack_fraction < 1")
+        if self.max_members < 0:
+            raise ValueError("max_members must be >= 0 (0: every member)")
 
     @property
     def nack_timeout(self) -> float:
@@ -188,6 +204,8 @@ class _Member:
     origin: str
     since: float  # when state last changed
     told_at: float = -math.inf  # when we last told it that we consider it DEAD/LEFT
+    rank: int = 0  # bounded view: its rank from this node (lower stays)
+    fact: Update | None = None  # the Update equal to (info, incarnation, state, origin), kept for known()
 
 
 @dataclass(slots=True)
@@ -276,6 +294,12 @@ class _InfoView(Sequence[NodeInfo]):
 
 # Far more refutations than a node makes in its life, far less than the 2**63 the wire carries.
 MAX_INCARNATION_JUMP = 1 << 20
+# A Sync lists at most this many members (protocol/wire.py refuses longer lists: MAX_UPDATES); a full
+# membership larger than that sends a random sample (the rest spreads by gossip and later syncs).
+MAX_SYNC_MEMBERS = 4000
+# Bounded view: facts about non-members remembered (to relay each once) and broadcasts queued, per member.
+HEARD_PER_MEMBER = 8
+QUEUE_PER_MEMBER = 4
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 
@@ -309,6 +333,10 @@ class Membership:
         self._seq = 0
         self._seeds: list[NodeInfo] = []
         self._events: list[tuple[NodeInfo, MemberState]] = []
+        # Bounded view only: (rank, id) of the members, sorted (the last one leaves first), and the latest
+        # (incarnation, state) relayed about each recent non-member, oldest first.
+        self._ranks: list[tuple[int, str]] = []
+        self._heard: dict[str, tuple[int, MemberState]] = {}
         self._next_probe_at = now + rng.uniform(0, config.probe_interval)
         self._next_gossip_at = now
         self._next_sync_at = now + rng.uniform(0, config.sync_interval)
@@ -350,9 +378,11 @@ class Membership:
 
     def known(self) -> list[Update]:
         """Full state, self included, by node_id: what a ``Sync`` carries."""
-        out = [Update(m.info, m.incarnation, m.state, m.origin) for m in self._sorted()]
-        out.append(self.local())
-        return sorted(out, key=lambda u: u.info.node_id)
+        members = self._members
+        ids = sorted(members)
+        out = [m.fact or Update(m.info, m.incarnation, m.state, m.origin) for m in (members[k] for k in ids)]
+        out.insert(bisect.bisect_left(ids, self._me.node_id), self.local())
+        return out
 
     def drain_events(self) -> list[tuple[NodeInfo, MemberState]]:
         """State (or address) changes of other members since the last call, oldest first."""
@@ -415,7 +445,7 @@ class Membership:
         if isinstance(message, Sync):
             for u in message.members:
                 self._apply(u, now, synced_from=sender.node_id)
-        if sender.node_id not in self._members:  # it is talking to us, so it is alive
+        if sender.node_id not in self._members and self._admit(sender):  # talking to us: alive
             self._add(Update(sender, 0, ALIVE, sender.node_id), now)
         out = self._tell_if_dead(sender, now)
         me = self._me.node_id
@@ -454,8 +484,9 @@ class Membership:
         for node_id in sorted(self._gone):
             m = self._members[node_id]
             if m.since + self._cfg.dead_reclaim <= now:
-                self._track(node_id, m.state, None)
-                del self._members[node_id]
+                self._remove(node_id)
+                if self._cfg.max_members:  # (its old news may still travel: not relayed again)
+                    self._note_heard(node_id, m.incarnation, m.state)
         if self._queue and self._next_gossip_at <= now:
             self._next_gossip_at = now + self._cfg.gossip_interval
             out.extend(self._gossip_round(now))
@@ -545,9 +576,11 @@ class Membership:
             return
         m = self._members.get(node_id)
         if m is None:
-            if u.state <= SUSPECT:  # a DEAD/LEFT stranger is not worth remembering
+            if u.state <= SUSPECT and self._admit(u.info):  # a DEAD/LEFT stranger is not worth remembering
                 self._add(u, now)
                 self._broadcast(u)
+            elif self._cfg.max_members:
+                self._relay(u)
             return
         state, origin = u.state, u.origin
         if synced_from and state is DEAD:  # memberlist: a pushed DEAD becomes our suspicion, not a verdict
@@ -564,10 +597,11 @@ class Membership:
             m.since = now
             self._track(node_id, m.state, state)
         m.info, m.incarnation, m.state, m.origin = u.info, u.incarnation, state, origin
+        m.fact = Update(m.info, m.incarnation, state, origin)
         self._suspicions.pop(node_id, None)
         if state is SUSPECT:
             self._start_suspicion(m, now)
-        self._broadcast(Update(m.info, m.incarnation, state, origin))
+        self._broadcast(m.fact)
         if changed:
             self._events.append((m.info, state))
 
@@ -591,9 +625,13 @@ class Membership:
         self._broadcast(self.local())
 
     def _add(self, u: Update, now: float) -> None:
-        m = _Member(u.info, u.incarnation, u.state, u.origin, now)
+        m = _Member(u.info, u.incarnation, u.state, u.origin, now, fact=u)
         self._members[u.info.node_id] = m
         self._track(u.info.node_id, None, u.state)
+        if self._cfg.max_members:
+            m.rank = self._rank(u.info)
+            bisect.insort(self._ranks, (m.rank, u.info.node_id))
+            self._heard.pop(u.info.node_id, None)
         pos = self._rng.randint(0, len(self._probe_order))
         self._probe_order.insert(pos, u.info.node_id)
         if pos < self._probe_index:
@@ -601,6 +639,54 @@ class Membership:
         if u.state is SUSPECT:
             self._start_suspicion(m, now)
         self._events.append((u.info, u.state))
+
+    def _remove(self, node_id: str) -> _Member:
+        """Forget a member (reclaimed, or out of a bounded view)."""
+        m = self._members.pop(node_id)
+        self._track(node_id, m.state, None)
+        self._suspicions.pop(node_id, None)
+        if self._cfg.max_members:
+            del self._ranks[bisect.bisect_left(self._ranks, (m.rank, node_id))]
+        return m
+
+    # ----------------------------------------------------------------- bounded view
+
+    def _rank(self, info: NodeInfo) -> int:
+        """A pseudo-random rank, fixed per (this node, that node): the view keeps the lowest.  A join seed: -1."""
+        if any(seed.addr == info.addr for seed in self._seeds):
+            return -1
+        digest = hashlib.blake2b(f"{self._me.node_id}\0{info.node_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
+
+    def _admit(self, info: NodeInfo) -> bool:
+        """Whether a stranger joins the view: always under full membership or while there is room; in a
+        full bounded view when it ranks below the worst member, which then leaves (silently: it is alive)."""
+        k = self._cfg.max_members
+        if not k or len(self._members) < k:
+            return True
+        if self._rank(info) >= self._ranks[-1][0]:
+            return False
+        m = self._remove(self._ranks[-1][1])
+        self._note_heard(m.info.node_id, m.incarnation, m.state)
+        return True
+
+    def _relay(self, u: Update) -> None:
+        """Bounded view: pass on a fact about a non-member once (unless an equal or newer one was)."""
+        node_id = u.info.node_id
+        seen = self._heard.get(node_id)
+        if seen is not None and ((u.incarnation, u.state) <= seen or u.incarnation > seen[0] + MAX_INCARNATION_JUMP):
+            return
+        self._note_heard(node_id, u.incarnation, u.state)
+        self._broadcast(u)
+        if u.state >= DEAD:
+            self._events.append((u.info, u.state))
+
+    def _note_heard(self, node_id: str, incarnation: int, state: MemberState) -> None:
+        heard = self._heard
+        heard.pop(node_id, None)  # to the end: the oldest leave first
+        heard[node_id] = (incarnation, state)
+        if len(heard) > HEARD_PER_MEMBER * self._cfg.max_members:
+            del heard[next(iter(heard))]
 
     def _start_suspicion(self, m: _Member, now: float) -> None:
         n = 1 + len(self._usable)
@@ -632,6 +718,11 @@ class Membership:
         self._order += 1
         self._queue[node_id] = _Broadcast(u, 0, self._order)
         self._queue_order.insert(0, (0, -self._order, node_id))  # the newest of the least sent: first
+        k = self._cfg.max_members
+        if k and len(self._queue) > QUEUE_PER_MEMBER * k:  # bounded: drop the most sent (oldest among equals)
+            q = self._queue_order
+            at = -1 if q[-1][2] != self._me.node_id else -2  # never our own record (a refutation)
+            del self._queue[q.pop(at)[2]]
 
     def _queue_remove(self, transmits: int, order: int, node_id: str) -> None:
         q = self._queue_order
@@ -643,7 +734,9 @@ class Membership:
         out = [] if first is None else [first]
         if not self._queue:
             return tuple(out)
-        limit = self._cfg.retransmit_mult * math.ceil(math.log10(len(self._members) + 2))
+        # (a bounded view counts the recent non-members it heard of too: the cluster is larger than the view)
+        known = len(self._members) + len(self._heard)
+        limit = self._cfg.retransmit_mult * math.ceil(math.log10(known + 2))
         q = self._queue_order
         k = max(0, self._cfg.max_piggyback - len(out))
         taken, q[:k] = q[:k], []
@@ -670,7 +763,13 @@ class Membership:
         return out
 
     def _sync_to(self, to: NodeInfo, reply: bool) -> Send:
-        return Send(to, Sync(tuple(self.known()), reply, self._take()))
+        known = self.known()
+        if len(known) > MAX_SYNC_MEMBERS:  # more than a frame may list: our own record and a random sample
+            me = self._me.node_id
+            others = [u for u in known if u.info.node_id != me]
+            keep = self._rng.sample(others, MAX_SYNC_MEMBERS - 1) + [self.local()]
+            known = sorted(keep, key=lambda u: u.info.node_id)
+        return Send(to, Sync(tuple(known), reply, self._take()))
 
     def _tell_if_dead(self, sender: NodeInfo, now: float) -> list[Send]:
         m = self._members.get(sender.node_id)

@@ -209,7 +209,7 @@ def apply_version(
         if root != manifest.base_root:
             raise BaseMismatchError(f"base of version {manifest.version}", manifest.base_root, root)
         model, digests, source = base, list(have), base
-    for update in iter_updates(payload, specs, source):
+    for update in iter_updates(payload, specs, source, into=model):
         apply_update(model, update)
         digests[update.index] = None  # touched: hash again below
     final = [d if d is not None else bytes_digest(model.data[i]) for i, d in enumerate(digests)]

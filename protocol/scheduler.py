@@ -67,6 +67,16 @@ from protocol.bitfield import Bitfield
 _MIN_ELAPSED = 1e-6  # seconds: a zero elapsed time would be an infinite rate
 
 
+def _indices(bits: int) -> list[int]:
+    """The set bits of a non-negative int, ascending (bit i: chunk i)."""
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return out
+
+
 class FailureReason(enum.Enum):
     HASH = "hash"  # the chunk failed its hash: ban the peer
     ERROR = "error"  # connection or protocol error: rest the peer
@@ -85,8 +95,8 @@ class PeerInfo:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_inflight: int = 16  # per node
-    max_inflight_per_peer: int = 3  # Kraken: 3 to agents
+    max_inflight: int = 8  # per node (more only polls busy uplinks faster: each refusal costs both ends CPU)
+    max_inflight_per_peer: int = 2  # a peer uploads 2 at once (NodeConfig.max_uploads): a third waits in its line
     max_inflight_seed: int = 5  # Kraken: 5 to origins
     random_first: int = 4  # BitTorrent: first pieces random, then rarest-first
     endgame_remaining: int = 3  # Kraken: endgame at <= 3 chunks left: duplicate in-flight requests
@@ -299,6 +309,7 @@ class ChunkScheduler:
             old_counted = not p.info.is_seed
         new_counted = not peer.is_seed
         old_has = p.has
+        old_bits = p.mask()
         p.info, p.has, p.bits = peer, new_has, None
         if peer.is_seed:
             self._seeds[peer.peer_id] = p
@@ -307,20 +318,22 @@ class ChunkScheduler:
         removed: list[int] = []
         added: list[int] = []
         full_delta = 0
+        # (on int masks: an announcement usually differs from the last one by a chunk or two)
+        new_bits = p.mask()
         if old_counted and new_counted and old_has is not None and new_has is not None:
-            removed = list(old_has.difference(new_has))
-            added = list(new_has.difference(old_has))
+            removed = _indices(old_bits & ~new_bits)
+            added = _indices(new_bits & ~old_bits)
         else:
             if old_counted:
                 if old_has is None:
                     full_delta -= 1
                 else:
-                    removed = list(old_has.held())
+                    removed = _indices(old_bits)
             if new_counted:
                 if new_has is None:
                     full_delta += 1
                 else:
-                    added = list(new_has.held())
+                    added = _indices(new_bits)
         self._apply_availability(removed, added, full_delta, now)
 
     def on_have(self, peer_id: str, chunk: int, now: float) -> None:
@@ -363,15 +376,30 @@ class ChunkScheduler:
         cfg = self._cfg
         if self._have.complete or self._n_inflight >= cfg.max_inflight:
             return out
-        rnd = self._round(now)
-        if not rnd.free:
-            return out
-        self._ensure_order()
-        # Peers holding nothing in the pool cannot take a new chunk: leave them out of the scan.
+        # Peers holding nothing in the pool cannot take a new chunk: one pass lists the free peers that do.
         pool = self._pool
         pool_bits = int.from_bytes(pool.to_bytes(), "little")
-        useful = [p for p in rnd.free if p.has is None or p.mask() & pool_bits]
-        scan = _Round(now, useful, rnd.any_banned, rnd.slow_below, self._peers, rnd._fast)
+        scan = self._round(now, pool_bits) if pool_bits else None
+        if scan is not None and scan.free:
+            self._ensure_order()
+            self._new_requests(now, scan, out)
+        if pool.count() == 0 and self._in_endgame() and self._n_inflight < cfg.max_inflight:
+            rnd = self._round(now)
+            for c in sorted(self._flights):
+                if not rnd.free or self._n_inflight >= cfg.max_inflight:
+                    break
+                flights = self._flights[c]
+                if len(flights) != 1:
+                    continue
+                (first,) = flights.values()
+                peer = self._choose(c, rnd, waiting_since=first.start)
+                if peer is not None:
+                    out.append(self._issue(c, peer, rnd, duplicate=True))
+        return out
+
+    def _new_requests(self, now: float, scan: _Round, out: list[Request]) -> None:
+        """Random-first, then rarest-first requests for pooled chunks, to the free peers of ``scan``."""
+        cfg = self._cfg
         early = self._epoch is not None and now - self._epoch < cfg.seed_patience
         while self._random_left > 0 and scan.free and self._n_inflight < cfg.max_inflight:
             candidates = []
@@ -398,19 +426,6 @@ class ChunkScheduler:
                     i += 1
                 else:  # issuing removes order[i]: the next chunk moves into place i
                     out.append(self._issue(c, peer, scan, duplicate=False))
-        if pool.count() == 0 and self._in_endgame() and self._n_inflight < cfg.max_inflight:
-            rnd = self._round(now)
-            for c in sorted(self._flights):
-                if not rnd.free or self._n_inflight >= cfg.max_inflight:
-                    break
-                flights = self._flights[c]
-                if len(flights) != 1:
-                    continue
-                (first,) = flights.values()
-                peer = self._choose(c, rnd, waiting_since=first.start)
-                if peer is not None:
-                    out.append(self._issue(c, peer, rnd, duplicate=True))
-        return out
 
     def on_success(self, now: float, chunk: int, peer_id: str, nbytes: int, elapsed: float) -> list[Request]:
         """A chunk arrived from ``peer_id`` and passed its hash; returns duplicate requests to cancel."""
@@ -455,9 +470,10 @@ class ChunkScheduler:
     def expired(self, now: float) -> list[Request]:
         """In-flight requests past their deadline, now dropped as TIMEOUT failures (cancel them)."""
         self._tick(now)
-        late = [
-            f.request for c in sorted(self._flights) for f in self._flights[c].values() if f.request.deadline <= now
-        ]
+        flights = self._flights
+        if not any(f.request.deadline <= now for fl in flights.values() for f in fl.values()):
+            return []  # the usual case (deadlines are seconds away): no sort, no list
+        late = [f.request for c in sorted(flights) for f in flights[c].values() if f.request.deadline <= now]
         for r in late:
             self.on_failure(now, r.chunk, r.peer_id, FailureReason.TIMEOUT)
         return late
@@ -512,13 +528,15 @@ class ChunkScheduler:
 
     # ------------------------------------------------------------------ choosing
 
-    def _round(self, now: float) -> _Round:
+    def _round(self, now: float, pool_bits: int = -1) -> _Round:
+        """The free peers (of those holding something in ``pool_bits``), in the order they were added."""
         cfg = self._cfg
         peer_cap, seed_cap = cfg.max_inflight_per_peer, cfg.max_inflight_seed
         free = [
             p
             for p in self._peers.values()
-            if p.resting_until <= now
+            if (p.bits if p.bits is not None else p.mask()) & pool_bits
+            and p.resting_until <= now
             and p.banned_until <= now
             and len(p.inflight) < (seed_cap if p.info.is_seed else peer_cap)
         ]
@@ -541,7 +559,10 @@ class ChunkScheduler:
         holders: list[_Peer] = []
         seeds: list[_Peer] = []
         for p in rnd.free:
-            if (p.has is None or p.has.has(chunk)) and chunk not in p.inflight:
+            bits = p.bits  # (``has`` as an int: one shift instead of a Bitfield.has call per peer and chunk)
+            if bits is None:
+                bits = p.mask()
+            if bits >> chunk & 1 and chunk not in p.inflight:
                 (seeds if p.info.is_seed else holders).append(p)
         if not seeds:
             return holders
@@ -721,7 +742,7 @@ class ChunkScheduler:
     def _avail_change(self, chunk: int, delta: int, now: float) -> None:
         old = self._avail[chunk]
         self._avail[chunk] = old + delta
-        if chunk not in self._pool:
+        if not self._pool.has(chunk):
             return
         if delta > 0 and old + self._n_full == 0:
             self._set_since(chunk, now)  # its first holder appeared: seed patience starts now

@@ -322,6 +322,8 @@ class StreamReader:
 
     def read_planes(self, prefix: str, count: int, width: int) -> np.ndarray:
         """Inverse of :meth:`StreamWriter.write_planes`: ``count`` words of ``width`` bytes."""
+        if width == 1:  # one plane: the stream's bytes are the words (read-only, not copied)
+            return np.frombuffer(self.read(f"{prefix}.1.0", count), dtype=le_words(1))
         out = np.empty((count, width), dtype=np.uint8)
         for p in range(width):
             out[:, p] = np.frombuffer(self.read(f"{prefix}.{width}.{p}", count), dtype=np.uint8)

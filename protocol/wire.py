@@ -19,12 +19,25 @@ from typing import Any
 import msgpack
 
 from protocol.errors import FormatError
-from protocol.membership import Ack, Gossip, MemberState, Message, Nack, NodeInfo, Ping, PingReq, Sync, Update
+from protocol.membership import (
+    MAX_SYNC_MEMBERS,
+    Ack,
+    Gossip,
+    MemberState,
+    Message,
+    Nack,
+    NodeInfo,
+    Ping,
+    PingReq,
+    Sync,
+    Update,
+)
 
 FRAME_TAG = "patchswarm/gossip/1"
 MAC_DOMAIN = b"patchswarm/gossip/v1\x00"
 MAX_FRAME = 1 << 20
 MAX_UPDATES = 4096
+assert MAX_SYNC_MEMBERS <= MAX_UPDATES  # a Sync a node sends must be one its peers accept
 MAX_LISTED = 64
 MAX_BITFIELD = 1 << 16
 MAX_STR = 512
@@ -148,20 +161,57 @@ def _str(x: Any) -> str:
     return x
 
 
+# Decoded member records, interned: a node hears the same few thousand (member, incarnation, state)
+# facts over and over (piggybacks, syncs), and they are immutable.  A hit skips validation (the key
+# was validated when it entered) and shares one object per fact.  Keys hold only str and int (types
+# checked first: True == 1 and 1.0 == 1 must not hit).  Cleared when full: bounded memory.
+_INTERN_MAX = 1 << 16
+_infos: dict[tuple[Any, ...], NodeInfo] = {}
+_updates_seen: dict[tuple[Any, ...], Update] = {}
+
+
 def _to_info(x: Any) -> NodeInfo:
-    if not (isinstance(x, list) and len(x) == 4):
+    if not (type(x) is list and len(x) == 4):
         raise WireError("node info must be [id, addr, zone, region]")
-    return NodeInfo(*(_str(v) for v in x))
+    key: tuple[Any, ...] | None = tuple(x)
+    try:
+        info = _infos.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable field: not a string, and the check below says so
+        info, key = None, None
+    if info is None:
+        info = NodeInfo(*(_str(v) for v in x))
+        if key is not None:
+            if len(_infos) >= _INTERN_MAX:
+                _infos.clear()
+            _infos[key] = info
+    return info
 
 
 def _to_update(x: Any) -> Update:
-    if not (isinstance(x, list) and len(x) == 4):
+    if not (type(x) is list and len(x) == 4):
         raise WireError("update must be [info, incarnation, state, origin]")
+    info, incarnation, state, origin = x
+    key: tuple[Any, ...] | None
+    if type(info) is list and len(info) == 4 and type(incarnation) is int and type(state) is int:
+        key = (*info, incarnation, state, origin)
+        try:
+            u = _updates_seen.get(key)
+        except TypeError:  # an unhashable field: the checks below reject it
+            u, key = None, None
+        if u is not None:
+            return u
+    else:
+        key = None
     try:
-        state = MemberState(x[2])
+        member_state = MemberState(state)
     except ValueError:
-        raise WireError(f"unknown member state {x[2]!r}") from None
-    return Update(_to_info(x[0]), _uint(x[1]), state, _str(x[3]))
+        raise WireError(f"unknown member state {state!r}") from None
+    u = Update(_to_info(info), _uint(incarnation), member_state, _str(origin))
+    if key is not None:
+        if len(_updates_seen) >= _INTERN_MAX:
+            _updates_seen.clear()
+        _updates_seen[key] = u
+    return u
 
 
 def _to_updates(x: Any) -> tuple[Update, ...]:

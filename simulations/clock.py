@@ -24,8 +24,10 @@ dependency and keeps the mechanism in one short file.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import selectors
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -53,8 +55,12 @@ class _VirtualSelector(selectors.BaseSelector):
         return self._real.modify(fileobj, events, data)
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout == 0:
+            # Callbacks are ready: run them; the real selector is polled before the clock next moves.
+            # (A poll per loop iteration was a system call per simulated callback batch.)
+            return []
         ready = self._real.select(0)
-        if ready or timeout == 0:
+        if ready:
             return ready
         if timeout is None:
             # No timer at all: only another thread (call_soon_threadsafe) could still wake us.
@@ -100,8 +106,25 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 def run_virtual(main: Coroutine[Any, Any, T], *, start: float = 0.0, debug: bool = False) -> T:
     """Run ``main`` to completion on a fresh VirtualTimeLoop (like ``asyncio.run``), then close the loop."""
-    with asyncio.Runner(debug=debug, loop_factory=lambda: VirtualTimeLoop(start)) as runner:
+    with _sparse_gc(), asyncio.Runner(debug=debug, loop_factory=lambda: VirtualTimeLoop(start)) as runner:
         return runner.run(main)
+
+
+@contextlib.contextmanager
+def _sparse_gc() -> Iterator[None]:
+    """Fewer, cheaper cyclic collections while a simulation runs: what exists before it (modules, torch,
+    the setup) is frozen out of the collector's scans, and the youngest generation is collected every
+    50,000 allocations instead of 700.  A simulation allocates millions of short-lived objects (tasks,
+    futures, timer handles), and the default thresholds cost ~20% of its CPU time (300 hosts x 500 MB:
+    22.6 -> 17.4 s) for no memory saved (same peak RSS).  Restored afterwards."""
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 class SimClock:
@@ -109,12 +132,18 @@ class SimClock:
 
     def __init__(self, epoch: float) -> None:
         self.epoch = epoch  # the Unix time virtual time 0 stands for
+        # The loop of the run, taken on first use (nodes read the clock hundreds of thousands of times
+        # a run); a clock read on another loop later (a clock reused across runs) takes that one.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
 
     def wall(self) -> float:
-        return self.epoch + asyncio.get_running_loop().time()
+        return self.epoch + self.now()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.membership import MembershipConfig
 from protocol.scheduler import SchedulerConfig
 from simulations.bounds import kumar_ross
 from simulations.network import Flow, Network
@@ -186,7 +187,7 @@ _SCHEDULER_KEYS = ("max_inflight", "max_inflight_per_peer", "max_inflight_seed",
 
 def node_options(s: Scenario) -> dict[str, object]:
     """The scenario's ``[swarm]`` settings as NodeConfig keywords (the scheduler's inside a SchedulerConfig)."""
-    opts: dict[str, object] = {k: v for k, v in s.swarm if k not in _SCHEDULER_KEYS}
+    opts: dict[str, object] = {k: v for k, v in s.swarm if k not in _SCHEDULER_KEYS and k != "max_members"}
     sched: dict[str, Any] = {k: v for k, v in s.swarm if k in _SCHEDULER_KEYS}
     if sched:
         opts["scheduler"] = SchedulerConfig(**sched)
@@ -203,6 +204,7 @@ def swarm(
     holding the anchor (version 0); versions 1..count are patches of ``payload.patch_size``."""
     wall0 = time.perf_counter()
     run = synthetic_setup(patch_bytes=s.patch_size, chunk_bytes=s.chunk_size, versions=s.versions)
+    members = dict(s.swarm).get("max_members")  # a membership setting, not a NodeConfig field
     result = simulate_stream(
         run.setup,
         lay.seed,
@@ -218,6 +220,7 @@ def swarm(
         start_from=placeholder_held(0),
         deadline=s.deadline,
         node_options=node_options(s),
+        membership=MembershipConfig(max_members=int(members)) if members else None,
         progress=progress,
     )
     rows = {(r.host, r.version): r for r in result.rows}

@@ -28,7 +28,7 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
         await handlers.gossip(data)
         return web.Response(status=204)
 
-    async def chunk(request: web.Request) -> web.Response:
+    async def chunk(request: web.Request) -> web.StreamResponse:
         try:
             chunk_hash = bytes.fromhex(request.match_info["hash"])
         except ValueError:
@@ -41,7 +41,16 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             return web.Response(status=503, headers=headers)
         if isinstance(reply, Missing):
             raise web.HTTPNotFound()
-        return web.Response(body=reply, content_type="application/octet-stream")
+        # Headers go out on their own, then the chunk as it is: a plain Response joins headers and body
+        # into a new buffer, a copy (and fresh pages) for every chunk served.
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = len(reply)
+        try:
+            await resp.prepare(request)
+            await resp.write(reply)
+        except ConnectionResetError:
+            pass  # the requester gave up (an endgame duplicate that lost, a deadline): nothing to send
+        return resp
 
     async def board_object(request: web.Request) -> web.Response:
         data = await handlers.object(request.match_info["path"])
@@ -113,13 +122,18 @@ class HttpTransport:
 
 
 async def _read_at_most(r: aiohttp.ClientResponse, n: int) -> bytes:
-    """The body's first ``n`` bytes at most; whatever the peer sends past them is never buffered."""
-    buf = bytearray()
-    async for piece in r.content.iter_chunked(1 << 16):
-        buf += piece
-        if len(buf) >= n:
-            return bytes(buf[:n])
-    return bytes(buf)
+    """The body's first ``n`` bytes at most; of whatever the peer sends past them, at most the one piece
+    the socket delivered with byte ``n`` is ever buffered."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        piece = await r.content.readany()  # what the socket delivered, as it came: no re-chunking
+        if not piece:
+            break
+        parts.append(piece)
+        got += len(piece)
+    data = b"".join(parts)  # the one copy
+    return data[:n] if got > n else data
 
 
 async def read_chunk(r: aiohttp.ClientResponse, size: int) -> bytes:

@@ -13,7 +13,8 @@ from daemon.pull import Held
 from daemon.seed import board_app
 from protocol.keys import KeyPolicy
 from swarm.http import HttpTransport, add_routes
-from swarm.node import ApplyVersion, NodeConfig, SwarmNode, apply_chunks
+from swarm.node import ApplyVersion, NodeConfig, SwarmNode
+from swarm.staging import StagedApply
 from swarm.stores import BoardChunkStore
 from swarm.transport import ChunkReply, Handlers, SystemClock
 
@@ -43,7 +44,7 @@ async def start_http_node(
     held: Held | None = None,
     rng: random.Random | None = None,
     on_version: Callable[[Held], Awaitable[None] | None] | None = None,
-    apply: ApplyVersion = apply_chunks,
+    apply: ApplyVersion | None = None,  # default: swarm.staging.StagedApply (one per node)
 ) -> RunningNode:
     """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
     box: list[SwarmNode] = []
@@ -77,7 +78,7 @@ async def start_http_node(
         board=board,
         held=held,
         on_version=on_version,
-        apply=apply,
+        apply=apply if apply is not None else StagedApply(),
     )
     box.append(node)
     await node.start()

@@ -15,7 +15,7 @@ from simulations.synthetic import synthetic_setup
 
 def run(window: float) -> StreamResult:
     synthetic = synthetic_setup(patch_bytes=20_000_000, chunk_bytes=1 << 20, versions=1)
-    rate = 1.25e8  # 1 Gbit/s: the transfer (about 0.3 s) outlasts the short copy window below
+    rate = 1.25e8  # 1 Gbit/s: the transfer (about 0.3 s) outlasts the short copy windows below
     return simulate_stream(
         synthetic.setup,
         Host("seed", "r0", up=rate, down=rate),
@@ -28,17 +28,24 @@ def run(window: float) -> StreamResult:
     )
 
 
+WINDOWS = (0.01, 0.02, 0.05)
+
+
+def egress(window: float) -> float:
+    r = run(window)
+    assert r.complete, r.errors
+    (v,) = r.versions
+    return v.seed_egress / v.payload_bytes
+
+
 def test_a_short_copy_window_does_not_make_the_seed_serve_chunks_peers_announce(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    held = run(0.02)
+    held = [egress(w) for w in WINDOWS]
     monkeypatch.setattr(swarm.node, "SEED_HOLD_WINDOWS", 1)  # the window alone decides again
-    window_only = run(0.02)
-    for r in (held, window_only):
-        assert r.complete, r.errors
-    (v,), (w,) = held.versions, window_only.versions
-    print(
-        f"seed egress / patch: announced holders withheld {v.seed_egress / v.payload_bytes:.2f}, "
-        f"window only {w.seed_egress / w.payload_bytes:.2f}"
-    )
-    assert v.seed_egress < w.seed_egress
+    window_only = [egress(w) for w in WINDOWS]
+    for w, a, b in zip(WINDOWS, held, window_only, strict=True):
+        print(f"window {w * 1e3:.0f} ms: seed egress / patch {a:.2f} withheld, {b:.2f} window only")
+    # How much it saves depends on how the window falls against the chunks' spread; never costs.
+    assert sum(held) < 0.95 * sum(window_only)
+    assert all(a <= 1.02 * b for a, b in zip(held, window_only, strict=True))
