@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from protocol.catalog import CatalogEntry
+from protocol.chunks import chunk_views
 from protocol.manifest import Manifest, SignedManifest
 from protocol.patchfile import Version
 
@@ -83,15 +84,12 @@ class Board:
 
     def put_version(self, version: Version) -> bytes:
         """Write chunks then the manifest, durably; returns the manifest id."""
-        mv = memoryview(version.payload)
-        offset = 0
         dirs: set[Path] = set()
-        for ref in version.manifest.chunks:
+        for ref, data in chunk_views(version.payload, version.manifest.chunks):
             p = self.path(self.chunk_rel(ref.hash))
             if not p.exists():
-                write_atomic(p, mv[offset : offset + ref.size], sync_dir=False)
+                write_atomic(p, data, sync_dir=False)
                 dirs.add(p.parent)
-            offset += ref.size
         for d in dirs:
             _fsync_dir(d)
         mid = version.manifest.manifest_id

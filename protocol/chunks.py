@@ -7,7 +7,7 @@ every chunk it receives or serves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -50,12 +50,20 @@ def verify_chunk(index: int, data: bytes | memoryview, ref: ChunkRef) -> None:
         raise ChunkError(index, "hash does not match the manifest")
 
 
-def verify_payload(payload: bytes | memoryview, refs: Iterable[ChunkRef]) -> None:
-    """Check a whole payload against its chunk list (exact length included)."""
+def chunk_views(payload: bytes | memoryview, refs: Iterable[ChunkRef]) -> Iterator[tuple[ChunkRef, memoryview]]:
+    """Each chunk of the list with its bytes in ``payload`` (a view, short or empty past the payload's end)."""
     mv = memoryview(payload)
     offset = 0
-    for i, ref in enumerate(refs):
-        verify_chunk(i, mv[offset : offset + ref.size], ref)
+    for ref in refs:
+        yield ref, mv[offset : offset + ref.size]
         offset += ref.size
-    if offset != len(mv):
-        raise ChunkError(-1, f"payload has {len(mv) - offset} bytes past its last chunk")
+
+
+def verify_payload(payload: bytes | memoryview, refs: Iterable[ChunkRef]) -> None:
+    """Check a whole payload against its chunk list (exact length included)."""
+    covered = 0
+    for i, (ref, data) in enumerate(chunk_views(payload, refs)):
+        verify_chunk(i, data, ref)
+        covered += ref.size
+    if covered != len(payload):
+        raise ChunkError(-1, f"payload has {len(payload) - covered} bytes past its last chunk")

@@ -398,6 +398,21 @@ def check_invariants(net: Net, own: dict[str, tuple[int, int]], views: dict[tupl
             views[key] = peer_inc
 
 
+def lifecycle_step(net: Net, op: str, arg: float) -> bool:
+    """Run an ``advance``, ``crash`` or ``restart`` op of OPS on ``net``; False for any other op."""
+    node = f"n{int(arg)}"
+    if op == "advance":
+        net.run(arg)
+    elif op == "crash":
+        net.crash(node)
+    elif op == "restart":
+        if node in net.crashed:
+            net.boot(node, seeds=("n0", "n1"))
+    else:
+        return False
+    return True
+
+
 @settings(max_examples=30)
 @given(st.integers(0, 2**16), st.booleans(), st.lists(OPS, max_size=20))
 def test_random_faults_never_break_invariants_and_the_cluster_heals(
@@ -410,12 +425,8 @@ def test_random_faults_never_break_invariants_and_the_cluster_heals(
     views: dict[tuple[str, int, str], int] = {}
     for op, arg in ops:
         node = f"n{int(arg)}"
-        if op == "advance":
-            net.run(arg)
-        elif op == "crash":
-            net.crash(node)
-        elif op == "restart" and node in net.crashed:
-            net.boot(node, seeds=("n0", "n1"))
+        if lifecycle_step(net, op, arg):
+            pass  # advance, crash, restart
         elif op == "drop":
             del net.queue[: int(arg)]
             heapq.heapify(net.queue)
@@ -457,13 +468,7 @@ def test_state_indexes_match_a_recomputation_under_random_faults(seed: int, ops:
     for i in range(5):
         net.boot(f"n{i}", seeds=("n0",) if i else ())
     for op, arg in ops:
-        node = f"n{int(arg)}"
-        if op == "advance":
-            net.run(arg)
-        elif op == "crash":
-            net.crash(node)
-        elif op == "restart" and node in net.crashed:
-            net.boot(node, seeds=("n0", "n1"))
+        lifecycle_step(net, op, arg)
         for k in net.live():
             check_indexes(net.nodes[k])
     net.run(60.0)  # past dead_reclaim: forgotten members leave every index

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.pull import Held
+from protocol.chunks import chunk_views
 from protocol.errors import PatchswarmError
 from protocol.patchfile import Version, build_version
 from protocol.served import ServedModel
@@ -19,11 +20,7 @@ CHUNK = 4 << 10
 
 def _parts(v: Version) -> list[bytes]:
     """The version's chunks, as a node holds them once downloaded."""
-    data, parts, offset = bytes(v.payload), [], 0
-    for ref in v.manifest.chunks:
-        parts.append(data[offset : offset + ref.size])
-        offset += ref.size
-    return parts
+    return [bytes(data) for _, data in chunk_views(v.payload, v.manifest.chunks)]
 
 
 def _versions() -> tuple[Held, Version, Version, ServedModel]:
