@@ -13,7 +13,8 @@ a) Size.  For each consecutive pair of a real training trajectory (daemon.trajec
    XOR + zstd-3 (Stitch-style).
 b) Speed.  On a big synthetic bf16 model (base normal*0.02; target: 0.5% of positions moved along
    the ordered line, mostly by one step): single-thread memcpy, encode, in-place apply, the naive
-   ``np.flatnonzero(a != b)`` scan, and the peak RSS growth of encode and apply.
+   ``np.flatnonzero(a != b)`` scan, the bare scatter ``w[pos] = new`` of the patch's changes (the
+   floor of any in-place apply), and the peak RSS growth of encode and apply.
 c) Hashing: BLAKE3 (all threads, one thread) and SHA-256 on a 256 MB buffer.
 """
 
@@ -32,6 +33,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
@@ -311,6 +313,36 @@ def speed(big_gb: float, ntensors: int, frac: float, seed: int, reps: int) -> No
     app_cold, app_rss = measure(app, trim=True)
     exact = work.bitwise_equal(target)
 
+    # The bare scatter floor: numpy fancy assignment of the very positions and new words the
+    # patch carries, nothing decoded or computed (one thread; then split over two threads).
+    changes = [
+        scan(word_view(b, s), word_view(t, s)) for s, b, t in zip(base.specs, base.data, target.data, strict=True)
+    ]
+    dst = [word_view(w, s).numpy() for s, w in zip(base.specs, work.data, strict=True)]
+    pos = [c.positions.numpy() for c in changes]
+    new = [c.new.numpy() for c in changes]
+
+    def scatter() -> None:
+        for d, p, v in zip(dst, pos, new, strict=True):
+            d[p] = v
+
+    pool = ThreadPoolExecutor(2)
+
+    def scatter2() -> None:
+        for d, p, v in zip(dst, pos, new, strict=True):
+            h = p.size // 2
+            list(pool.map(d.__setitem__, (p[:h], p[h:]), (v[:h], v[h:])))
+
+    def gather_scatter() -> None:  # what a ulp patch needs at least: read the old words, write the new
+        for d, p in zip(dst, pos, strict=True):
+            d[p] = d[p]
+
+    t_gs = best_of(reps, gather_scatter, reset)
+    t_scatter = best_of(reps, scatter, reset)
+    t_scatter2 = best_of(reps, scatter2, reset)
+    pool.shutdown()
+    scatter_exact = work.bitwise_equal(target)
+
     def gbps(t: float) -> str:
         return f"{nb / t / 1e9:.2f} GB/s"
 
@@ -334,12 +366,26 @@ def speed(big_gb: float, ntensors: int, frac: float, seed: int, reps: int) -> No
         f"| **apply/memcpy = {t_app / t_mem:.3f}** | < 0.10 | {mb(app_rss)} |"
     )
     print(
+        f"| bare scatter `w[pos] = new`, 1 thread (floor) | {t_scatter * 1e3:.1f} ms | {gbps(t_scatter)} "
+        f"| **scatter/memcpy = {t_scatter / t_mem:.3f}** | | |"
+    )
+    print(
+        f"| bare scatter, 2 threads (half the changes each) | {t_scatter2 * 1e3:.1f} ms | {gbps(t_scatter2)} "
+        f"| scatter/memcpy = {t_scatter2 / t_mem:.3f} | | |"
+    )
+    print(
+        f"| bare gather + scatter `w[pos] = w[pos]`, 1 thread | {t_gs * 1e3:.1f} ms | {gbps(t_gs)} "
+        f"| gather+scatter/memcpy = {t_gs / t_mem:.3f} | | |"
+    )
+    print(
         f"\npatch {len(payload):,} bytes ({len(payload) / nb:.3%} of the model); bitwise exact after apply: {exact}; "
         f"encode runs {', '.join(f'{t * 1e3:.0f}' for t in enc_times)} ms (cold: {enc_cold * 1e3:.0f} ms); "
         f"apply runs {', '.join(f'{t * 1e3:.1f}' for t in app_times)} ms (cold: {app_cold * 1e3:.1f} ms)"
     )
     if not exact:
         raise SystemExit("apply_patch did not reproduce the target")
+    if not scatter_exact:
+        raise SystemExit("the bare scatter did not reproduce the target")
 
 
 # ---------------------------------------------------------------- c) hashing

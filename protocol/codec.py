@@ -246,16 +246,19 @@ def _key_dtype(width: int) -> type[np.signedinteger]:
 
 def _np_key(words: np.ndarray, width: int) -> np.ndarray:
     """numpy twin of :func:`protocol.ordered.ordered_key` (same integers, narrower dtype when it fits)."""
-    w = words.astype(_key_dtype(width))
-    key: np.ndarray = w ^ ((w >> (8 * width - 1)) & ((1 << (8 * width - 1)) - 1))
+    key = words.astype(_key_dtype(width))
+    flip = key >> (8 * width - 1)  # in place from here: one temporary
+    flip &= (1 << (8 * width - 1)) - 1
+    key ^= flip
     return key
 
 
 def _np_from_key(key: np.ndarray, width: int, word: np.dtype[np.signedinteger]) -> np.ndarray:
     """numpy twin of :func:`protocol.ordered.from_ordered_key`: wraps exactly as the torch version does."""
-    top = 8 * key.dtype.itemsize - 1
-    words: np.ndarray = (key ^ ((key >> top) & ((1 << (8 * width - 1)) - 1))).astype(word)
-    return words
+    flip = key >> (8 * key.dtype.itemsize - 1)
+    flip &= (1 << (8 * width - 1)) - 1
+    flip ^= key
+    return flip.astype(word)
 
 
 def _planes(prefix: str, words: np.ndarray, into: dict[str, list[Piece]]) -> None:
@@ -265,10 +268,31 @@ def _planes(prefix: str, words: np.ndarray, into: dict[str, list[Piece]]) -> Non
         into.setdefault(f"{prefix}.{width}.{p}", []).append(np.ascontiguousarray(u8[:, p]))
 
 
+def _np_delta(old: np.ndarray, new: np.ndarray, width: int) -> np.ndarray:
+    """``key(new) - key(old)`` along the ordered line, as :func:`_np_key` gives them (the same integers)."""
+    if width > 2:
+        d: np.ndarray = _np_key(new, width).astype(np.int64) - _np_key(old, width)
+        return d
+    # Keys of 1- and 2-byte words fit the words' own type, and their difference an int32: fewer passes.
+    sign_free = (1 << (8 * width - 1)) - 1
+    kn = new >> (8 * width - 1)
+    kn &= sign_free
+    kn ^= new
+    ko = old >> (8 * width - 1)
+    ko &= sign_free
+    ko ^= old
+    d = kn.astype(np.int32)
+    d -= ko
+    return d
+
+
 def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, list[Piece]]]:
     pieces: dict[str, list[Piece]] = {}
     pos = ch.positions.cpu().numpy()
-    gaps = np.diff(pos, prepend=-1) - 1
+    gaps = np.empty_like(pos)  # pos - prev - 1, prev starting at -1
+    gaps[0] = pos[0]
+    np.subtract(pos[1:], pos[:-1], out=gaps[1:])
+    gaps[1:] -= 1
     r = rice_bits(spec.numel, len(pos))
     bits: list[Piece] = [Fields(unary_bits(gaps >> r), 1), Fields(gaps & ((1 << r) - 1), r)]
     width = spec.dt.width
@@ -277,7 +301,7 @@ def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, l
         _planes("raw", ch.new.cpu().numpy(), pieces)
         return Encoding.SPARSE_RAW, pieces
     if ch.new.device.type == "cpu":
-        d = _np_key(ch.new.numpy(), width).astype(np.int64) - _np_key(ch.old.numpy(), width)
+        d = _np_delta(ch.old.numpy(), ch.new.numpy(), width)
     else:
         d = (ordered.ordered_key(ch.new, width) - ordered.ordered_key(ch.old, width)).cpu().numpy()
     bits.append(Fields((d < 0).view(np.uint8), 1))
@@ -285,12 +309,13 @@ def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, l
     mag = np.abs(d)  # stays negative for -2**63 (a 64-bit wrap-around): escaped below
     big = mag != 1
     pieces["ulp.big"] = [Fields(big.view(np.uint8), 1)]
-    if big.any():
-        m = mag[big] - 2
+    where_big = np.flatnonzero(big)
+    if where_big.size:
+        m = mag.take(where_big) - 2
         escaped = (m >= MAG_ESCAPE) | (m < 0)
         pieces["ulp.mag"] = [np.where(escaped, MAG_ESCAPE, m).astype(np.uint8)]
         if escaped.any():
-            _planes("ulpx", ch.new.cpu().numpy()[big][escaped], pieces)
+            _planes("ulpx", ch.new.cpu().numpy().take(where_big[escaped]), pieces)
     return Encoding.SPARSE_ULP, pieces
 
 
@@ -521,8 +546,12 @@ def _read_positions(reader: StreamReader, spec: TensorSpec, k: int) -> np.ndarra
     # Legitimate quotients sum to at most (n-k) >> r: checked before shifting, so nothing overflows.
     if int(q.sum()) > (n - k) >> r:
         raise FormatError(f"{spec.name}: change positions fall outside the tensor")
-    gaps = (q << r) | reader.read_fields("bits", k, r)
-    pos = np.cumsum(gaps + 1) - 1  # gaps >= 0: strictly ascending
+    pos = q  # in place, one pass each: pos = cumsum(gaps + 1) - 1, gaps = q << r | remainder >= 0
+    pos <<= r
+    pos |= reader.read_fields("bits", k, r)
+    pos += 1
+    np.cumsum(pos, out=pos)
+    pos -= 1  # strictly ascending
     if pos[-1] >= n:
         raise FormatError(f"{spec.name}: change positions fall outside the tensor")
     return pos
@@ -577,7 +606,9 @@ def _apply_ulp_cpu(words: np.ndarray, u: _UlpSteps, width: int, lo: int, hi: int
     for s in range(lo, hi, APPLY_CHUNK):
         e = min(s + APPLY_CHUNK, hi)
         pos = u.positions[s:e]
-        new = _np_from_key(_np_key(words[pos], width) + u.steps[s:e], width, words.dtype)
+        key = _np_key(words[pos], width)
+        key += u.steps[s:e]
+        new = _np_from_key(key, width, words.dtype)
         if esc_lo < esc_hi:
             a, b = np.searchsorted(u.escaped[esc_lo:esc_hi], [s, e]) + esc_lo
             new[u.escaped[a:b] - s] = u.escaped_words[a:b]

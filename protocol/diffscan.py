@@ -77,7 +77,7 @@ def _scan_cpu(base: torch.Tensor, target: torch.Tensor) -> Changes:
     if nwords >= PARALLEL_MIN_WORDS:
         pool = _pool()
         nparts = pool._max_workers
-        step = -(-nwords // nparts // CPU_BLOCK_WORDS) * CPU_BLOCK_WORDS
+        step = -(-nwords // nparts)  # equal parts: a part need not be whole blocks
         parts = list(pool.map(lambda lo: run(lo, min(lo + step, nwords)), range(0, nwords, step)))
     else:
         parts = [run(0, nwords)]
@@ -99,25 +99,31 @@ def _scan_words(
     new_parts: list[np.ndarray] = []
     mask = np.empty(min(CPU_BLOCK_WORDS, max(hi - lo, 1)), dtype=bool)
     shift = lanes.bit_length() - 1
+    # Few numpy calls per block: the calls on small arrays hold the GIL that the two threads share.
     for s in range(lo, hi, CPU_BLOCK_WORDS):
         e = min(s + CPU_BLOCK_WORDS, hi)
         x = a64[s:e]
         y = b64[s:e]
-        w = np.flatnonzero(np.not_equal(x, y, out=mask[: e - s]))
+        w = np.not_equal(x, y, out=mask[: e - s]).nonzero()[0]
         if w.size == 0:
             continue
         # Second look, at the changed words only (gathered while the block is in cache): which lanes differ.
-        xo = x[w].view(a.dtype)
-        yn = y[w].view(a.dtype)
+        xo = x.take(w).view(a.dtype)
+        yn = y.take(w).view(a.dtype)
         if lanes == 1:
-            pos_parts.append(w + s)
+            w += s
+            pos_parts.append(w)
             old_parts.append(xo)
             new_parts.append(yn)
             continue
-        hit = np.flatnonzero(xo != yn)
-        pos_parts.append((w + s)[hit >> shift] * lanes + (hit & (lanes - 1)))
-        old_parts.append(xo[hit])  # from the gathered words, not from the block again
-        new_parts.append(yn[hit])
+        hit = np.not_equal(xo, yn).nonzero()[0]
+        pos = w.take(hit >> shift)
+        pos += s
+        pos *= lanes
+        pos += hit & (lanes - 1)
+        pos_parts.append(pos)
+        old_parts.append(xo.take(hit))  # from the gathered words, not from the block again
+        new_parts.append(yn.take(hit))
     if not pos_parts:
         return np.empty(0, dtype=np.int64), a[:0], b[:0]
     return np.concatenate(pos_parts), np.concatenate(old_parts), np.concatenate(new_parts)
