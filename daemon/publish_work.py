@@ -17,11 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import blake3
+import numpy as np
 import torch
 
 from daemon.served_format import ServedFormat
 from protocol.codec import TensorDelta, diff_tensor
-from protocol.diffscan import Changes, scan
+from protocol.diffscan import Changes
 from protocol.served import ServedModel, TensorSpec, bytes_digest, word_view
 
 
@@ -38,6 +39,87 @@ WORKERS = max(1, min(8, os.cpu_count() or 1))
 # The fused loop works in blocks of this many bytes of served data: a block's source, served
 # bytes and base (2 + 4 + 2 MiB for bf16 from fp32) stay in cache from the cast to the hash.
 BLOCK_BYTES = 1 << 21
+
+
+class BlockScan:
+    """Changed elements of one CPU tensor, found block by block while the target block is in cache.
+
+    Each block compares 64-bit words into a mask (scratch of the worker thread, reused) and
+    gathers the changed words, old and new, from the cached block; which lanes of those words
+    differ is looked at once per tensor, at the end.  Same result as ``diffscan.scan``, with few
+    numpy calls per block: called on every block, ``scan`` cost more in calls than in work.
+    """
+
+    _local = threading.local()
+
+    def __init__(self, base: torch.Tensor, target: torch.Tensor, spec: TensorSpec) -> None:
+        self.el_base = word_view(base, spec).numpy()
+        self.el_target = word_view(target, spec).numpy()
+        self.lanes = 8 // spec.dt.width
+        self.nwords = spec.numel // self.lanes
+        self.w_base = base.numpy()[: self.nwords * 8].view(np.int64)
+        self.w_target = target.numpy()[: self.nwords * 8].view(np.int64)
+        self.words: list[np.ndarray] = []
+        self.old: list[np.ndarray] = []
+        self.new: list[np.ndarray] = []
+        self.tail: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # changes past the last word
+
+    @classmethod
+    def _mask(cls, n: int) -> np.ndarray:
+        m: np.ndarray | None = getattr(cls._local, "mask", None)
+        if m is None or m.size < n:
+            m = np.empty(max(n, BLOCK_BYTES // 8), dtype=np.bool_)
+            cls._local.mask = m
+        return m[:n]
+
+    def block(self, start: int, end: int) -> bool:
+        """Scan elements [start, end) (start a multiple of 8); True when something in it changed."""
+        lo, hi = start // self.lanes, min(end // self.lanes, self.nwords)
+        if hi <= lo:
+            return self._tail(start, end)
+        x, y = self.w_base[lo:hi], self.w_target[lo:hi]
+        words = np.not_equal(x, y, out=self._mask(hi - lo)).nonzero()[0]
+        if words.size == 0:
+            return self._tail(start, end)
+        self.old.append(x.take(words))
+        self.new.append(y.take(words))
+        words += lo
+        self.words.append(words)
+        self._tail(start, end)
+        return True
+
+    def _tail(self, start: int, end: int) -> bool:
+        """Elements past the last whole 64-bit word, if [start, end) reaches them."""
+        tail = max(start, self.nwords * self.lanes)
+        if end <= tail:
+            return False
+        a, b = self.el_base[tail:end], self.el_target[tail:end]
+        t = (a != b).nonzero()[0]
+        if t.size == 0:
+            return False
+        self.tail = (t + tail, a.take(t), b.take(t))
+        return True
+
+    def changes(self) -> Changes:
+        el = self.el_base.dtype
+        pos = np.empty(0, dtype=np.int64)
+        old = new = self.el_target[:0]
+        if self.words:
+            w = np.concatenate(self.words)
+            old = np.concatenate(self.old).view(el)
+            new = np.concatenate(self.new).view(el)
+            if self.lanes == 1:
+                pos = w
+            else:
+                hit = np.not_equal(old, new).nonzero()[0]
+                shift = self.lanes.bit_length() - 1
+                pos = w.take(hit >> shift)
+                pos <<= shift
+                pos |= hit & (self.lanes - 1)
+                old, new = old.take(hit), new.take(hit)
+        if self.tail is not None:
+            pos, old, new = (np.concatenate([p, q]) for p, q in zip((pos, old, new), self.tail, strict=True))
+        return Changes(torch.from_numpy(pos), torch.from_numpy(old), torch.from_numpy(new))
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -205,25 +287,17 @@ def tensor_work(
     raw = data.numpy()
     src = cast[1].view(-1) if cast is not None else None
     dst = cast[0].view(-1) if cast is not None else None
-    bw = word_view(base, spec) if base is not None else None
-    tw = word_view(data, spec)
+    scanner = BlockScan(base, data, spec) if base is not None and spec.numel else None
     hasher = blake3.blake3() if base is None else None
-    found: list[Changes] = []
-    starts: list[int] = []
     for s in range(0, spec.numel, step):
         e = min(s + step, spec.numel)
         t0 = clock()
         if src is not None and dst is not None:
             dst[s:e].copy_(src[s:e])
         t1 = clock()
-        if bw is not None:
-            ch = scan(bw[s:e], tw[s:e])
-            if len(ch):
-                found.append(ch)
-                starts.append(s)
-                if hasher is None:
-                    hasher = blake3.blake3()
-                    hasher.update(raw[: s * width].data)  # the unchanged blocks so far
+        if scanner is not None and scanner.block(s, e) and hasher is None:
+            hasher = blake3.blake3()
+            hasher.update(raw[: s * width].data)  # the unchanged blocks so far
         t2 = clock()
         if hasher is not None:
             hasher.update(raw[s * width : e * width].data)
@@ -232,15 +306,7 @@ def tensor_work(
     delta = None
     t = clock()
     if base is not None:
-        if found:
-            changes = Changes(
-                torch.cat([c.positions + s for c, s in zip(found, starts, strict=True)]),
-                torch.cat([c.old for c in found]),
-                torch.cat([c.new for c in found]),
-            )
-        else:
-            empty = tw[:0]
-            changes = Changes(torch.empty(0, dtype=torch.int64), empty, empty)
+        changes = scanner.changes() if scanner is not None else None
         delta = diff_tensor(spec, base, data, level, changes=changes)
     scan_s += clock() - t
     if hasher is None:  # nothing changed
