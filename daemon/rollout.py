@@ -444,9 +444,9 @@ class RolloutDaemon:
         return {"layout": self.store.layout.to_json(), "attach": self.store.attach_info()}
 
     def _metrics_text(self) -> bytes:
-        if self.node is not None:  # the node's totals as of this scrape, not of the last status refresh
-            n = self.node.node
-            self.metrics.sync(n.metrics, self.status.version, n.head.version if n.head else None, swarm=n)
+        # Status and metrics as of this scrape, together: a metric (say, run halted) must never be ahead
+        # of the status a client reads right after it.
+        self._refresh()
         return self.metrics.render()
 
     def _refresh(self) -> None:
