@@ -3,10 +3,11 @@
     .venv/bin/python -m benchmarks.sim_bench network --hosts 1000 --chunks 125
     .venv/bin/python -m benchmarks.sim_bench swarm --peers 32
     .venv/bin/python -m benchmarks.sim_bench swarm --hosts 1000 --patch-mb 500 --chunk-mib 4
-    .venv/bin/python -m benchmarks.sim_bench swarm --hosts 10000 --patch-mb 50 --member max_members=128
+    .venv/bin/python -m benchmarks.sim_bench swarm --hosts 10000 --patch-mb 500 --chunk-mib 4
 
 ``--node FIELD=JSON`` / ``--sched FIELD=JSON`` / ``--member FIELD=JSON`` set NodeConfig, SchedulerConfig and
-MembershipConfig fields (repeatable); ``--quantum`` batches network events.
+MembershipConfig fields (repeatable); ``--quantum`` batches network events.  Above 2,000 hosts the
+nodes keep a bounded membership view of 128 members (``--member max_members=0``: full membership).
 
 ``network``: every host fetches ``chunks`` chunks of ``chunk`` bytes, ``inflight`` at a time,
 each from a random other host (no protocol: only the flow model's cost).  ``swarm``: real
@@ -21,12 +22,18 @@ import argparse
 import json
 import math
 import random
+import resource
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from simulations.network import Flow, Host, Network, Region
+
+# Placeholder runs above this many hosts use a bounded membership view of this size (docs/simulation.md
+# section 6, item 10) unless --member max_members=... says otherwise (0: full membership).
+BOUNDED_VIEW_ABOVE = 2000
+BOUNDED_VIEW = 128
 
 
 def network_bench(
@@ -161,7 +168,8 @@ def placeholder_bench(
         f"swarm (placeholders): {hosts} hosts, {versions} x {patch_mb:g} MB in {chunk_mib:g} MiB chunks, "
         f"{rate * 8 / 1e9:g} Gbit/s, {latency * 1e3:g} ms: wall {r.wall_seconds:.1f} s (cpu {cpu:.1f} s), "
         f"{r.events} events ({r.events / r.wall_seconds:.0f}/s wall), "
-        f"{r.messages.chunk_requests} chunk requests, {r.messages.gossip_messages} gossip messages"
+        f"{r.messages.chunk_requests} chunk requests, {r.messages.gossip_messages} gossip messages, "
+        f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB"
     )
     for v in r.versions:
         ratio = v.time_to_all / v.lower_bound if v.lower_bound else math.inf
@@ -220,6 +228,10 @@ def main() -> None:
 
             options["scheduler"] = SchedulerConfig(**{k: json.loads(v) for k, v in (o.split("=", 1) for o in a.sched)})
         member = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.member)}
+        if a.hosts > BOUNDED_VIEW_ABOVE and "max_members" not in member:
+            # One process holds every node's view: full membership is N^2 member records (10^8 at 10,000).
+            member["max_members"] = BOUNDED_VIEW
+            print(f"(more than {BOUNDED_VIEW_ABOVE} hosts: membership max_members={BOUNDED_VIEW}; --member to change)")
         args = (a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed)
         placeholder_bench(*args, options, a.quantum, member)
     else:

@@ -337,6 +337,7 @@ class Membership:
         # (incarnation, state) relayed about each recent non-member, oldest first.
         self._ranks: list[tuple[int, str]] = []
         self._heard: dict[str, tuple[int, MemberState]] = {}
+        self._rank_hash = hashlib.blake2b(f"{me.node_id}\0".encode(), digest_size=8)  # _rank's common prefix
         self._next_probe_at = now + rng.uniform(0, config.probe_interval)
         self._next_gossip_at = now
         self._next_sync_at = now + rng.uniform(0, config.sync_interval)
@@ -653,10 +654,12 @@ class Membership:
 
     def _rank(self, info: NodeInfo) -> int:
         """A pseudo-random rank, fixed per (this node, that node): the view keeps the lowest.  A join seed: -1."""
-        if any(seed.addr == info.addr for seed in self._seeds):
-            return -1
-        digest = hashlib.blake2b(f"{self._me.node_id}\0{info.node_id}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
+        for seed in self._seeds:
+            if seed.addr == info.addr:
+                return -1
+        h = self._rank_hash.copy()  # blake2b(f"{own id}\0{their id}"), without hashing the prefix each time
+        h.update(info.node_id.encode())
+        return int.from_bytes(h.digest(), "big")
 
     def _admit(self, info: NodeInfo) -> bool:
         """Whether a stranger joins the view: always under full membership or while there is room; in a
