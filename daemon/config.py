@@ -187,7 +187,7 @@ SCHEMA: list[Key] = [
     ),
     Key("swarm", "upload_rate", parse_rate, 0, "Upload limit in bytes/s ('100MB'); 0 = unlimited."),
     Key("swarm", "download_rate", parse_rate, 0, "Download limit in bytes/s; 0 = unlimited."),
-    Key("swarm", "max_uploads", parse_int, 2, "Concurrent chunk uploads to peers (more wait in a short line)."),
+    Key("swarm", "max_uploads", parse_int, 4, "Concurrent chunk uploads to peers (more wait in a short line)."),
     Key(
         "trust",
         "root",

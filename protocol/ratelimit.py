@@ -87,6 +87,10 @@ class UploadSlots:
         return self._in_use
 
     @property
+    def capacity(self) -> int:
+        return self._max
+
+    @property
     def free(self) -> int:
         return self._max - self._in_use
 

@@ -95,8 +95,8 @@ class PeerInfo:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_inflight: int = 8  # per node (more only polls busy uplinks faster: each refusal costs both ends CPU)
-    max_inflight_per_peer: int = 2  # a peer uploads 2 at once (NodeConfig.max_uploads): a third waits in its line
+    max_inflight: int = 6  # per node (more only polls busy uplinks faster: each refusal costs both ends CPU)
+    max_inflight_per_peer: int = 2  # of a peer's 4 upload slots (NodeConfig.max_uploads), leave others some
     max_inflight_seed: int = 5  # Kraken: 5 to origins
     random_first: int = 4  # BitTorrent: first pieces random, then rarest-first
     endgame_remaining: int = 3  # Kraken: endgame at <= 3 chunks left: duplicate in-flight requests

@@ -126,13 +126,13 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
     },
     # Absent keys leave the node's own defaults (NodeConfig, SchedulerConfig), which these mirror.
     "swarm": {
-        "max_inflight": _Field("int", 8, 1, 1024, "chunk requests in flight per node"),
+        "max_inflight": _Field("int", 6, 1, 1024, "chunk requests in flight per node"),
         "max_inflight_per_peer": _Field("int", 2, 1, 1024, "requests in flight to one peer"),
         "max_inflight_seed": _Field("int", 5, 1, 1024, "requests in flight to the seed"),
-        "max_uploads": _Field("int", 2, 1, 1024, "concurrent uploads a node serves"),
-        "seed_max_uploads": _Field("int", 2, 1, 1024, "concurrent uploads the seed serves"),
+        "max_uploads": _Field("int", 4, 1, 1024, "concurrent uploads a node serves"),
+        "seed_max_uploads": _Field("int", 6, 1, 1024, "concurrent uploads the seed serves"),
         "announce_fanout": _Field("int", 6, 1, 1024, "peers told at once when availability changes"),
-        "announce_interval": _Field("duration", 0.05, 1e-4, 10.0, "how often a node may announce new chunks"),
+        "announce_interval": _Field("duration", 0.01, 1e-4, 10.0, "how often a node may announce new chunks"),
         "seed_copy_window": _Field("duration", 2.0, 0.0, 600.0, "the seed serves each chunk once per this window"),
         "seed_patience": _Field("duration", 1.0, 0.0, 600.0, "wait for a peer's copy before asking the seed"),
         "endgame_remaining": _Field("int", 3, 0, 1 << 20, "duplicate requests once this few chunks are left"),

@@ -200,16 +200,17 @@ class SimTransport:
                 ep = net.endpoint(addr)
                 await asyncio.sleep(net.network.latency(self.host, ep.host))
                 ep = net.endpoint(addr)
-                reply = await _serve(ep.handlers.chunk(chunk_hash, requester))
+                out = _Delivery(net, ep.host, self.host, size)
+                try:
+                    reply = await _serve(ep.handlers.chunk(chunk_hash, requester, out.send))
+                except asyncio.CancelledError:
+                    out.abandon()  # the requester gave up: its connection closes and the server's send ends
+                    raise
                 self._still_there(addr, ep)
                 if isinstance(reply, Busy | Missing):
                     await asyncio.sleep(net.network.latency(ep.host, self.host))
                     return reply
-                if len(reply) > size:
-                    raise TransportError(f"{addr}: chunk of {len(reply)} bytes, expected at most {size}")
-                await net.transfer(ep.host, self.host, len(reply), tag="chunk")
-                net.stats.chunk_bytes += len(reply)
-                return reply
+                return out.received(addr)
         except TimeoutError:
             net.stats.failures += 1
             raise TransportError(f"{addr}: timed out") from None
@@ -261,6 +262,57 @@ class SimTransport:
 
     async def close(self) -> None:
         self.closed = True
+
+
+class _Delivery:
+    """One chunk reply on its way from the serving host to the requester: the server's ``send``.
+
+    The transfer runs inside the server's handler, so the handler's upload slot is held for it, as
+    an HTTP server's is while it writes the body.  A requester that gives up cancels the flow, like
+    a closed connection failing the server's next write."""
+
+    __slots__ = ("data", "dst", "flow", "gone", "net", "size", "src")
+
+    def __init__(self, net: SimNet, src: str, dst: str, size: int) -> None:
+        self.net = net
+        self.src = src
+        self.dst = dst
+        self.size = size
+        self.data: bytes | None = None
+        self.flow: asyncio.Future[Flow] | None = None
+        self.gone = False
+
+    async def send(self, data: bytes) -> None:
+        if self.gone or self.flow is not None:
+            return
+        if len(data) > self.size:
+            self.data = data  # the requester stops reading past its limit: nothing more moves
+            return
+        self.flow = flow = asyncio.ensure_future(self.net.transfer(self.src, self.dst, len(data), tag="chunk"))
+        try:
+            await flow
+        except TransportError:
+            return  # a host died mid-transfer: a reset, as a socket write would see it
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the handler itself is being cancelled
+            return  # the requester gave up
+        self.data = data
+
+    def abandon(self) -> None:
+        self.gone = True
+        if self.flow is not None:
+            self.flow.cancel()
+
+    def received(self, addr: str) -> bytes:
+        data = self.data
+        if data is None:
+            raise TransportError(f"{addr}: connection reset")
+        if len(data) > self.size:
+            raise TransportError(f"{addr}: chunk of {len(data)} bytes, expected at most {self.size}")
+        self.net.stats.chunk_bytes += len(data)
+        return data
 
 
 async def _serve(handler: Awaitable[T]) -> T:

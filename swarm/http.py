@@ -33,23 +33,31 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             chunk_hash = bytes.fromhex(request.match_info["hash"])
         except ValueError:
             raise web.HTTPBadRequest(text="chunk hash must be hex\n") from None
-        reply = await handlers.chunk(chunk_hash, request.headers.get(NODE_HEADER, "")[:256])
+        resp: web.StreamResponse | None = None
+
+        async def send(data: bytes) -> None:
+            # Headers go out on their own, then the chunk as it is: a plain Response joins headers and body
+            # into a new buffer, a copy (and fresh pages) for every chunk served.  The write returns once
+            # the socket has taken nearly all of it, so the node's upload slot covers the transfer.
+            nonlocal resp
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = len(data)
+            try:
+                await resp.prepare(request)
+                await resp.write(data)
+            except ConnectionResetError:
+                pass  # the requester gave up (an endgame duplicate that lost, a deadline): nothing to send
+
+        reply = await handlers.chunk(chunk_hash, request.headers.get(NODE_HEADER, "")[:256], send)
         if isinstance(reply, Busy):
             headers = {"Retry-After": f"{reply.retry_after:.3f}"}
             if reply.holders:
                 headers[HOLDERS_HEADER] = ",".join(reply.holders)
             return web.Response(status=503, headers=headers)
         if isinstance(reply, Missing):
-            raise web.HTTPNotFound()
-        # Headers go out on their own, then the chunk as it is: a plain Response joins headers and body
-        # into a new buffer, a copy (and fresh pages) for every chunk served.
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.content_length = len(reply)
-        try:
-            await resp.prepare(request)
-            await resp.write(reply)
-        except ConnectionResetError:
-            pass  # the requester gave up (an endgame duplicate that lost, a deadline): nothing to send
+            raise web.HTTPNotFound(headers={HOLDERS_HEADER: ",".join(reply.holders)} if reply.holders else None)
+        if resp is None:
+            raise web.HTTPInternalServerError(text="chunk handler sent nothing\n")
         return resp
 
     async def board_object(request: web.Request) -> web.Response:
@@ -91,12 +99,12 @@ class HttpTransport:
         url = f"{addr}{PREFIX}/chunks/{chunk_hash.hex()}"
         try:
             async with self._client().get(url, timeout=self._timeout(timeout), headers={NODE_HEADER: requester}) as r:
-                if r.status == 503:
+                if r.status in (503, 404):
                     holders = tuple(h for h in r.headers.get(HOLDERS_HEADER, "").split(",") if h)[:MAX_HOLDERS]
+                    if r.status == 404:
+                        return Missing(holders)
                     retry = min(max(float(r.headers.get("Retry-After", "1")), 0.0), 60.0)
                     return Busy(retry, holders)
-                if r.status == 404:
-                    return Missing()
                 if r.status != 200:
                     raise TransportError(f"GET {url}: HTTP {r.status}")
                 return await read_chunk(r, size)

@@ -16,7 +16,7 @@ from swarm.http import HttpTransport, add_routes
 from swarm.node import ApplyVersion, NodeConfig, SwarmNode
 from swarm.staging import StagedApply
 from swarm.stores import BoardChunkStore
-from swarm.transport import ChunkReply, Handlers, SystemClock
+from swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
 
 
 @dataclass
@@ -52,8 +52,8 @@ async def start_http_node(
     async def gossip(data: bytes) -> None:
         await box[0].handle_gossip(data)
 
-    async def chunk(h: bytes, requester: str) -> ChunkReply:
-        return await box[0].handle_chunk(h, requester)
+    async def chunk(h: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
+        return await box[0].handle_chunk(h, requester, send)
 
     async def obj(path: str) -> bytes | None:
         return await box[0].handle_object(path)

@@ -27,10 +27,22 @@ class Busy:
 
 @dataclass(frozen=True, slots=True)
 class Missing:
-    """The peer does not hold what was asked for."""
+    """The peer does not hold what was asked for, or does not give it out now.
+
+    ``holders``: where to ask instead (a seed withholding a chunk it handed out recently names who
+    got it).  Unlike Busy, the peer stays free to ask for other chunks at once.
+    """
+
+    holders: tuple[str, ...] = ()
 
 
 ChunkReply = bytes | Busy | Missing
+
+SendChunk = Callable[[bytes], Awaitable[None]]
+"""Sends a chunk's bytes to the requester; returns once they are on their way out (written to the
+socket, or the simulated flow finished), or at once when the requester is gone.  A serving node
+calls it while it holds an upload slot, so its slots bound the transfers under way, not only the
+time to look the chunk up."""
 
 
 class TransportError(Exception):
@@ -55,7 +67,8 @@ class Handlers:
     """What a node answers with: the server side of the transport calls these."""
 
     gossip: Callable[[bytes], Awaitable[None]]
-    chunk: Callable[[bytes, str], Awaitable[ChunkReply]]  # (chunk hash, requesting node id)
+    # (chunk hash, requesting node id, send): Busy or Missing, or None once the bytes went through send
+    chunk: Callable[[bytes, str, SendChunk], Awaitable[Busy | Missing | None]]
     object: Callable[[str], Awaitable[bytes | None]]
 
 

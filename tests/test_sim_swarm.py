@@ -146,11 +146,16 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
         cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_rate=10_000.0, upload_queue_wait=100.0)
         node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
         node.chunks.put(b"h", data)
+        sent: list[bytes] = []
+
+        async def send(chunk: bytes) -> None:
+            sent.append(chunk)
+
         seen: list[tuple[int, int]] = []
         for handed_over in (False, True):
-            first = asyncio.ensure_future(node.handle_chunk(b"h", "x"))  # holds the one slot for ~0.9 s
+            first = asyncio.ensure_future(node.handle_chunk(b"h", "x", send))  # holds the one slot for ~0.9 s
             await asyncio.sleep(0.01)
-            queued = asyncio.ensure_future(node.handle_chunk(b"h", "y"))
+            queued = asyncio.ensure_future(node.handle_chunk(b"h", "y", send))
             await asyncio.sleep(0.01)
             seen.append((node.upload_slots.in_use, len(node._upload_queue)))
             if handed_over:
@@ -158,12 +163,13 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
                 first.add_done_callback(lambda _, q=queued: q.cancel())  # type: ignore[misc]
             else:
                 queued.cancel()
-            assert await first == data
+            assert await first is None and sent.pop() == data
             with contextlib.suppress(asyncio.CancelledError):
                 await queued
-            assert queued.cancelled()
+            assert queued.cancelled() and not sent
             seen.append((node.upload_slots.in_use, len(node._upload_queue)))
-            assert await node.handle_chunk(b"h", "z") == data  # the slot is still there to take
+            assert await node.handle_chunk(b"h", "z", send) is None  # the slot is still there to take
+            assert sent.pop() == data
         net.close()
         return seen
 

@@ -10,7 +10,7 @@ import pytest
 from simulations.clock import SimClock, VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
 from simulations.network import Host, Network, Region
 from simulations.transport import SimNet, placeholder_bytes
-from swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, Transport, TransportError
+from swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, SendChunk, Transport, TransportError
 
 
 def test_sleeping_an_hour_takes_an_hour_of_virtual_time_exactly() -> None:
@@ -85,8 +85,12 @@ def serving(chunks: dict[bytes, ChunkReply], objects: dict[str, bytes], log: lis
     async def gossip(data: bytes) -> None:
         log.append(data)
 
-    async def chunk(h: bytes, requester: str) -> ChunkReply:
-        return chunks.get(h, Missing())
+    async def chunk(h: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
+        reply = chunks.get(h, Missing())
+        if isinstance(reply, bytes):
+            await send(reply)
+            return None
+        return reply
 
     async def obj(path: str) -> bytes | None:
         return objects.get(path)

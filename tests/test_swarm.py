@@ -14,6 +14,7 @@ from protocol.head import Head
 from protocol.membership import MemberState
 from protocol.signed import Envelope
 from swarm.server import start_http_node
+from swarm.transport import Busy, Missing, SendChunk
 from tests.swarmkit import RUN, Swarm
 
 pytestmark = pytest.mark.asyncio
@@ -111,9 +112,11 @@ async def test_corrupting_peer_is_banned_and_chunks_refetched(tmp_path: Path) ->
         await s.wait_all(1)
         real = liar.node.handle_chunk
 
-        async def corrupt(h: bytes, requester: str = ""):  # type: ignore[no-untyped-def]
-            reply = await real(h, requester)
-            return bytes([reply[0] ^ 0xFF]) + reply[1:] if isinstance(reply, bytes) else reply
+        async def corrupt(h: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
+            async def flipped(data: bytes) -> None:
+                await send(bytes([data[0] ^ 0xFF]) + data[1:])
+
+            return await real(h, requester, flipped)
 
         liar.node.handle_chunk = corrupt  # type: ignore[method-assign]
         for i in range(5):

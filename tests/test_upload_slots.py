@@ -1,0 +1,127 @@
+"""A serving node's upload slot covers the transfer, not only the chunk lookup (swarm/node.py
+``handle_chunk`` sends through the transport's ``send``), and a seed withholding a chunk answers
+"not this one, ask them" (Missing with holders) rather than Busy.  In virtual time and over real
+HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from aiohttp import web
+
+from protocol.trust import TrustState
+from simulations.clock import SimClock, run_virtual
+from simulations.network import Host, Network, Region
+from simulations.transport import SimNet
+from swarm.http import HttpTransport, add_routes
+from swarm.node import NodeConfig, SwarmNode
+from swarm.transport import Busy, Handlers, Missing, SendChunk
+from tests.swarmkit import RUN, SECRET
+
+MB = 1_000_000
+EPOCH = 1_700_000_000.0  # any fixed wall time
+
+
+def test_an_unpaced_node_holds_its_slot_while_the_chunk_travels() -> None:
+    """One slot, no waiting line, an unpaced node on a 1 MB/s uplink: a second requester is refused
+    for as long as the first chunk is on the wire, then served; the refusal's retry estimate comes
+    from the timed upload, not the configured default."""
+
+    async def main() -> tuple[float, object, object, float]:
+        hosts = [Host("a", "r", up=1 * MB), Host("b", "r"), Host("c", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_queue=0, busy_retry_after=5.0)
+        node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        node.chunks.put(b"h", b"x" * MB)
+        net.register("sim://a", "a", node.handlers())
+        loop = asyncio.get_running_loop()
+        b, c = net.transport("b"), net.transport("c")
+        first = asyncio.ensure_future(b.get_chunk("sim://a", b"h", MB, 60.0, "b"))
+        await asyncio.sleep(0.5)  # the first chunk is half way
+        refused = await c.get_chunk("sim://a", b"h", MB, 60.0, "c")
+        assert await first == b"x" * MB
+        done = loop.time()
+        again = await c.get_chunk("sim://a", b"h", MB, 60.0, "c")
+        busy_after_timing = node._busy_retry_after()
+        net.close()
+        return done, refused, again, busy_after_timing
+
+    done, refused, again, retry = run_virtual(main())
+    assert done == pytest.approx(0.001 + 1.0 + 0.001)
+    # Refused before any upload was timed: the configured default.
+    assert refused == Busy(5.0)
+    assert again == b"x" * MB
+    # After two timed uploads of ~1 s each: half the time one slot takes to free, not 5 s.
+    assert 0.4 < retry < 0.6
+
+
+def test_a_requester_that_gives_up_frees_the_slot() -> None:
+    async def main() -> tuple[int, object]:
+        hosts = [Host("a", "r", up=1 * MB), Host("b", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_queue=0)
+        node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        node.chunks.put(b"h", b"x" * MB)
+        net.register("sim://a", "a", node.handlers())
+        b = net.transport("b")
+        with pytest.raises(Exception, match="timed out"):
+            await b.get_chunk("sim://a", b"h", MB, 0.3, "b")
+        await asyncio.sleep(0.01)
+        in_use = node.upload_slots.in_use
+        reply = await b.get_chunk("sim://a", b"h", MB, 60.0, "b")
+        assert net.network.active_flows() == []
+        net.close()
+        return in_use, reply
+
+    in_use, reply = run_virtual(main())
+    assert in_use == 0
+    assert reply == b"x" * MB
+
+
+@pytest.mark.asyncio
+async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None:
+    """Over real HTTP: the handler's ``send`` writes the body before the handler returns, and a
+    Missing or Busy reply's holders reach the requester."""
+    events: list[str] = []
+    replies: dict[bytes, Busy | Missing | bytes] = {
+        b"\x01": b"y" * 300_000,
+        b"\x02": Missing(("n1", "n2")),
+        b"\x03": Busy(0.25, ("n3",)),
+        b"\x04": Missing(),
+    }
+
+    async def gossip(data: bytes) -> None:
+        return None
+
+    async def chunk(h: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
+        reply = replies[h]
+        if isinstance(reply, bytes):
+            events.append("send")
+            await send(reply)
+            events.append("sent")
+            return None
+        return reply
+
+    async def obj(path: str) -> bytes | None:
+        return None
+
+    app = web.Application()
+    add_routes(app, Handlers(gossip, chunk, obj))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = HttpTransport()
+    try:
+        addr = f"http://127.0.0.1:{port}"
+        assert await client.get_chunk(addr, b"\x01", 300_000, 10.0, "me") == b"y" * 300_000
+        assert events == ["send", "sent"]
+        assert await client.get_chunk(addr, b"\x02", 10, 10.0, "me") == Missing(("n1", "n2"))
+        assert await client.get_chunk(addr, b"\x03", 10, 10.0, "me") == Busy(0.25, ("n3",))
+        assert await client.get_chunk(addr, b"\x04", 10, 10.0, "me") == Missing()
+    finally:
+        await client.close()
+        await runner.cleanup()
