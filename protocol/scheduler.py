@@ -175,6 +175,7 @@ class _Round:
     any_banned: bool
     slow_below: float | None  # a holder measured below this is "too slow" (None: seed rate unknown)
     peers: dict[str, _Peer]
+    held: int = -1  # the chunks some free peer holds (an OR of their masks; a superset once peers fill up)
     _fast: list[_Peer] | None = None
 
     @property
@@ -403,11 +404,13 @@ class ChunkScheduler:
         early = self._epoch is not None and now - self._epoch < cfg.seed_patience
         while self._random_left > 0 and scan.free and self._n_inflight < cfg.max_inflight:
             candidates = []
+            held = scan.held
             for avail, r in self._order:
                 if early and avail + self._n_full and self._only_seeds_can_help(scan):
                     break  # as below
-                if self._candidates(self._perm[r], scan):
-                    candidates.append(self._perm[r])
+                c = self._perm[r]
+                if held >> c & 1 and self._candidates(c, scan):
+                    candidates.append(c)
             if not candidates:
                 break
             c = self._rng.choice(candidates)
@@ -421,6 +424,9 @@ class ChunkScheduler:
                 c = self._perm[order[i][1]]
                 if early and order[i][0] + self._n_full and self._only_seeds_can_help(scan):
                     break  # from here on every chunk has a holder and none has waited its patience yet
+                if not scan.held >> c & 1:
+                    i += 1  # no free peer holds it: _choose would find nobody (O(1) instead of O(free peers))
+                    continue
                 peer = self._choose(c, scan)
                 if peer is None:
                     i += 1
@@ -547,7 +553,10 @@ class ChunkScheduler:
             if p.banned_until <= now and p.rate is not None:
                 seed_rate = p.rate if seed_rate is None else max(seed_rate, p.rate)
         slow_below = None if seed_rate is None else seed_rate / cfg.slow_factor
-        return _Round(now, free, bool(self._banned), slow_below, self._peers)
+        held = 0
+        for p in free:
+            held |= p.bits if p.bits is not None else p.mask()
+        return _Round(now, free, bool(self._banned), slow_below, self._peers, held)
 
     def _choose(self, chunk: int, rnd: _Round, waiting_since: float | None = None) -> _Peer | None:
         """The peer to ask for ``chunk`` now, or None.  ``waiting_since`` marks an endgame duplicate."""
