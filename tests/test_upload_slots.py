@@ -125,3 +125,60 @@ async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None
     finally:
         await client.close()
         await runner.cleanup()
+
+
+def _node(node_id: str, **cfg: object) -> SwarmNode:
+    config = NodeConfig(node_id, RUN, SECRET, **cfg)  # type: ignore[arg-type]
+    hosts = [Host(node_id, "r")]
+    net = SimNet(Network(hosts, [Region("r", 0.001)]))
+    return SwarmNode(
+        config, f"sim://{node_id}", net.transport(node_id), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0)
+    )
+
+
+def test_a_seed_books_the_returns_of_those_it_refuses() -> None:
+    """Refused at the same moment, requesters of a seed are told to come back half an upload apart
+    (6 slots, 12 ms per upload: one slot frees every 2 ms), the first after half the line.  A plain
+    node tells everyone
+    the same."""
+
+    async def main() -> tuple[list[float], list[float]]:
+        seed = _node("s", is_seed=True, seed_max_uploads=6, busy_retry_after=0.02)
+        peer = _node("p", max_uploads=6, busy_retry_after=0.02)
+        for node in (seed, peer):
+            node._upload_seconds = 0.012
+        return [seed._busy_retry_after() for _ in range(12)], [peer._busy_retry_after() for _ in range(3)]
+
+    seed_waits, peer_waits = run_virtual(main())
+    # 1 ms (half of one slot's 2 ms), then 1 ms more for each requester refused before.
+    assert seed_waits == pytest.approx([0.001 * k for k in range(1, 13)])
+    assert peer_waits == pytest.approx([0.001] * 3)
+
+
+def test_a_seed_wraps_its_bookings_at_the_longest_wait() -> None:
+    """Bookings that would reach ``busy_retry_after`` start again from the earliest return."""
+
+    async def main() -> list[float]:
+        seed = _node("s", is_seed=True, seed_max_uploads=6, busy_retry_after=0.005)
+        seed._upload_seconds = 0.012
+        return [seed._busy_retry_after() for _ in range(6)]
+
+    assert run_virtual(main()) == pytest.approx([0.001, 0.002, 0.003, 0.004, 0.001, 0.002])
+
+
+def test_news_does_not_wake_a_downloader_with_every_request_out() -> None:
+    """An announcement wakes the download loop only when it could start a request; a fetch that ends
+    (or a peer that dies) wakes it always."""
+
+    async def main() -> tuple[bool, bool, bool]:
+        node = _node("a")
+        loop = asyncio.get_running_loop()
+        results = []
+        for full, news in ((True, True), (True, False), (False, True)):
+            node._download_full = full
+            node._change_waiter = waiter = loop.create_future()
+            node._note_peers_changed(news=news)
+            results.append(waiter.done())
+        return results[0], results[1], results[2]
+
+    assert run_virtual(main()) == (False, True, True)
