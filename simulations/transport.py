@@ -188,7 +188,9 @@ class SimTransport:
         ep = net.endpoint(addr)  # it may have gone meanwhile
         await ep.handlers.gossip(data)
 
-    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str) -> ChunkReply:
+    async def get_chunk(
+        self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str, held: int = -1
+    ) -> ChunkReply:
         # The exchange of get_object, written out in one coroutine: the hot path of large simulations
         # (every await of a nested coroutine costs a frame on each resume).
         net = self.net
@@ -202,7 +204,7 @@ class SimTransport:
                 ep = net.endpoint(addr)
                 out = _Delivery(net, ep.host, self.host, size)
                 try:
-                    reply = await _serve(ep.handlers.chunk(chunk_hash, requester, out.send))
+                    reply = await _serve(ep.handlers.chunk(chunk_hash, requester, held, out.send))
                 except asyncio.CancelledError:
                     out.abandon()  # the requester gave up: its connection closes and the server's send ends
                     raise

@@ -17,6 +17,7 @@ MAX_GOSSIP_BYTES = 1 << 20
 PREFIX = "/swarm/v1"
 NODE_HEADER = "X-Patchswarm-Node"
 HOLDERS_HEADER = "X-Patchswarm-Holders"
+HELD_HEADER = "X-Patchswarm-Held"  # chunks of the version the requester holds (its place in a line)
 MAX_HOLDERS = 16
 
 
@@ -48,7 +49,7 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             except ConnectionResetError:
                 pass  # the requester gave up (an endgame duplicate that lost, a deadline): nothing to send
 
-        reply = await handlers.chunk(chunk_hash, request.headers.get(NODE_HEADER, "")[:256], send)
+        reply = await handlers.chunk(chunk_hash, request.headers.get(NODE_HEADER, "")[:256], _held(request), send)
         if isinstance(reply, Busy):
             headers = {"Retry-After": f"{reply.retry_after:.3f}"}
             if reply.holders:
@@ -95,10 +96,15 @@ class HttpTransport:
         except (TimeoutError, aiohttp.ClientError) as e:
             raise TransportError(f"gossip to {addr}: {type(e).__name__}") from None
 
-    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str) -> ChunkReply:
+    async def get_chunk(
+        self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str, held: int = -1
+    ) -> ChunkReply:
         url = f"{addr}{PREFIX}/chunks/{chunk_hash.hex()}"
+        headers = {NODE_HEADER: requester}
+        if held >= 0:
+            headers[HELD_HEADER] = str(held)
         try:
-            async with self._client().get(url, timeout=self._timeout(timeout), headers={NODE_HEADER: requester}) as r:
+            async with self._client().get(url, timeout=self._timeout(timeout), headers=headers) as r:
                 if r.status in (503, 404):
                     holders = tuple(h for h in r.headers.get(HOLDERS_HEADER, "").split(",") if h)[:MAX_HOLDERS]
                     if r.status == 404:
@@ -159,3 +165,11 @@ async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> byte
     if len(data) > limit:
         raise LimitExceededError(f"{what}: response runs past the {limit} bytes expected")
     return data
+
+
+def _held(request: web.Request) -> int:
+    """The requester's X-Patchswarm-Held, or -1 when absent or not a count (it only orders a line)."""
+    value = request.headers.get(HELD_HEADER, "")
+    if not (value.isascii() and value.isdigit()) or len(value) > 9:
+        return -1
+    return int(value)

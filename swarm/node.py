@@ -11,6 +11,7 @@ it the held version.  What it verified it serves to others.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import inspect
@@ -67,6 +68,7 @@ async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: li
 MAX_OBJECT_BYTES = 64 << 20
 SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
+UNSAID_HELD = 1 << 62  # the place in an upload line of a requester that did not say what it holds
 
 
 @dataclass
@@ -184,7 +186,9 @@ class SwarmNode:
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
-        self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
+        # requests waiting for an upload slot: (chunks held, arrival number, turn), sorted
+        self._upload_queue: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._line_seq = 0
         self._last_upload_bytes = 0  # typical chunk size, for the time a waiting line takes
         self._upload_seconds = 0.0  # EWMA of how long one upload held its slot (an unpaced uplink's drain rate)
         self._seed_next_return = 0.0  # a seed's next free return time for a refused requester
@@ -541,24 +545,28 @@ class SwarmNode:
 
     # ------------------------------------------------------------ serving
 
-    async def handle_chunk(self, chunk_hash: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
+    async def handle_chunk(
+        self, chunk_hash: bytes, requester: str, held: int, send: SendChunk
+    ) -> Busy | Missing | None:
         """Answer a chunk request: Busy, Missing, or None after sending the bytes through ``send``.
 
         The upload slot is held until ``send`` returns: the slots bound the transfers under way, so a
         requester finds a free uplink or is told to come back, instead of every chunk being shared out
-        at once and each taking longer (a relay can pass on only what it has received in full)."""
+        at once and each taking longer (a relay can pass on only what it has received in full).
+        ``held``: chunks of that version the requester says it holds (-1: not said), its place in line."""
         if chunk_hash not in self.chunks:
             return Missing()
-        if self.config.is_seed and (refusal := self._seed_refusal(chunk_hash)) is not None:
+        withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
+        if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
             return refusal  # checked before reading the chunk or queueing for a slot
-        if not await self._upload_slot():
+        if not await self._upload_slot(held):
             self.metrics.busy_replies += 1
             return Busy(self._busy_retry_after())
         try:
             if self.config.is_seed:
                 # Check the window again now that a slot is ours, and only now count the copy as given:
                 # a request refused for want of a slot must not use up the chunk's window.
-                if (refusal := self._seed_refusal(chunk_hash)) is not None:
+                if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
                     return refusal
                 self._seed_served[chunk_hash] = (self.clock.now(), (requester,) if requester else ())
                 self._availability_changed()  # the offer shrank
@@ -571,11 +579,26 @@ class SwarmNode:
             self._last_upload_bytes = len(data)
             self.metrics.chunks_uploaded += 1
             await send(data)
-            held = self.clock.now() - start
-            self._upload_seconds = held if not self._upload_seconds else 0.7 * self._upload_seconds + 0.3 * held
+            took = self.clock.now() - start
+            self._upload_seconds = took if not self._upload_seconds else 0.7 * self._upload_seconds + 0.3 * took
             return None
         finally:
             self._release_upload_slot()
+
+    def _requester_finishing(self, chunk_hash: bytes, held: int) -> bool:
+        """The requester says it lacks at most ``endgame_remaining`` chunks of this chunk's version: a
+        seed serves it even a chunk it withholds.  Its last chunks are the ones the swarm's slowest
+        host waits for, when the holders it heard of are busy or named wrongly (a simulated 1,000-host
+        swarm's last host sat 360 ms with two chunks left and no holder it knew of); one more copy of
+        a few chunks costs the seed little.  A requester lying about it only gets served as by a
+        central seed, within the seed's upload slots."""
+        if held < 0:
+            return False
+        for mid in self.complete[-2:]:
+            hashes = self._seed_manifest_chunks(mid)
+            if chunk_hash in hashes:
+                return len(hashes) - held <= self.config.scheduler.endgame_remaining
+        return False
 
     def _seed_refusal(self, chunk_hash: bytes) -> Missing | None:
         """A seed hands out each chunk once per window; within it, point the requester at the holders.
@@ -644,14 +667,27 @@ class SwarmNode:
         self._seed_next_return = back + per_upload / 2
         return back
 
-    async def _upload_slot(self) -> bool:
-        """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry."""
+    async def _upload_slot(self, held: int = -1) -> bool:
+        """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry.
+
+        The line is ordered by need: a requester holding fewer chunks of its version (``held``) waits
+        ahead of one holding more, and takes the last place of a full line from one holding more (that
+        one is refused now and asks elsewhere).  Those who hold least have the most to fetch, and
+        their uplinks sit idle until they hold something others lack: serving them first keeps the
+        swarm's hosts finishing together (a simulated 200-host swarm's last host came 20% after its
+        median first-come first-served, 11% after it served by need)."""
         if self.upload_slots.acquire():
             return True
-        if len(self._upload_queue) >= self.config.upload_queue:
-            return False
+        rank = held if held >= 0 else UNSAID_HELD
+        line = self._upload_queue
+        if len(line) >= self.config.upload_queue:
+            if not line or line[-1][0] <= rank:
+                return False
+            line.pop()[2].cancel()  # refused after all: it holds more than this requester
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._upload_queue.append(turn)
+        self._line_seq += 1
+        entry = (rank, self._line_seq, turn)
+        bisect.insort(line, entry)
         timer = asyncio.ensure_future(self.clock.sleep(self.config.upload_queue_wait))
         try:
             await asyncio.wait([turn, timer], return_when=asyncio.FIRST_COMPLETED)
@@ -664,12 +700,12 @@ class SwarmNode:
             timer.cancel()
             if not turn.done():
                 turn.cancel()
-                self._upload_queue.remove(turn)
+                line.remove(entry)
         return not turn.cancelled()  # done: the slot was handed over by _release_upload_slot
 
     def _release_upload_slot(self) -> None:
         while self._upload_queue:
-            turn = self._upload_queue.popleft()
+            turn = self._upload_queue.pop(0)[2]
             if not turn.done():
                 turn.set_result(None)
                 return
@@ -816,6 +852,7 @@ class SwarmNode:
         if isinstance(pinned, set):
             pinned.update(ref.hash for ref in manifest.chunks)
         running: dict[tuple[int, str], asyncio.Task[None]] = {}
+        seed_asked: dict[int, float] = {}  # chunk -> when _ask_seeds_again last put it to the seeds
         try:
             while not sched.complete:
                 now = self.clock.now()
@@ -824,7 +861,10 @@ class SwarmNode:
                     task = running.pop((req.chunk, req.peer_id), None)
                     if task:
                         task.cancel()
-                for req in sched.next_requests(now):
+                requests = sched.next_requests(now)
+                if not requests and not running and self._ask_seeds_again(sched, len(sizes), seed_asked, now):
+                    requests = sched.next_requests(now)
+                for req in requests:
                     running[(req.chunk, req.peer_id)] = asyncio.create_task(
                         self._fetch(sched, manifest, mid, req, running)
                     )
@@ -853,6 +893,25 @@ class SwarmNode:
         self.complete.append(mid)
         self.complete = self.complete[-16:]
         return parts
+
+    def _ask_seeds_again(self, sched: ChunkScheduler, nchunks: int, asked: dict[int, float], now: float) -> bool:
+        """Nothing in flight and nothing to ask: the seeds hold every chunk, so take back what their
+        refusals (a withheld chunk reads as MISSING for a while) said, at most every
+        ``busy_retry_after`` per chunk.  A seed then names holders it heard of, or serves a finishing
+        requester what it withholds from others (``_requester_finishing``).  Without this a node that
+        heard of no holder of its last chunks sat idle until the refusals aged (a simulated 1,000-host
+        swarm: 7 hosts still fetching 60 ms after all others, one of them idle with 6 chunks left and
+        no holder known).  True when there is something to ask now."""
+        if sched.held_count >= nchunks:
+            return False
+        left = [c for c in range(nchunks) if not sched.holds(c)]
+        seeds = [view.info.node_id for view in self.peers.values() if view.ann.seed]
+        due = [c for c in left if now >= asked.get(c, -math.inf) + self.config.busy_retry_after]
+        for c in due:
+            asked[c] = now
+            for seed in seeds:
+                sched.on_have(seed, c, now)
+        return bool(due and seeds)
 
     def _note_peers_changed(self, *, news: bool = False) -> None:
         """Wake the download loop.  ``news`` (an announcement): not while every request it may have in
@@ -947,7 +1006,9 @@ class SwarmNode:
             start = self.clock.now()
             try:
                 timeout = max(req.deadline - start, 0.05)
-                reply = await self.transport.get_chunk(view.info.addr, ref.hash, ref.size, timeout, self.info.node_id)
+                reply = await self.transport.get_chunk(
+                    view.info.addr, ref.hash, ref.size, timeout, self.info.node_id, sched.held_count
+                )
             except TransportError:
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
                 return

@@ -52,8 +52,8 @@ async def start_http_node(
     async def gossip(data: bytes) -> None:
         await box[0].handle_gossip(data)
 
-    async def chunk(h: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
-        return await box[0].handle_chunk(h, requester, send)
+    async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
+        return await box[0].handle_chunk(h, requester, held, send)
 
     async def obj(path: str) -> bytes | None:
         return await box[0].handle_object(path)

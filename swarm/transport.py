@@ -53,8 +53,13 @@ class Transport(Protocol):
     async def send(self, addr: str, data: bytes) -> None:
         """Deliver one gossip datagram; raises TransportError when it cannot."""
 
-    async def get_chunk(self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str) -> ChunkReply:
-        """Fetch a chunk by hash; never returns more than ``size`` bytes (longer replies fail)."""
+    async def get_chunk(
+        self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str, held: int = -1
+    ) -> ChunkReply:
+        """Fetch a chunk by hash; never returns more than ``size`` bytes (longer replies fail).
+
+        ``held``: how many chunks of this chunk's version the requester holds (-1: not said); a busy
+        peer lets those holding fewest wait first."""
 
     async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
         """Fetch a board object (head, manifest, certificate, root document) a peer holds."""
@@ -67,8 +72,9 @@ class Handlers:
     """What a node answers with: the server side of the transport calls these."""
 
     gossip: Callable[[bytes], Awaitable[None]]
-    # (chunk hash, requesting node id, send): Busy or Missing, or None once the bytes went through send
-    chunk: Callable[[bytes, str, SendChunk], Awaitable[Busy | Missing | None]]
+    # (chunk hash, requesting node id, chunks of that version it holds or -1, send): Busy or Missing,
+    # or None once the bytes went through send
+    chunk: Callable[[bytes, str, int, SendChunk], Awaitable[Busy | Missing | None]]
     object: Callable[[str], Awaitable[bytes | None]]
 
 

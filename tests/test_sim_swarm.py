@@ -153,9 +153,9 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
 
         seen: list[tuple[int, int]] = []
         for handed_over in (False, True):
-            first = asyncio.ensure_future(node.handle_chunk(b"h", "x", send))  # holds the one slot for ~0.9 s
+            first = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, send))  # holds the one slot for ~0.9 s
             await asyncio.sleep(0.01)
-            queued = asyncio.ensure_future(node.handle_chunk(b"h", "y", send))
+            queued = asyncio.ensure_future(node.handle_chunk(b"h", "y", -1, send))
             await asyncio.sleep(0.01)
             seen.append((node.upload_slots.in_use, len(node._upload_queue)))
             if handed_over:
@@ -168,7 +168,7 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
                 await queued
             assert queued.cancelled() and not sent
             seen.append((node.upload_slots.in_use, len(node._upload_queue)))
-            assert await node.handle_chunk(b"h", "z", send) is None  # the slot is still there to take
+            assert await node.handle_chunk(b"h", "z", -1, send) is None  # the slot is still there to take
             assert sent.pop() == data
         net.close()
         return seen

@@ -85,7 +85,7 @@ def serving(chunks: dict[bytes, ChunkReply], objects: dict[str, bytes], log: lis
     async def gossip(data: bytes) -> None:
         log.append(data)
 
-    async def chunk(h: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
+    async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
         reply = chunks.get(h, Missing())
         if isinstance(reply, bytes):
             await send(reply)

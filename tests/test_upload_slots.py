@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import random
 
+import aiohttp
 import pytest
 from aiohttp import web
 
+from protocol.membership import MembershipConfig, NodeInfo
 from protocol.trust import TrustState
 from simulations.clock import SimClock, run_virtual
 from simulations.network import Host, Network, Region
 from simulations.transport import SimNet
-from swarm.http import HttpTransport, add_routes
+from swarm.http import HELD_HEADER, PREFIX, HttpTransport, add_routes
 from swarm.node import NodeConfig, SwarmNode
 from swarm.transport import Busy, Handlers, Missing, SendChunk
 from tests.swarmkit import RUN, SECRET
@@ -91,11 +93,13 @@ async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None
         b"\x03": Busy(0.25, ("n3",)),
         b"\x04": Missing(),
     }
+    helds: list[int] = []
 
     async def gossip(data: bytes) -> None:
         return None
 
-    async def chunk(h: bytes, requester: str, send: SendChunk) -> Busy | Missing | None:
+    async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
+        helds.append(held)
         reply = replies[h]
         if isinstance(reply, bytes):
             events.append("send")
@@ -121,7 +125,15 @@ async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None
         assert events == ["send", "sent"]
         assert await client.get_chunk(addr, b"\x02", 10, 10.0, "me") == Missing(("n1", "n2"))
         assert await client.get_chunk(addr, b"\x03", 10, 10.0, "me") == Busy(0.25, ("n3",))
-        assert await client.get_chunk(addr, b"\x04", 10, 10.0, "me") == Missing()
+        assert await client.get_chunk(addr, b"\x04", 10, 10.0, "me", held=17) == Missing()
+        # The requester's count of chunks held travels with the request; anything but a plain count
+        # (negative, non-ASCII digits, huge, text) reads as "not said".
+        url = f"{addr}{PREFIX}/chunks/04"
+        async with aiohttp.ClientSession() as raw:
+            for bad in ("-3", "\u00b2", "1" * 10, "many", ""):
+                async with raw.get(url, headers={HELD_HEADER: bad}) as r:
+                    assert r.status == 404
+        assert helds == [-1, -1, -1, 17, -1, -1, -1, -1, -1]
     finally:
         await client.close()
         await runner.cleanup()
@@ -182,3 +194,141 @@ def test_news_does_not_wake_a_downloader_with_every_request_out() -> None:
         return results[0], results[1], results[2]
 
     assert run_virtual(main()) == (False, True, True)
+
+
+def test_the_line_for_an_upload_slot_is_ordered_by_need() -> None:
+    """One slot, two places in line.  While x holds the slot, y (holding 50 chunks of the version)
+    waits; c (10) goes ahead of y; d (5) finds the line full and takes y's place: y is refused at
+    once.  e (60) finds a full line of needier requesters: refused.  u (not said) waits behind
+    everyone who said.  The slot then goes to d, then c."""
+
+    async def main() -> tuple[dict[str, object], list[str]]:
+        node = _node("a", max_uploads=1, upload_queue=2, upload_rate=10_000.0, upload_queue_wait=100.0)
+        node.chunks.put(b"h", b"c" * 10_000)  # ~1 s per upload
+        order: list[str] = []
+
+        def send_as(who: str) -> SendChunk:
+            async def send(data: bytes) -> None:
+                order.append(who)
+
+            return send
+
+        tasks = {}
+        for who, held in (("x", 0), ("y", 50), ("c", 10), ("d", 5), ("e", 60)):
+            tasks[who] = asyncio.ensure_future(node.handle_chunk(b"h", who, held, send_as(who)))
+            await asyncio.sleep(0.01)
+        replies: dict[str, object] = {}
+        for who in ("y", "e"):
+            replies[who] = await tasks.pop(who)  # refused before x's upload is over
+        assert node.clock.now() < 0.5
+        replies["line"] = [entry[0] for entry in node._upload_queue]
+        for who, task in tasks.items():
+            replies[who] = await task
+        return replies, order
+
+    replies, order = run_virtual(main())
+    assert isinstance(replies["y"], Busy) and isinstance(replies["e"], Busy)
+    assert replies["line"] == [5, 10]
+    assert replies["x"] is None and replies["c"] is None and replies["d"] is None
+    assert order == ["x", "d", "c"]
+
+
+def test_a_requester_that_does_not_say_waits_behind_those_that_do() -> None:
+    async def main() -> list[str]:
+        node = _node("a", max_uploads=1, upload_queue=3, upload_rate=10_000.0, upload_queue_wait=100.0)
+        node.chunks.put(b"h", b"c" * 10_000)
+        order: list[str] = []
+
+        def send_as(who: str) -> SendChunk:
+            async def send(data: bytes) -> None:
+                order.append(who)
+
+            return send
+
+        tasks = []
+        for who, held in (("x", 3), ("u", -1), ("m", 90), ("n", 90)):
+            tasks.append(asyncio.ensure_future(node.handle_chunk(b"h", who, held, send_as(who))))
+            await asyncio.sleep(0.01)
+        for task in tasks:
+            assert await task is None
+        return order
+
+    # m and n hold the same: first come, first served between them.
+    assert run_virtual(main()) == ["x", "m", "n", "u"]
+
+
+def test_a_seed_serves_a_finishing_requester_a_chunk_it_withholds() -> None:
+    """Handed out a moment ago, chunk 0 is withheld (Missing, naming who got it) from a requester
+    that lacks most of the version, and served to one that says it lacks at most
+    ``endgame_remaining`` (3) of the 5 chunks."""
+
+    async def main() -> tuple[object, object, object]:
+        seed = _node("s", is_seed=True)
+        hashes = [bytes([i]) * 32 for i in range(5)]
+        for h in hashes:
+            seed.chunks.put(h, b"z" * 100)
+        seed.complete = [b"m"]
+        seed._seed_chunk_lists[b"m"] = hashes
+        seed._seed_served[hashes[0]] = (seed.clock.now(), ("x",))
+        sent: list[bytes] = []
+
+        async def send(data: bytes) -> None:
+            sent.append(data)
+
+        far = await seed.handle_chunk(hashes[0], "y", 1, send)  # lacks 4
+        unsaid = await seed.handle_chunk(hashes[0], "y", -1, send)
+        near = await seed.handle_chunk(hashes[0], "y", 2, send)  # lacks 3
+        return far, unsaid, (near, sent)
+
+    far, unsaid, (near, sent) = run_virtual(main())
+    assert far == Missing(("x",)) and unsaid == Missing(("x",))
+    assert near is None and sent == [b"z" * 100]
+
+
+def test_a_stuck_downloader_asks_the_seeds_again() -> None:
+    """A seed's refusal of a withheld chunk reads as MISSING and keeps the seed from being asked for it
+    (``failure_backoff``).  With nothing in flight and no one else to ask, the downloader takes that
+    back (the seed holds every chunk), at most every ``busy_retry_after`` per chunk."""
+    from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
+    from protocol.wire import Announcement
+    from swarm.node import PeerView
+
+    async def main() -> tuple[list[int], bool, list[tuple[int, str]], bool, bool]:
+        node = _node("a", busy_retry_after=0.2)
+        seed_info = NodeInfo("seed", "sim://seed")
+        node.peers["seed"] = PeerView(seed_info, Announcement(RUN, 1, 1, seed=True), 0.0)
+        sched = ChunkScheduler([100] * 4, PeerInfo("a"), SchedulerConfig(), random.Random(0))
+        sched.update_peer(PeerInfo("seed", is_seed=True), None, 0.0)
+        asked: dict[int, float] = {}
+        first = [r.chunk for r in sched.next_requests(0.0)]
+        for c in first:
+            sched.on_failure(0.01, c, "seed", FailureReason.MISSING)
+        stuck = sched.next_requests(0.02) == []
+        took_back = node._ask_seeds_again(sched, 4, asked, 0.02)
+        again = [(r.chunk, r.peer_id) for r in sched.next_requests(0.02)]
+        for c, _ in again:
+            sched.on_failure(0.03, c, "seed", FailureReason.MISSING)
+        too_soon = node._ask_seeds_again(sched, 4, asked, 0.1)
+        later = node._ask_seeds_again(sched, 4, asked, 0.25)
+        return first, stuck and took_back, again, too_soon, later
+
+    first, stuck_then_took_back, again, too_soon, later = run_virtual(main())
+    assert sorted(first) == [0, 1, 2, 3]
+    assert stuck_then_took_back
+    assert sorted(again) == [(c, "seed") for c in range(4)]
+    assert not too_soon and later
+
+
+def test_warm_membership_gives_every_node_every_member() -> None:
+    from simulations.runner import _warm
+
+    async def main() -> tuple[list[int], list[int]]:
+        full = [_node(f"n{i}") for i in range(6)]
+        _warm(full, 0.0)
+        bounded = [_node(f"b{i}", membership=MembershipConfig(max_members=2)) for i in range(6)]
+        _warm(bounded, 0.0)
+        return [n.membership.alive_count() for n in full], [n.membership.alive_count() for n in bounded]
+
+    full, bounded = run_virtual(main())
+    assert full == [5] * 6
+    assert all(1 <= k <= 2 for k in bounded)
