@@ -140,8 +140,10 @@ def placeholder_bench(
     node_options: dict[str, Any] | None = None,
     quantum: float = 0.0,
     membership: dict[str, Any] | None = None,
+    cold: bool = False,
 ) -> None:
-    """Real nodes, placeholder payloads: ``hosts`` peers and a seed, all at ``rate`` both ways."""
+    """Real nodes, placeholder payloads: ``hosts`` peers and a seed, all at ``rate`` both ways.
+    ``cold``: the first version is published as the nodes join (no warm membership)."""
     from protocol.membership import MembershipConfig
     from simulations.placeholder import placeholder_held
     from simulations.runner import simulate_stream
@@ -162,6 +164,7 @@ def placeholder_bench(
         node_options=node_options,
         quantum=quantum,
         membership=MembershipConfig(**membership) if membership else None,
+        warm_membership=not cold,
     )
     cpu = time.process_time() - cpu0
     print(
@@ -218,6 +221,7 @@ def main() -> None:
     w.add_argument("--member", action="append", default=[], metavar="FIELD=JSON", help="a MembershipConfig field")
     w.add_argument("--sched", action="append", default=[], metavar="FIELD=JSON", help="a SchedulerConfig field")
     w.add_argument("--quantum", type=float, default=0.0, help="network event batching, seconds (0: exact)")
+    w.add_argument("--cold", action="store_true", help="publish as the nodes join (membership still spreading)")
     a = p.parse_args()
     if a.what == "network":
         network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum, a.check)
@@ -233,7 +237,7 @@ def main() -> None:
             member["max_members"] = BOUNDED_VIEW
             print(f"(more than {BOUNDED_VIEW_ABOVE} hosts: membership max_members={BOUNDED_VIEW}; --member to change)")
         args = (a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed)
-        placeholder_bench(*args, options, a.quantum, member)
+        placeholder_bench(*args, options, a.quantum, member, a.cold)
     else:
         swarm_bench(a.peers, a.seed)
 
