@@ -287,36 +287,33 @@ def test_a_seed_serves_a_finishing_requester_a_chunk_it_withholds() -> None:
 
 def test_a_stuck_downloader_asks_the_seeds_again() -> None:
     """A seed's refusal of a withheld chunk reads as MISSING and keeps the seed from being asked for it
-    (``failure_backoff``).  With nothing in flight and no one else to ask, the downloader takes that
-    back (the seed holds every chunk), at most every ``busy_retry_after`` per chunk."""
+    (``failure_backoff``).  With nothing in flight, no one else to ask and at most
+    ``endgame_remaining`` (3) chunks left, the downloader takes that back (the seed holds every chunk),
+    at most every ``busy_retry_after`` per chunk; with more left it waits for holders."""
     from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
     from protocol.wire import Announcement
     from swarm.node import PeerView
 
-    async def main() -> tuple[list[int], bool, list[tuple[int, str]], bool, bool]:
+    async def main(n: int) -> tuple[bool, list[tuple[int, str]], bool, bool]:
         node = _node("a", busy_retry_after=0.2)
         seed_info = NodeInfo("seed", "sim://seed")
         node.peers["seed"] = PeerView(seed_info, Announcement(RUN, 1, 1, seed=True), 0.0)
-        sched = ChunkScheduler([100] * 4, PeerInfo("a"), SchedulerConfig(), random.Random(0))
+        sched = ChunkScheduler([100] * n, PeerInfo("a"), SchedulerConfig(), random.Random(0))
         sched.update_peer(PeerInfo("seed", is_seed=True), None, 0.0)
         asked: dict[int, float] = {}
-        first = [r.chunk for r in sched.next_requests(0.0)]
-        for c in first:
-            sched.on_failure(0.01, c, "seed", FailureReason.MISSING)
-        stuck = sched.next_requests(0.02) == []
-        took_back = node._ask_seeds_again(sched, 4, asked, 0.02)
+        for r in sched.next_requests(0.0):
+            sched.on_failure(0.01, r.chunk, "seed", FailureReason.MISSING)
+        assert sched.next_requests(0.02) == []  # stuck
+        took_back = node._ask_seeds_again(sched, n, asked, 0.02)
         again = [(r.chunk, r.peer_id) for r in sched.next_requests(0.02)]
         for c, _ in again:
             sched.on_failure(0.03, c, "seed", FailureReason.MISSING)
-        too_soon = node._ask_seeds_again(sched, 4, asked, 0.1)
-        later = node._ask_seeds_again(sched, 4, asked, 0.25)
-        return first, stuck and took_back, again, too_soon, later
+        too_soon = node._ask_seeds_again(sched, n, asked, 0.1)
+        later = node._ask_seeds_again(sched, n, asked, 0.25)
+        return took_back, sorted(again), too_soon, later
 
-    first, stuck_then_took_back, again, too_soon, later = run_virtual(main())
-    assert sorted(first) == [0, 1, 2, 3]
-    assert stuck_then_took_back
-    assert sorted(again) == [(c, "seed") for c in range(4)]
-    assert not too_soon and later
+    assert run_virtual(main(3)) == (True, [(c, "seed") for c in range(3)], False, True)
+    assert run_virtual(main(4)) == (False, [], False, False)
 
 
 def test_warm_membership_gives_every_node_every_member() -> None:
