@@ -17,7 +17,7 @@ MAX_GOSSIP_BYTES = 1 << 20
 PREFIX = "/swarm/v1"
 NODE_HEADER = "X-Patchswarm-Node"
 HOLDERS_HEADER = "X-Patchswarm-Holders"
-HELD_HEADER = "X-Patchswarm-Held"  # chunks of the version the requester holds (its place in a line)
+HELD_HEADER = "X-Patchswarm-Held"  # chunks of the version the requester holds (a seed serves one near its end)
 MAX_HOLDERS = 16
 
 
@@ -168,7 +168,7 @@ async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> byte
 
 
 def _held(request: web.Request) -> int:
-    """The requester's X-Patchswarm-Held, or -1 when absent or not a count (it only orders a line)."""
+    """The requester's X-Patchswarm-Held, or -1 when absent or not a plain count."""
     value = request.headers.get(HELD_HEADER, "")
     if not (value.isascii() and value.isdigit()) or len(value) > 9:
         return -1

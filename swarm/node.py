@@ -11,7 +11,6 @@ it the held version.  What it verified it serves to others.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import contextlib
 import inspect
@@ -68,7 +67,6 @@ async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: li
 MAX_OBJECT_BYTES = 64 << 20
 SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
-UNSAID_HELD = 1 << 62  # the place in an upload line of a requester that did not say what it holds
 
 
 @dataclass
@@ -186,9 +184,7 @@ class SwarmNode:
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
-        # requests waiting for an upload slot: (chunks held, arrival number, turn), sorted
-        self._upload_queue: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._line_seq = 0
+        self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._last_upload_bytes = 0  # typical chunk size, for the time a waiting line takes
         self._upload_seconds = 0.0  # EWMA of how long one upload held its slot (an unpaced uplink's drain rate)
         self._seed_next_return = 0.0  # a seed's next free return time for a refused requester
@@ -553,13 +549,14 @@ class SwarmNode:
         The upload slot is held until ``send`` returns: the slots bound the transfers under way, so a
         requester finds a free uplink or is told to come back, instead of every chunk being shared out
         at once and each taking longer (a relay can pass on only what it has received in full).
-        ``held``: chunks of that version the requester says it holds (-1: not said), its place in line."""
+        ``held``: chunks of that version the requester says it holds (-1: not said; see
+        ``_requester_finishing``)."""
         if chunk_hash not in self.chunks:
             return Missing()
         withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
         if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
             return refusal  # checked before reading the chunk or queueing for a slot
-        if not await self._upload_slot(held):
+        if not await self._upload_slot():
             self.metrics.busy_replies += 1
             return Busy(self._busy_retry_after())
         try:
@@ -667,27 +664,19 @@ class SwarmNode:
         self._seed_next_return = back + per_upload / 2
         return back
 
-    async def _upload_slot(self, held: int = -1) -> bool:
+    async def _upload_slot(self) -> bool:
         """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry.
 
-        The line is ordered by need: a requester holding fewer chunks of its version (``held``) waits
-        ahead of one holding more, and takes the last place of a full line from one holding more (that
-        one is refused now and asks elsewhere).  Those who hold least have the most to fetch, and
-        their uplinks sit idle until they hold something others lack: serving them first keeps the
-        swarm's hosts finishing together (a simulated 200-host swarm's last host came 20% after its
-        median first-come first-served, 11% after it served by need)."""
+        First come, first served.  A line ordered by need (fewest chunks held first, the neediest
+        taking the last place from one holding more) was 4% faster on a simulated 1,000-host swarm
+        whose members all knew each other, but 1.8x slower when the version was published as the
+        hosts joined (docs/simulation.md section 5, sixth round)."""
         if self.upload_slots.acquire():
             return True
-        rank = held if held >= 0 else UNSAID_HELD
-        line = self._upload_queue
-        if len(line) >= self.config.upload_queue:
-            if not line or line[-1][0] <= rank:
-                return False
-            line.pop()[2].cancel()  # refused after all: it holds more than this requester
+        if len(self._upload_queue) >= self.config.upload_queue:
+            return False
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._line_seq += 1
-        entry = (rank, self._line_seq, turn)
-        bisect.insort(line, entry)
+        self._upload_queue.append(turn)
         timer = asyncio.ensure_future(self.clock.sleep(self.config.upload_queue_wait))
         try:
             await asyncio.wait([turn, timer], return_when=asyncio.FIRST_COMPLETED)
@@ -700,12 +689,12 @@ class SwarmNode:
             timer.cancel()
             if not turn.done():
                 turn.cancel()
-                line.remove(entry)
+                self._upload_queue.remove(turn)
         return not turn.cancelled()  # done: the slot was handed over by _release_upload_slot
 
     def _release_upload_slot(self) -> None:
         while self._upload_queue:
-            turn = self._upload_queue.pop(0)[2]
+            turn = self._upload_queue.popleft()
             if not turn.done():
                 turn.set_result(None)
                 return

@@ -58,8 +58,8 @@ class Transport(Protocol):
     ) -> ChunkReply:
         """Fetch a chunk by hash; never returns more than ``size`` bytes (longer replies fail).
 
-        ``held``: how many chunks of this chunk's version the requester holds (-1: not said); a busy
-        peer lets those holding fewest wait first."""
+        ``held``: how many chunks of this chunk's version the requester holds (-1: not said); a seed
+        serves a requester near its end even a chunk it withholds."""
 
     async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
         """Fetch a board object (head, manifest, certificate, root document) a peer holds."""

@@ -196,67 +196,6 @@ def test_news_does_not_wake_a_downloader_with_every_request_out() -> None:
     assert run_virtual(main()) == (False, True, True)
 
 
-def test_the_line_for_an_upload_slot_is_ordered_by_need() -> None:
-    """One slot, two places in line.  While x holds the slot, y (holding 50 chunks of the version)
-    waits; c (10) goes ahead of y; d (5) finds the line full and takes y's place: y is refused at
-    once.  e (60) finds a full line of needier requesters: refused.  u (not said) waits behind
-    everyone who said.  The slot then goes to d, then c."""
-
-    async def main() -> tuple[dict[str, object], list[str]]:
-        node = _node("a", max_uploads=1, upload_queue=2, upload_rate=10_000.0, upload_queue_wait=100.0)
-        node.chunks.put(b"h", b"c" * 10_000)  # ~1 s per upload
-        order: list[str] = []
-
-        def send_as(who: str) -> SendChunk:
-            async def send(data: bytes) -> None:
-                order.append(who)
-
-            return send
-
-        tasks = {}
-        for who, held in (("x", 0), ("y", 50), ("c", 10), ("d", 5), ("e", 60)):
-            tasks[who] = asyncio.ensure_future(node.handle_chunk(b"h", who, held, send_as(who)))
-            await asyncio.sleep(0.01)
-        replies: dict[str, object] = {}
-        for who in ("y", "e"):
-            replies[who] = await tasks.pop(who)  # refused before x's upload is over
-        assert node.clock.now() < 0.5
-        replies["line"] = [entry[0] for entry in node._upload_queue]
-        for who, task in tasks.items():
-            replies[who] = await task
-        return replies, order
-
-    replies, order = run_virtual(main())
-    assert isinstance(replies["y"], Busy) and isinstance(replies["e"], Busy)
-    assert replies["line"] == [5, 10]
-    assert replies["x"] is None and replies["c"] is None and replies["d"] is None
-    assert order == ["x", "d", "c"]
-
-
-def test_a_requester_that_does_not_say_waits_behind_those_that_do() -> None:
-    async def main() -> list[str]:
-        node = _node("a", max_uploads=1, upload_queue=3, upload_rate=10_000.0, upload_queue_wait=100.0)
-        node.chunks.put(b"h", b"c" * 10_000)
-        order: list[str] = []
-
-        def send_as(who: str) -> SendChunk:
-            async def send(data: bytes) -> None:
-                order.append(who)
-
-            return send
-
-        tasks = []
-        for who, held in (("x", 3), ("u", -1), ("m", 90), ("n", 90)):
-            tasks.append(asyncio.ensure_future(node.handle_chunk(b"h", who, held, send_as(who))))
-            await asyncio.sleep(0.01)
-        for task in tasks:
-            assert await task is None
-        return order
-
-    # m and n hold the same: first come, first served between them.
-    assert run_virtual(main()) == ["x", "m", "n", "u"]
-
-
 def test_a_seed_serves_a_finishing_requester_a_chunk_it_withholds() -> None:
     """Handed out a moment ago, chunk 0 is withheld (Missing, naming who got it) from a requester
     that lacks most of the version, and served to one that says it lacks at most
