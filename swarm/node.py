@@ -184,6 +184,7 @@ class SwarmNode:
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
+        self._seed_chunk_index: dict[bytes, dict[bytes, int]] = {}  # manifest -> chunk hash -> its index
         self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._last_upload_bytes = 0  # typical chunk size, for the time a waiting line takes
         self._upload_seconds = 0.0  # EWMA of how long one upload held its slot (an unpaced uplink's drain rate)
@@ -306,25 +307,23 @@ class SwarmNode:
 
         Only recent announcements count: a crashed holder stops announcing long before membership
         declares it dead."""
+        place = self._seed_chunk_place(chunk_hash)
+        if place is None:
+            return ()
+        mid, i, _ = place
         recent = self.clock.now() - self.config.seed_copy_window
-        for mid in self.complete[-2:]:
-            hashes = self._seed_manifest_chunks(mid)
-            if chunk_hash not in hashes:
+        holders = []
+        for view in self.peers.values():
+            ann = view.ann
+            if ann.seed or view.seen < recent:
                 continue
-            i = hashes.index(chunk_hash)
-            holders = []
-            for view in self.peers.values():
-                ann = view.ann
-                if ann.seed or view.seen < recent:
-                    continue
-                if mid in ann.complete or any(
-                    m == mid and len(b) * 8 > i and b[i >> 3] >> (i & 7) & 1 for m, b in ann.partial
-                ):
-                    holders.append(view.info.node_id)
-                    if len(holders) >= limit:
-                        break
-            return tuple(holders)
-        return ()
+            if mid in ann.complete or any(
+                m == mid and len(b) * 8 > i and b[i >> 3] >> (i & 7) & 1 for m, b in ann.partial
+            ):
+                holders.append(view.info.node_id)
+                if len(holders) >= limit:
+                    break
+        return tuple(holders)
 
     def _seed_manifest_chunks(self, mid: bytes) -> list[bytes]:
         hashes = self._seed_chunk_lists.get(mid)
@@ -333,6 +332,19 @@ class SwarmNode:
             hashes = [ref.hash for ref in self.board.manifest(mid).chunks]
             self._seed_chunk_lists[mid] = hashes
         return hashes
+
+    def _seed_chunk_place(self, chunk_hash: bytes) -> tuple[bytes, int, int] | None:
+        """(manifest id, first index, chunks in the version) of a chunk in the seed's two newest
+        versions (the older first), or None: a dict lookup, not a scan, on each request the seed gets."""
+        for mid in self.complete[-2:]:
+            hashes = self._seed_manifest_chunks(mid)
+            index = self._seed_chunk_index.get(mid)
+            if index is None:
+                index = self._seed_chunk_index[mid] = {h: i for i, h in reversed(list(enumerate(hashes)))}
+            i = index.get(chunk_hash)
+            if i is not None:
+                return mid, i, len(hashes)
+        return None
 
     def _frame(self, message: Message | None) -> bytes:
         frame = GossipFrame(self.info, self.announcement(), message)
@@ -460,7 +472,6 @@ class SwarmNode:
 
     def _availability_changed(self) -> None:
         self._announce_dirty = True
-        self._announce_wake.set()
         self._announce_wake.set()
 
     def _push_head(self) -> None:
@@ -591,11 +602,8 @@ class SwarmNode:
         central seed, within the seed's upload slots."""
         if held < 0:
             return False
-        for mid in self.complete[-2:]:
-            hashes = self._seed_manifest_chunks(mid)
-            if chunk_hash in hashes:
-                return len(hashes) - held <= self.config.scheduler.endgame_remaining
-        return False
+        place = self._seed_chunk_place(chunk_hash)
+        return place is not None and place[2] - held <= self.config.scheduler.endgame_remaining
 
     def _seed_refusal(self, chunk_hash: bytes) -> Missing | None:
         """A seed hands out each chunk once per window; within it, point the requester at the holders.
