@@ -98,6 +98,9 @@ def gpu_case(device: str, gb: float, frac: float, repeat: int, jdir: Path, name:
     try:
         store.bind_buffer(torch.empty(lay.nbytes, dtype=torch.uint8, device=device), buffer_id=1)
         r: dict[str, Any] = run(store, a, b, repeat, jdir)
+        # printed now too: the digests below are slow where the device digest is (a cut run keeps this)
+        ms = (r["pause_s"] * 1e3, r["pause_max_s"] * 1e3)
+        print(f"  (pause median {ms[0]:.1f} ms, max {ms[1]:.1f} ms; load {r['load_s']:.1f} s)")
         t = time.perf_counter()
         on_dev = store.digests(on_device=True)
         r["device_digest_s"] = time.perf_counter() - t

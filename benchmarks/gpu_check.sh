@@ -5,8 +5,11 @@
 #      root computed on the GPU)                                            -> cuda_tests.log/.xml
 #   2. the activation pause on a 14 GB bf16 model with 0.5% changed (goal <= 50 ms), the state root
 #      on the GPU against blake3 on a host copy                             -> activation.log/.json
-#   3. the codec's torch path on the GPU (encode == host encode, apply bitwise) and the device
-#      digest against blake3                                                -> codec_digest.log/.json
+#   3. the codec's torch path on the GPU (encode == host encode, apply bitwise, both against the
+#      device's memcpy) and the device digest against blake3               -> codec_digest.log/.json
+#   4. publish latency of a 1.07B-parameter model: on the machine's CPUs (the 3x-memcpy goal on a
+#      trainer-class host), then with the FP32 masters on the GPU             -> publish.log
+# The CUDA tests include the publisher's (GPU masters publish the CPU board byte for byte; fp8).
 # Results go to $OUT (default bench-out/gpu); summary.txt has the environment and each step's exit status.
 #
 #   benchmarks/gpu_check.sh                 on the GPU machine
@@ -62,19 +65,23 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a limit, log to $OUT/NAME.log, 
     "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee "$SUMMARY"
 
-step cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider -k "cuda or gpu" \
+step cuda_tests 150 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning -k "cuda or gpu" \
     tests/test_daemon_engine_store.py tests/test_engine_attach.py tests/test_weightstore.py \
-    --junitxml="$OUT/cuda_tests.xml" -rs
+    tests/test_payloads.py tests/test_sharded_publish.py -rs
 
 if [ "$TINY" = 1 ]; then
     step activation 120 "$PY" benchmarks/activation_bench.py --device engine-cpu --gpu-gb 0.004 --repeat 1 \
         --json "$OUT/activation.json"
     step codec_digest 120 "$PY" benchmarks/gpu_check.py --device cpu --gb 0.002 --tensor-mb 1 \
         --json "$OUT/codec_digest.json"
+    step publish 120 "$PY" benchmarks/publish_bench.py --params 2e7 --patches 2
 else
-    step activation 180 "$PY" benchmarks/activation_bench.py --device cuda --gpu-gb 14 --frac 0.005 --repeat 3 \
+    step activation 170 "$PY" benchmarks/activation_bench.py --device cuda --gpu-gb 14 --frac 0.005 --repeat 3 \
         --journal-dir /tmp/psw-journal --json "$OUT/activation.json"
-    step codec_digest 80 "$PY" benchmarks/gpu_check.py --device cuda:0 --gb 2 --json "$OUT/codec_digest.json"
+    step codec_digest 70 "$PY" benchmarks/gpu_check.py --device cuda:0 --gb 2 --json "$OUT/codec_digest.json"
+    # one log for both publish runs (what comes back from the machine is at most 8 files)
+    step publish 150 bash -c "'$PY' benchmarks/publish_bench.py --params 1.07e9 --patches 3 --board /tmp \
+        && '$PY' benchmarks/publish_bench.py --params 1.07e9 --patches 3 --board /tmp --device cuda"
 fi
 cat "$SUMMARY"
 ! grep -E "^[a-z_]+: exit [0-9]+ in" "$SUMMARY" | grep -qv ": exit 0 in"

@@ -381,3 +381,50 @@ def test_a_failed_publish_leaves_the_chain_as_it_was(tmp_path: Path, monkeypatch
     assert pub.board.manifest(info.manifest_id).base_version == 1
     want = ServedModel.from_tensors(ServedFormat("bf16").convert(states[2]))
     assert pull(pub.board, key).model.bitwise_equal(want)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@CUDA
+def test_master_weights_on_the_gpu_publish_the_board_of_cpu_ones(tmp_path: Path) -> None:
+    """A trainer whose FP32 masters live on the GPU casts and diffs there (the publisher's generic
+    path); bf16 casts round the same everywhere, so with the same key and clock every file on the
+    board is byte for byte the one a CPU publisher writes, sharded or not."""
+    key = SigningKey.generate()
+    clock = fixed_clock()
+    kw = {"run_id": RUN, "anchor_every": 3, "keep_anchors": 2, "clock": clock}
+    host = Publisher(tmp_path / "host", key, **kw)  # type: ignore[arg-type]
+    gpu = Publisher(tmp_path / "gpu", key, **kw)  # type: ignore[arg-type]
+    gpu_sharded = Publisher(tmp_path / "gpu-sharded", key, **kw)  # type: ignore[arg-type]
+    fmt = ServedFormat("bf16")
+    for v, state in enumerate(train_states(VERSIONS), start=1):
+        on_gpu = {k: t.to("cuda") for k, t in state.items()}
+        a, b = host.publish(state), gpu.publish(on_gpu)
+        c = publish_sharded(gpu_sharded, on_gpu)
+        assert isinstance(a, PublishInfo) and isinstance(b, PublishInfo)
+        assert (b.version, b.manifest_id, b.changed_fraction) == (v, a.manifest_id, a.changed_fraction)
+        assert c.manifest_id == a.manifest_id
+        assert file_bytes(gpu.board) == file_bytes(host.board) == file_bytes(gpu_sharded.board)
+    got = pull(gpu.board, key)
+    assert got.version == VERSIONS and got.model.bitwise_equal(ServedModel.from_tensors(fmt.convert(state)))
+
+
+@CUDA
+def test_fp8_master_weights_on_the_gpu_publish_what_they_serve(tmp_path: Path) -> None:
+    """fp8 e4m3 with fixed block scales computed on the GPU: every version pulled from the board is
+    bitwise the GPU's own conversion (scales included), from nothing and from the version before."""
+    key = SigningKey.generate()
+    fmt = ServedFormat("fp8_e4m3", block=16)
+    pub = Publisher(tmp_path, key, run_id=RUN, anchor_every=100, served_format=fmt)  # anchors refresh scales
+    ref = ServedFormat("fp8_e4m3", block=16)
+    held: Held | None = None
+    for v, state in enumerate(train_states(VERSIONS, seed=5), start=1):
+        on_gpu = {k: t.to("cuda") for k, t in state.items()}
+        info = pub.publish(on_gpu)
+        assert isinstance(info, PublishInfo) and info.version == v
+        want = ServedModel.from_tensors({k: t.cpu() for k, t in ref.convert(on_gpu).items()})
+        assert pull(pub.board, key).model.bitwise_equal(want)
+        got = pull(pub.board, key, held)
+        assert got.version == v and got.model.bitwise_equal(want)
+        held = Held(v, want.clone(), want.digests())
