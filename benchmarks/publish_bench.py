@@ -142,13 +142,19 @@ def main(argv: list[str] | None = None, publisher_cls: type[Publisher] = Publish
         help="where the FP32 master weights live (cuda: cast and diff on the GPU; the memcpy reference "
         "stays the host copy of the served bytes, and a device copy is printed beside it)",
     )
+    ap.add_argument(
+        "--served-on-device",
+        action="store_true",
+        help="keep the served copy on the weights' device and diff there (Publisher.served_on_host = False)",
+    )
     args = ap.parse_args(argv)
     on_gpu = torch.device(args.device).type == "cuda"
     ref = "device copy" if on_gpu else "floor"
 
     print(
         f"# publish_bench: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}"
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}; "
+        f"weights on {args.device}, served copy on {'the device' if args.served_on_device else 'the host'}"
     )
     t0 = time.perf_counter()
     state = build_state(args.params, args.tensors, args.cols, args.seed)
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None, publisher_cls: type[Publisher] = Publish
     g = torch.Generator(device=args.device).manual_seed(args.seed + 1)
     with tempfile.TemporaryDirectory(prefix="publish-bench-", dir=args.board) as tmp:
         pub = publisher_cls(Path(tmp) / "board", SigningKey.generate(), run_id="bench", anchor_every=1000)
+        pub.served_on_host = not args.served_on_device
         t = time.perf_counter()
         info: Any = pub.publish(state)  # PublishInfo (no background mode here)
         wall = time.perf_counter() - t

@@ -90,6 +90,10 @@ class PublishInfo:
 
 
 class Publisher:
+    # The served copy of GPU weights lives in pinned host buffers (see cast_served); False keeps it on
+    # the GPU and diffs there (benchmarks/publish_bench.py --served-on-device measures the two).
+    served_on_host = True
+
     def __init__(
         self,
         board: Board | str | Path,
@@ -169,7 +173,7 @@ class Publisher:
         if self._sharded is not None:
             raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
         with stages.time("cast"):
-            target = cast_served(self.format, state_dict_of(model_or_state), self._buffers)
+            target = cast_served(self.format, state_dict_of(model_or_state), self._buffers, self.served_on_host)
             if self._queue is not None:
                 target.fill_all()  # the served copy is taken before returning; else cast while diffing
         with self._counter_lock:
@@ -516,7 +520,7 @@ class ShardedPublish:
                 r = pub._ranks[rank] = _Rank(fmt)
         stages = Stages()
         with stages.time("cast"):
-            target = cast_served(r.format, state, r.buffers)
+            target = cast_served(r.format, state, r.buffers, pub.served_on_host)
         served = target.model
         base, base_digests = self._base(r, served.specs)
         prepared = prepare(base, base_digests, target, stages)

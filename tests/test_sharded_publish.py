@@ -387,16 +387,19 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @CUDA
-def test_master_weights_on_the_gpu_publish_the_board_of_cpu_ones(tmp_path: Path) -> None:
-    """A trainer whose FP32 masters live on the GPU casts and diffs there (the publisher's generic
-    path); bf16 casts round the same everywhere, so with the same key and clock every file on the
-    board is byte for byte the one a CPU publisher writes, sharded or not."""
+@pytest.mark.parametrize("on_host", [True, False], ids=["served-on-host", "served-on-gpu"])
+def test_master_weights_on_the_gpu_publish_the_board_of_cpu_ones(tmp_path: Path, on_host: bool) -> None:
+    """A trainer whose FP32 masters live on the GPU casts there; the served copy goes to pinned host
+    buffers (the default) or stays on the GPU and is diffed there.  bf16 casts round the same
+    everywhere, so with the same key and clock every file on the board is byte for byte the one a
+    CPU publisher writes, sharded or not."""
     key = SigningKey.generate()
     clock = fixed_clock()
     kw = {"run_id": RUN, "anchor_every": 3, "keep_anchors": 2, "clock": clock}
     host = Publisher(tmp_path / "host", key, **kw)  # type: ignore[arg-type]
     gpu = Publisher(tmp_path / "gpu", key, **kw)  # type: ignore[arg-type]
     gpu_sharded = Publisher(tmp_path / "gpu-sharded", key, **kw)  # type: ignore[arg-type]
+    gpu.served_on_host = gpu_sharded.served_on_host = on_host
     fmt = ServedFormat("bf16")
     for v, state in enumerate(train_states(VERSIONS), start=1):
         on_gpu = {k: t.to("cuda") for k, t in state.items()}
@@ -406,6 +409,8 @@ def test_master_weights_on_the_gpu_publish_the_board_of_cpu_ones(tmp_path: Path)
         assert (b.version, b.manifest_id, b.changed_fraction) == (v, a.manifest_id, a.changed_fraction)
         assert c.manifest_id == a.manifest_id
         assert file_bytes(gpu.board) == file_bytes(host.board) == file_bytes(gpu_sharded.board)
+        assert gpu._prev is not None and all(t.is_cuda != on_host for t in gpu._prev.data)
+        assert all(t.is_pinned() for t in gpu._prev.data) == on_host
     got = pull(gpu.board, key)
     assert got.version == VERSIONS and got.model.bitwise_equal(ServedModel.from_tensors(fmt.convert(state)))
 
