@@ -19,11 +19,16 @@ already forgotten; reports about requests the scheduler no longer tracks are tol
 Rules (DESIGN.md section 5: Kraken, BitTorrent, Dragonfly):
 
 * Caps: ``max_inflight`` per node, ``max_inflight_per_peer`` per peer, ``max_inflight_seed``
-  per seed; a chunk already held is never requested; only a peer whose bitfield has the chunk
+  per seed; requests to peers in another region (both regions known) count against their own
+  ``max_inflight_remote`` instead of ``max_inflight`` (0: they share ``max_inflight``), since a
+  flow across regions is capped at window / RTT and filling a downlink takes more of them; a
+  chunk already held is never requested; only a peer whose bitfield has the chunk
   is asked (``has=None``: every chunk); a banned or resting peer is not asked.
 * Chunk order: the first ``random_first`` picks uniformly at random among the chunks that can
-  be requested now, then rarest first.  Rarity counts the non-seed peers known to hold a chunk;
-  ties follow a random permutation drawn once from the rng.
+  be requested now, then rarest first.  Rarity counts the non-seed peers known to hold a chunk,
+  those of this node's region first (with a remote budget: a chunk nobody nearby holds comes
+  before one that only far peers hold many copies of); ties follow a random permutation drawn
+  once from the rng.
 * Peer order for a chunk: same zone, then same region, then elsewhere; a peer whose rate estimate
   is below ``1/slow_factor`` of the best candidate's is demoted behind every tier.  Within a tier
   the highest ``rate / (1 + in flight)`` wins (fast peers first, load spread among equals), with
@@ -31,7 +36,9 @@ Rules (DESIGN.md section 5: Kraken, BitTorrent, Dragonfly):
 * The seed is a last resort: asked for a chunk only when no non-banned non-seed peer holds it,
   or the chunk has waited ``seed_patience`` (since it entered the pool or since its first holder
   appeared) while every holder was at its cap or resting, or every holder's measured rate is
-  below the seed's measured rate divided by ``slow_factor``.  A refusal (BUSY) rests the seed
+  below the seed's measured rate divided by ``slow_factor``.  A holder left out only because
+  this node's own budget for its class (local or remote) is spent still counts as a holder: the
+  chunk waits for the node's requests, not for the seed.  A refusal (BUSY) rests the seed
   for ``retry_after`` and the peers wait for each other.
 * Endgame: once every missing chunk is in flight and at most ``endgame_remaining`` remain, each
   gets one duplicate request to another eligible peer (to the seed only after ``seed_patience``
@@ -60,6 +67,7 @@ import enum
 import heapq
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocol.bitfield import Bitfield
@@ -96,6 +104,9 @@ class PeerInfo:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_inflight: int = 6  # per node (more only polls busy uplinks faster: each refusal costs both ends CPU)
+    # Requests to peers in other regions, besides max_inflight (0: counted in it).  A remote flow runs at
+    # most window / RTT (4 MiB / 120 ms: ~35 MB/s), so 16 fill ~550 MB/s of downlink from across an ocean.
+    max_inflight_remote: int = 16
     max_inflight_per_peer: int = 2  # of a peer's 4 upload slots (NodeConfig.max_uploads), leave others some
     max_inflight_seed: int = 5  # Kraken: 5 to origins
     random_first: int = 4  # BitTorrent: first pieces random, then rarest-first
@@ -114,7 +125,7 @@ class SchedulerConfig:
         for name in ("max_inflight", "max_inflight_per_peer", "max_inflight_seed"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("random_first", "endgame_remaining"):
+        for name in ("random_first", "endgame_remaining", "max_inflight_remote"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("deadline_base", "ban_seconds", "failure_backoff", "seed_patience", "backoff_cap"):
@@ -149,6 +160,7 @@ class _Peer:
     bytes: int = 0
     missing: dict[int, float] = field(default_factory=dict)  # chunk -> until when its claims are ignored
     bits: int | None = None  # ``has`` as an int (bit i: chunk i), None until needed after a change
+    remote: bool = False  # in another region: its requests count against max_inflight_remote
 
     def holds(self, chunk: int) -> bool:
         return self.has is None or self.has.has(chunk)
@@ -164,6 +176,7 @@ class _Peer:
 class _Flight:
     request: Request
     start: float
+    remote: bool  # counted against the remote budget (the peer's class when it was asked)
 
 
 @dataclass(slots=True)
@@ -176,6 +189,7 @@ class _Round:
     slow_below: float | None  # a holder measured below this is "too slow" (None: seed rate unknown)
     peers: dict[str, _Peer]
     held: int = -1  # the chunks some free peer holds (an OR of their masks; a superset once peers fill up)
+    blocked: int = 0  # the chunks held by peers left out only because this node's budget for their class is spent
     _fast: list[_Peer] | None = None
 
     @property
@@ -223,6 +237,7 @@ class ChunkScheduler:
         self._banned: set[str] = set()  # peers that may still be banned (pruned as bans expire)
         self._wakes: list[tuple[float, str]] = []  # heap: (end of a rest or ban, peer); stale entries dropped lazily
         self._avail = [0] * n  # non-seed peers with an explicit bitfield holding each chunk
+        self._far = [0] * n  # of those, peers in other regions (remote): the order puts chunks rare nearby first
         self._n_full = 0  # non-seed peers holding everything (has=None): add to every chunk
         self._perm = list(range(n))
         rng.shuffle(self._perm)  # the random tiebreak among equally rare chunks
@@ -232,12 +247,13 @@ class ChunkScheduler:
         self._pool = Bitfield(n)  # missing and not in flight
         for c in self._have.missing():
             self._pool.set(c)
-        self._order: list[tuple[int, int]] = []  # sorted (availability, rank) of pooled chunks
+        self._order: list[tuple[int, int, int]] = []  # sorted (near holders, holders, rank) of pooled chunks
         self._order_dirty = True
         self._since: dict[int, float] = {}  # pooled chunk -> waiting since (default: _epoch)
         self._since_heap: list[tuple[float, int]] = []  # (since, chunk), stale entries dropped lazily
         self._flights: dict[int, dict[str, _Flight]] = {}
         self._n_inflight = 0
+        self._n_remote = 0  # of _n_inflight, counted against max_inflight_remote
         self._random_left = max(0, config.random_first - self._have.count())
         self._epoch: float | None = None
         self._now = -math.inf
@@ -266,6 +282,11 @@ class ChunkScheduler:
     def inflight(self) -> int:
         return self._n_inflight
 
+    @property
+    def full(self) -> bool:
+        """Every request this node may have in flight is out (local and remote budgets spent)."""
+        return not self._room()
+
     def inflight_requests(self) -> list[Request]:
         """Every request in flight, by chunk."""
         return [f.request for c in sorted(self._flights) for f in self._flights[c].values()]
@@ -276,6 +297,7 @@ class ChunkScheduler:
         out = dict(self._counters)
         out["have"] = float(self._have.count())
         out["inflight"] = float(self._n_inflight)
+        out["inflight_remote"] = float(self._n_remote)
         for pid, p in self._peers.items():
             out[f"bytes:{pid}"] = float(p.bytes)
             if p.rate is not None:
@@ -311,7 +333,10 @@ class ChunkScheduler:
         new_counted = not peer.is_seed
         old_has = p.has
         old_bits = p.mask()
+        old_far = p.remote
         p.info, p.has, p.bits = peer, new_has, None
+        me = self._me
+        p.remote = bool(self._cfg.max_inflight_remote and me.region and peer.region and peer.region != me.region)
         if peer.is_seed:
             self._seeds[peer.peer_id] = p
         else:
@@ -321,7 +346,7 @@ class ChunkScheduler:
         full_delta = 0
         # (on int masks: an announcement usually differs from the last one by a chunk or two)
         new_bits = p.mask()
-        if old_counted and new_counted and old_has is not None and new_has is not None:
+        if old_counted and new_counted and old_has is not None and new_has is not None and old_far == p.remote:
             removed = _indices(old_bits & ~new_bits)
             added = _indices(new_bits & ~old_bits)
         else:
@@ -335,7 +360,7 @@ class ChunkScheduler:
                     full_delta += 1
                 else:
                     added = _indices(new_bits)
-        self._apply_availability(removed, added, full_delta, now)
+        self._apply_availability(removed, added, full_delta, now, (old_far, p.remote))
 
     def on_have(self, peer_id: str, chunk: int, now: float) -> None:
         """A peer announced one more chunk (cheaper than ``update_peer`` with a new bitfield)."""
@@ -349,7 +374,7 @@ class ChunkScheduler:
         if p.bits is not None:
             p.bits |= 1 << chunk
         if not p.info.is_seed:
-            self._avail_change(chunk, +1, now)
+            self._avail_change(chunk, +1, now, p.remote)
 
     def remove_peer(self, peer_id: str) -> list[Request]:
         """Forget a peer (dead or gone); returns its in-flight requests, now dropped (cancel them)."""
@@ -360,10 +385,11 @@ class ChunkScheduler:
         self._banned.discard(peer_id)
         dropped = [self._drop_flight(c, peer_id).request for c in sorted(p.inflight)]
         if not p.info.is_seed:
+            far = (p.remote, p.remote)
             if p.has is None:
-                self._apply_availability([], [], -1, self._now)
+                self._apply_availability([], [], -1, self._now, far)
             else:
-                self._apply_availability(list(p.has.held()), [], 0, self._now)
+                self._apply_availability(list(p.has.held()), [], 0, self._now, far)
         for r in dropped:
             self._maybe_repool(r.chunk, self._now)
         return dropped
@@ -374,8 +400,7 @@ class ChunkScheduler:
         """New requests to start now, obeying every cap and rule."""
         self._tick(now)
         out: list[Request] = []
-        cfg = self._cfg
-        if self._have.complete or self._n_inflight >= cfg.max_inflight:
+        if self._have.complete or not self._room():
             return out
         # Peers holding nothing in the pool cannot take a new chunk: one pass lists the free peers that do.
         pool = self._pool
@@ -384,10 +409,10 @@ class ChunkScheduler:
         if scan is not None and scan.free:
             self._ensure_order()
             self._new_requests(now, scan, out)
-        if pool.count() == 0 and self._in_endgame() and self._n_inflight < cfg.max_inflight:
+        if pool.count() == 0 and self._in_endgame() and self._room():
             rnd = self._round(now)
             for c in sorted(self._flights):
-                if not rnd.free or self._n_inflight >= cfg.max_inflight:
+                if not rnd.free:
                     break
                 flights = self._flights[c]
                 if len(flights) != 1:
@@ -402,10 +427,10 @@ class ChunkScheduler:
         """Random-first, then rarest-first requests for pooled chunks, to the free peers of ``scan``."""
         cfg = self._cfg
         early = self._epoch is not None and now - self._epoch < cfg.seed_patience
-        while self._random_left > 0 and scan.free and self._n_inflight < cfg.max_inflight:
+        while self._random_left > 0 and scan.free:
             candidates = []
             held = scan.held
-            for avail, r in self._order:
+            for _, avail, r in self._order:
                 if early and avail + self._n_full and self._only_seeds_can_help(scan):
                     break  # as below
                 c = self._perm[r]
@@ -420,9 +445,9 @@ class ChunkScheduler:
             self._random_left -= 1
         if self._random_left == 0:
             order, i = self._order, 0
-            while i < len(order) and scan.free and self._n_inflight < cfg.max_inflight:
-                c = self._perm[order[i][1]]
-                if early and order[i][0] + self._n_full and self._only_seeds_can_help(scan):
+            while i < len(order) and scan.free:
+                c = self._perm[order[i][2]]
+                if early and order[i][1] + self._n_full and self._only_seeds_can_help(scan):
                     break  # from here on every chunk has a holder and none has waited its patience yet
                 if not scan.held >> c & 1:
                     i += 1  # no free peer holds it: _choose would find nobody (O(1) instead of O(free peers))
@@ -534,6 +559,15 @@ class ChunkScheduler:
 
     # ------------------------------------------------------------------ choosing
 
+    def _room(self, remote: bool | None = None) -> bool:
+        """Whether this node may start another request (to a peer of class ``remote``; None: either)."""
+        cfg = self._cfg
+        local = self._n_inflight - self._n_remote < cfg.max_inflight
+        if not cfg.max_inflight_remote or remote is False:
+            return local
+        far = self._n_remote < cfg.max_inflight_remote
+        return far if remote else local or far
+
     def _round(self, now: float, pool_bits: int = -1) -> _Round:
         """The free peers (of those holding something in ``pool_bits``), in the order they were added."""
         cfg = self._cfg
@@ -546,6 +580,11 @@ class ChunkScheduler:
             and p.banned_until <= now
             and len(p.inflight) < (seed_cap if p.info.is_seed else peer_cap)
         ]
+        blocked = 0
+        if cfg.max_inflight_remote and not (self._room(False) and self._room(True)):
+            full = not self._room(True)  # the class whose budget is spent (only one can be: _room() held)
+            blocked = self._holders_of(p for p in free if p.remote == full and not p.info.is_seed)
+            free = [p for p in free if p.remote != full]
         if self._banned:
             self._banned = {pid for pid in self._banned if self._peers[pid].banned_until > now}
         seed_rate: float | None = None
@@ -553,10 +592,15 @@ class ChunkScheduler:
             if p.banned_until <= now and p.rate is not None:
                 seed_rate = p.rate if seed_rate is None else max(seed_rate, p.rate)
         slow_below = None if seed_rate is None else seed_rate / cfg.slow_factor
+        return _Round(now, free, bool(self._banned), slow_below, self._peers, self._holders_of(free), blocked)
+
+    @staticmethod
+    def _holders_of(peers: Iterable[_Peer]) -> int:
+        """The chunks any of ``peers`` holds (an OR of their masks)."""
         held = 0
-        for p in free:
+        for p in peers:
             held |= p.bits if p.bits is not None else p.mask()
-        return _Round(now, free, bool(self._banned), slow_below, self._peers, held)
+        return held
 
     def _choose(self, chunk: int, rnd: _Round, waiting_since: float | None = None) -> _Peer | None:
         """The peer to ask for ``chunk`` now, or None.  ``waiting_since`` marks an endgame duplicate."""
@@ -579,6 +623,8 @@ class ChunkScheduler:
             return seeds
         if holders:
             return holders
+        if rnd.blocked >> chunk & 1:
+            return []  # its holders wait for this node's own budget (see the module docstring)
         if waiting_since is None:
             if self._no_holder(chunk, rnd):
                 return seeds
@@ -632,14 +678,19 @@ class ChunkScheduler:
         pid = peer.info.peer_id
         deadline = rnd.now + cfg.deadline_base + self._sizes[chunk] / cfg.deadline_rate
         req = Request(chunk, pid, deadline, duplicate)
-        self._flights.setdefault(chunk, {})[pid] = _Flight(req, rnd.now)
+        remote = peer.remote
+        self._flights.setdefault(chunk, {})[pid] = _Flight(req, rnd.now, remote)
         peer.inflight.add(chunk)
         self._n_inflight += 1
+        self._n_remote += remote
         if not duplicate:
             self._pool_remove(chunk)
         cap = cfg.max_inflight_seed if peer.info.is_seed else cfg.max_inflight_per_peer
         if len(peer.inflight) >= cap:
             rnd.free.remove(peer)
+        if not self._room(remote):  # this class is full: its peers leave the round, their chunks wait
+            rnd.blocked |= self._holders_of(p for p in rnd.free if p.remote == remote and not p.info.is_seed)
+            rnd.free = [p for p in rnd.free if p.remote != remote]
         self._counters["requests"] += 1
         self._counters["duplicates"] += duplicate
         self._counters["seed_requests"] += peer.info.is_seed
@@ -674,9 +725,9 @@ class ChunkScheduler:
             if p.has is None:
                 p.has = Bitfield.full(len(self._sizes))
                 if not p.info.is_seed:  # from "holds everything" to an explicit bitfield
-                    self._apply_availability([], list(p.has.held()), -1, now)
+                    self._apply_availability([], list(p.has.held()), -1, now, (p.remote, p.remote))
             if p.has.clear(chunk) and not p.info.is_seed:
-                self._avail_change(chunk, -1, now)
+                self._avail_change(chunk, -1, now, p.remote)
             return
         p.failures += 1
         rest = min(cfg.backoff_cap, cfg.failure_backoff * 2.0 ** min(p.failures - 1, 60))
@@ -718,6 +769,7 @@ class ChunkScheduler:
         if p is not None:
             p.inflight.discard(chunk)
         self._n_inflight -= 1
+        self._n_remote -= flight.remote
         return flight
 
     def _set_since(self, chunk: int, now: float) -> None:
@@ -733,34 +785,46 @@ class ChunkScheduler:
         self._pool.set(chunk)
         self._set_since(chunk, now)
         if not self._order_dirty:
-            bisect.insort(self._order, (self._avail[chunk], self._rank[chunk]))
+            bisect.insort(self._order, self._key(chunk))
 
     def _pool_remove(self, chunk: int) -> None:
         if not self._pool.clear(chunk):
             return
         self._since.pop(chunk, None)
         if not self._order_dirty:
-            key = (self._avail[chunk], self._rank[chunk])
-            del self._order[bisect.bisect_left(self._order, key)]
+            del self._order[bisect.bisect_left(self._order, self._key(chunk))]
 
     def _ensure_order(self) -> None:
         if self._order_dirty:
-            self._order = sorted((self._avail[c], self._rank[c]) for c in self._pool.held())
+            self._order = sorted(self._key(c) for c in self._pool.held())
             self._order_dirty = False
 
-    def _avail_change(self, chunk: int, delta: int, now: float) -> None:
+    def _key(self, chunk: int) -> tuple[int, int, int]:
+        """A pooled chunk's place in the order: rarest among near peers (this node's region; every
+        peer when regions are unknown or one budget), then rarest overall, then the random rank.
+        Requests to other regions, slow and few, so go to what nobody nearby holds yet, and the
+        region's hosts fetch different chunks from afar and swap them at local speed."""
+        avail = self._avail[chunk]
+        return (avail - self._far[chunk], avail, self._rank[chunk])
+
+    def _avail_change(self, chunk: int, delta: int, now: float, far: bool) -> None:
         old = self._avail[chunk]
+        in_order = not self._order_dirty and self._pool.has(chunk)
+        if in_order:
+            del self._order[bisect.bisect_left(self._order, self._key(chunk))]
         self._avail[chunk] = old + delta
+        self._far[chunk] += delta if far else 0
         if not self._pool.has(chunk):
             return
         if delta > 0 and old + self._n_full == 0:
             self._set_since(chunk, now)  # its first holder appeared: seed patience starts now
-        if not self._order_dirty:
-            rank = self._rank[chunk]
-            del self._order[bisect.bisect_left(self._order, (old, rank))]
-            bisect.insort(self._order, (old + delta, rank))
+        if in_order:
+            bisect.insort(self._order, self._key(chunk))
 
-    def _apply_availability(self, removed: list[int], added: list[int], full_delta: int, now: float) -> None:
+    def _apply_availability(
+        self, removed: list[int], added: list[int], full_delta: int, now: float, far: tuple[bool, bool]
+    ) -> None:
+        """``far``: whether the peer counted as remote for ``removed`` and for ``added``."""
         if len(removed) + len(added) > self._pool.count() // 8 + 16:
             self._order_dirty = True  # cheaper to re-sort once than to move every entry
         if full_delta > 0:  # increments before decrements: no chunk passes through "no holder" on the way
@@ -770,8 +834,8 @@ class ChunkScheduler:
                         self._set_since(c, now)  # its first holder appeared: seed patience starts now
             self._n_full += full_delta
         for c in added:
-            self._avail_change(c, +1, now)
+            self._avail_change(c, +1, now, far[1])
         for c in removed:
-            self._avail_change(c, -1, now)
+            self._avail_change(c, -1, now, far[0])
         if full_delta < 0:
             self._n_full += full_delta

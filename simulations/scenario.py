@@ -129,6 +129,9 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
         "max_inflight": _Field("int", 6, 1, 1024, "chunk requests in flight per node"),
         "max_inflight_per_peer": _Field("int", 2, 1, 1024, "requests in flight to one peer"),
         "max_inflight_seed": _Field("int", 5, 1, 1024, "requests in flight to the seed"),
+        "max_inflight_remote": _Field(
+            "int", 16, 0, 1024, "requests in flight to other regions, besides max_inflight (0: within it)"
+        ),
         "max_uploads": _Field("int", 4, 1, 1024, "concurrent uploads a node serves"),
         "seed_max_uploads": _Field("int", 6, 1, 1024, "concurrent uploads the seed serves"),
         "announce_fanout": _Field("int", 6, 1, 1024, "peers told at once when availability changes"),

@@ -23,7 +23,12 @@ from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request,
 ME = PeerInfo("me", zone="z1", region="r1")
 MB = 1_000_000
 WIDE = SchedulerConfig(
-    max_inflight=100, max_inflight_per_peer=100, max_inflight_seed=100, random_first=0, endgame_remaining=0
+    max_inflight=100,
+    max_inflight_per_peer=100,
+    max_inflight_seed=100,
+    random_first=0,
+    endgame_remaining=0,
+    max_inflight_remote=0,  # one budget for every peer (most peers here are in region r9, ME in r1)
 )  # endgame off: tested on its own
 
 
@@ -648,6 +653,7 @@ def build_world(seed: int) -> World:
         random_first=rng.randint(0, 4),
         endgame_remaining=rng.randint(0, 3),
         seed_patience=rng.choice([0.0, 1.0]),
+        max_inflight_remote=rng.choice([0, rng.randint(1, 16)]),
     )
     have = bits(n, {c for c in range(n) if rng.random() < 0.2})
     return World(n, sizes, peers, config, have, busy_p=rng.choice([0.0, 0.3, 0.7]))
@@ -719,7 +725,9 @@ def simulate(seed: int) -> World:
         for pid, k in per_peer.items():
             cap = cfg.max_inflight_seed if w.peers[pid].kind == "seed" else cfg.max_inflight_per_peer
             assert k <= cap, "per-peer cap exceeded"
-        assert len(out) <= cfg.max_inflight, "per-node cap exceeded"
+        far = [pid for _, pid in out if cfg.max_inflight_remote and w.peers[pid].info.region not in ("", ME.region)]
+        assert len(out) - len(far) <= cfg.max_inflight, "per-node cap exceeded"
+        assert len(far) <= cfg.max_inflight_remote, "remote cap exceeded"
         assert sched.inflight == len(out)
         assert {(q.chunk, q.peer_id) for q in sched.inflight_requests()} == set(out)
         assert all(c not in have for c, _ in out)
@@ -843,3 +851,67 @@ def test_determinism_does_not_depend_on_string_hashing() -> None:
     assert len(digests) == 1
     here = hashlib.sha256(repr([simulate(s).log for s in range(5)]).encode()).hexdigest()
     assert digests == {here}
+
+
+# ---------------------------------------------------------------------------- remote budget
+
+
+def regional(max_inflight: int = 2, remote: int = 5, per_peer: int = 1) -> SchedulerConfig:
+    return replace(
+        WIDE, max_inflight=max_inflight, max_inflight_remote=remote, max_inflight_per_peer=per_peer, seed_patience=1.0
+    )
+
+
+def test_requests_to_other_regions_have_their_own_budget() -> None:
+    s = make(40, regional(max_inflight=2, remote=5))
+    for i in range(10):
+        s.update_peer(peer(f"near{i}", zone="z1", region="r1"), None, 0.0)
+        s.update_peer(peer(f"far{i}", region="r2"), None, 0.0)
+    s.update_peer(peer("nowhere", region=""), None, 0.0)  # region unknown: local
+    out = s.next_requests(0.0)
+    far = [r for r in out if r.peer_id.startswith("far")]
+    assert len(out) == 7 and len(far) == 5 and s.full and s.stats()["inflight_remote"] == 5
+    assert s.next_requests(0.1) == []
+    # A remote reply frees a remote place only: the next request goes to another region again.
+    r = far[0]
+    s.on_success(0.2, r.chunk, r.peer_id, MB, 0.1)
+    (nxt,) = s.next_requests(0.2)
+    assert nxt.peer_id.startswith("far")
+    # One budget when max_inflight_remote is 0.
+    shared = make(40, regional(max_inflight=2, remote=0))
+    for i in range(10):
+        shared.update_peer(peer(f"far{i}", region="r2"), None, 0.0)
+    assert len(shared.next_requests(0.0)) == 2 and shared.stats()["inflight_remote"] == 0
+
+
+def test_holders_left_out_by_the_nodes_own_remote_budget_do_not_send_chunks_to_the_seed() -> None:
+    s = make(10, regional(max_inflight=4, remote=2, per_peer=1))
+    s.update_peer(SEED, None, 0.0)  # region unknown: counted as local
+    s.update_peer(peer("far0", region="r2"), None, 0.0)
+    s.update_peer(peer("far1", region="r2"), None, 0.0)
+    s.update_peer(peer("far2", region="r2"), None, 0.0)
+    first = s.next_requests(0.0)
+    assert len(first) == 2 and all(r.peer_id.startswith("far") for r in first)
+    # Long past seed patience, every other chunk is held by a third peer in r2, free but for this
+    # node's spent remote budget: the chunks wait for the remote requests, the seed is not asked.
+    assert s.next_requests(5.0) == []
+    assert s.stats()["seed_requests"] == 0
+    # Contrast: when the holders themselves are busy (at their per-peer cap), patience sends the seed.
+    busy = make(10, regional(max_inflight=4, remote=8, per_peer=1))
+    busy.update_peer(SEED, None, 0.0)
+    busy.update_peer(peer("far0", region="r2"), None, 0.0)
+    assert [r.peer_id for r in busy.next_requests(0.0)] == ["far0"]
+    late = busy.next_requests(5.0)
+    assert late and all(r.peer_id == "seed" for r in late)
+
+
+def test_a_peer_moving_region_mid_request_keeps_the_budgets_straight() -> None:
+    s = make(10, regional(max_inflight=1, remote=1, per_peer=2))
+    s.update_peer(peer("a", region="r2"), None, 0.0)
+    (r,) = s.next_requests(0.0)
+    s.update_peer(peer("a", zone="z1", region="r1"), None, 0.1)  # now local; its request was counted remote
+    assert s.stats()["inflight_remote"] == 1
+    (local,) = s.next_requests(0.1)  # the local budget is untouched
+    assert local.peer_id == "a" and s.full
+    s.on_success(0.2, r.chunk, "a", MB, 0.2)
+    assert s.stats()["inflight_remote"] == 0 and s.inflight == 1

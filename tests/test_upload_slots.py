@@ -268,3 +268,53 @@ def test_warm_membership_gives_every_node_every_member() -> None:
     full, bounded = run_virtual(main())
     assert full == [5] * 6
     assert all(1 <= k <= 2 for k in bounded)
+
+
+def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to_wake_on() -> None:
+    """Endgame: chunk 0 is asked of two peers.  The first answers in the same instant as the
+    duplicate's task is created, so the duplicate is cancelled before it ever ran and never reaches
+    its own ``finally``; the winner must take it out of ``running``, or the download loop, which
+    waits on every task there, would wake at once forever (a simulated 3-region swarm spun at one
+    virtual instant)."""
+    from types import SimpleNamespace
+
+    from protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
+    from protocol.wire import Announcement
+    from swarm.node import PeerView
+
+    async def main() -> tuple[dict[tuple[int, str], asyncio.Task[None]], bool, bool]:
+        node = _node("a")
+        node.verify_chunk = lambda index, data, ref: None  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        gate: asyncio.Future[None] = loop.create_future()
+        sched = ChunkScheduler([100], PeerInfo("a"), SchedulerConfig(endgame_remaining=1), random.Random(0))
+        for pid in ("p", "q"):
+            node.peers[pid] = PeerView(NodeInfo(pid, f"sim://{pid}"), Announcement(RUN, 1, 1), 0.0)
+            sched.update_peer(PeerInfo(pid), None, 0.0)
+        first, dup = sched.next_requests(0.0)
+        assert dup.duplicate
+
+        async def get_chunk(addr: str, *args: object) -> bytes:
+            if addr == f"sim://{first.peer_id}":
+                await gate
+                return b"x" * 100
+            await loop.create_future()  # the duplicate's peer never answers
+            raise AssertionError
+
+        node.transport = SimpleNamespace(get_chunk=get_chunk)  # type: ignore[assignment]
+        manifest = SimpleNamespace(chunks=[SimpleNamespace(hash=b"h" * 32, size=100)], version=1)
+        running: dict[tuple[int, str], asyncio.Task[None]] = {}
+        winner = asyncio.create_task(node._fetch(sched, manifest, b"m", first, running))  # type: ignore[arg-type]
+        running[(first.chunk, first.peer_id)] = winner
+        for _ in range(5):
+            await asyncio.sleep(0)  # the winner now waits for its reply
+        gate.set_result(None)  # its reply is due before the duplicate's task first runs
+        loser = asyncio.create_task(node._fetch(sched, manifest, b"m", dup, running))  # type: ignore[arg-type]
+        running[(dup.chunk, dup.peer_id)] = loser
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return running, loser.cancelled(), sched.complete
+
+    running, cancelled, complete = run_virtual(main())
+    assert complete and cancelled
+    assert running == {}
