@@ -25,10 +25,9 @@ Rules (DESIGN.md section 5: Kraken, BitTorrent, Dragonfly):
   chunk already held is never requested; only a peer whose bitfield has the chunk
   is asked (``has=None``: every chunk); a banned or resting peer is not asked.
 * Chunk order: the first ``random_first`` picks uniformly at random among the chunks that can
-  be requested now, then rarest first.  Rarity counts the non-seed peers known to hold a chunk,
-  those of this node's region first (with a remote budget: a chunk nobody nearby holds comes
-  before one that only far peers hold many copies of); ties follow a random permutation drawn
-  once from the rng.
+  be requested now, then rarest first.  Rarity counts the non-seed peers known to hold a chunk;
+  ties follow a random permutation drawn once from the rng.  (Counting the holders of this node's
+  region first was measured 2-5% slower across regions: docs/simulation.md section 5.)
 * Peer order for a chunk: same zone, then same region, then elsewhere; a peer whose rate estimate
   is below ``1/slow_factor`` of the best candidate's is demoted behind every tier.  Within a tier
   the highest ``rate / (1 + in flight)`` wins (fast peers first, load spread among equals), with
@@ -237,7 +236,6 @@ class ChunkScheduler:
         self._banned: set[str] = set()  # peers that may still be banned (pruned as bans expire)
         self._wakes: list[tuple[float, str]] = []  # heap: (end of a rest or ban, peer); stale entries dropped lazily
         self._avail = [0] * n  # non-seed peers with an explicit bitfield holding each chunk
-        self._far = [0] * n  # of those, peers in other regions (remote): the order puts chunks rare nearby first
         self._n_full = 0  # non-seed peers holding everything (has=None): add to every chunk
         self._perm = list(range(n))
         rng.shuffle(self._perm)  # the random tiebreak among equally rare chunks
@@ -247,7 +245,7 @@ class ChunkScheduler:
         self._pool = Bitfield(n)  # missing and not in flight
         for c in self._have.missing():
             self._pool.set(c)
-        self._order: list[tuple[int, int, int]] = []  # sorted (near holders, holders, rank) of pooled chunks
+        self._order: list[tuple[int, int]] = []  # sorted (availability, rank) of pooled chunks
         self._order_dirty = True
         self._since: dict[int, float] = {}  # pooled chunk -> waiting since (default: _epoch)
         self._since_heap: list[tuple[float, int]] = []  # (since, chunk), stale entries dropped lazily
@@ -333,7 +331,6 @@ class ChunkScheduler:
         new_counted = not peer.is_seed
         old_has = p.has
         old_bits = p.mask()
-        old_far = p.remote
         p.info, p.has, p.bits = peer, new_has, None
         me = self._me
         p.remote = bool(self._cfg.max_inflight_remote and me.region and peer.region and peer.region != me.region)
@@ -346,7 +343,7 @@ class ChunkScheduler:
         full_delta = 0
         # (on int masks: an announcement usually differs from the last one by a chunk or two)
         new_bits = p.mask()
-        if old_counted and new_counted and old_has is not None and new_has is not None and old_far == p.remote:
+        if old_counted and new_counted and old_has is not None and new_has is not None:
             removed = _indices(old_bits & ~new_bits)
             added = _indices(new_bits & ~old_bits)
         else:
@@ -360,7 +357,7 @@ class ChunkScheduler:
                     full_delta += 1
                 else:
                     added = _indices(new_bits)
-        self._apply_availability(removed, added, full_delta, now, (old_far, p.remote))
+        self._apply_availability(removed, added, full_delta, now)
 
     def on_have(self, peer_id: str, chunk: int, now: float) -> None:
         """A peer announced one more chunk (cheaper than ``update_peer`` with a new bitfield)."""
@@ -374,7 +371,7 @@ class ChunkScheduler:
         if p.bits is not None:
             p.bits |= 1 << chunk
         if not p.info.is_seed:
-            self._avail_change(chunk, +1, now, p.remote)
+            self._avail_change(chunk, +1, now)
 
     def remove_peer(self, peer_id: str) -> list[Request]:
         """Forget a peer (dead or gone); returns its in-flight requests, now dropped (cancel them)."""
@@ -385,11 +382,10 @@ class ChunkScheduler:
         self._banned.discard(peer_id)
         dropped = [self._drop_flight(c, peer_id).request for c in sorted(p.inflight)]
         if not p.info.is_seed:
-            far = (p.remote, p.remote)
             if p.has is None:
-                self._apply_availability([], [], -1, self._now, far)
+                self._apply_availability([], [], -1, self._now)
             else:
-                self._apply_availability(list(p.has.held()), [], 0, self._now, far)
+                self._apply_availability(list(p.has.held()), [], 0, self._now)
         for r in dropped:
             self._maybe_repool(r.chunk, self._now)
         return dropped
@@ -430,7 +426,7 @@ class ChunkScheduler:
         while self._random_left > 0 and scan.free:
             candidates = []
             held = scan.held
-            for _, avail, r in self._order:
+            for avail, r in self._order:
                 if early and avail + self._n_full and self._only_seeds_can_help(scan):
                     break  # as below
                 c = self._perm[r]
@@ -446,8 +442,8 @@ class ChunkScheduler:
         if self._random_left == 0:
             order, i = self._order, 0
             while i < len(order) and scan.free:
-                c = self._perm[order[i][2]]
-                if early and order[i][1] + self._n_full and self._only_seeds_can_help(scan):
+                c = self._perm[order[i][1]]
+                if early and order[i][0] + self._n_full and self._only_seeds_can_help(scan):
                     break  # from here on every chunk has a holder and none has waited its patience yet
                 if not scan.held >> c & 1:
                     i += 1  # no free peer holds it: _choose would find nobody (O(1) instead of O(free peers))
@@ -725,9 +721,9 @@ class ChunkScheduler:
             if p.has is None:
                 p.has = Bitfield.full(len(self._sizes))
                 if not p.info.is_seed:  # from "holds everything" to an explicit bitfield
-                    self._apply_availability([], list(p.has.held()), -1, now, (p.remote, p.remote))
+                    self._apply_availability([], list(p.has.held()), -1, now)
             if p.has.clear(chunk) and not p.info.is_seed:
-                self._avail_change(chunk, -1, now, p.remote)
+                self._avail_change(chunk, -1, now)
             return
         p.failures += 1
         rest = min(cfg.backoff_cap, cfg.failure_backoff * 2.0 ** min(p.failures - 1, 60))
@@ -785,46 +781,34 @@ class ChunkScheduler:
         self._pool.set(chunk)
         self._set_since(chunk, now)
         if not self._order_dirty:
-            bisect.insort(self._order, self._key(chunk))
+            bisect.insort(self._order, (self._avail[chunk], self._rank[chunk]))
 
     def _pool_remove(self, chunk: int) -> None:
         if not self._pool.clear(chunk):
             return
         self._since.pop(chunk, None)
         if not self._order_dirty:
-            del self._order[bisect.bisect_left(self._order, self._key(chunk))]
+            key = (self._avail[chunk], self._rank[chunk])
+            del self._order[bisect.bisect_left(self._order, key)]
 
     def _ensure_order(self) -> None:
         if self._order_dirty:
-            self._order = sorted(self._key(c) for c in self._pool.held())
+            self._order = sorted((self._avail[c], self._rank[c]) for c in self._pool.held())
             self._order_dirty = False
 
-    def _key(self, chunk: int) -> tuple[int, int, int]:
-        """A pooled chunk's place in the order: rarest among near peers (this node's region; every
-        peer when regions are unknown or one budget), then rarest overall, then the random rank.
-        Requests to other regions, slow and few, so go to what nobody nearby holds yet, and the
-        region's hosts fetch different chunks from afar and swap them at local speed."""
-        avail = self._avail[chunk]
-        return (avail - self._far[chunk], avail, self._rank[chunk])
-
-    def _avail_change(self, chunk: int, delta: int, now: float, far: bool) -> None:
+    def _avail_change(self, chunk: int, delta: int, now: float) -> None:
         old = self._avail[chunk]
-        in_order = not self._order_dirty and self._pool.has(chunk)
-        if in_order:
-            del self._order[bisect.bisect_left(self._order, self._key(chunk))]
         self._avail[chunk] = old + delta
-        self._far[chunk] += delta if far else 0
         if not self._pool.has(chunk):
             return
         if delta > 0 and old + self._n_full == 0:
             self._set_since(chunk, now)  # its first holder appeared: seed patience starts now
-        if in_order:
-            bisect.insort(self._order, self._key(chunk))
+        if not self._order_dirty:
+            rank = self._rank[chunk]
+            del self._order[bisect.bisect_left(self._order, (old, rank))]
+            bisect.insort(self._order, (old + delta, rank))
 
-    def _apply_availability(
-        self, removed: list[int], added: list[int], full_delta: int, now: float, far: tuple[bool, bool]
-    ) -> None:
-        """``far``: whether the peer counted as remote for ``removed`` and for ``added``."""
+    def _apply_availability(self, removed: list[int], added: list[int], full_delta: int, now: float) -> None:
         if len(removed) + len(added) > self._pool.count() // 8 + 16:
             self._order_dirty = True  # cheaper to re-sort once than to move every entry
         if full_delta > 0:  # increments before decrements: no chunk passes through "no holder" on the way
@@ -834,8 +818,8 @@ class ChunkScheduler:
                         self._set_since(c, now)  # its first holder appeared: seed patience starts now
             self._n_full += full_delta
         for c in added:
-            self._avail_change(c, +1, now, far[1])
+            self._avail_change(c, +1, now)
         for c in removed:
-            self._avail_change(c, -1, now, far[0])
+            self._avail_change(c, -1, now)
         if full_delta < 0:
             self._n_full += full_delta
