@@ -252,6 +252,7 @@ class ChunkScheduler:
         self._flights: dict[int, dict[str, _Flight]] = {}
         self._n_inflight = 0
         self._n_remote = 0  # of _n_inflight, counted against max_inflight_remote
+        self._remote_peers = 0  # known peers that count as remote (none: the remote budget is no room)
         self._random_left = max(0, config.random_first - self._have.count())
         self._epoch: float | None = None
         self._now = -math.inf
@@ -333,7 +334,9 @@ class ChunkScheduler:
         old_bits = p.mask()
         p.info, p.has, p.bits = peer, new_has, None
         me = self._me
-        p.remote = bool(self._cfg.max_inflight_remote and me.region and peer.region and peer.region != me.region)
+        remote = bool(self._cfg.max_inflight_remote and me.region and peer.region and peer.region != me.region)
+        self._remote_peers += remote - p.remote
+        p.remote = remote
         if peer.is_seed:
             self._seeds[peer.peer_id] = p
         else:
@@ -380,6 +383,7 @@ class ChunkScheduler:
             return []
         self._seeds.pop(peer_id, None)
         self._banned.discard(peer_id)
+        self._remote_peers -= p.remote
         dropped = [self._drop_flight(c, peer_id).request for c in sorted(p.inflight)]
         if not p.info.is_seed:
             if p.has is None:
@@ -556,13 +560,15 @@ class ChunkScheduler:
     # ------------------------------------------------------------------ choosing
 
     def _room(self, remote: bool | None = None) -> bool:
-        """Whether this node may start another request (to a peer of class ``remote``; None: either)."""
+        """Whether this node may start another request (to a peer of class ``remote``; None: either,
+        where the remote budget counts only while some known peer is remote, so that a node in one
+        region is "full" when its one budget is, as without a remote budget)."""
         cfg = self._cfg
         local = self._n_inflight - self._n_remote < cfg.max_inflight
         if not cfg.max_inflight_remote or remote is False:
             return local
         far = self._n_remote < cfg.max_inflight_remote
-        return far if remote else local or far
+        return far if remote else local or (far and self._remote_peers > 0)
 
     def _round(self, now: float, pool_bits: int = -1) -> _Round:
         """The free peers (of those holding something in ``pool_bits``), in the order they were added."""

@@ -508,24 +508,12 @@ class SwarmNode:
         else:
             alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
         mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
-        zone, region = self.info.zone, self.info.region
         interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
         self.rng.shuffle(interested)
-        interested.sort(key=lambda i: (i.zone != zone, i.region != region))
-        # One place goes to the nearest peer we never heard from: interest is learnt from a peer's own
-        # announcements, so a peer that nobody near has heard from is told nothing by them and, told
-        # only by far peers, announces only to those (a simulated 30-host, 3-region swarm: one host
-        # fetched all 120 chunks across the ocean, 1.0 s after the rest of its region finished).
-        unheard = [i for i in alive if i.node_id not in self.peers] if count > 1 and mine else []
-        explore: list[NodeInfo] = []
-        if unheard:
-            self.rng.shuffle(unheard)
-            explore = [min(unheard, key=lambda i: (i.zone != zone, i.region != region))]
-        head = [i for i in interested if i not in explore][: count - len(explore)] + explore
-        chosen = {i.node_id for i in head}
-        rest = [i for i in alive if i.node_id not in chosen]
+        interested.sort(key=lambda i: (i.zone != self.info.zone, i.region != self.info.region))
+        rest = [i for i in alive if i not in interested]
         self.rng.shuffle(rest)
-        return (head + rest)[:count]
+        return (interested + rest)[:count]
 
     def _held_bits(self, mid: bytes) -> int | None:
         """Our chunks of a manifest as an int bitmask (None: all of them)."""

@@ -915,3 +915,17 @@ def test_a_peer_moving_region_mid_request_keeps_the_budgets_straight() -> None:
     assert local.peer_id == "a" and s.full
     s.on_success(0.2, r.chunk, "a", MB, 0.2)
     assert s.stats()["inflight_remote"] == 0 and s.inflight == 1
+
+
+def test_with_no_peer_in_another_region_the_node_is_full_when_its_one_budget_is() -> None:
+    """The remote budget is room only while some known peer is remote: a node of one region is full
+    (its download loop sleeps through news, ``next_requests`` returns at once) as without it."""
+    s = make(40, regional(max_inflight=3, remote=16))
+    for i in range(10):
+        s.update_peer(peer(f"near{i}", zone="z1", region="r1"), None, 0.0)
+    assert len(s.next_requests(0.0)) == 3 and s.full
+    s.update_peer(peer("far", region="r2"), None, 0.1)
+    assert not s.full
+    assert [r.peer_id for r in s.next_requests(0.1)] == ["far"]
+    s.remove_peer("far")
+    assert s.full
