@@ -283,7 +283,8 @@ class ChunkScheduler:
 
     @property
     def full(self) -> bool:
-        """Every request this node may have in flight is out (local and remote budgets spent)."""
+        """Every request this node may have in flight is out: the local budget spent, and the remote
+        one too while some known peer is remote."""
         return not self._room()
 
     def inflight_requests(self) -> list[Request]:

@@ -524,10 +524,12 @@ class SwarmNode:
         view = self.peers.get(node_id)
         if view is None:
             return False
-        if view.ann.head_counter < self.head_counter and not view.ann.seed:
+        if view.ann.head_counter < self.head_counter and not view.ann.seed and not self.config.is_seed:
             # It last spoke before the head we follow: it wants this version too, and hearing from us
             # tells it the head (a simulated 3-region swarm: views from before the version made
             # hosts announce only to far peers that had spoken since; 70-100% of chunks crossed oceans).
+            # Not for a seed: it would tell its own zone first, and the chunks it hands out once each
+            # would go to its neighbours rather than across the swarm.
             return True
         for mid, bits in view.ann.partial:
             if mid in mine:
