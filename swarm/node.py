@@ -508,12 +508,36 @@ class SwarmNode:
         else:
             alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
         mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
+        zone, region = self.info.zone, self.info.region
+
+        def tier(i: NodeInfo) -> tuple[bool, bool]:
+            return i.zone != zone, i.region != region
+
         interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
+        if not self.config.is_seed:
+            interested += self._stale_nearer(alive, min(map(tier, interested), default=(True, True)), tier)
         self.rng.shuffle(interested)
-        interested.sort(key=lambda i: (i.zone != self.info.zone, i.region != self.info.region))
+        interested.sort(key=tier)
         rest = [i for i in alive if i not in interested]
         self.rng.shuffle(rest)
         return (interested + rest)[:count]
+
+    def _stale_nearer(
+        self, alive: list[NodeInfo], nearest: tuple[bool, bool], tier: Callable[[NodeInfo], tuple[bool, bool]]
+    ) -> list[NodeInfo]:
+        """Peers nearer than every peer known to want our chunks, whose last announcement predates the
+        head we follow: they want this version too, but interest is read from what a peer last told
+        us, so hosts of one region whose views of each other predated the version announced only to
+        far peers that had spoken since (a simulated 3-region swarm: asia hosts took 70-100% of their
+        chunks across the ocean).  Only nearer ones, so that where peers are alike nothing changes;
+        not at a seed, whose one copy of each chunk would then go to its own zone."""
+        head = self.head_counter
+        out = []
+        for i in alive:
+            view = self.peers.get(i.node_id)
+            if view is not None and view.ann.head_counter < head and not view.ann.seed and tier(i) < nearest:
+                out.append(i)
+        return out
 
     def _held_bits(self, mid: bytes) -> int | None:
         """Our chunks of a manifest as an int bitmask (None: all of them)."""
@@ -524,13 +548,6 @@ class SwarmNode:
         view = self.peers.get(node_id)
         if view is None:
             return False
-        if view.ann.head_counter < self.head_counter and not view.ann.seed and not self.config.is_seed:
-            # It last spoke before the head we follow: it wants this version too, and hearing from us
-            # tells it the head (a simulated 3-region swarm: views from before the version made
-            # hosts announce only to far peers that had spoken since; 70-100% of chunks crossed oceans).
-            # Not for a seed: it would tell its own zone first, and the chunks it hands out once each
-            # would go to its neighbours rather than across the swarm.
-            return True
         for mid, bits in view.ann.partial:
             if mid in mine:
                 ours = mine[mid]
