@@ -514,8 +514,8 @@ class SwarmNode:
             return i.zone != zone, i.region != region
 
         interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
-        if not self.config.is_seed:
-            interested += self._stale_nearer(alive, min(map(tier, interested), default=(True, True)), tier)
+        if interested and not self.config.is_seed:
+            interested += self._stale_nearer(alive, min(map(tier, interested)), tier)
         self.rng.shuffle(interested)
         interested.sort(key=tier)
         rest = [i for i in alive if i not in interested]
@@ -529,8 +529,9 @@ class SwarmNode:
         head we follow: they want this version too, but interest is read from what a peer last told
         us, so hosts of one region whose views of each other predated the version announced only to
         far peers that had spoken since (a simulated 3-region swarm: asia hosts took 70-100% of their
-        chunks across the ocean).  Only nearer ones, so that where peers are alike nothing changes;
-        not at a seed, whose one copy of each chunk would then go to its own zone."""
+        chunks across the ocean).  Only nearer ones, and only once some peer is known to want our
+        chunks, so that where peers are alike nothing changes (a 30-host one-region swarm was 5%
+        slower); not at a seed, whose one copy of each chunk would then go to its own zone."""
         head = self.head_counter
         out = []
         for i in alive:
