@@ -318,3 +318,41 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
     running, cancelled, complete = run_virtual(main())
     assert complete and cancelled
     assert running == {}
+
+
+@pytest.mark.parametrize(
+    ("near_region", "is_seed", "told_near"),
+    [("asia", False, True), ("us", False, False), ("asia", True, False)],
+    ids=["nearer-and-stale", "stale-but-no-nearer", "at-a-seed"],
+)
+def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_seed: bool, told_near: bool) -> None:
+    """Two us peers are known to want our chunks (they announced the current head, holding none); a
+    third peer last spoke before that head.  With two announcement places it is told first when it is
+    nearer (our region, asia) than every peer known to want our chunks, not when it is as far as they
+    are, and never by a seed (whose one copy of each chunk would go to its neighbours)."""
+    from protocol.bitfield import Bitfield
+    from protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
+    from protocol.wire import Announcement
+    from simulations.runner import _warm
+    from swarm.node import PeerView
+
+    async def main() -> set[str]:
+        me = _node("me", region="asia", is_seed=is_seed)
+        others = [_node("far0", region="us"), _node("far1", region="us"), _node("near", region=near_region)]
+        _warm([me, *others], 0.0)
+        me.head_counter = 5
+        mid = b"m" * 32
+        have = Bitfield(4)
+        have.set(0)
+        me.partial[mid] = ChunkScheduler([100] * 4, PeerInfo("me"), SchedulerConfig(), random.Random(0), have)
+        for far in ("far0", "far1"):
+            ann = Announcement(RUN, 5, 1, partial=((mid, Bitfield(4).to_bytes()),))
+            me.peers[far] = PeerView(NodeInfo(far, f"sim://{far}", region="us"), ann, 0.0)
+        stale = Announcement(RUN, 4, 1)  # spoke before head 5: no partial download listed
+        me.peers["near"] = PeerView(NodeInfo("near", "sim://near", region=near_region), stale, 0.0)
+        return {i.node_id for i in me._announce_targets(2)}
+
+    targets = run_virtual(main())
+    assert ("near" in targets) == told_near
+    if not told_near:
+        assert targets == {"far0", "far1"}
