@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_check import device_copy_s
 from daemon import publish_work
 from daemon.publisher import STAGES, Publisher
 from protocol.keys import SigningKey
@@ -77,20 +78,6 @@ def memcpy_seconds(src: list[np.ndarray], dst: list[np.ndarray], reps: int = 3) 
         t0 = time.perf_counter()
         for a, b in zip(src, dst, strict=True):
             np.copyto(b, a)
-        runs.append(time.perf_counter() - t0)
-    return min(runs)
-
-
-def device_copy_seconds(src: list[torch.Tensor], reps: int = 3) -> float:
-    """Best of ``reps``: a device-to-device copy of every served tensor into its own buffer."""
-    dst = [torch.empty_like(t) for t in src]
-    runs: list[float] = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for a, b in zip(src, dst, strict=True):
-            b.copy_(a)
-        torch.cuda.synchronize()
         runs.append(time.perf_counter() - t0)
     return min(runs)
 
@@ -193,7 +180,7 @@ def main(argv: list[str] | None = None, publisher_cls: type[Publisher] = Publish
             wall, cpu = time.perf_counter() - t, time.process_time() - cpu
             stages = getattr(info, "stages", {})
             if on_gpu:  # the floor is the host pipeline's; on the GPU print a device copy instead
-                floor = device_copy_seconds(pub._prev.data if pub._prev is not None else [])
+                floor = device_copy_s(torch.device(args.device), pub._prev.data if pub._prev is not None else [])
             else:
                 floor = min(floor_seconds(state, served, dst) for _ in range(2))  # against the version before
             assert pub._prev is not None
