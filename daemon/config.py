@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.seed import parse_listen as split_listen
+from swarm.node import NodeConfig
 
 
 class ConfigError(Exception):
@@ -134,6 +135,18 @@ def parse_int(v: Any) -> int:
     return int(v)
 
 
+def count_in(lo: int, hi: int) -> Callable[[Any], int]:
+    """A whole number in [lo, hi]."""
+
+    def parse(v: Any) -> int:
+        n = parse_int(v)
+        if not lo <= n <= hi:
+            raise ValueError(f"expected a whole number from {lo} to {hi}, got {n}")
+        return n
+
+    return parse
+
+
 def parse_device(v: Any) -> str:
     s = parse_str(v).strip()
     if s in ("", "cpu") or re.fullmatch(r"cuda:[0-9]{1,3}", s) or re.fullmatch(r"(?i)GPU-[0-9a-f-]{8,64}", s):
@@ -168,6 +181,9 @@ class Key:
         return f"PATCHSWARM_{self.section}_{self.name}".upper()
 
 
+_NODE = NodeConfig("", "", b"")  # the swarm's own defaults, which the keys below mirror
+_SCHED = _NODE.scheduler
+
 SCHEMA: list[Key] = [
     Key("node", "name", parse_name, None, "Node id in the swarm (default: the host name)."),
     Key("node", "listen", parse_listen, "0.0.0.0:8701", "Address the swarm endpoints listen on."),
@@ -187,7 +203,37 @@ SCHEMA: list[Key] = [
     ),
     Key("swarm", "upload_rate", parse_rate, 0, "Upload limit in bytes/s ('100MB'); 0 = unlimited."),
     Key("swarm", "download_rate", parse_rate, 0, "Download limit in bytes/s; 0 = unlimited."),
-    Key("swarm", "max_uploads", parse_int, 4, "Concurrent chunk uploads to peers (more wait in a short line)."),
+    Key("swarm", "max_uploads", count_in(0, 1024), _NODE.max_uploads, "Concurrent chunk uploads to peers; 0 = none."),
+    Key(
+        "swarm",
+        "upload_queue",
+        count_in(0, 1024),
+        _NODE.upload_queue,
+        "Requests that wait for an upload slot; past them a request is refused (busy) and asks elsewhere.",
+    ),
+    Key("swarm", "max_inflight", count_in(1, 1024), _SCHED.max_inflight, "Chunk requests in flight to this region."),
+    Key(
+        "swarm",
+        "max_inflight_per_peer",
+        count_in(1, 64),
+        _SCHED.max_inflight_per_peer,
+        "Requests in flight to one peer of this region.",
+    ),
+    Key(
+        "swarm",
+        "max_inflight_remote",
+        count_in(0, 1024),
+        _SCHED.max_inflight_remote,
+        "Requests in flight to other regions, besides max_inflight (a flow there runs at most TCP window / RTT); "
+        "0 = within max_inflight.",
+    ),
+    Key(
+        "swarm",
+        "max_inflight_per_remote_peer",
+        count_in(1, 64),
+        _SCHED.max_inflight_per_remote_peer,
+        "Requests in flight to one peer of another region.",
+    ),
     Key(
         "trust",
         "root",

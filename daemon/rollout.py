@@ -50,6 +50,7 @@ from daemon.weightstore import (
     diff_updates,
 )
 from protocol.keys import load_public_key
+from protocol.scheduler import SchedulerConfig
 from protocol.served import state_root
 from protocol.trust import TrustState
 from swarm.node import NodeConfig, apply_chunks_off_loop
@@ -77,6 +78,20 @@ log = logging.getLogger("patchswarm.daemon")
 FAULT_ENV = "PATCHSWARM_FAULT_AT"
 HEAD_REFUSED = "head refused"  # status reason prefix while the newest head fails verification
 AWAITING_ENGINE = "waiting for the engine to register its buffer (POST /v1/store)"
+
+
+def swarm_budgets(cfg: DaemonConfig) -> dict[str, Any]:
+    """The config's upload and request budgets as NodeConfig keywords."""
+    return {
+        "max_uploads": cfg["swarm.max_uploads"],
+        "upload_queue": cfg["swarm.upload_queue"],
+        "scheduler": SchedulerConfig(
+            max_inflight=cfg["swarm.max_inflight"],
+            max_inflight_per_peer=cfg["swarm.max_inflight_per_peer"],
+            max_inflight_remote=cfg["swarm.max_inflight_remote"],
+            max_inflight_per_remote_peer=cfg["swarm.max_inflight_per_remote_peer"],
+        ),
+    }
 
 
 class DaemonError(Exception):
@@ -200,7 +215,7 @@ class RolloutDaemon:
             seed_urls=list(self.cfg["swarm.seed_urls"]),
             upload_rate=self.cfg["swarm.upload_rate"],
             download_rate=self.cfg["swarm.download_rate"],
-            max_uploads=self.cfg["swarm.max_uploads"],
+            **swarm_budgets(self.cfg),
         )
         self.node = await start_http_node(
             node_cfg,

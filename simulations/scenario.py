@@ -127,13 +127,16 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
     # Absent keys leave the node's own defaults (NodeConfig, SchedulerConfig), which these mirror.
     "swarm": {
         "max_inflight": _Field("int", 6, 1, 1024, "chunk requests in flight per node"),
-        "max_inflight_per_peer": _Field("int", 2, 1, 1024, "requests in flight to one peer"),
+        "max_inflight_per_peer": _Field("int", 1, 1, 1024, "requests in flight to one peer in this region"),
+        "max_inflight_per_remote_peer": _Field("int", 2, 1, 1024, "requests in flight to one peer in another region"),
         "max_inflight_seed": _Field("int", 5, 1, 1024, "requests in flight to the seed"),
         "max_inflight_remote": _Field(
             "int", 16, 0, 1024, "requests in flight to other regions, besides max_inflight (0: within it)"
         ),
         "max_uploads": _Field("int", 4, 1, 1024, "concurrent uploads a node serves"),
+        "upload_queue": _Field("int", 2, 0, 1024, "requests waiting for an upload slot before refusals start"),
         "seed_max_uploads": _Field("int", 6, 1, 1024, "concurrent uploads the seed serves"),
+        "seed_upload_queue": _Field("int", 4, 0, 1024, "requests waiting for one of the seed's upload slots"),
         "announce_fanout": _Field("int", 6, 1, 1024, "peers told at once when availability changes"),
         "announce_interval": _Field("duration", 0.01, 1e-4, 10.0, "how often a node may announce new chunks"),
         "seed_copy_window": _Field("duration", 2.0, 0.0, 600.0, "the seed serves each chunk once per this window"),

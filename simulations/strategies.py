@@ -182,7 +182,8 @@ def central(s: Scenario, lay: Layout, churn: Sequence[ChurnEvent], kind: str) ->
     return StrategyRun(kind, outcomes, egress, events, time.perf_counter() - wall0)
 
 
-_SCHEDULER_KEYS: tuple[str, ...] = ("max_inflight", "max_inflight_per_peer", "max_inflight_seed")
+_SCHEDULER_KEYS: tuple[str, ...] = ("max_inflight", "max_inflight_per_peer", "max_inflight_per_remote_peer")
+_SCHEDULER_KEYS += ("max_inflight_seed",)
 _SCHEDULER_KEYS += ("max_inflight_remote", "seed_patience", "endgame_remaining")
 
 

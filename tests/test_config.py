@@ -25,6 +25,19 @@ def test_defaults_and_units() -> None:
     assert cfg["store.size"] == 16 * 2**30 and cfg["swarm.upload_rate"] == 50e6
 
 
+def test_budgets_reach_the_node_and_default_to_the_swarms_own() -> None:
+    from daemon.rollout import swarm_budgets
+    from swarm.node import NodeConfig
+
+    defaults = NodeConfig("n", "run-1", b"s" * 16)
+    assert NodeConfig("n", "run-1", b"s" * 16, **swarm_budgets(from_mapping(MINIMAL, {}))) == defaults
+    raw = {**MINIMAL, "swarm": {**MINIMAL["swarm"], "max_inflight_per_peer": 3, "upload_queue": 0}}
+    cfg = from_mapping(raw, {"PATCHSWARM_SWARM_MAX_INFLIGHT_REMOTE": "32"})
+    got = NodeConfig("n", "run-1", b"s" * 16, **swarm_budgets(cfg))
+    assert got.upload_queue == 0 and got.scheduler.max_inflight_per_peer == 3
+    assert got.scheduler.max_inflight_remote == 32 and got.scheduler.max_inflight == defaults.scheduler.max_inflight
+
+
 def test_environment_overrides_the_file() -> None:
     cfg = from_mapping(MINIMAL, {"PATCHSWARM_SWARM_UPLOAD_RATE": "10MB", "PATCHSWARM_NODE_ZONE": "z9"})
     assert cfg["swarm.upload_rate"] == 10e6 and cfg["node.zone"] == "z9"
@@ -45,6 +58,11 @@ def test_environment_overrides_the_file() -> None:
         ("sidecar", "enabled", "maybe", r"sidecar\.enabled: expected true or false"),
         ("trust", "clock_skew", "soon", r"trust\.clock_skew: expected a duration"),
         ("swarm", "max_uploads", 2.5, r"swarm\.max_uploads: expected a whole number"),
+        ("swarm", "max_uploads", -1, r"swarm\.max_uploads: expected a whole number"),
+        ("swarm", "max_inflight", 0, r"swarm\.max_inflight: expected a whole number from 1 to 1024, got 0"),
+        ("swarm", "max_inflight_per_peer", 0, r"swarm\.max_inflight_per_peer: expected a whole number from 1"),
+        ("swarm", "upload_queue", -1, r"swarm\.upload_queue: expected a whole number"),
+        ("swarm", "max_inflight_remote", 5000, r"swarm\.max_inflight_remote: expected a whole number from 0 to 1024"),
         ("node", "name", "bad name!", r"node\.name"),
         ("swarm", "colour", "red", r"swarm\.colour: unknown key"),
     ],

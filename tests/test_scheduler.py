@@ -25,6 +25,7 @@ MB = 1_000_000
 WIDE = SchedulerConfig(
     max_inflight=100,
     max_inflight_per_peer=100,
+    max_inflight_per_remote_peer=100,
     max_inflight_seed=100,
     random_first=0,
     endgame_remaining=0,
@@ -186,7 +187,10 @@ def test_faster_peer_preferred_within_a_tier() -> None:
 
 
 def test_caps_per_node_peer_and_seed() -> None:
-    cfg = SchedulerConfig(max_inflight=16, max_inflight_per_peer=3, max_inflight_seed=5, random_first=0)
+    # One budget: the peers here (region r9) are not remote, so the per-peer cap is max_inflight_per_peer.
+    cfg = SchedulerConfig(
+        max_inflight=16, max_inflight_per_peer=3, max_inflight_seed=5, random_first=0, max_inflight_remote=0
+    )
     s = make(100, cfg)
     for i in range(10):
         s.update_peer(peer(f"p{i}"), None, 0.0)
@@ -649,6 +653,7 @@ def build_world(seed: int) -> World:
     config = SchedulerConfig(
         max_inflight=rng.randint(1, 16),
         max_inflight_per_peer=rng.randint(1, 3),
+        max_inflight_per_remote_peer=rng.randint(1, 3),
         max_inflight_seed=rng.randint(1, 5),
         random_first=rng.randint(0, 4),
         endgame_remaining=rng.randint(0, 3),
@@ -721,11 +726,18 @@ def simulate(seed: int) -> World:
             out[key] = (r, now)
             w.log.append((now, r.peer_id, r.chunk, f"{r.deadline:.9f}", r.duplicate))
             outcome(r, now)
+
+        def remote(pid: str) -> bool:
+            return bool(cfg.max_inflight_remote) and w.peers[pid].info.region not in ("", ME.region)
+
         per_peer = Counter(pid for _, pid in out)
         for pid, k in per_peer.items():
-            cap = cfg.max_inflight_seed if w.peers[pid].kind == "seed" else cfg.max_inflight_per_peer
+            if w.peers[pid].kind == "seed":
+                cap = cfg.max_inflight_seed
+            else:
+                cap = cfg.max_inflight_per_remote_peer if remote(pid) else cfg.max_inflight_per_peer
             assert k <= cap, "per-peer cap exceeded"
-        far = [pid for _, pid in out if cfg.max_inflight_remote and w.peers[pid].info.region not in ("", ME.region)]
+        far = [pid for _, pid in out if remote(pid)]
         assert len(out) - len(far) <= cfg.max_inflight, "per-node cap exceeded"
         assert len(far) <= cfg.max_inflight_remote, "remote cap exceeded"
         assert sched.inflight == len(out)
@@ -856,9 +868,16 @@ def test_determinism_does_not_depend_on_string_hashing() -> None:
 # ---------------------------------------------------------------------------- remote budget
 
 
-def regional(max_inflight: int = 2, remote: int = 5, per_peer: int = 1) -> SchedulerConfig:
+def regional(
+    max_inflight: int = 2, remote: int = 5, per_peer: int = 1, per_far_peer: int | None = None
+) -> SchedulerConfig:
     return replace(
-        WIDE, max_inflight=max_inflight, max_inflight_remote=remote, max_inflight_per_peer=per_peer, seed_patience=1.0
+        WIDE,
+        max_inflight=max_inflight,
+        max_inflight_remote=remote,
+        max_inflight_per_peer=per_peer,
+        max_inflight_per_remote_peer=per_peer if per_far_peer is None else per_far_peer,
+        seed_patience=1.0,
     )
 
 
@@ -882,6 +901,20 @@ def test_requests_to_other_regions_have_their_own_budget() -> None:
     for i in range(10):
         shared.update_peer(peer(f"far{i}", region="r2"), None, 0.0)
     assert len(shared.next_requests(0.0)) == 2 and shared.stats()["inflight_remote"] == 0
+
+
+def test_a_peer_in_another_region_takes_its_own_per_peer_cap() -> None:
+    # One near and one far holder of everything; budgets wide enough that only per-peer caps bind.
+    s = make(40, regional(max_inflight=10, remote=10, per_peer=1, per_far_peer=3))
+    s.update_peer(peer("near", zone="z1", region="r1"), None, 0.0)
+    s.update_peer(peer("far", region="r2"), None, 0.0)
+    s.update_peer(peer("nowhere", region=""), None, 0.0)  # region unknown: local, the near cap
+    out = Counter(r.peer_id for r in s.next_requests(0.0))
+    assert out == {"near": 1, "far": 3, "nowhere": 1}
+    # With one budget (max_inflight_remote = 0) no peer counts as remote: the near cap for all.
+    shared = make(40, replace(regional(max_inflight=10, remote=0, per_peer=1, per_far_peer=3)))
+    shared.update_peer(peer("far", region="r2"), None, 0.0)
+    assert [r.peer_id for r in shared.next_requests(0.0)] == ["far"]
 
 
 def test_holders_left_out_by_the_nodes_own_remote_budget_do_not_send_chunks_to_the_seed() -> None:

@@ -139,7 +139,9 @@ async def test_simulated_time_to_all_agrees_with_real_loopback_nodes(tmp_path: P
     for sim in sims:
         assert sim.complete and sim.errors == {}
         assert sim.time_to_all >= bound
-        assert sim.seed_uploaded == sim.payload_bytes  # one copy from the seed, as in the real run
+        # One copy from the seed, plus at most a few chunks it serves requesters finishing (their
+        # last chunks, docs/swarm.md "Seed"): its egress sets the time here.
+        assert sim.payload_bytes <= sim.seed_uploaded <= 1.1 * sim.payload_bytes
     simulated = sum(sim.time_to_all for sim in sims) / len(sims)
     print(f"time to all: real {real:.2f} s, simulated {simulated:.2f} s (mean of 3), bound {bound:.2f} s")
     assert abs(simulated - real) <= 0.15 * real

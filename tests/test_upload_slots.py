@@ -59,6 +59,40 @@ def test_an_unpaced_node_holds_its_slot_while_the_chunk_travels() -> None:
     assert 0.4 < retry < 0.6
 
 
+def test_a_seed_keeps_its_own_longer_line() -> None:
+    """One slot each; peers' lines hold nobody (``upload_queue=0``), the seed's one
+    (``seed_upload_queue=1``): of three requesters at once, one is served at once, one waits at the
+    seed and is served next, one is refused.  The seed holds what nobody else does: a request it refuses has nowhere
+    else to go, and its uplink idles until the refused come back."""
+
+    async def main() -> list[object]:
+        hosts = [Host("s", "r", up=1 * MB), Host("b", "r"), Host("c", "r"), Host("d", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        cfg = NodeConfig(
+            "s",
+            RUN,
+            SECRET,
+            is_seed=True,
+            seed_max_uploads=1,
+            upload_queue=0,
+            seed_upload_queue=1,
+            upload_queue_wait=5.0,
+        )
+        seed = SwarmNode(cfg, "sim://s", net.transport("s"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        seed.chunks.put(b"h", b"x" * MB)
+        net.register("sim://s", "s", seed.handlers())
+        # Finishing requesters (held = its last chunk's place): the seed does not withhold from them.
+        seed._seed_chunk_place = lambda h: (b"m", 0, 1)  # type: ignore[method-assign]
+        asks = [asyncio.ensure_future(net.transport(x).get_chunk("sim://s", b"h", MB, 60.0, x, held=0)) for x in "bcd"]
+        replies = list(await asyncio.gather(*asks))
+        net.close()
+        return replies
+
+    replies = run_virtual(main())
+    assert sum(r == b"x" * MB for r in replies) == 2  # one served at once, one after waiting in line
+    assert sum(isinstance(r, Busy) for r in replies) == 1
+
+
 def test_a_requester_that_gives_up_frees_the_slot() -> None:
     async def main() -> tuple[int, object]:
         hosts = [Host("a", "r", up=1 * MB), Host("b", "r")]
