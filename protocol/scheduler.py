@@ -581,7 +581,7 @@ class ChunkScheduler:
         """The free peers (of those holding something in ``pool_bits``), in the order they were added."""
         cfg = self._cfg
         peer_cap, far_cap, seed_cap = cfg.max_inflight_per_peer, cfg.max_inflight_per_remote_peer, cfg.max_inflight_seed
-        free = [
+        free = [  # (_peer_cap inlined: this walks every peer on each call)
             p
             for p in self._peers.values()
             if (p.bits if p.bits is not None else p.mask()) & pool_bits
