@@ -13,7 +13,7 @@ upload capacity.  Rows:
   flows (a full sender is skipped, as a refused request goes elsewhere).
 
 Used in docs/bandwidth-study.md section 4: the swarm's steady state (84% of capacity with 3-4 flows
-per link) is what a random graph of that degree gives; regular graphs use ~99%.
+per link) is what a random graph of that degree gives; regular graphs use all of it.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any
 
 from protocol.errors import PatchswarmError
 from simulations.network import Backbone, Host, Region
+from swarm.node import NodeConfig
 
 MAX_HOSTS = 10_000
 MAX_REGIONS = 4
@@ -80,6 +81,9 @@ class _Field:
     allow_inf: bool = False
 
 
+_NODE = NodeConfig("", "", b"")  # the swarm's own defaults, which [swarm] reads
+_SCHED = _NODE.scheduler
+
 _SCHEMA: dict[str, dict[str, _Field]] = {
     "": {
         "name": _Field("str", "scenario", doc="a label for reports"),
@@ -124,24 +128,46 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
         ),
         "strategies": _Field("strategies", STRATEGIES, doc=f"which of {', '.join(STRATEGIES)} to run"),
     },
-    # Absent keys leave the node's own defaults (NodeConfig, SchedulerConfig), which these mirror.
+    # Absent keys leave the node's own defaults (NodeConfig, SchedulerConfig); these read them.
     "swarm": {
-        "max_inflight": _Field("int", 6, 1, 1024, "chunk requests in flight per node"),
-        "max_inflight_per_peer": _Field("int", 1, 1, 1024, "requests in flight to one peer in this region"),
-        "max_inflight_per_remote_peer": _Field("int", 2, 1, 1024, "requests in flight to one peer in another region"),
-        "max_inflight_seed": _Field("int", 5, 1, 1024, "requests in flight to the seed"),
-        "max_inflight_remote": _Field(
-            "int", 16, 0, 1024, "requests in flight to other regions, besides max_inflight (0: within it)"
+        "max_inflight": _Field("int", _SCHED.max_inflight, 1, 1024, "chunk requests in flight per node"),
+        "max_inflight_per_peer": _Field(
+            "int", _SCHED.max_inflight_per_peer, 1, 1024, "requests in flight to one peer in this region"
         ),
-        "max_uploads": _Field("int", 4, 1, 1024, "concurrent uploads a node serves"),
-        "upload_queue": _Field("int", 2, 0, 1024, "requests waiting for an upload slot before refusals start"),
-        "seed_max_uploads": _Field("int", 6, 1, 1024, "concurrent uploads the seed serves"),
-        "seed_upload_queue": _Field("int", 4, 0, 1024, "requests waiting for one of the seed's upload slots"),
-        "announce_fanout": _Field("int", 6, 1, 1024, "peers told at once when availability changes"),
-        "announce_interval": _Field("duration", 0.01, 1e-4, 10.0, "how often a node may announce new chunks"),
-        "seed_copy_window": _Field("duration", 2.0, 0.0, 600.0, "the seed serves each chunk once per this window"),
-        "seed_patience": _Field("duration", 1.0, 0.0, 600.0, "wait for a peer's copy before asking the seed"),
-        "endgame_remaining": _Field("int", 3, 0, 1 << 20, "duplicate requests once this few chunks are left"),
+        "max_inflight_per_remote_peer": _Field(
+            "int", _SCHED.max_inflight_per_remote_peer, 1, 1024, "requests in flight to one peer in another region"
+        ),
+        "max_inflight_seed": _Field("int", _SCHED.max_inflight_seed, 1, 1024, "requests in flight to the seed"),
+        "max_inflight_remote": _Field(
+            "int",
+            _SCHED.max_inflight_remote,
+            0,
+            1024,
+            "requests in flight to other regions, besides max_inflight (0: within it)",
+        ),
+        "max_uploads": _Field("int", _NODE.max_uploads, 1, 1024, "concurrent uploads a node serves"),
+        "upload_queue": _Field(
+            "int", _NODE.upload_queue, 0, 1024, "requests waiting for an upload slot before refusals start"
+        ),
+        "seed_max_uploads": _Field("int", _NODE.seed_max_uploads, 1, 1024, "concurrent uploads the seed serves"),
+        "seed_upload_queue": _Field(
+            "int", _NODE.seed_upload_queue, 0, 1024, "requests waiting for one of the seed's upload slots"
+        ),
+        "announce_fanout": _Field(
+            "int", _NODE.announce_fanout, 1, 1024, "peers told at once when availability changes"
+        ),
+        "announce_interval": _Field(
+            "duration", _NODE.announce_interval, 1e-4, 10.0, "how often a node may announce new chunks"
+        ),
+        "seed_copy_window": _Field(
+            "duration", _NODE.seed_copy_window, 0.0, 600.0, "the seed serves each chunk once per this window"
+        ),
+        "seed_patience": _Field(
+            "duration", _SCHED.seed_patience, 0.0, 600.0, "wait for a peer's copy before asking the seed"
+        ),
+        "endgame_remaining": _Field(
+            "int", _SCHED.endgame_remaining, 0, 1 << 20, "duplicate requests once this few chunks are left"
+        ),
         "max_members": _Field("int", 0, 0, 1 << 20, "membership view per node, 0: every member (thousands of hosts)"),
     },
 }
