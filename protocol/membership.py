@@ -359,6 +359,14 @@ class Membership:
         """Updates still waiting to be gossiped (after ``leave``, tick until this is 0 or time is up)."""
         return len(self._queue)
 
+    def settle(self) -> None:
+        """Drop the queued broadcasts: what this node knows is old news to the others.  For a
+        simulation starting from a swarm that has been running (its members learnt of each other long
+        ago); the queue would otherwise carry every member's join round the swarm again.  The events
+        stay for ``drain_events`` (the driver has not seen them)."""
+        self._queue.clear()
+        self._queue_order.clear()
+
     def local(self) -> Update:
         """This node's own record as it gossips it (ALIVE, or LEFT after ``leave``)."""
         return Update(self._me, self._incarnation, LEFT if self._left else ALIVE, self._me.node_id)

@@ -166,6 +166,8 @@ class _Peer:
     missing: dict[int, float] = field(default_factory=dict)  # chunk -> until when its claims are ignored
     bits: int | None = None  # ``has`` as an int (bit i: chunk i), None until needed after a change
     remote: bool = False  # in another region: its requests count against max_inflight_remote
+    free_at: float = -math.inf  # max(resting_until, banned_until): one comparison in ``_round``'s walk
+    cap: int = 0  # requests it may have in flight (``_peer_cap``), set with ``remote``
 
     def holds(self, chunk: int) -> bool:
         return self.has is None or self.has.has(chunk)
@@ -344,6 +346,7 @@ class ChunkScheduler:
         remote = bool(self._cfg.max_inflight_remote and me.region and peer.region and peer.region != me.region)
         self._remote_peers += remote - p.remote
         p.remote = remote
+        p.cap = self._peer_cap(p)
         if peer.is_seed:
             self._seeds[peer.peer_id] = p
         else:
@@ -580,14 +583,10 @@ class ChunkScheduler:
     def _round(self, now: float, pool_bits: int = -1) -> _Round:
         """The free peers (of those holding something in ``pool_bits``), in the order they were added."""
         cfg = self._cfg
-        peer_cap, far_cap, seed_cap = cfg.max_inflight_per_peer, cfg.max_inflight_per_remote_peer, cfg.max_inflight_seed
-        free = [  # (_peer_cap inlined: this walks every peer on each call)
+        free = [  # (this walks every peer on each call: kept to three tests on plain fields)
             p
             for p in self._peers.values()
-            if (p.bits if p.bits is not None else p.mask()) & pool_bits
-            and p.resting_until <= now
-            and p.banned_until <= now
-            and len(p.inflight) < (seed_cap if p.info.is_seed else far_cap if p.remote else peer_cap)
+            if p.free_at <= now and len(p.inflight) < p.cap and (p.bits if p.bits is not None else p.mask()) & pool_bits
         ]
         blocked = 0
         if cfg.max_inflight_remote and not (self._room(False) and self._room(True)):
@@ -694,8 +693,7 @@ class ChunkScheduler:
         self._n_remote += remote
         if not duplicate:
             self._pool_remove(chunk)
-        cap = self._peer_cap(peer)
-        if len(peer.inflight) >= cap:
+        if len(peer.inflight) >= peer.cap:
             rnd.free.remove(peer)
         if not self._room(remote):  # this class is full: its peers leave the round, their chunks wait
             rnd.blocked |= self._holders_of(p for p in rnd.free if p.remote == remote and not p.info.is_seed)
@@ -729,6 +727,7 @@ class ChunkScheduler:
         cfg = self._cfg
         if reason is FailureReason.HASH:
             p.banned_until = max(p.banned_until, now + cfg.ban_seconds)
+            p.free_at = max(p.free_at, p.banned_until)
             self._banned.add(p.info.peer_id)
             heapq.heappush(self._wakes, (p.banned_until, p.info.peer_id))
             self._counters["bans"] += 1
@@ -759,6 +758,7 @@ class ChunkScheduler:
         else:
             self._counters["errors"] += 1
         p.resting_until = max(p.resting_until, now + rest)
+        p.free_at = max(p.free_at, p.resting_until)
         heapq.heappush(self._wakes, (p.resting_until, p.info.peer_id))
 
     # ------------------------------------------------------------------ bookkeeping

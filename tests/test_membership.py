@@ -501,3 +501,18 @@ def test_random_picks_are_drawn_from_the_sorted_members_like_a_plain_sample() ->
         m._rng = random.Random(seed)
         skip = pool[seed].node_id
         assert m._pick(4, m._alive_ids, skip) == random.Random(seed).sample([i for i in pool if i.node_id != skip], 4)
+
+
+def test_settle_drops_pending_broadcasts_but_keeps_members_and_events() -> None:
+    """A warm start: the members a sync taught are old news (nothing to gossip round), but the driver
+    still hears of them through ``drain_events``."""
+    me = NodeInfo("me", "sim://me")
+    m = Membership(me, CFG, random.Random(0), 0.0)
+    others = tuple(Update(NodeInfo(f"p{i}", f"sim://p{i}"), 0, ALIVE, f"p{i}") for i in range(5))
+    m.receive(0.0, others[0].info, Sync(others, reply=False))
+    assert m.pending_broadcasts >= 5  # (and its own record)
+    m.settle()
+    assert m.pending_broadcasts == 0
+    assert m.alive_count() == 5
+    assert {info.node_id for info, state in m.drain_events() if state is ALIVE} == {f"p{i}" for i in range(5)}
+    assert not any(isinstance(s.message, Gossip) for s in m.tick(CFG.gossip_interval))  # nothing queued to gossip

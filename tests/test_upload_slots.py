@@ -290,18 +290,28 @@ def test_a_stuck_downloader_asks_the_seeds_again() -> None:
 
 
 def test_warm_membership_gives_every_node_every_member() -> None:
-    from simulations.runner import _warm
+    """Full membership: every node knows every other, and nothing is left to gossip about them (old
+    news in a running swarm).  A bounded view of k is warmed from the seed (the first node) and 4k
+    others drawn at random: it holds k members, not all the same ones."""
+    from simulations.runner import WARM_HEARD_PER_MEMBER, _warm
 
-    async def main() -> tuple[list[int], list[int]]:
+    async def main() -> tuple[list[int], list[int], list[set[str]], list[int], list[int]]:
         full = [_node(f"n{i}") for i in range(6)]
-        _warm(full, 0.0)
-        bounded = [_node(f"b{i}", membership=MembershipConfig(max_members=2)) for i in range(6)]
-        _warm(bounded, 0.0)
-        return [n.membership.alive_count() for n in full], [n.membership.alive_count() for n in bounded]
+        _warm(full, 0.0, random.Random(0))
+        k = 2
+        bounded = [_node(f"b{i:02d}", membership=MembershipConfig(max_members=k)) for i in range(40)]
+        _warm(bounded, 0.0, random.Random(0))
+        pending = [n.membership.pending_broadcasts for n in [*full, *bounded]]
+        views = [{info.node_id for info in n.membership.alive()} for n in bounded]
+        heard = [len(n.membership._heard) + n.membership.alive_count() for n in bounded]
+        return [n.membership.alive_count() for n in full], [len(v) for v in views], views, pending, heard
 
-    full, bounded = run_virtual(main())
+    full, sizes, views, pending, heard = run_virtual(main())
     assert full == [5] * 6
-    assert all(1 <= k <= 2 for k in bounded)
+    assert sizes == [2] * 40
+    assert max(heard) <= WARM_HEARD_PER_MEMBER * 2 + 2 < 39  # a sample and the seed, not everyone
+    assert len(set().union(*views)) > 10  # the views spread over the swarm
+    assert pending == [0] * 46
 
 
 def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to_wake_on() -> None:
@@ -373,7 +383,7 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
     async def main() -> set[str]:
         me = _node("me", region="asia", is_seed=is_seed)
         others = [_node("far0", region="us"), _node("far1", region="us"), _node("near", region=near_region)]
-        _warm([me, *others], 0.0)
+        _warm([me, *others], 0.0, random.Random(0))
         me.head_counter = 5
         mid = b"m" * 32
         have = Bitfield(4)
