@@ -19,6 +19,7 @@ shared, sized stand-ins for studies where payloads are not materialised (simulat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -199,34 +200,83 @@ class SimTransport:
     async def get_chunk(
         self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str, held: int = -1
     ) -> ChunkReply:
-        # The exchange of get_object, written out in one coroutine: the hot path of large simulations
-        # (every await of a nested coroutine costs a frame on each resume).
+        # The exchange of get_object, as timers and one future: the requester wakes once per request
+        # (the hot path of large simulations).  The request reaches the server one latency later
+        # (``_arrive``); its handler runs in its own task (``_answer``).
         net = self.net
         net.stats.chunk_requests += 1
         if self.closed:
             raise TransportError("transport closed")
         try:
-            async with asyncio.timeout(max(timeout, 0.0)):
-                ep = net.endpoint(addr)
-                await asyncio.sleep(net.network.latency(self.host, ep.host))
-                ep = net.endpoint(addr)
-                out = _Delivery(net, ep.host, self.host, size)
-                try:
-                    reply = await _serve(ep.handlers.chunk(chunk_hash, requester, held, out.send))
-                except asyncio.CancelledError:
-                    out.abandon()  # the requester gave up: its connection closes and the server's send ends
-                    raise
-                self._still_there(addr, ep)
-                if isinstance(reply, Busy | Missing):
-                    await asyncio.sleep(net.network.latency(ep.host, self.host))
-                    return reply
-                return out.received(addr)
-        except TimeoutError:
-            net.stats.failures += 1
-            raise TransportError(f"{addr}: timed out") from None
+            ep = net.endpoint(addr)
         except TransportError:
             net.stats.failures += 1
             raise
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[ChunkReply] = loop.create_future()
+        out = _Delivery(net, ep.host, self.host, size)
+        arrival = loop.call_later(
+            net.network.latency(self.host, ep.host), self._arrive, addr, chunk_hash, requester, held, out, reply
+        )
+        deadline = loop.call_later(max(timeout, 0.0), _fail, reply, TransportError(f"{addr}: timed out"))
+        try:
+            return await reply
+        except asyncio.CancelledError:
+            arrival.cancel()
+            out.abandon()  # the requester gave up: its connection closes and the server's send ends
+            raise
+        except TransportError:
+            arrival.cancel()
+            out.abandon()
+            net.stats.failures += 1
+            raise
+        finally:
+            deadline.cancel()
+
+    def _arrive(
+        self, addr: str, chunk_hash: bytes, requester: str, held: int, out: _Delivery, reply: asyncio.Future[ChunkReply]
+    ) -> None:
+        ep = self.net.endpoints.get(addr)
+        if ep is None:
+            _fail(reply, TransportError(f"{addr}: connection refused"))
+            return
+        out.src = ep.host
+        # No reference kept: while pending, the task waits on what the node or network holds (a line
+        # turn, a timer, a flow's future), so it cannot be collected.
+        handler = ep.handlers.chunk(chunk_hash, requester, held, out.send)
+        asyncio.ensure_future(self._answer(addr, ep, handler, out, reply))  # noqa: RUF006
+
+    async def _answer(
+        self,
+        addr: str,
+        ep: Endpoint,
+        handler: Awaitable[Busy | Missing | None],
+        out: _Delivery,
+        reply: asyncio.Future[ChunkReply],
+    ) -> None:
+        """The server's side: the handler, finishing even if the requester gives up (as an HTTP
+        server's does), then the answer: the bytes (already moved as a flow by ``out``), or a
+        refusal one latency later."""
+        try:
+            result = await handler
+        except asyncio.CancelledError:
+            if not reply.done():
+                reply.cancel()
+            raise
+        except Exception as e:  # the requester sees what the handler raised
+            _fail(reply, e)
+            return
+        if reply.done():
+            return  # the requester gave up or timed out
+        if self.net.endpoints.get(addr) is not ep:  # the server that handled it must still be there to answer
+            reply.set_exception(TransportError(f"{addr}: connection reset"))
+        elif isinstance(result, Busy | Missing):
+            asyncio.get_running_loop().call_later(self.net.network.latency(ep.host, self.host), _settle, reply, result)
+        else:
+            try:
+                reply.set_result(out.received(addr))
+            except TransportError as e:
+                reply.set_exception(e)
 
     async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
         net = self.net
@@ -331,30 +381,28 @@ class _Delivery:
 
 
 async def _serve(handler: Awaitable[T]) -> T:
-    """Run a peer's handler as a server would: in its own task, finishing even if the requester gives up.
-
-    (``asyncio.shield`` of the task, by hand: the task hands its outcome straight to the requester's
-    future, one loop turn instead of shield's three per request.)"""
-    reply: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-    # No reference kept: while pending, the task waits on what the node or network holds (a line
-    # turn, a timer, a flow's future), so it cannot be collected.
-    asyncio.ensure_future(_answer(handler, reply))  # noqa: RUF006
-    return await reply
-
-
-async def _answer(handler: Awaitable[T], reply: asyncio.Future[T]) -> None:
+    """Run a peer's handler as a server would: in its own task, finishing even if the requester gives up."""
+    task = asyncio.ensure_future(handler)
     try:
-        result = await handler
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
-        if not reply.done():
-            reply.cancel()
+        task.add_done_callback(_drain)
         raise
-    except Exception as e:  # the requester sees what the handler raised; a requester gone already, nothing
-        if not reply.done():
-            reply.set_exception(e)
-        return
-    if not reply.done():
-        reply.set_result(result)
+
+
+def _drain(task: asyncio.Future[Any]) -> None:
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        task.result()
+
+
+def _fail(fut: asyncio.Future[Any], error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)
+
+
+def _settle(fut: asyncio.Future[T], value: T) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 _PLACEHOLDERS: dict[int, bytes] = {}

@@ -74,6 +74,11 @@ def _settle(fut: asyncio.Future[bool], value: bool) -> None:
         fut.set_result(value)
 
 
+def _settle_none(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 @dataclass
 class NodeConfig:
     node_id: str
@@ -911,7 +916,7 @@ class SwarmNode:
                 self._download_full = sched.full
                 deadline = sched.next_deadline()
                 timeout = 0.25 if deadline is None else max(0.005, min(0.25, deadline - self.clock.now()))
-                await self._until_change(timeout, list(running.values()))
+                await self._until_change(timeout)
         finally:
             self._download_full = False
             for task in running.values():
@@ -962,29 +967,26 @@ class SwarmNode:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _until_change(self, timeout: float, tasks: list[asyncio.Task[None]]) -> None:
-        """Wait until what peers hold changes, a fetch ends, or ``timeout`` (loop) seconds pass.
+    async def _until_change(self, timeout: float) -> None:
+        """Wait until what peers hold changes, a fetch ends (``_fetch`` wakes us on its way out), or
+        ``timeout`` (loop) seconds pass.
 
-        One future, one timer and done-callbacks rather than helper tasks: a download loop wakes
-        about once per chunk, so this is on the hot path of large (simulated) swarms."""
+        One future and one timer rather than helper tasks or callbacks on every fetch: a download
+        loop wakes about once per chunk, so this is on the hot path of large (simulated) swarms."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-
-        def wake(_: object = None) -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        timer = loop.call_later(max(0.0, timeout), wake)
+        timer = loop.call_later(max(0.0, timeout), _settle_none, fut)
         self._change_waiter = fut
-        for t in tasks:
-            t.add_done_callback(wake)
         try:
             await fut
         finally:
             self._change_waiter = None
             timer.cancel()
-            for t in tasks:
-                t.remove_done_callback(wake)
+
+    def _fetch_ended(self) -> None:
+        waiter = self._change_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _touch(self, node_id: str) -> None:
         view = self.peers.get(node_id)
@@ -1102,6 +1104,7 @@ class SwarmNode:
             self._note_peers_changed()
         finally:
             running.pop((req.chunk, req.peer_id), None)
+            self._fetch_ended()  # (a task the loop cancels before it first ran never gets here: nor need it)
 
     async def _wait(self, event: asyncio.Event, timeout: float) -> None:
         waiter = asyncio.ensure_future(event.wait())
