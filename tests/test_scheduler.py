@@ -962,3 +962,36 @@ def test_with_no_peer_in_another_region_the_node_is_full_when_its_one_budget_is(
     assert [r.peer_id for r in s.next_requests(0.1)] == ["far"]
     s.remove_peer("far")
     assert s.full
+
+
+def test_an_active_set_keeps_the_peers_heard_from_last() -> None:
+    """``max_peers`` = 2: a third non-seed peer pushes out the one heard from longest ago, unless it
+    has a request in flight, rests after a refusal or is banned (forgetting it would cut the rest or
+    ban short); a refresh counts as hearing from it; seeds do not count."""
+    s = make(4, replace(WIDE, max_peers=2))
+    s.update_peer(SEED, None, 0.0)
+    s.update_peer(peer("a"), bits(4, {0}), 0.0)
+    s.update_peer(peer("b"), bits(4, {1}), 0.0)
+    s.update_peer(peer("a"), bits(4, {0, 2}), 0.1)  # a refresh: b is now the stalest
+    s.update_peer(peer("c"), bits(4, {3}), 0.2)
+    known = {k.split(":", 1)[1] for k in s.stats() if k.startswith("bytes:")}
+    assert known == {"seed", "a", "c"}
+    issued = s.next_requests(0.3)
+    to_a = [r for r in issued if r.peer_id == "a"]
+    assert to_a and any(r.peer_id == "c" for r in issued)  # a has requests in flight
+    s.on_failure(0.3, 3, "c", FailureReason.BUSY, retry_after=5.0)  # c's is refused: c rests
+    s.update_peer(peer("d"), bits(4, {1}), 0.4)
+    known = {k.split(":", 1)[1] for k in s.stats() if k.startswith("bytes:")}
+    assert known == {"seed", "a", "c", "d"}  # nobody could go: over the cap for now
+    for r in to_a:
+        s.on_success(0.5, r.chunk, "a", MB, 0.1)
+    s.update_peer(peer("e"), bits(4, {1}), 6.0)  # a is free again and c's rest is over: a, the stalest, goes
+    known = {k.split(":", 1)[1] for k in s.stats() if k.startswith("bytes:")}
+    assert known == {"seed", "c", "d", "e"}
+
+
+def test_without_an_active_set_every_peer_stays() -> None:
+    s = make(4, replace(WIDE, max_peers=0))
+    for i in range(50):
+        s.update_peer(peer(f"p{i}"), bits(4, {i % 4}), float(i))
+    assert sum(k.startswith("bytes:") for k in s.stats()) == 50
