@@ -235,6 +235,13 @@ SCHEMA: list[Key] = [
         "Requests in flight to one peer of another region.",
     ),
     Key(
+        "swarm",
+        "max_peers",
+        count_in(0, 1 << 20),
+        _SCHED.max_peers,
+        "Peers the download considers at once: those heard from last; 0 = every peer heard from.",
+    ),
+    Key(
         "trust",
         "root",
         parse_str,

@@ -90,6 +90,7 @@ def swarm_budgets(cfg: DaemonConfig) -> dict[str, Any]:
             max_inflight_per_peer=cfg["swarm.max_inflight_per_peer"],
             max_inflight_remote=cfg["swarm.max_inflight_remote"],
             max_inflight_per_remote_peer=cfg["swarm.max_inflight_per_remote_peer"],
+            max_peers=cfg["swarm.max_peers"],
         ),
     }
 

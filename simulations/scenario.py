@@ -168,6 +168,9 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
         "endgame_remaining": _Field(
             "int", _SCHED.endgame_remaining, 0, 1 << 20, "duplicate requests once this few chunks are left"
         ),
+        "max_peers": _Field(
+            "int", _SCHED.max_peers, 0, 1 << 20, "peers a download considers at once (heard from last), 0: all"
+        ),
         "max_members": _Field("int", 0, 0, 1 << 20, "membership view per node, 0: every member (thousands of hosts)"),
     },
 }

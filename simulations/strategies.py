@@ -184,7 +184,7 @@ def central(s: Scenario, lay: Layout, churn: Sequence[ChurnEvent], kind: str) ->
 
 _SCHEDULER_KEYS: tuple[str, ...] = ("max_inflight", "max_inflight_per_peer", "max_inflight_per_remote_peer")
 _SCHEDULER_KEYS += ("max_inflight_seed",)
-_SCHEDULER_KEYS += ("max_inflight_remote", "seed_patience", "endgame_remaining")
+_SCHEDULER_KEYS += ("max_inflight_remote", "seed_patience", "endgame_remaining", "max_peers")
 
 
 def node_options(s: Scenario) -> dict[str, object]:

@@ -31,10 +31,10 @@ def test_budgets_reach_the_node_and_default_to_the_swarms_own() -> None:
 
     defaults = NodeConfig("n", "run-1", b"s" * 16)
     assert NodeConfig("n", "run-1", b"s" * 16, **swarm_budgets(from_mapping(MINIMAL, {}))) == defaults
-    raw = {**MINIMAL, "swarm": {**MINIMAL["swarm"], "max_inflight_per_peer": 3, "upload_queue": 0}}
+    raw = {**MINIMAL, "swarm": {**MINIMAL["swarm"], "max_inflight_per_peer": 3, "upload_queue": 0, "max_peers": 0}}
     cfg = from_mapping(raw, {"PATCHSWARM_SWARM_MAX_INFLIGHT_REMOTE": "32"})
     got = NodeConfig("n", "run-1", b"s" * 16, **swarm_budgets(cfg))
-    assert got.upload_queue == 0 and got.scheduler.max_inflight_per_peer == 3
+    assert got.upload_queue == 0 and got.scheduler.max_inflight_per_peer == 3 and got.scheduler.max_peers == 0
     assert got.scheduler.max_inflight_remote == 32 and got.scheduler.max_inflight == defaults.scheduler.max_inflight
 
 
@@ -63,6 +63,7 @@ def test_environment_overrides_the_file() -> None:
         ("swarm", "max_inflight_per_peer", 0, r"swarm\.max_inflight_per_peer: expected a whole number from 1"),
         ("swarm", "upload_queue", -1, r"swarm\.upload_queue: expected a whole number"),
         ("swarm", "max_inflight_remote", 5000, r"swarm\.max_inflight_remote: expected a whole number from 0 to 1024"),
+        ("swarm", "max_peers", -1, r"swarm\.max_peers: expected a whole number from 0"),
         ("node", "name", "bad name!", r"node\.name"),
         ("swarm", "colour", "red", r"swarm\.colour: unknown key"),
     ],
