@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from simulations.network import Flow, Network
+from swarm.futures import fail, settle
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 T = TypeVar("T")
@@ -218,7 +219,7 @@ class SimTransport:
         arrival = loop.call_later(
             net.network.latency(self.host, ep.host), self._arrive, addr, chunk_hash, requester, held, out, reply
         )
-        deadline = loop.call_later(max(timeout, 0.0), _fail, reply, TransportError(f"{addr}: timed out"))
+        deadline = loop.call_later(max(timeout, 0.0), fail, reply, TransportError(f"{addr}: timed out"))
         try:
             return await reply
         except asyncio.CancelledError:
@@ -238,7 +239,7 @@ class SimTransport:
     ) -> None:
         ep = self.net.endpoints.get(addr)
         if ep is None:
-            _fail(reply, TransportError(f"{addr}: connection refused"))
+            fail(reply, TransportError(f"{addr}: connection refused"))
             return
         out.src = ep.host
         # No reference kept: while pending, the task waits on what the node or network holds (a line
@@ -264,14 +265,14 @@ class SimTransport:
                 reply.cancel()
             raise
         except Exception as e:  # the requester sees what the handler raised
-            _fail(reply, e)
+            fail(reply, e)
             return
         if reply.done():
             return  # the requester gave up or timed out
         if self.net.endpoints.get(addr) is not ep:  # the server that handled it must still be there to answer
             reply.set_exception(TransportError(f"{addr}: connection reset"))
         elif isinstance(result, Busy | Missing):
-            asyncio.get_running_loop().call_later(self.net.network.latency(ep.host, self.host), _settle, reply, result)
+            asyncio.get_running_loop().call_later(self.net.network.latency(ep.host, self.host), settle, reply, result)
         else:
             try:
                 reply.set_result(out.received(addr))
@@ -393,16 +394,6 @@ async def _serve(handler: Awaitable[T]) -> T:
 def _drain(task: asyncio.Future[Any]) -> None:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         task.result()
-
-
-def _fail(fut: asyncio.Future[Any], error: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(error)
-
-
-def _settle(fut: asyncio.Future[T], value: T) -> None:
-    if not fut.done():
-        fut.set_result(value)
 
 
 _PLACEHOLDERS: dict[int, bytes] = {}

@@ -36,6 +36,7 @@ from protocol.ratelimit import TokenBucket, UploadSlots
 from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
 from protocol.signed import Envelope
 from protocol.wire import Announcement, GossipFrame, WireError, decode_frame, encode_frame
+from swarm.futures import settle
 from swarm.sources import SwarmSource
 from swarm.stores import ChunkStore, MemoryChunkStore
 from swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
@@ -67,16 +68,6 @@ async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: li
 MAX_OBJECT_BYTES = 64 << 20
 SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
-
-
-def _settle(fut: asyncio.Future[bool], value: bool) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _settle_none(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 @dataclass
@@ -737,7 +728,7 @@ class SwarmNode:
         self._upload_queue.append(turn)
         # The wait's end is a timer answering False (one handle, not a sleeping task and asyncio.wait:
         # every queued request of a large simulated swarm comes through here).
-        timer = loop.call_later(self.config.upload_queue_wait, _settle, turn, False)
+        timer = loop.call_later(self.config.upload_queue_wait, settle, turn, False)
         try:
             return await turn
         except asyncio.CancelledError:
@@ -980,7 +971,7 @@ class SwarmNode:
         loop wakes about once per chunk, so this is on the hot path of large (simulated) swarms."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        timer = loop.call_later(max(0.0, timeout), _settle_none, fut)
+        timer = loop.call_later(max(0.0, timeout), settle, fut, None)
         self._change_waiter = fut
         try:
             await fut
