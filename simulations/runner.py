@@ -434,6 +434,8 @@ async def run_stream(
     for i, hid in enumerate(order):
         make(hid, clone(start_from), [addr(seed_host.id), *(addr(p) for p in order[max(0, i - 2) : i])])
     net.register(seed_node.info.addr, seed_host.id, seed_node.handlers())
+    if warm_membership:
+        _warm([seed_node, *nodes.values()], clock.now(), random.Random(f"{seed}:warm"))
     tasks: list[asyncio.Task[None]] = []
 
     async def publisher() -> None:
@@ -492,11 +494,9 @@ async def run_stream(
     # The head starts at what the hosts hold (a board reused from an earlier run may be further on).
     setup.publish(start_from.version if start_from is not None else versions[0])
     try:
-        await seed_node.start(joined=warm_membership)
+        await seed_node.start()
         for hid in order:
-            await nodes[hid].start(joined=warm_membership)
-        if warm_membership:  # after start: the join seeds (the trainer's seed) then keep their place in a bounded view
-            _warm([seed_node, *nodes.values()], clock.now(), random.Random(f"{seed}:warm"))
+            await nodes[hid].start()
         tasks.append(asyncio.create_task(publisher()))
         if churn is not None:
             for at, hid, down_for in churn.schedule:

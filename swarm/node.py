@@ -221,16 +221,11 @@ class SwarmNode:
     def _wall(self) -> float:
         return self.clock.wall()
 
-    async def start(self, *, joined: bool = False) -> None:
-        """Start the node's loops and join through ``config.bootstrap``.  ``joined``: it is a member
-        already (a simulation's warm start, its view given to it): keep the bootstrap peers as join
-        seeds but send them no full-state sync (at 1,000 hosts, 3 syncs of 1,000 members per node)."""
+    async def start(self) -> None:
         if self.board is not None:
             self._load_board_head()
         seeds = [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
-        syncs = self.membership.join(seeds, self.clock.now())
-        if not joined:
-            self._dispatch(syncs)
+        self._dispatch(self.membership.join(seeds, self.clock.now()))
         self._tasks = [
             asyncio.create_task(self._membership_loop(), name=f"{self.info.node_id}-membership"),
             asyncio.create_task(self._announce_loop(), name=f"{self.info.node_id}-announce"),

@@ -314,31 +314,6 @@ def test_warm_membership_gives_every_node_every_member() -> None:
     assert pending == [0] * 46
 
 
-def test_a_node_started_as_a_member_sends_its_join_seeds_no_sync() -> None:
-    """``start(joined=True)`` (a simulation's warm start): the bootstrap peer is kept as a join seed
-    (a bounded view keeps its place) but gets no full-state sync; a plain start sends one."""
-    from protocol.membership import Sync
-    from protocol.wire import decode_frame
-
-    async def main(joined: bool) -> tuple[list[str], int]:
-        node = _node("a", bootstrap=["sim://b"])
-        sent: list[str] = []
-
-        async def send(addr: str, data: bytes) -> None:
-            if isinstance(decode_frame(SECRET, data).message, Sync):
-                sent.append(addr)
-
-        node.transport.send = send  # type: ignore[method-assign]
-        await node.start(joined=joined)
-        await asyncio.sleep(0.001)
-        seeds = len(node.membership._seeds)
-        await node.stop(leave=False)
-        return sent, seeds
-
-    assert run_virtual(main(False)) == (["sim://b"], 1)
-    assert run_virtual(main(True)) == ([], 1)
-
-
 def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to_wake_on() -> None:
     """Endgame: chunk 0 is asked of two peers.  The first answers in the same instant as the
     duplicate's task is created, so the duplicate is cancelled before it ever ran and never reaches
