@@ -171,7 +171,13 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
         "max_peers": _Field(
             "int", _SCHED.max_peers, 0, 1 << 20, "peers a download considers at once (heard from last), 0: all"
         ),
-        "max_members": _Field("int", 0, 0, 1 << 20, "membership view per node, 0: every member (thousands of hosts)"),
+        "max_members": _Field(
+            "int",
+            _NODE.membership.max_members,
+            0,
+            1 << 20,
+            "membership view per node, 0: every member (thousands of hosts)",
+        ),
     },
 }
 _REGION_KEYS = {

@@ -219,7 +219,7 @@ class SimTransport:
         arrival = loop.call_later(
             net.network.latency(self.host, ep.host), self._arrive, addr, chunk_hash, requester, held, out, reply
         )
-        deadline = loop.call_later(max(timeout, 0.0), fail, reply, TransportError(f"{addr}: timed out"))
+        deadline = loop.call_later(max(timeout, 0.0), _time_out, addr, reply)
         try:
             return await reply
         except asyncio.CancelledError:
@@ -379,6 +379,11 @@ class _Delivery:
             raise TransportError(f"{addr}: chunk of {len(data)} bytes, expected at most {self.size}")
         self.net.stats.chunk_bytes += len(data)
         return data
+
+
+def _time_out(addr: str, reply: asyncio.Future[ChunkReply]) -> None:
+    """The exchange's deadline (the error is built only when it fires: most requests end before)."""
+    fail(reply, TransportError(f"{addr}: timed out"))
 
 
 async def _serve(handler: Awaitable[T]) -> T:

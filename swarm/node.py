@@ -184,7 +184,6 @@ class SwarmNode:
         self.source = SwarmSource(self)
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
-        self._peers_changed = asyncio.Event()
         self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
         self._download_full = False  # it waits with every request it may have in flight out
         self._announce_dirty = False
@@ -903,7 +902,6 @@ class SwarmNode:
                     )
                 if sched.complete:
                     break
-                self._peers_changed.clear()
                 self._download_full = sched.full
                 deadline = sched.next_deadline()
                 timeout = 0.25 if deadline is None else max(0.005, min(0.25, deadline - self.clock.now()))
@@ -951,7 +949,6 @@ class SwarmNode:
         """Wake the download loop.  ``news`` (an announcement): not while every request it may have in
         flight is out, since it could start none; a fetch that ends wakes it, and the news is
         waiting in ``_dirty`` then (simulated swarms: most announcements reach a full downloader)."""
-        self._peers_changed.set()
         waiter = self._change_waiter
         if news and self._download_full:
             return
@@ -959,7 +956,7 @@ class SwarmNode:
             waiter.set_result(None)
 
     async def _until_change(self, timeout: float) -> None:
-        """Wait until what peers hold changes, a fetch ends (``_fetch`` wakes us on its way out), or
+        """Wait until what peers hold changes, a fetch ends (``_fetch`` wakes it on its way out), or
         ``timeout`` (loop) seconds pass.
 
         One future and one timer rather than helper tasks or callbacks on every fetch: a download
@@ -973,11 +970,6 @@ class SwarmNode:
         finally:
             self._change_waiter = None
             timer.cancel()
-
-    def _fetch_ended(self) -> None:
-        waiter = self._change_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
     def _touch(self, node_id: str) -> None:
         view = self.peers.get(node_id)
@@ -1087,15 +1079,14 @@ class SwarmNode:
             end = self.clock.now()
             for dup in sched.on_success(end, req.chunk, req.peer_id, len(reply), max(end - start, 1e-6)):
                 # Popped here: a task cancelled before it first ran never reaches its own ``finally``,
-                # and a done task left in ``running`` would wake the download loop at once, forever.
+                # and a stale entry in ``running`` would keep the loop from asking the seeds again.
                 task = running.pop((dup.chunk, dup.peer_id), None)
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
             self._availability_changed()
-            self._note_peers_changed()
         finally:
             running.pop((req.chunk, req.peer_id), None)
-            self._fetch_ended()  # (a task the loop cancels before it first ran never gets here: nor need it)
+            self._note_peers_changed()  # (a task the loop cancels before it first ran never gets here: nor need it)
 
     async def _wait(self, event: asyncio.Event, timeout: float) -> None:
         waiter = asyncio.ensure_future(event.wait())
