@@ -35,6 +35,7 @@ from protocol.patchfile import apply_version
 from protocol.ratelimit import TokenBucket, UploadSlots
 from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
 from protocol.signed import Envelope
+from protocol.trust import TrustState
 from protocol.wire import Announcement, GossipFrame, WireError, decode_frame, encode_frame
 from swarm.futures import settle
 from swarm.sources import SwarmSource
@@ -788,8 +789,12 @@ class SwarmNode:
 
     async def _fetch_head_once(self, prefer: str | None) -> None:
         try:
-            await self.puller.refresh_trust()
-            data = await self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer)
+            # The root is refreshed (TUF: before a head is trusted) while the head travels: one round
+            # trip instead of two on every new head.
+            _, data = await asyncio.gather(
+                self.puller.refresh_trust(),
+                self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer),
+            )
             if data is None:
                 return
             # Verified, checked against the high-water mark (rewind, equivocation) and counted when refused.
@@ -799,6 +804,8 @@ class SwarmNode:
             if isinstance(e, PatchswarmError):
                 self.head_error = str(e)  # e.g. expired beyond the clock skew: the host reports it
             return
+        finally:
+            self._keep_trusted()
         self.head_error = None
         if accepted is None:
             return
@@ -807,9 +814,25 @@ class SwarmNode:
         self.marks.append(("head", head.version, self.clock.now()))
         log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
         self.objects[Board.head_rel(self.config.run_id)] = data
+        self._forget_manifests(head)
         self._availability_changed()
         self._wake.set()
         self._push_head()
+
+    def _keep_trusted(self) -> None:
+        """Serve the certificates and root documents this node has verified: the next node asks the
+        peer that told it of a head for that head's certificate before it asks the seed."""
+        trust = self.puller.trust
+        if isinstance(trust, TrustState):
+            self.objects.update(self.source.take_trusted(trust))
+
+    def _forget_manifests(self, head: Head) -> None:
+        """Stop serving manifests the head's catalog no longer names (or the node would keep every
+        manifest it ever fetched: about 1 MB per version of a large model)."""
+        named = {Board.manifest_rel(e.manifest_id) for e in head.catalog}
+        named.update(Board.manifest_rel(mid) for mid in self.partial)
+        for rel in [r for r in self.objects if r.startswith("manifests/") and r not in named]:
+            del self.objects[rel]
 
     # ------------------------------------------------------------ fetching versions
 
@@ -838,7 +861,8 @@ class SwarmNode:
             manifest = await self.puller.fetch_manifest(entry)
             log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
             self.marks.append(("manifest", entry.version, self.clock.now()))
-            self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.last_manifest_bytes(entry.manifest_id)
+            self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.take_manifest(entry.manifest_id)
+            self._keep_trusted()  # the manifest signer's certificate
             prepare = getattr(self.apply, "prepare", None)  # e.g. swarm.staging.StagedApply
             if prepare is not None:
                 prepare(self.held, manifest)

@@ -1,20 +1,27 @@
 """Board objects (heads, manifests, certificates, root documents) fetched from the swarm.
 
 A node asks, in order: what it already holds, the peer that announced the object, peers
-likely to hold it, then the seed's board over plain HTTP.  Manifests are named by the hash of
-their body, so a peer's wrong answer is discarded here and the next source is tried;
-everything else is verified by the caller (signatures) before it is trusted or re-served.
+likely to hold it, then the seed's board over plain HTTP.  Root documents are asked of the
+board (``seed_urls``) and then a seed first: the usual question is whether root N+1 exists, and
+only a board can say it does not (a peer's "not here" settles nothing, so asking peers first cost
+every head a round trip per peer).
+Manifests are named by the hash of their body, so a peer's wrong answer is discarded here and
+the next source is tried; everything else is verified by the caller (signatures) before the
+node keeps it to re-serve (``take_manifest``, ``take_trusted``).
 """
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 import blake3
 
+from daemon.board import Board
 from daemon.sources import HttpSource, SourceError
 from protocol.errors import LimitExceededError
 from protocol.signed import Envelope
+from protocol.trust import TrustState
 from swarm.transport import TransportError
 
 if TYPE_CHECKING:
@@ -22,23 +29,55 @@ if TYPE_CHECKING:
 
 PEER_TRIES = 3
 OBJECT_TIMEOUT = 5.0
+UNCLAIMED = 64  # fetched objects never verified (a peer's junk) kept at most: the oldest go
+
+
+class _Unreachable(enum.Enum):
+    """A source that did not answer (unlike one that answered "not here")."""
+
+    UNREACHABLE = enum.auto()
+
+
+_UNREACHABLE = _Unreachable.UNREACHABLE
 
 
 class SwarmSource:
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
-        self.fetched: dict[str, bytes] = {}
+        self.fetched: dict[str, bytes] = {}  # fetched, not yet verified and taken by the node
         self.refused = 0  # answers that were not the object asked for (a lying peer or mirror)
+        self._head_from: str | None = None  # who served the last head: it verified it, so holds its certificate
         self._boards = [HttpSource(url) for url in node.config.seed_urls]
 
-    def last_manifest_bytes(self, manifest_id: bytes) -> bytes:
-        return self.fetched.get(f"manifests/{manifest_id.hex()}", b"")
+    def take_manifest(self, manifest_id: bytes) -> bytes:
+        """The bytes of a manifest fetched and since verified (no longer kept here: the node serves them)."""
+        return self.fetched.pop(Board.manifest_rel(manifest_id), b"")
+
+    def take_trusted(self, trust: TrustState) -> dict[str, bytes]:
+        """The certificates and root documents fetched that ``trust`` has since accepted, to re-serve.
+
+        A certificate is accepted once its key is certified (it is fetched only while not), a root
+        document once the trusted root version reached it (each is fetched until accepted)."""
+        out: dict[str, bytes] = {}
+        for rel in list(self.fetched):
+            if rel.startswith("certs/"):
+                accepted = bytes.fromhex(rel.removeprefix("certs/")) in trust.certificates
+            elif rel.startswith("trust/root."):
+                accepted = int(rel.removeprefix("trust/root.")) <= trust.root_version
+            else:
+                continue
+            if accepted:
+                out[rel] = self.fetched.pop(rel)
+        return out
 
     def _candidates(self, rel: str, prefer: str | None) -> list[str]:
-        """``prefer``, then random peers (holders of a manifest first), then one seed.
+        """``prefer`` (for a certificate: who served the last head), then random peers (holders of a
+        manifest first), then one seed.
 
         O(peers) filtering and O(PEER_TRIES) random draws per object, not a sort of every peer view."""
         node = self.node
+        if prefer is None and rel.startswith("certs/"):
+            prefer = self._head_from
         addrs: list[str] = [prefer] if prefer else []
         views = list(node.peers.values())
         if rel.startswith("manifests/"):
@@ -67,23 +106,67 @@ class SwarmSource:
         held = node.objects.get(rel)
         if held is not None and not rel.endswith("/head"):
             return held
+        if rel.startswith("trust/"):
+            return await self._get_root(rel, limit)
         for addr in self._candidates(rel, prefer):
-            try:
-                data = await node.transport.get_object(addr, rel, limit, OBJECT_TIMEOUT)
-            except TransportError:
-                continue
-            if data is not None and self._acceptable(rel, data):
-                self.fetched[rel] = data
-                return data
+            found = await self._ask(addr, rel, limit)
+            if isinstance(found, bytes):
+                if rel.endswith("/head"):
+                    self._head_from = addr
+                return found
         for board in self._boards:
-            try:
-                data = await board.get(rel, limit)
-            except (SourceError, LimitExceededError):
-                continue
-            if data is not None and self._acceptable(rel, data):
-                self.fetched[rel] = data
-                return data
+            found = await self._ask_board(board, rel, limit)
+            if isinstance(found, bytes):
+                return found
         return None
+
+    async def _get_root(self, rel: str, limit: int) -> bytes | None:
+        """A root document: the boards, then a seed; either's "not here" is the answer (see the module
+        docstring).  Peers only while neither can be reached (a peer's "not here" settles nothing)."""
+        for board in self._boards:
+            found = await self._ask_board(board, rel, limit)
+            if found is not _UNREACHABLE:
+                return found if isinstance(found, bytes) else None
+        views = self.node.peers.values()
+        seeds = sorted(v.info.addr for v in views if v.ann.seed)
+        for addr in seeds[:1]:
+            found = await self._ask(addr, rel, limit)
+            if found is not _UNREACHABLE:
+                return found if isinstance(found, bytes) else None
+        for addr in self._candidates(rel, None):
+            found = await self._ask(addr, rel, limit)
+            if isinstance(found, bytes):
+                return found
+        return None
+
+    async def _ask(self, addr: str, rel: str, limit: int) -> bytes | _Unreachable | None:
+        """The object from a peer; None if it says it has not got it (or sent something else);
+        ``_UNREACHABLE`` if it did not answer."""
+        try:
+            data = await self.node.transport.get_object(addr, rel, limit, OBJECT_TIMEOUT)
+        except TransportError:
+            return _UNREACHABLE
+        return self._keep_if_acceptable(rel, data)
+
+    async def _ask_board(self, board: HttpSource, rel: str, limit: int) -> bytes | _Unreachable | None:
+        try:
+            data = await board.get(rel, limit)
+        except (SourceError, LimitExceededError):
+            return _UNREACHABLE
+        return self._keep_if_acceptable(rel, data)
+
+    def _keep_if_acceptable(self, rel: str, data: bytes | None) -> bytes | None:
+        if data is None or not self._acceptable(rel, data):
+            return None
+        self._hold(rel, data)
+        return data
+
+    def _hold(self, rel: str, data: bytes) -> None:
+        fetched = self.fetched
+        fetched.pop(rel, None)  # (re-inserted last: the oldest unclaimed go first)
+        fetched[rel] = data
+        while len(fetched) > UNCLAIMED:
+            del fetched[next(iter(fetched))]
 
     async def close(self) -> None:
         for b in self._boards:
