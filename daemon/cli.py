@@ -28,7 +28,7 @@ from daemon.pull_state import PullState
 from daemon.served_format import ServedFormat
 from daemon.simulate_cli import add_simulate_parser
 from daemon.sources import source_for
-from daemon.swarm_cli import add_swarm_args
+from daemon.swarm_cli import add_seed_args, add_swarm_args
 from protocol.codec import read_header
 from protocol.errors import PatchswarmError
 from protocol.keys import SigningKey, TrustedKeys, load_public_key
@@ -428,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--listen", default="127.0.0.1:8700", metavar="HOST:PORT")
     sd.add_argument("--run", help="also join the swarm of this run as a peer that holds everything")
     add_swarm_args(sd)
+    add_seed_args(sd)
     sd.set_defaults(func=cmd_seed)
 
     dm = sub.add_parser("daemon", help="run the rollout-host daemon (see docs/daemon.md)")

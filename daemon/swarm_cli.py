@@ -12,7 +12,9 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from daemon.board import Board
 from daemon.pull import Held
@@ -23,6 +25,8 @@ from swarm.node import NodeConfig
 from swarm.server import start_http_node
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
+_NODE = NodeConfig("", "", b"")
+N = TypeVar("N", int, float)
 
 
 class SwarmCliError(Exception):
@@ -45,9 +49,58 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upload-rate", type=float, default=float("inf"), metavar="BYTES/S")
     p.add_argument("--download-rate", type=float, default=float("inf"), metavar="BYTES/S")
     p.add_argument("--bootstrap", action="append", default=[], metavar="URL", help="a peer or seed to join through")
+    p.add_argument(
+        "--max-uploads",
+        type=_count,
+        metavar="N",
+        help=f"chunk uploads served at once (default {_NODE.max_uploads}; a seed: {_NODE.seed_max_uploads})",
+    )
+    p.add_argument(
+        "--upload-queue",
+        type=_count,
+        metavar="N",
+        help=f"requests waiting for an upload slot before refusals (default {_NODE.upload_queue}; "
+        f"a seed: {_NODE.seed_upload_queue})",
+    )
+
+
+def add_seed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--copy-window",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"the seed hands out each chunk once per this window (default {_NODE.seed_copy_window})",
+    )
+
+
+def _bounded(convert: Callable[[str], N], what: str, low: N, high: N) -> Callable[[str], N]:
+    """An argparse type: ``convert`` the text, refusing it (with why) outside ``low..high``."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
+
+
+_count = _bounded(int, "a whole number", 0, 1024)
+_seconds = _bounded(float, "a number of seconds", 0.0, 3600.0)
 
 
 def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConfig:
+    # The seed's own slots, line and copy window are separate fields (a trainer seed is tuned apart
+    # from the rollout hosts); flags left out keep NodeConfig's defaults.
+    prefix = "seed_" if is_seed else ""
+    tuned = {
+        f"{prefix}max_uploads": args.max_uploads,
+        f"{prefix}upload_queue": args.upload_queue,
+        "seed_copy_window": getattr(args, "copy_window", None),
+    }
     return NodeConfig(
         node_id=args.name or listen,
         run_id=args.run,
@@ -59,6 +112,7 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
         is_seed=is_seed,
         upload_rate=args.upload_rate,
         download_rate=args.download_rate,
+        **{k: v for k, v in tuned.items() if v is not None},
     )
 
 

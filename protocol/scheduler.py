@@ -285,6 +285,10 @@ class ChunkScheduler:
         """Whether chunk ``chunk`` is held (no copy, unlike ``have``)."""
         return chunk in self._have
 
+    def holders(self, chunk: int) -> int:
+        """Non-seed peers known to hold ``chunk``."""
+        return self._avail[self._index(chunk)] + self._n_full
+
     @property
     def held_count(self) -> int:
         return self._have.count()

@@ -159,6 +159,13 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
         "announce_interval": _Field(
             "duration", _NODE.announce_interval, 1e-4, 10.0, "how often a node may announce new chunks"
         ),
+        "announce_rare": _Field(
+            "int",
+            _NODE.announce_rare,
+            -1,
+            1 << 20,
+            "news of a chunk at most this many peers hold goes out at once, not at the tick; -1: never",
+        ),
         "seed_copy_window": _Field(
             "duration", _NODE.seed_copy_window, 0.0, 600.0, "the seed serves each chunk once per this window"
         ),

@@ -104,6 +104,9 @@ class NodeConfig:
     seed_copy_window: float = 2.0
     head_poll_interval: float = 2.0
     announce_interval: float = 0.01  # a 4 MiB chunk takes 3.4 ms at 10 Gbit/s: news of it should not wait much longer
+    # News of a chunk at most this many peers are known to hold goes out at once, not at the next tick:
+    # a new chunk spreads in hops, and each hop waiting for the tick adds up to announce_interval.
+    announce_rare: int = 2
     announce_fanout: int = 6  # peers told at once when availability changes (those that lack what we have first)
     announce_refresh: float = 0.5  # even without changes, a few random peers hear from us this often
     announce_sample: int = 0  # >0: choose announcement targets among this many random live members (0: all)
@@ -189,6 +192,7 @@ class SwarmNode:
         self._download_full = False  # it waits with every request it may have in flight out
         self._announce_dirty = False
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
+        self._announce_tick: asyncio.Future[None] | None = None  # the announce loop's interval, while it waits
         self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
         self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
         self._seed_chunk_index: dict[bytes, dict[bytes, int]] = {}  # manifest -> chunk hash -> its index
@@ -456,8 +460,17 @@ class SwarmNode:
         At most one push per ``announce_interval``; between changes the loop sleeps until the next
         change or refresh instead of waking every interval (thousands of idle nodes in a simulation)."""
         last_refresh = self.clock.now()
+        loop = asyncio.get_running_loop()
         while not self._stopping:
-            await self.clock.sleep(self.config.announce_interval)
+            # The interval, cut short by rare news (one future and one timer: thousands of nodes do this).
+            tick: asyncio.Future[None] = loop.create_future()
+            timer = loop.call_later(self.config.announce_interval, settle, tick, None)
+            self._announce_tick = tick
+            try:
+                await tick
+            finally:
+                self._announce_tick = None
+                timer.cancel()
             now = self.clock.now()
             if not self._announce_dirty and (rest := last_refresh + self.config.announce_refresh - now) > 0:
                 self._announce_wake.clear()
@@ -477,9 +490,12 @@ class SwarmNode:
             for info in targets:
                 self._spawn(self._send(info.addr, frame))
 
-    def _availability_changed(self) -> None:
+    def _availability_changed(self, *, rare: bool = False) -> None:
+        """Announce what we hold at the next tick; ``rare`` (a chunk few peers hold): now."""
         self._announce_dirty = True
         self._announce_wake.set()
+        if rare and self._announce_tick is not None:
+            settle(self._announce_tick, None)
 
     def _push_head(self) -> None:
         """Tell peers that have not announced our head counter about it now, not at the next announce tick:
@@ -1107,7 +1123,7 @@ class SwarmNode:
                 task = running.pop((dup.chunk, dup.peer_id), None)
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
-            self._availability_changed()
+            self._availability_changed(rare=sched.holders(req.chunk) <= self.config.announce_rare)
         finally:
             running.pop((req.chunk, req.peer_id), None)
             self._note_peers_changed()  # (a task the loop cancels before it first ran never gets here: nor need it)

@@ -46,7 +46,9 @@ class SwarmSource:
         self.node = node
         self.fetched: dict[str, bytes] = {}  # fetched, not yet verified and taken by the node
         self.refused = 0  # answers that were not the object asked for (a lying peer or mirror)
-        self._head_from: str | None = None  # who served the last head: it verified it, so holds its certificate
+        # Who served the last head: it verified it, so holds its certificate, and fetched the manifest
+        # it names while we fetched the head (so the seed is not every host's manifest source at once).
+        self._head_from: str | None = None
         self._boards = [HttpSource(url) for url in node.config.seed_urls]
 
     def take_manifest(self, manifest_id: bytes) -> bytes:
@@ -71,12 +73,12 @@ class SwarmSource:
         return out
 
     def _candidates(self, rel: str, prefer: str | None) -> list[str]:
-        """``prefer`` (for a certificate: who served the last head), then random peers (holders of a
-        manifest first), then one seed.
+        """``prefer`` (for a certificate or a manifest: who served the last head), then random peers
+        (holders of a manifest first), then one seed.
 
         O(peers) filtering and O(PEER_TRIES) random draws per object, not a sort of every peer view."""
         node = self.node
-        if prefer is None and rel.startswith("certs/"):
+        if prefer is None and rel.startswith(("certs/", "manifests/")):
             prefer = self._head_from
         addrs: list[str] = [prefer] if prefer else []
         views = list(node.peers.values())

@@ -81,7 +81,8 @@ def test_seed_and_nodes_as_processes_converge_bitwise(tmp_path: Path) -> None:
     common = ["--run", RUN, "--secret-file", "secret"]
     seed_port = free_port()
     seed = Proc(
-        ["seed", "--board", str(s.board.root), "--listen", f"127.0.0.1:{seed_port}", "--name", "seed", *common],
+        ["seed", "--board", str(s.board.root), "--listen", f"127.0.0.1:{seed_port}", "--name", "seed", *common]
+        + ["--max-uploads", "8", "--upload-queue", "6", "--copy-window", "1.5"],
         tmp_path,
     )
     procs: list[Proc] = []
@@ -120,3 +121,28 @@ def test_node_refuses_a_missing_or_weak_cluster_secret(tmp_path: Path, secret: s
         timeout=60,
     )
     assert r.returncode == 1 and "cluster secret" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_upload_flags_reach_the_node_config_and_bad_values_are_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from daemon.cli import build_parser
+    from daemon.swarm_cli import _config
+
+    monkeypatch.setenv("PATCHSWARM_CLUSTER_SECRET", SECRET.decode())
+    parser = build_parser()
+    seed = parser.parse_args(["seed", "--board", "b", "--run", RUN, "--max-uploads", "8", "--upload-queue", "6"])
+    cfg = _config(seed, is_seed=True, listen="127.0.0.1:1")
+    # A trainer seed's flags tune the seed's own fields; the rest keep their defaults.
+    assert (cfg.seed_max_uploads, cfg.seed_upload_queue, cfg.seed_copy_window) == (8, 6, 2.0)
+    seed = parser.parse_args(["seed", "--board", "b", "--run", RUN, "--copy-window", "0.5"])
+    assert _config(seed, is_seed=True, listen="x").seed_copy_window == 0.5
+    node = parser.parse_args(["node", "--listen", "127.0.0.1:1", "--run", RUN, "--trust", "t", "--max-uploads", "3"])
+    cfg = _config(node, is_seed=False, listen="127.0.0.1:1")
+    assert (cfg.max_uploads, cfg.upload_queue, cfg.seed_max_uploads) == (3, 2, 6)
+    for bad, why in (("-1", "outside 0..1024"), ("many", "not a whole number")):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(["node", "--listen", "x", "--run", RUN, "--trust", "t", "--max-uploads", bad])
+        assert info.value.code == 2 and why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["node", "--listen", "x", "--run", RUN, "--trust", "t", "--copy-window", "1"])  # a seed's
