@@ -105,8 +105,10 @@ class NodeConfig:
     head_poll_interval: float = 2.0
     announce_interval: float = 0.01  # a 4 MiB chunk takes 3.4 ms at 10 Gbit/s: news of it should not wait much longer
     # News of a chunk at most this many peers are known to hold goes out at once, not at the next tick:
-    # a new chunk spreads in hops, and each hop waiting for the tick adds up to announce_interval.
-    announce_rare: int = 2
+    # a new chunk spreads in hops, and each hop waiting for the tick adds up to announce_interval.  0:
+    # chunks nobody else is known to hold (the first hop from the seed): simulated 1,000 hosts 0.595 ->
+    # 0.577 s with 5% fewer events; 2 was 0.568 s for 11% more events and 21% more gossip.
+    announce_rare: int = 0
     announce_fanout: int = 6  # peers told at once when availability changes (those that lack what we have first)
     announce_refresh: float = 0.5  # even without changes, a few random peers hear from us this often
     announce_sample: int = 0  # >0: choose announcement targets among this many random live members (0: all)
