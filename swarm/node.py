@@ -838,8 +838,8 @@ class SwarmNode:
         self._push_head()
 
     def _keep_trusted(self) -> None:
-        """Serve the certificates and root documents this node has verified: the next node asks the
-        peer that told it of a head for that head's certificate before it asks the seed."""
+        """Serve the certificates and root documents this node has verified: a node asks the peer
+        that served it a head for that head's certificate before it asks the seed."""
         trust = self.puller.trust
         if isinstance(trust, TrustState):
             self.objects.update(self.source.take_trusted(trust))
