@@ -19,9 +19,9 @@ import blake3
 
 from daemon.board import Board
 from daemon.sources import HttpSource, SourceError
-from protocol.errors import LimitExceededError
+from protocol.errors import LimitExceededError, PatchswarmError
 from protocol.signed import Envelope
-from protocol.trust import TrustState
+from protocol.trust import CERT_TAG, Certificate, TrustState
 from swarm.transport import TransportError
 
 if TYPE_CHECKING:
@@ -93,15 +93,38 @@ class SwarmSource:
         return addrs + picked + seeds[:1]
 
     def _acceptable(self, rel: str, data: bytes) -> bool:
-        if not rel.startswith("manifests/"):
+        """Whether an answer can be the object asked for; one that cannot is counted in ``refused``
+        and the next source is tried (a lying peer does not get the head it came with refused)."""
+        if rel.startswith("manifests/"):
+            ok = self._is_manifest(rel, data)
+        elif rel.startswith("certs/"):
+            ok = self._is_certificate(rel, data)
+        else:
             return True
+        if not ok:
+            self.refused += 1
+        return ok
+
+    @staticmethod
+    def _is_manifest(rel: str, data: bytes) -> bool:
+        """The manifest named by ``rel``: the BLAKE3 of its body."""
         try:
-            if blake3.blake3(Envelope.from_bytes(data, "patchswarm/manifest").body).hexdigest() == rel.split("/", 1)[1]:
-                return True
-        except Exception:
-            pass
-        self.refused += 1
-        return False
+            return blake3.blake3(Envelope.from_bytes(data, "patchswarm/manifest").body).hexdigest() == rel[10:]
+        except PatchswarmError:
+            return False
+
+    def _is_certificate(self, rel: str, data: bytes) -> bool:
+        """A certificate for the key ``rel`` names, validly signed by a current root key (the trust
+        state checks it again, with expiry and run, before it counts)."""
+        try:
+            env = Envelope.from_bytes(data, CERT_TAG)
+            env.check_signature()
+            cert = Certificate.from_bytes(env.body)
+        except PatchswarmError:
+            return False
+        trust = self.node.policy
+        signer_ok = not isinstance(trust, TrustState) or env.key_id in trust.root_keys
+        return signer_ok and cert.key.hex() == rel.removeprefix("certs/")
 
     async def get(self, rel: str, limit: int, prefer: str | None = None) -> bytes | None:
         node = self.node

@@ -26,6 +26,12 @@ from tests.swarmkit import RUN, Swarm
 from tests.test_sim_swarm import stream
 
 ROOT_1 = Board.root_rel(1)
+ROOT, TRAINER = SigningKey.generate(), SigningKey.generate()
+
+
+def certificate(key: SigningKey = TRAINER, signer: SigningKey = ROOT) -> bytes:
+    now = int(time.time() * 1000)
+    return Certificate(key.key_id, RUN, now - 1000, now + 60_000).sign(signer).to_bytes()
 
 
 @dataclass
@@ -50,7 +56,12 @@ def view(addr: str, *, seed: bool = False) -> SimpleNamespace:
 def source(transport: Recorder, peers: int = 5) -> SwarmSource:
     views = {f"p{i}": view(f"p{i}") for i in range(peers)} | {"seed": view("seed", seed=True)}
     node: Any = SimpleNamespace(
-        peers=views, objects={}, transport=transport, rng=random.Random(0), config=SimpleNamespace(seed_urls=[])
+        peers=views,
+        objects={},
+        transport=transport,
+        rng=random.Random(0),
+        config=SimpleNamespace(seed_urls=[]),
+        policy=TrustState(ROOT.key_id),
     )
     return SwarmSource(node)
 
@@ -76,13 +87,32 @@ async def test_a_root_probe_falls_back_to_peers_only_while_the_seed_does_not_ans
 
 @pytest.mark.asyncio
 async def test_a_certificate_is_asked_first_of_the_peer_that_served_the_head() -> None:
-    head, cert = Board.head_rel(RUN), Board.cert_rel(b"\1" * 32)
-    t = Recorder(have={"p4": {head: b"head", cert: b"cert"}})
+    head, cert = Board.head_rel(RUN), Board.cert_rel(TRAINER.key_id)
+    good = certificate()
+    t = Recorder(have={"p4": {head: b"head", cert: good}})
     src = source(t)
     assert await src.get(head, 1 << 20, prefer="p4") == b"head"
     t.asked = []
-    assert await src.get(cert, 1 << 16) == b"cert"
+    assert await src.get(cert, 1 << 16) == good
     assert t.asked == [("p4", cert)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "junk",
+    [b"not an envelope", certificate(signer=SigningKey.generate()), certificate(key=SigningKey.generate())],
+    ids=["garbage", "signed-by-no-root-key", "for-another-key"],
+)
+async def test_a_certificate_that_cannot_be_the_one_asked_for_is_refused_and_the_next_source_asked(
+    junk: bytes,
+) -> None:
+    head, cert = Board.head_rel(RUN), Board.cert_rel(TRAINER.key_id)
+    good = certificate()
+    t = Recorder(have={"p4": {head: b"head", cert: junk}, "seed": {cert: good}})
+    src = source(t)
+    await src.get(head, 1 << 20, prefer="p4")
+    assert await src.get(cert, 1 << 16) == good  # not the liar's answer, which would fail the head
+    assert src.refused == 1 and t.asked[-1] == ("seed", cert)
 
 
 def test_only_accepted_trust_documents_are_taken_and_unverified_ones_are_bounded() -> None:
