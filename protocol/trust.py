@@ -159,15 +159,19 @@ class TrustState:
         self.root_bodies[doc.version] = env.body
         return doc
 
-    def add_certificate(self, data: bytes) -> Certificate:
+    def read_certificate(self, data: bytes) -> tuple[Certificate, bytes]:
+        """A certificate and its signer, checked (signature, signed by a current root key), not added."""
         env = Envelope.from_bytes(data, CERT_TAG)
         env.check_signature()
         if env.key_id not in self.root_keys:
             raise UntrustedKeyError(f"certificate signed by {env.key_id.hex()[:16]}…, not a root key")
-        cert = Certificate.from_bytes(env.body)
+        return Certificate.from_bytes(env.body), env.key_id
+
+    def add_certificate(self, data: bytes) -> Certificate:
+        cert, signer = self.read_certificate(data)
         certs = self.certificates.setdefault(cert.key, [])
-        if (cert, env.key_id) not in certs:
-            certs.append((cert, env.key_id))
+        if (cert, signer) not in certs:
+            certs.append((cert, signer))
         return cert
 
     def check(self, key_id: bytes, *, run_id: str, now_ms: int | None) -> None:
