@@ -132,9 +132,10 @@ async def test_simulated_time_to_all_agrees_with_real_loopback_nodes(tmp_path: P
             seed=seed_,
         )
 
-    # The protocol's random choices move one run's time to all by a few percent: average three.
+    # The protocol's random choices move one run's time to all by up to +-13% here (seeds 0-7:
+    # 8.8-11.3 s): average eight (three moved the mean by 0.3 s, the loopback run varies 8.6-10.0 s).
     # simulate_swarm runs its own loop: keep it off this test's loop (a thread has none).
-    sims = [await asyncio.to_thread(simulate, k) for k in range(3)]
+    sims = [await asyncio.to_thread(simulate, k) for k in range(8)]
     bound = kumar_ross(size, SEED_UP, PEER_UP, [math.inf] * len(PEER_UP))
     for sim in sims:
         assert sim.complete and sim.errors == {}
@@ -143,5 +144,5 @@ async def test_simulated_time_to_all_agrees_with_real_loopback_nodes(tmp_path: P
         # last chunks, docs/swarm.md "Seed"): its egress sets the time here.
         assert sim.payload_bytes <= sim.seed_uploaded <= 1.1 * sim.payload_bytes
     simulated = sum(sim.time_to_all for sim in sims) / len(sims)
-    print(f"time to all: real {real:.2f} s, simulated {simulated:.2f} s (mean of 3), bound {bound:.2f} s")
+    print(f"time to all: real {real:.2f} s, simulated {simulated:.2f} s (mean of {len(sims)}), bound {bound:.2f} s")
     assert abs(simulated - real) <= 0.15 * real
