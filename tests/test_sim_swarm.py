@@ -310,8 +310,9 @@ def test_a_version_hosts_already_hold_is_done_when_published(synthetic: Syntheti
 
 def test_news_of_a_rare_chunk_does_not_wait_for_the_announce_tick() -> None:
     """A chunk that few peers hold spreads in hops; with a long tick (0.2 s) each hop would wait for it.
-    12 hosts: 0.93 s to all when every announcement waits for the tick, 0.75 s when rare news goes at once."""
+    12 hosts: 0.77 s to all when every announcement waits for the tick, 0.67 s when rare news goes at once
+    (0.93 and 0.75 s before the seed kept its line for hosts it was not serving)."""
     run = synthetic_setup(patch_bytes=20_000_000, chunk_bytes=1 << 20, versions=1)
     slow, fast = (stream(run, node_options={"announce_interval": 0.2, "announce_rare": rare}) for rare in (-1, 2))
     assert slow.complete and fast.complete, (slow.errors, fast.errors)
-    assert fast.versions[0].time_to_all <= slow.versions[0].time_to_all - 0.1
+    assert fast.versions[0].time_to_all <= slow.versions[0].time_to_all - 0.05

@@ -93,6 +93,60 @@ def test_a_seed_keeps_its_own_longer_line() -> None:
     assert sum(isinstance(r, Busy) for r in replies) == 1
 
 
+def _seed_on(net: SimNet, slots: int, line: int) -> SwarmNode:
+    """A seed ``s`` on ``net`` holding chunk ``h`` (1 MB), serving every requester (as to one finishing)."""
+    cfg = NodeConfig(
+        "s", RUN, SECRET, is_seed=True, seed_max_uploads=slots, seed_upload_queue=line, upload_queue_wait=5.0
+    )
+    seed = SwarmNode(cfg, "sim://s", net.transport("s"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+    seed.chunks.put(b"h", b"x" * MB)
+    net.register("sim://s", "s", seed.handlers())
+    seed._seed_chunk_place = lambda h: (b"m", 0, 1)  # type: ignore[method-assign]
+    return seed
+
+
+def test_a_seed_line_is_for_requesters_it_is_not_serving() -> None:
+    """One slot, a line of two.  ``b`` asks twice, then ``c`` once: ``b``'s second request finds the
+    slot taken by its first and is refused (no place in line), ``c`` waits in line and is served.
+    Before, ``b`` took the line's place and ``c`` was refused: a host keeping several requests at
+    the seed took several shares of the one copy."""
+
+    async def main() -> dict[str, list[object]]:
+        hosts = [Host("s", "r", up=1 * MB), Host("b", "r"), Host("c", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        seed = _seed_on(net, slots=1, line=2)
+        ask = {x: net.transport(x) for x in "bc"}
+        b1 = asyncio.ensure_future(ask["b"].get_chunk("sim://s", b"h", MB, 60.0, "b", held=0))
+        await asyncio.sleep(0.01)
+        b2 = asyncio.ensure_future(ask["b"].get_chunk("sim://s", b"h", MB, 60.0, "b", held=0))
+        await asyncio.sleep(0.01)
+        c1 = asyncio.ensure_future(ask["c"].get_chunk("sim://s", b"h", MB, 60.0, "c", held=0))
+        replies = {"b": [await b1, await b2], "c": [await c1]}
+        assert seed._seed_uploading == {}  # every count given back
+        net.close()
+        return replies
+
+    replies = run_virtual(main())
+    assert replies["b"][0] == b"x" * MB and isinstance(replies["b"][1], Busy)
+    assert replies["c"] == [b"x" * MB]
+
+
+def test_a_lone_requester_gets_every_free_seed_slot() -> None:
+    """Three slots, nobody else asking: all three of one requester's requests are served at once
+    (over a long path one request at a time would leave the seed's uplink idle between chunks)."""
+
+    async def main() -> list[object]:
+        hosts = [Host("s", "r", up=1 * MB), Host("b", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        _seed_on(net, slots=3, line=0)
+        b = net.transport("b")
+        replies = await asyncio.gather(*(b.get_chunk("sim://s", b"h", MB, 60.0, "b", held=0) for _ in range(3)))
+        net.close()
+        return list(replies)
+
+    assert run_virtual(main()) == [b"x" * MB] * 3
+
+
 def test_a_requester_that_gives_up_frees_the_slot() -> None:
     async def main() -> tuple[int, object]:
         hosts = [Host("a", "r", up=1 * MB), Host("b", "r")]
