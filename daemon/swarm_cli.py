@@ -71,6 +71,13 @@ def add_seed_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"the seed hands out each chunk once per this window (default {_NODE.seed_copy_window})",
     )
+    p.add_argument(
+        "--object-copies",
+        type=_copies,
+        metavar="N",
+        help="requesters the seed hands each manifest to before it names them to the rest "
+        f"(default {_NODE.seed_object_copies}; 0: serve everyone)",
+    )
 
 
 def _bounded(convert: Callable[[str], N], what: str, low: N, high: N) -> Callable[[str], N]:
@@ -90,6 +97,7 @@ def _bounded(convert: Callable[[str], N], what: str, low: N, high: N) -> Callabl
 
 _count = _bounded(int, "a whole number", 0, 1024)
 _seconds = _bounded(float, "a number of seconds", 0.0, 3600.0)
+_copies = _bounded(int, "a whole number", 0, 1 << 20)
 
 
 def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConfig:
@@ -100,6 +108,7 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
         f"{prefix}max_uploads": args.max_uploads,
         f"{prefix}upload_queue": args.upload_queue,
         "seed_copy_window": getattr(args, "copy_window", None),
+        "seed_object_copies": getattr(args, "object_copies", None),
     }
     return NodeConfig(
         node_id=args.name or listen,

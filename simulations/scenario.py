@@ -169,6 +169,13 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
         "seed_copy_window": _Field(
             "duration", _NODE.seed_copy_window, 0.0, 600.0, "the seed serves each chunk once per this window"
         ),
+        "seed_object_copies": _Field(
+            "int",
+            _NODE.seed_object_copies,
+            0,
+            1 << 20,
+            "requesters the seed hands each manifest to before it names them to the rest; 0: all",
+        ),
         "seed_patience": _Field(
             "duration", _SCHED.seed_patience, 0.0, 600.0, "wait for a peer's copy before asking the seed"
         ),

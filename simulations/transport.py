@@ -279,17 +279,19 @@ class SimTransport:
             except TransportError as e:
                 reply.set_exception(e)
 
-    async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
+    async def get_object(
+        self, addr: str, path: str, limit: int, timeout: float, requester: str = "", insist: bool = False
+    ) -> bytes | Missing | None:
         net = self.net
         net.stats.object_requests += 1
 
-        async def exchange() -> bytes | None:
+        async def exchange() -> bytes | Missing | None:
             ep = await self._request(addr)
-            data = await _serve(ep.handlers.object(path))
+            data = await _serve(ep.handlers.object(path, requester, insist))
             self._still_there(addr, ep)
-            if data is None:
+            if data is None or isinstance(data, Missing):
                 await net.message(ep.host, self.host)
-                return None
+                return data
             if len(data) > limit:
                 raise TransportError(f"{addr}: object of {len(data)} bytes, expected at most {limit}")
             await net.transfer(ep.host, self.host, len(data), tag="object")

@@ -2,7 +2,8 @@
 
 POST /swarm/v1/gossip            one authenticated gossip datagram (msgpack), answered 204
 GET  /swarm/v1/chunks/<hash>     a chunk by its BLAKE3 hash; 503 + Retry-After when busy; 404 if absent
-GET  /swarm/v1/board/<path>      a board object the node holds (head, manifest, certificate, root)
+GET  /swarm/v1/board/<path>      a board object the node holds (head, manifest, certificate, root); 404 if
+                                 absent, or with X-Patchswarm-Holders when a seed withholds a manifest
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ PREFIX = "/swarm/v1"
 NODE_HEADER = "X-Patchswarm-Node"
 HOLDERS_HEADER = "X-Patchswarm-Holders"
 HELD_HEADER = "X-Patchswarm-Held"  # chunks of the version the requester holds (a seed serves one near its end)
+INSIST_HEADER = "X-Patchswarm-Insist"  # "1": the holders a seed named for this object did not have it
 MAX_HOLDERS = 16
 
 
@@ -62,7 +64,10 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
         return resp
 
     async def board_object(request: web.Request) -> web.Response:
-        data = await handlers.object(request.match_info["path"])
+        requester = request.headers.get(NODE_HEADER, "")[:256]
+        data = await handlers.object(request.match_info["path"], requester, request.headers.get(INSIST_HEADER) == "1")
+        if isinstance(data, Missing):
+            raise web.HTTPNotFound(headers={HOLDERS_HEADER: ",".join(data.holders)} if data.holders else None)
         if data is None:
             raise web.HTTPNotFound()
         return web.Response(body=data, content_type="application/octet-stream")
@@ -106,7 +111,7 @@ class HttpTransport:
         try:
             async with self._client().get(url, timeout=self._timeout(timeout), headers=headers) as r:
                 if r.status in (503, 404):
-                    holders = tuple(h for h in r.headers.get(HOLDERS_HEADER, "").split(",") if h)[:MAX_HOLDERS]
+                    holders = _holders(r)
                     if r.status == 404:
                         return Missing(holders)
                     retry = min(max(float(r.headers.get("Retry-After", "1")), 0.0), 60.0)
@@ -117,12 +122,18 @@ class HttpTransport:
         except (TimeoutError, aiohttp.ClientError, ValueError, LimitExceededError) as e:
             raise TransportError(f"GET {url}: {type(e).__name__}") from None
 
-    async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
+    async def get_object(
+        self, addr: str, path: str, limit: int, timeout: float, requester: str = "", insist: bool = False
+    ) -> bytes | Missing | None:
         url = f"{addr}{PREFIX}/board/{path}"
+        headers = {NODE_HEADER: requester} if requester else {}
+        if insist:
+            headers[INSIST_HEADER] = "1"
         try:
-            async with self._client().get(url, timeout=self._timeout(timeout)) as r:
+            async with self._client().get(url, timeout=self._timeout(timeout), headers=headers) as r:
                 if r.status == 404:
-                    return None
+                    holders = _holders(r)
+                    return Missing(holders) if holders else None
                 if r.status != 200:
                     raise TransportError(f"GET {url}: HTTP {r.status}")
                 return await read_bounded(r, limit, url)
@@ -133,6 +144,11 @@ class HttpTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _holders(r: aiohttp.ClientResponse) -> tuple[str, ...]:
+    """The holders a refusal names (node ids for a chunk, addresses for an object), at most MAX_HOLDERS."""
+    return tuple(h for h in r.headers.get(HOLDERS_HEADER, "").split(",") if h)[:MAX_HOLDERS]
 
 
 async def _read_at_most(r: aiohttp.ClientResponse, n: int) -> bytes:

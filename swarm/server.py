@@ -55,8 +55,8 @@ async def start_http_node(
     async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
         return await box[0].handle_chunk(h, requester, held, send)
 
-    async def obj(path: str) -> bytes | None:
-        return await box[0].handle_object(path)
+    async def obj(path: str, requester: str, insist: bool) -> bytes | Missing | None:
+        return await box[0].handle_object(path, requester, insist)
 
     app = board_app(board.root) if board is not None else web.Application()
     add_routes(app, Handlers(gossip, chunk, obj))

@@ -22,12 +22,13 @@ from daemon.sources import HttpSource, SourceError
 from protocol.errors import LimitExceededError, PatchswarmError
 from protocol.signed import Envelope
 from protocol.trust import TrustState
-from swarm.transport import TransportError
+from swarm.transport import Missing, TransportError
 
 if TYPE_CHECKING:
     from swarm.node import SwarmNode
 
 PEER_TRIES = 3
+NAMED_TRIES = 4  # holders a seed names for a manifest it withholds, asked before insisting
 OBJECT_TIMEOUT = 5.0
 UNCLAIMED = 64  # fetched objects never verified (a peer's junk) kept at most: the oldest go
 
@@ -164,14 +165,35 @@ class SwarmSource:
                 return found
         return None
 
-    async def _ask(self, addr: str, rel: str, limit: int) -> bytes | _Unreachable | None:
+    async def _ask(self, addr: str, rel: str, limit: int, *, insist: bool = False) -> bytes | _Unreachable | None:
         """The object from a peer; None if it says it has not got it (or sent something else);
-        ``_UNREACHABLE`` if it did not answer."""
+        ``_UNREACHABLE`` if it did not answer.  A seed withholding it names who has it: see ``_ask_named``."""
+        node = self.node
         try:
-            data = await self.node.transport.get_object(addr, rel, limit, OBJECT_TIMEOUT)
+            data = await node.transport.get_object(addr, rel, limit, OBJECT_TIMEOUT, node.info.node_id, insist)
         except TransportError:
             return _UNREACHABLE
+        if isinstance(data, Missing):
+            if insist or not self._is_seed(addr):
+                return None  # (only a seed withholds; names from anyone else are not followed)
+            return await self._ask_named(addr, data.holders, rel, limit)
         return self._keep_if_acceptable(rel, data)
+
+    async def _ask_named(
+        self, seed: str, holders: tuple[str, ...], rel: str, limit: int
+    ) -> bytes | _Unreachable | None:
+        """A seed that gave a manifest to enough requesters names some of them instead (a cold start
+        of 10,000 simulated hosts took 10,000 manifests from the seed at once: 41 ms of its uplink
+        before its chunks).  Ask them (they hold it, or are about to), then the seed again, insisting."""
+        for addr in holders[:NAMED_TRIES]:
+            if addr == self.node.info.addr:
+                continue
+            if isinstance(found := await self._ask(addr, rel, limit, insist=True), bytes):
+                return found
+        return await self._ask(seed, rel, limit, insist=True)
+
+    def _is_seed(self, addr: str) -> bool:
+        return any(v.ann.seed and v.info.addr == addr for v in self.node.peers.values())
 
     async def _ask_board(self, board: HttpSource, rel: str, limit: int) -> bytes | _Unreachable | None:
         try:

@@ -61,8 +61,12 @@ class Transport(Protocol):
         ``held``: how many chunks of this chunk's version the requester holds (-1: not said); a seed
         serves a requester near its end even a chunk it withholds."""
 
-    async def get_object(self, addr: str, path: str, limit: int, timeout: float) -> bytes | None:
-        """Fetch a board object (head, manifest, certificate, root document) a peer holds."""
+    async def get_object(
+        self, addr: str, path: str, limit: int, timeout: float, requester: str = "", insist: bool = False
+    ) -> bytes | Missing | None:
+        """Fetch a board object (head, manifest, certificate, root document) a peer holds; None: not
+        there.  A seed may withhold a manifest it gave enough requesters, naming their addresses
+        (``Missing.holders``); ``insist``: the requester asked those, and the seed serves it."""
 
     async def close(self) -> None: ...
 
@@ -75,7 +79,8 @@ class Handlers:
     # (chunk hash, requesting node id, chunks of that version it holds or -1, send): Busy or Missing,
     # or None once the bytes went through send
     chunk: Callable[[bytes, str, int, SendChunk], Awaitable[Busy | Missing | None]]
-    object: Callable[[str], Awaitable[bytes | None]]
+    # (path, requesting node id, insist): the bytes, None (not here) or Missing naming where to ask
+    object: Callable[[str, str, bool], Awaitable[bytes | Missing | None]]
 
 
 class Clock(Protocol):

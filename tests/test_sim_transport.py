@@ -92,7 +92,7 @@ def serving(chunks: dict[bytes, ChunkReply], objects: dict[str, bytes], log: lis
             return None
         return reply
 
-    async def obj(path: str) -> bytes | None:
+    async def obj(path: str, requester: str, insist: bool) -> bytes | None:
         return objects.get(path)
 
     return Handlers(gossip, chunk, obj)

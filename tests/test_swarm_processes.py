@@ -135,8 +135,9 @@ def test_upload_flags_reach_the_node_config_and_bad_values_are_refused(
     cfg = _config(seed, is_seed=True, listen="127.0.0.1:1")
     # A trainer seed's flags tune the seed's own fields; the rest keep their defaults.
     assert (cfg.seed_max_uploads, cfg.seed_upload_queue, cfg.seed_copy_window) == (8, 6, 2.0)
-    seed = parser.parse_args(["seed", "--board", "b", "--run", RUN, "--copy-window", "0.5"])
-    assert _config(seed, is_seed=True, listen="x").seed_copy_window == 0.5
+    seed = parser.parse_args(["seed", "--board", "b", "--run", RUN, "--copy-window", "0.5", "--object-copies", "0"])
+    cfg = _config(seed, is_seed=True, listen="x")
+    assert (cfg.seed_copy_window, cfg.seed_object_copies) == (0.5, 0)
     node = parser.parse_args(["node", "--listen", "127.0.0.1:1", "--run", RUN, "--trust", "t", "--max-uploads", "3"])
     cfg = _config(node, is_seed=False, listen="127.0.0.1:1")
     assert (cfg.max_uploads, cfg.upload_queue, cfg.seed_max_uploads) == (3, 2, 6)

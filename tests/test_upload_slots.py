@@ -173,7 +173,7 @@ def test_a_requester_that_gives_up_frees_the_slot() -> None:
 @pytest.mark.asyncio
 async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None:
     """Over real HTTP: the handler's ``send`` writes the body before the handler returns, and a
-    Missing or Busy reply's holders reach the requester."""
+    Missing or Busy reply's holders reach the requester (for chunks and board objects)."""
     events: list[str] = []
     replies: dict[bytes, Busy | Missing | bytes] = {
         b"\x01": b"y" * 300_000,
@@ -196,8 +196,13 @@ async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None
             return None
         return reply
 
-    async def obj(path: str) -> bytes | None:
-        return None
+    asked: list[tuple[str, str, bool]] = []
+
+    async def obj(path: str, requester: str, insist: bool) -> bytes | Missing | None:
+        asked.append((path, requester, insist))
+        if path == "manifests/ab" and not insist:
+            return Missing(("http://10.0.0.1:7000", "http://10.0.0.2:7000"))  # a seed withholding it
+        return b"m" if path == "manifests/ab" else None
 
     app = web.Application()
     add_routes(app, Handlers(gossip, chunk, obj))
@@ -222,6 +227,14 @@ async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None
                 async with raw.get(url, headers={HELD_HEADER: bad}) as r:
                     assert r.status == 404
         assert helds == [-1, -1, -1, 17, -1, -1, -1, -1, -1]
+        # Objects: "not here" is None; a withheld manifest names addresses; the requester's id and
+        # its insisting travel with the request.
+        assert await client.get_object(addr, "manifests/ab", 10, 10.0, "me") == Missing(
+            ("http://10.0.0.1:7000", "http://10.0.0.2:7000")
+        )
+        assert await client.get_object(addr, "manifests/ab", 10, 10.0, "me", insist=True) == b"m"
+        assert await client.get_object(addr, "certs/cd", 10, 10.0) is None
+        assert asked == [("manifests/ab", "me", False), ("manifests/ab", "me", True), ("certs/cd", "", False)]
     finally:
         await client.close()
         await runner.cleanup()
