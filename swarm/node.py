@@ -204,7 +204,8 @@ class SwarmNode:
         self._upload_queue: collections.deque[asyncio.Future[bool]] = collections.deque()
         self._last_upload_bytes = 0  # typical chunk size, for the time a waiting line takes
         self._upload_seconds = 0.0  # EWMA of how long one upload held its slot (an unpaced uplink's drain rate)
-        self._seed_objects_given: dict[str, list[str]] = {}  # manifest path -> addresses a seed gave it to
+        # manifest path -> (when the seed started counting, node ids it gave the manifest to since)
+        self._seed_objects_given: dict[str, tuple[float, list[str]]] = {}
         self._seed_uploading: dict[str, int] = {}  # requester -> its uploads under way or waiting at this seed
         self._seed_next_return = 0.0  # a seed's next free return time for a refused requester
         self._seed_served: dict[bytes, tuple[float, tuple[str, ...]]] = {}
@@ -798,7 +799,8 @@ class SwarmNode:
         """A board object this node holds (a seed: its board's); None if it has not got it.
 
         A seed hands each manifest to ``seed_object_copies`` requesters, then answers the others with
-        the addresses of up to 4 of those (they ask them, then come back insisting, and are served).
+        the addresses of up to 4 of those still alive (they ask them, then come back insisting, and
+        are served), counting afresh every ``SEED_HOLD_WINDOWS`` copy windows (8 s).
         On a cold start every host asks the seed for the same manifest within a millisecond: 10,000
         simulated hosts took 41 ms of its uplink that way (51 MB of a 6 KB manifest; a 70B model's
         anchor manifest is ~1 MB) before the chunks only it holds could go out."""
@@ -808,12 +810,18 @@ class SwarmNode:
         copies = self.config.seed_object_copies
         if data is None or not self.config.is_seed or insist or copies <= 0 or not path.startswith("manifests/"):
             return data
-        given = self._seed_objects_given.setdefault(path, [])
+        now = self.clock.now()
+        since, given = self._seed_objects_given.get(path, (now, []))
+        if now - since > SEED_HOLD_WINDOWS * self.config.seed_copy_window:
+            since, given = now, []  # an anchor's manifest stays for many versions; its first holders may be gone
+        self._seed_objects_given[path] = (since, given)
         if len(given) >= copies:
-            return Missing(tuple(self.rng.sample(given, min(4, len(given)))))
-        at = self._alive_at.get(requester)
-        if at is not None:  # only a requester that can be named counts as a copy given
-            given.append(self._alive[at].addr)
+            alive = [self._alive[at].addr for g in given if (at := self._alive_at.get(g)) is not None]
+            if alive:
+                return Missing(tuple(self.rng.sample(alive, min(4, len(alive)))))
+            given.clear()  # every one of them is gone: hand it out afresh
+        if requester in self._alive_at:  # only a requester that can be named counts as a copy given
+            given.append(requester)
         return data
 
     # ------------------------------------------------------------ heads

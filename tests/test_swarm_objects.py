@@ -5,6 +5,7 @@ HTTP, or the simulated network for round-trip counts in virtual time)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
 import time
@@ -18,13 +19,16 @@ import pytest
 
 from daemon.board import Board
 from protocol.keys import SigningKey
+from protocol.membership import MemberState, NodeInfo
 from protocol.signed import Envelope
 from protocol.trust import Certificate, RootDocument, TrustState
+from simulations.clock import SimClock, run_virtual
 from simulations.synthetic import synthetic_setup
 from swarm import sources
+from swarm.node import NodeConfig, SwarmNode
 from swarm.sources import SwarmSource
 from swarm.transport import Missing, TransportError
-from tests.swarmkit import RUN, Swarm
+from tests.swarmkit import RUN, SECRET, Swarm
 from tests.test_sim_swarm import stream
 
 ROOT_1 = Board.root_rel(1)
@@ -246,3 +250,38 @@ def test_a_seed_hands_a_manifest_to_a_few_and_names_them_to_the_rest() -> None:
     assert every.complete and few.complete, (every.errors, few.errors)
     objects = [r.sent["seed"] - r.seed_uploaded for r in (every, few)]  # objects (gossip only as flows, rare)
     assert objects[1] < 0.6 * objects[0]
+
+
+def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> None:
+    """``seed_object_copies`` 2: a and b are served, c is told to ask them (and served once it
+    insists); once both are gone c and d are served and counted, e told of them; after 4 copy
+    windows the count starts again.  A requester the seed cannot name (not a member) is served but
+    not counted."""
+    board = Board(tmp_path / "board")
+    rel = "manifests/ab"
+    board.path(rel).parent.mkdir(parents=True, exist_ok=True)
+    board.path(rel).write_bytes(b"m")
+
+    async def main() -> list[object]:
+        cfg = NodeConfig("s", RUN, SECRET, is_seed=True, seed_object_copies=2, seed_copy_window=2.0)
+        seed = SwarmNode(
+            cfg, "sim://s", Recorder(), SimClock(0.0), TrustState(b"k" * 32), random.Random(0), board=board
+        )  # type: ignore[arg-type]
+        for x in "abcde":
+            seed._track_alive(NodeInfo(x, f"sim://{x}"), MemberState.ALIVE)
+        got = [await seed.handle_object(rel, x) for x in ("stranger", "a", "b", "c")]
+        got.append(await seed.handle_object(rel, "c", insist=True))
+        for x in "ab":
+            seed._track_alive(NodeInfo(x, f"sim://{x}"), MemberState.DEAD)
+        got += [await seed.handle_object(rel, x) for x in "cde"]  # a and b gone: c and d are served, e told of them
+        await asyncio.sleep(8.5)
+        got.append(await seed.handle_object(rel, "e"))  # counted afresh
+        got.append(await seed.handle_object("certs/00", "e"))  # only manifests are withheld
+        return got
+
+    got = run_virtual(main())
+    assert got[:3] == [b"m"] * 3
+    assert isinstance(got[3], Missing) and set(got[3].holders) == {"sim://a", "sim://b"}
+    assert got[4:7] == [b"m"] * 3
+    assert isinstance(got[7], Missing) and set(got[7].holders) == {"sim://c", "sim://d"}
+    assert got[8] == b"m" and got[9] is None
