@@ -867,11 +867,16 @@ class SwarmNode:
     async def _fetch_head_once(self, prefer: str | None) -> None:
         try:
             # The root is refreshed (TUF: before a head is trusted) while the head travels: one round
-            # trip instead of two on every new head.
-            _, data = await asyncio.gather(
-                self.puller.refresh_trust(),
-                self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer),
+            # trip instead of two on every new head.  If the refresh fails, the head is not waited for.
+            travelling = asyncio.ensure_future(
+                self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer)
             )
+            try:
+                await self.puller.refresh_trust()
+            except BaseException:
+                travelling.cancel()
+                raise
+            data = await travelling
             if data is None:
                 return
             # Verified, checked against the high-water mark (rewind, equivocation) and counted when refused.

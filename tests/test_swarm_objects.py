@@ -18,6 +18,7 @@ import blake3
 import pytest
 
 from daemon.board import Board
+from protocol.errors import PatchswarmError
 from protocol.keys import SigningKey
 from protocol.membership import MemberState, NodeInfo
 from protocol.signed import Envelope
@@ -59,6 +60,9 @@ class Recorder:
         if addr in self.withhold and not insist:
             return Missing(self.withhold[addr])
         return self.have.get(addr, {}).get(path)
+
+
+NO_TRANSPORT: Any = Recorder()  # for nodes whose handlers are called directly: they send nothing
 
 
 def view(addr: str, *, seed: bool = False) -> SimpleNamespace:
@@ -265,8 +269,8 @@ def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> Non
     async def main() -> list[object]:
         cfg = NodeConfig("s", RUN, SECRET, is_seed=True, seed_object_copies=2, seed_copy_window=2.0)
         seed = SwarmNode(
-            cfg, "sim://s", Recorder(), SimClock(0.0), TrustState(b"k" * 32), random.Random(0), board=board
-        )  # type: ignore[arg-type]
+            cfg, "sim://s", NO_TRANSPORT, SimClock(0.0), TrustState(b"k" * 32), random.Random(0), board=board
+        )
         for x in "abcde":
             seed._track_alive(NodeInfo(x, f"sim://{x}"), MemberState.ALIVE)
         got = [await seed.handle_object(rel, x) for x in ("stranger", "a", "b", "c")]
@@ -285,3 +289,39 @@ def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> Non
     assert got[4:7] == [b"m"] * 3
     assert isinstance(got[7], Missing) and set(got[7].holders) == {"sim://c", "sim://d"}
     assert got[8] == b"m" and got[9] is None
+
+
+def test_a_failed_root_refresh_does_not_leave_the_head_fetch_running() -> None:
+    """The root probe and the head fetch run side by side; when the probe fails, the head request is
+    cancelled (it used to run on in the background, up to its 5 s timeout) and the failure is reported."""
+
+    async def main() -> tuple[list[str], str | None, float]:
+        cfg = NodeConfig("n", RUN, SECRET)
+        node = SwarmNode(cfg, "sim://n", NO_TRANSPORT, SimClock(0.0), TrustState(b"k" * 32), random.Random(0))
+        cancelled: list[str] = []
+
+        async def slow_get(rel: str, limit: int, prefer: str | None = None) -> bytes | None:
+            try:
+                await asyncio.sleep(10.0)
+            except asyncio.CancelledError:
+                cancelled.append(rel)
+                raise
+            return b"head"
+
+        async def failing_refresh() -> None:
+            await asyncio.sleep(0.1)
+            raise PatchswarmError("root 2 is not signed by root 1")
+
+        node.source.get = slow_get  # type: ignore[method-assign]
+        node.puller.refresh_trust = failing_refresh  # type: ignore[method-assign]
+        await node._fetch_head_once(None)
+        await asyncio.sleep(0)  # the cancellation lands
+        return (
+            list(cancelled),
+            node.head_error,
+            asyncio.get_running_loop().time(),
+        )  # (a copy: shutdown cancels leftovers)
+
+    cancelled, error, when = run_virtual(main())
+    assert cancelled == [Board.head_rel(RUN)]
+    assert error == "root 2 is not signed by root 1" and when < 1.0
