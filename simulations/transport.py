@@ -19,14 +19,13 @@ shared, sized stand-ins for studies where payloads are not materialised (simulat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from simulations.network import Flow, Network
-from swarm.futures import fail, settle
+from swarm.futures import drain, fail, settle
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 T = TypeVar("T")
@@ -394,13 +393,8 @@ async def _serve(handler: Awaitable[T]) -> T:
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.add_done_callback(_drain)
+        task.add_done_callback(drain)
         raise
-
-
-def _drain(task: asyncio.Future[Any]) -> None:
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        task.result()
 
 
 _PLACEHOLDERS: dict[int, bytes] = {}

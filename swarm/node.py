@@ -37,7 +37,7 @@ from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request,
 from protocol.signed import Envelope
 from protocol.trust import TrustState
 from protocol.wire import Announcement, GossipFrame, WireError, decode_frame, encode_frame
-from swarm.futures import settle
+from swarm.futures import drain, settle
 from swarm.sources import SwarmSource
 from swarm.stores import ChunkStore, MemoryChunkStore
 from swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
@@ -875,6 +875,7 @@ class SwarmNode:
                 await self.puller.refresh_trust()
             except BaseException:
                 travelling.cancel()
+                travelling.add_done_callback(drain)  # it may have failed already
                 raise
             data = await travelling
             if data is None:
