@@ -810,6 +810,8 @@ class SwarmNode:
         copies = self.config.seed_object_copies
         if data is None or not self.config.is_seed or insist or copies <= 0 or not path.startswith("manifests/"):
             return data
+        if not requester:
+            return data  # a client that does not name itself (older nodes, plain HTTP) cannot follow names
         now = self.clock.now()
         since, given = self._seed_objects_given.get(path, (now, []))
         if now - since > SEED_HOLD_WINDOWS * self.config.seed_copy_window:

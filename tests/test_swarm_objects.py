@@ -260,7 +260,7 @@ def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> Non
     """``seed_object_copies`` 2: a and b are served, c is told to ask them (and served once it
     insists); once both are gone c and d are served and counted, e told of them; after 4 copy
     windows the count starts again.  A requester the seed cannot name (not a member) is served but
-    not counted."""
+    not counted; one that does not name itself is served."""
     board = Board(tmp_path / "board")
     rel = "manifests/ab"
     board.path(rel).parent.mkdir(parents=True, exist_ok=True)
@@ -281,6 +281,8 @@ def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> Non
         await asyncio.sleep(8.5)
         got.append(await seed.handle_object(rel, "e"))  # counted afresh
         got.append(await seed.handle_object("certs/00", "e"))  # only manifests are withheld
+        got += [await seed.handle_object(rel, x) for x in ("d", "c")]  # d the second copy, c told of d and e
+        got.append(await seed.handle_object(rel, ""))  # a client that does not name itself cannot follow names
         return got
 
     got = run_virtual(main())
@@ -289,6 +291,8 @@ def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> Non
     assert got[4:7] == [b"m"] * 3
     assert isinstance(got[7], Missing) and set(got[7].holders) == {"sim://c", "sim://d"}
     assert got[8] == b"m" and got[9] is None
+    assert got[10] == b"m" and isinstance(got[11], Missing) and set(got[11].holders) == {"sim://d", "sim://e"}
+    assert got[12] == b"m"
 
 
 def test_a_failed_root_refresh_does_not_leave_the_head_fetch_running() -> None:
