@@ -51,7 +51,7 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             except ConnectionResetError:
                 pass  # the requester gave up (an endgame duplicate that lost, a deadline): nothing to send
 
-        reply = await handlers.chunk(chunk_hash, request.headers.get(NODE_HEADER, "")[:256], _held(request), send)
+        reply = await handlers.chunk(chunk_hash, _requester(request), _held(request), send)
         if isinstance(reply, Busy):
             headers = {"Retry-After": f"{reply.retry_after:.3f}"}
             if reply.holders:
@@ -64,8 +64,8 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
         return resp
 
     async def board_object(request: web.Request) -> web.Response:
-        requester = request.headers.get(NODE_HEADER, "")[:256]
-        data = await handlers.object(request.match_info["path"], requester, request.headers.get(INSIST_HEADER) == "1")
+        insist = request.headers.get(INSIST_HEADER) == "1"
+        data = await handlers.object(request.match_info["path"], _requester(request), insist)
         if isinstance(data, Missing):
             raise web.HTTPNotFound(headers={HOLDERS_HEADER: ",".join(data.holders)} if data.holders else None)
         if data is None:
@@ -181,6 +181,11 @@ async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> byte
     if len(data) > limit:
         raise LimitExceededError(f"{what}: response runs past the {limit} bytes expected")
     return data
+
+
+def _requester(request: web.Request) -> str:
+    """The requester's X-Patchswarm-Node (unverified: a name to count and to name to others), capped."""
+    return request.headers.get(NODE_HEADER, "")[:256]
 
 
 def _held(request: web.Request) -> int:
