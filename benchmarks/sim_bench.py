@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.sim_bench swarm --peers 32
     .venv/bin/python -m benchmarks.sim_bench swarm --hosts 1000 --patch-mb 500 --chunk-mib 4
     .venv/bin/python -m benchmarks.sim_bench swarm --hosts 10000 --patch-mb 500 --chunk-mib 4
+    .venv/bin/python -m benchmarks.sim_bench swarm --hosts 300 --down-rate 2.5e9   # downlinks with headroom
 
 ``--node FIELD=JSON`` / ``--sched FIELD=JSON`` / ``--member FIELD=JSON`` set NodeConfig, SchedulerConfig and
 MembershipConfig fields (repeatable); ``--quantum`` batches network events.  Above 2,000 hosts the
@@ -141,8 +142,11 @@ def placeholder_bench(
     quantum: float = 0.0,
     membership: dict[str, Any] | None = None,
     cold: bool = False,
+    down_rate: float | None = None,
+    seed_rate: float | None = None,
 ) -> None:
-    """Real nodes, placeholder payloads: ``hosts`` peers and a seed, all at ``rate`` both ways.
+    """Real nodes, placeholder payloads: ``hosts`` peers and a seed, at ``rate`` both ways unless
+    ``down_rate`` (the peers' downlinks) or ``seed_rate`` (the seed's uplink) say otherwise.
     ``cold``: the first version is published as the nodes join (no warm membership)."""
     from protocol.membership import MembershipConfig
     from simulations.placeholder import placeholder_held
@@ -150,11 +154,12 @@ def placeholder_bench(
     from simulations.synthetic import synthetic_setup
 
     run = synthetic_setup(patch_bytes=int(patch_mb * 1e6), chunk_bytes=int(chunk_mib * (1 << 20)), versions=versions)
-    peers = [Host(f"h{i:05d}", "r0", up=rate, down=rate) for i in range(hosts)]
+    down = rate if down_rate is None else down_rate
+    peers = [Host(f"h{i:05d}", "r0", up=rate, down=down) for i in range(hosts)]
     cpu0 = time.process_time()
     r = simulate_stream(
         run.setup,
-        Host("seed", "r0", up=rate, down=rate),
+        Host("seed", "r0", up=rate if seed_rate is None else seed_rate, down=rate),
         peers,
         versions=run.versions,
         interval=interval,
@@ -167,9 +172,14 @@ def placeholder_bench(
         warm_membership=not cold,
     )
     cpu = time.process_time() - cpu0
+    links = f"{rate * 8 / 1e9:g} Gbit/s"
+    if down != rate:
+        links += f" up, {down * 8 / 1e9:g} down"
+    if seed_rate is not None and seed_rate != rate:
+        links += f", seed {seed_rate * 8 / 1e9:g}"
     print(
         f"swarm (placeholders): {hosts} hosts, {versions} x {patch_mb:g} MB in {chunk_mib:g} MiB chunks, "
-        f"{rate * 8 / 1e9:g} Gbit/s, {latency * 1e3:g} ms: wall {r.wall_seconds:.1f} s (cpu {cpu:.1f} s), "
+        f"{links}, {latency * 1e3:g} ms: wall {r.wall_seconds:.1f} s (cpu {cpu:.1f} s), "
         f"{r.events} events ({r.events / r.wall_seconds:.0f}/s wall), "
         f"{r.messages.chunk_requests} chunk requests, {r.messages.gossip_messages} gossip messages, "
         f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB"
@@ -215,6 +225,8 @@ def main() -> None:
     w.add_argument("--versions", type=int, default=1)
     w.add_argument("--interval", type=float, default=5.0, help="virtual seconds between versions")
     w.add_argument("--rate", type=float, default=10e9 / 8, help="bytes/s, every host's uplink and downlink")
+    w.add_argument("--down-rate", type=float, default=None, help="bytes/s, the peers' downlinks (default: --rate)")
+    w.add_argument("--seed-rate", type=float, default=None, help="bytes/s, the seed's uplink (default: --rate)")
     w.add_argument("--latency", type=float, default=0.0005)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--node", action="append", default=[], metavar="FIELD=JSON", help="a NodeConfig field (repeatable)")
@@ -237,7 +249,7 @@ def main() -> None:
             member["max_members"] = BOUNDED_VIEW
             print(f"(more than {BOUNDED_VIEW_ABOVE} hosts: membership max_members={BOUNDED_VIEW}; --member to change)")
         args = (a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed)
-        placeholder_bench(*args, options, a.quantum, member, a.cold)
+        placeholder_bench(*args, options, a.quantum, member, a.cold, a.down_rate, a.seed_rate)
     else:
         swarm_bench(a.peers, a.seed)
 
