@@ -204,7 +204,7 @@ def phase_breakdown(marks: dict[str, tuple[tuple[str, int, float], ...]], versio
     return "ms after publication (median/p90/max): " + ", ".join(parts)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="what", required=True)
     n = sub.add_parser("network")
@@ -234,7 +234,7 @@ def main() -> None:
     w.add_argument("--sched", action="append", default=[], metavar="FIELD=JSON", help="a SchedulerConfig field")
     w.add_argument("--quantum", type=float, default=0.0, help="network event batching, seconds (0: exact)")
     w.add_argument("--cold", action="store_true", help="publish as the nodes join (membership still spreading)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.what == "network":
         network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum, a.check)
     elif a.hosts:
