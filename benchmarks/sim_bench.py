@@ -204,7 +204,7 @@ def phase_breakdown(marks: dict[str, tuple[tuple[str, int, float], ...]], versio
     return "ms after publication (median/p90/max): " + ", ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="what", required=True)
     n = sub.add_parser("network")
@@ -234,7 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--sched", action="append", default=[], metavar="FIELD=JSON", help="a SchedulerConfig field")
     w.add_argument("--quantum", type=float, default=0.0, help="network event batching, seconds (0: exact)")
     w.add_argument("--cold", action="store_true", help="publish as the nodes join (membership still spreading)")
-    a = p.parse_args(argv)
+    return p
+
+
+def run(a: argparse.Namespace) -> None:
+    """The benchmark ``parser()``'s arguments ask for."""
     if a.what == "network":
         network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum, a.check)
     elif a.hosts:
@@ -252,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         placeholder_bench(*args, options, a.quantum, member, a.cold, a.down_rate, a.seed_rate)
     else:
         swarm_bench(a.peers, a.seed)
+
+
+def main() -> None:
+    run(parser().parse_args())
 
 
 if __name__ == "__main__":
