@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean system-deps
+.PHONY: demo test lint typecheck unit bench clean system-deps native
 
 $(STAMP): pyproject.toml constraints-test.txt
 	python3 -m venv $(VENV)
@@ -24,13 +24,25 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-test: system-deps lint typecheck unit
+test: system-deps lint typecheck native unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
 
+# The native build: the simulator's hot modules compiled by mypyc into a copy of the packages in
+# build/native (simulations/build.py, docs/simulation.md section 5).  Run a command on it with
+#   PYTHONPATH=build/native .venv/bin/python -P benchmarks/sim_bench.py swarm --hosts 1000
+# tests/test_native_build.py checks that it simulates event for event as the source does.
+NATIVE := build/native
+NATIVE_SRC := pyproject.toml $(wildcard protocol/*.py swarm/*.py simulations/*.py daemon/*.py)
+
+native: $(NATIVE)/.built
+
+$(NATIVE)/.built: $(STAMP) $(NATIVE_SRC)
+	$(PY) -m simulations.build $(NATIVE)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) build .mypy_cache .pytest_cache .ruff_cache
 
 # Tests need nginx (serving a board), systemd-analyze (checking the unit) and faketime (clock-skew
 # faults); as root this installs

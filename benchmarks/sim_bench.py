@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from simulations.build import build_label
 from simulations.network import Flow, Host, Network, Region
 
 # Placeholder runs above this many hosts use a bounded membership view of this size (docs/simulation.md
@@ -182,7 +183,7 @@ def placeholder_bench(
         f"{links}, {latency * 1e3:g} ms: wall {r.wall_seconds:.1f} s (cpu {cpu:.1f} s), "
         f"{r.events} events ({r.events / r.wall_seconds:.0f}/s wall), "
         f"{r.messages.chunk_requests} chunk requests, {r.messages.gossip_messages} gossip messages, "
-        f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB"
+        f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB, {build_label()}"
     )
     for v in r.versions:
         ratio = v.time_to_all / v.lower_bound if v.lower_bound else math.inf

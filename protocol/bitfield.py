@@ -78,7 +78,7 @@ class Bitfield:
         return bf
 
     def copy(self) -> Bitfield:
-        bf = Bitfield.__new__(Bitfield)
+        bf = Bitfield(0)  # not __new__: compiled classes have no bare allocation
         bf._n = self._n
         bf._bits = bytearray(self._bits)
         bf._count = self._count

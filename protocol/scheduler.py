@@ -157,7 +157,7 @@ class Request:
     duplicate: bool = False  # endgame duplicate
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: ``list.remove`` on a round's peers compared every field
 class _Peer:
     info: PeerInfo
     has: Bitfield | None  # None: holds every chunk
@@ -183,14 +183,14 @@ class _Peer:
         return self.bits
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Flight:
     request: Request
     start: float
     remote: bool  # counted against the remote budget (the peer's class when it was asked)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Round:
     """What one ``next_requests`` call computes once: the peers that can take requests, and more."""
 

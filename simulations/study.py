@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from simulations.build import build_label
 from simulations.scenario import (
     Layout,
     Scenario,
@@ -232,7 +233,7 @@ def run_study(
     points = [run_point(i, params, s, progress) for i, (params, s) in enumerate(grid)]
     write_results(points, out / "results.csv")
     meta = {"scenario": base.name, "scenario_file": str(scenario_path), "command": command,
-            "sweep": [parse_sweep(t)[0] for t in sweeps]}  # fmt: skip
+            "sweep": [parse_sweep(t)[0] for t in sweeps], "build": build_label()}  # fmt: skip
     doc = summary_doc(points, meta)
     (out / "summary.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
     figures = plots.write_all(points, doc, out)
@@ -275,7 +276,8 @@ def render_report(
         "",
         "Times are seconds from a version's publication; *time to all* is the worst version's last host "
         "(hosts that never got it are counted under *never*); *x bound* is time to all over the Kumar-Ross "
-        "bound for the patch; *seed egress* counts every byte the seed/store sent.",
+        "bound for the patch; *seed egress* counts every byte the seed/store sent; *wall* is the simulator's "
+        f"own run time ({doc.get('build', 'interpreted')} build).",
         "",
     ]
     for p, entry in zip(points, doc["points"], strict=True):

@@ -63,6 +63,7 @@ def test_every_output_is_written_and_well_formed(runs: list[Path]) -> None:
         assert got == pytest.approx(size)  # every host took the whole payload of each version, once
     summary = json.loads((out / "summary.json").read_text())
     assert summary["command"].startswith("patchswarm simulate ")
+    assert summary["build"] == "interpreted"  # the suite runs the source; make native's build says "native (...)"
     [point] = summary["points"]
     assert point["seed"] == 3 and point["hosts"] == 12
     assert set(point["strategies"]) == STRATEGIES

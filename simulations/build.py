@@ -1,0 +1,104 @@
+"""The native build: the modules that carry a simulation's per-event work, compiled by mypyc.
+
+``python -m simulations.build [DIR]`` (``make native``) copies the four packages into ``DIR``
+(default ``build/native``) and compiles ``NATIVE_MODULES`` there as C extensions (one shared
+library, so calls between them stay C calls), from the same source, typed to ``mypy --strict``.
+A command runs on it with ``PYTHONPATH=build/native`` and Python's ``-P`` (so the source tree in
+the working directory does not shadow it).  Both builds run the same simulation event for event
+(tests/test_native_build.py); only the CPU time differs, so a figure of CPU or wall time should
+say which build produced it: ``build_label()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import sysconfig
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protocol", "swarm", "simulations", "daemon")
+
+# Where a large simulation spends its CPU (py-spy, docs/simulation.md section 5): the scheduler,
+# membership and wire decoding, the node's download and gossip paths, the flow model and its
+# transport.  (simulations/clock.py cannot be: its loop subclasses asyncio's classes.)
+NATIVE_MODULES = (
+    "protocol/bitfield.py",
+    "protocol/membership.py",
+    "protocol/ordered.py",
+    "protocol/ratelimit.py",
+    "protocol/scheduler.py",
+    "protocol/wire.py",
+    "swarm/node.py",
+    "swarm/sources.py",
+    "swarm/staging.py",
+    "swarm/stores.py",
+    "simulations/network.py",
+    "simulations/network_share.py",
+    "simulations/transport.py",
+)
+
+
+def compiled_modules() -> list[str]:
+    """The project's loaded modules that come from compiled extensions, by dotted name."""
+    suffixes = tuple(EXTENSION_SUFFIXES)
+    return sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if name.partition(".")[0] in PACKAGES and str(getattr(module, "__file__", None) or "").endswith(suffixes)
+    )
+
+
+def build_label() -> str:
+    """``interpreted``, or ``native (N modules compiled)``."""
+    n = len(compiled_modules())
+    return f"native ({n} modules compiled)" if n else "interpreted"
+
+
+def missing_toolchain() -> str | None:
+    """Why this machine cannot compile the build (no C compiler, no Python headers), or None."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        return f"no C compiler ({cc})"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "no Python headers (Python.h)"
+    return None
+
+
+def build(dest: Path) -> None:
+    """Copy the packages into ``dest`` and compile ``NATIVE_MODULES`` in place there."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    mypyc = Path(sys.executable).with_name("mypyc")
+    r = subprocess.run(  # its output is a gcc command line per module; shown only when it fails
+        [str(mypyc), "--config-file", str(ROOT / "pyproject.toml"), *NATIVE_MODULES],
+        cwd=dest,
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise SystemExit(f"mypyc failed (exit {r.returncode}):\n{r.stdout[-6000:]}{r.stderr[-6000:]}")
+    (dest / ".built").touch()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m simulations.build", description=__doc__.splitlines()[0])
+    ap.add_argument("dest", nargs="?", default=str(ROOT / "build" / "native"), help="default: build/native")
+    args = ap.parse_args(argv)
+    why = missing_toolchain()
+    if why is not None:
+        print(f"no native build: {why} (tests/test_native_build.py is skipped)")
+        return 0
+    print(f"compiling {len(NATIVE_MODULES)} modules into {args.dest} (mypyc, ~5 CPU-minutes)")
+    build(Path(args.dest))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
