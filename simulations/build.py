@@ -88,7 +88,9 @@ def build(dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m simulations.build", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m simulations.build", description="compile the simulator's hot modules with mypyc"
+    )
     ap.add_argument("dest", nargs="?", default=str(ROOT / "build" / "native"), help="default: build/native")
     args = ap.parse_args(argv)
     why = missing_toolchain()
