@@ -2,8 +2,9 @@
 the same simulations as the source, event for event; only its speed differs (docs/simulation.md
 section 5).
 
-``make test`` compiles it first; without a C compiler or Python's headers there is no build and
-these tests are skipped with that reason.
+``make test`` compiles it first; without a C compiler or Python's headers there is no build, and
+after an edit a plain ``pytest`` finds the build older than the source: these tests are skipped
+with that reason.
 """
 
 from __future__ import annotations
@@ -16,15 +17,29 @@ from pathlib import Path
 
 import pytest
 
-from simulations.build import NATIVE_MODULES
+from simulations.build import NATIVE_MODULES, PACKAGES
 
 ROOT = Path(__file__).parent.parent
 NATIVE = ROOT / "build" / "native"
 SMALL = ROOT / "simulations" / "scenarios" / "small.toml"
 
-pytestmark = pytest.mark.skipif(
-    not (NATIVE / ".built").exists(), reason="no native build (make native needs a C compiler and Python.h)"
-)
+
+def _why_not() -> str | None:
+    """Why these tests cannot run: no build, or a build older than the source (edited since ``make native``)."""
+    if not (NATIVE / ".built").exists():
+        return "no native build (make native needs a C compiler and Python.h)"
+    for package in PACKAGES:
+        src = sorted(p.relative_to(ROOT) for p in (ROOT / package).rglob("*.py"))
+        if src != sorted(p.relative_to(NATIVE) for p in (NATIVE / package).rglob("*.py")):
+            return f"build/native has other {package}/ files than the source: run make native"
+        for rel in src:
+            if (ROOT / rel).read_bytes() != (NATIVE / rel).read_bytes():
+                return f"build/native is older than {rel}: run make native"
+    return None
+
+
+WHY_NOT = _why_not()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 
 def run(native: bool, *args: str) -> str:
