@@ -70,12 +70,14 @@ def missing_toolchain() -> str | None:
 
 def build(dest: Path) -> None:
     """Copy the packages into ``dest`` and compile ``NATIVE_MODULES`` in place there."""
-    if dest.exists():
+    if dest.exists():  # a whole new copy: a file deleted from the source must not linger in it
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     for package in PACKAGES:
         shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     mypyc = Path(sys.executable).with_name("mypyc")
+    if not mypyc.exists():
+        raise SystemExit(f"no {mypyc}: the native build needs the dev extras (pip install -e '.[dev]')")
     r = subprocess.run(  # its output is a gcc command line per module; shown only when it fails
         [str(mypyc), "--config-file", str(ROOT / "pyproject.toml"), *NATIVE_MODULES],
         cwd=dest,
