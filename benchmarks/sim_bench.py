@@ -20,6 +20,7 @@ Prints wall seconds, events and virtual time; the numbers go in docs/simulation.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -130,6 +131,36 @@ def swarm_bench(peers: int, seed: int) -> None:
     )
 
 
+class GcTimer:
+    """Time spent in the cyclic garbage collector while installed (gc.callbacks): part of a run's CPU
+    that grows with the heap (a full collection scans every tracked object), not with the events."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]  # per generation
+        self.collected = 0  # objects it freed: cyclic garbage (reference counting frees the rest)
+        self._t0 = 0.0
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._phase)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._phase)
+
+    def _phase(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._t0
+            self.collections[info["generation"]] += 1
+            self.collected += info["collected"]
+
+    def __str__(self) -> str:
+        runs = "/".join(map(str, self.collections))
+        return f"gc {self.seconds:.1f} s ({runs} collections by generation, {self.collected} objects freed)"
+
+
 def placeholder_bench(
     hosts: int,
     patch_mb: float,
@@ -158,20 +189,21 @@ def placeholder_bench(
     down = rate if down_rate is None else down_rate
     peers = [Host(f"h{i:05d}", "r0", up=rate, down=down) for i in range(hosts)]
     cpu0 = time.process_time()
-    r = simulate_stream(
-        run.setup,
-        Host("seed", "r0", up=rate if seed_rate is None else seed_rate, down=rate),
-        peers,
-        versions=run.versions,
-        interval=interval,
-        regions=[Region("r0", latency)],
-        start_from=placeholder_held(0),
-        seed=seed,
-        node_options=node_options,
-        quantum=quantum,
-        membership=MembershipConfig(**membership) if membership else None,
-        warm_membership=not cold,
-    )
+    with GcTimer() as gc_time:
+        r = simulate_stream(
+            run.setup,
+            Host("seed", "r0", up=rate if seed_rate is None else seed_rate, down=rate),
+            peers,
+            versions=run.versions,
+            interval=interval,
+            regions=[Region("r0", latency)],
+            start_from=placeholder_held(0),
+            seed=seed,
+            node_options=node_options,
+            quantum=quantum,
+            membership=MembershipConfig(**membership) if membership else None,
+            warm_membership=not cold,
+        )
     cpu = time.process_time() - cpu0
     links = f"{rate * 8 / 1e9:g} Gbit/s"
     if down != rate:
@@ -183,7 +215,7 @@ def placeholder_bench(
         f"{links}, {latency * 1e3:g} ms: wall {r.wall_seconds:.1f} s (cpu {cpu:.1f} s), "
         f"{r.events} events ({r.events / r.wall_seconds:.0f}/s wall), "
         f"{r.messages.chunk_requests} chunk requests, {r.messages.gossip_messages} gossip messages, "
-        f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB, {build_label()}"
+        f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB, {gc_time}, {build_label()}"
     )
     for v in r.versions:
         ratio = v.time_to_all / v.lower_bound if v.lower_bound else math.inf

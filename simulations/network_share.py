@@ -315,180 +315,41 @@ class Sharer:
     def _reshare(self, now: float, started: Sequence[Flow], touched: Iterable[Resource]) -> list[Flow]:
         self.epoch += 1
         epoch = self.epoch
-        queue: list[tuple[float, int, int, Any]] = []  # (key, index, version, resource or flow)
-        push = heapq.heappush
+        p = _Pass(epoch, now)
+        queue = p.queue
         pop = heapq.heappop
-        faster: list[Flow] = []
-        level = 0.0  # how far the filling has risen
-
-        def water_of(r: Resource) -> float:
-            """r's water level, counted flow by flow (exact; also refreshes r's running sums)."""
-            frozen = 0.0
-            rising = 0
-            top = 0.0
-            later: list[float] = []  # rates of flows expected to freeze elsewhere above `level`
-            for f in r.flows.values():
-                if (f.epoch == epoch and f.mark == _RISING) or f.bottleneck is r:
-                    rising += 1
-                else:
-                    x = f.rate
-                    if x > top:
-                        top = x
-                    if x <= level:
-                        frozen += x
-                    else:
-                        later.append(x)
-            r.rising = rising
-            r.others = frozen + sum(later)
-            r.others_max = top
-            left = r.capacity - frozen
-            n = rising + len(later)
-            if later:
-                later.sort()
-                for x in later:
-                    if x * n >= left:
-                        break
-                    left -= x
-                    n -= 1
-            return left / n if n else INF
-
-        def begin(r: Resource) -> None:
-            r.epoch = epoch
-            r.expired = r.filled = False
-            r.queued = -1.0
-            r.risers = []
-
-        def touch(r: Resource) -> None:
-            """(Re)compute r's water level from what its flows are known to do, and queue it."""
-            if r.epoch != epoch:
-                r.epoch = epoch
-                r.expired = r.filled = False
-                r.queued = -1.0
-                r.risers = []
-            elif r.filled:
-                raise Inconsistent(r.name)
-            n = r.rising
-            left = r.capacity - r.others
-            if n and left >= r.others_max * n:  # the others all freeze below its water level
-                water = left / n
-            elif not n and left >= 0.0:
-                water = INF
-            else:
-                water = water_of(r)
-            if water < level:
-                if water < level * (1.0 - TOLERANCE):
-                    raise Inconsistent(r.name)
-                water = level
-            if r.expired:
-                key = water
-            else:
-                old = r.level
-                if old < INF and -SAME * old <= water - old <= SAME * old:
-                    water = old
-                if water < old:
-                    key = water
-                elif water > old:
-                    key = old  # examine it at its old level: it will not fill there
-                elif n > len(r.held):  # released or started flows rise with it: freeze them there
-                    key = water
-                else:
-                    key = INF
-            r.water = water
-            if key != r.queued:
-                r.version += 1
-                r.queued = key
-                if key < INF:
-                    push(queue, (key, r.index, r.version, r))
-
-        def release(f: Flow) -> None:
-            """``f`` rises again (started, or its bottleneck did not fill at its old level)."""
-            f.epoch = epoch
-            f.mark = _RISING
-            b = f.bottleneck
-            x = f.rate
-            for r in f.resources:
-                if r is not b:
-                    r.others -= x
-                    r.rising += 1
-                    if r.epoch != epoch:
-                        begin(r)
-                    r.risers.append(f)
-            if f.ceiling < INF:
-                push(queue, (f.ceiling, -1 - f.id, 0, f))
-
-        def freeze(f: Flow, rate: float, at: Resource | None, rising: bool) -> None:
-            """``f``'s rate is final: ``rate``, decided at ``at`` (None: its cap)."""
-            f.epoch = epoch
-            f.mark = _FROZEN
-            old = f.rate
-            moved = not -SAME * old <= rate - old <= SAME * old
-            if not moved:
-                rate = old
-            b = f.bottleneck
-            if b is not at:
-                if b is not None:
-                    del b.held[f.id]
-                if at is not None:
-                    at.held[f.id] = f
-                f.bottleneck = at
-            if moved:
-                if now > f.last:  # f.settle(now), inlined
-                    left = f.remaining - old * (now - f.last)
-                    f.remaining = left if left > 0.0 else 0.0
-                    f.last = now
-                f.rate = rate
-                if rate > old:  # (slower: its completion entry is early, and moved on when reached)
-                    faster.append(f)
-            # The running sums of its resources, and a touch for each whose water level moved.
-            for r in f.resources:
-                if rising or r is b:  # it rose with r
-                    if r is not at:
-                        r.rising -= 1
-                        r.others += rate
-                        if rate > r.others_max:
-                            r.others_max = rate
-                        if moved or rising or r.epoch != epoch or not r.filled:
-                            touch(r)  # (not moved, not rising: a tie; it no longer rises with its old bottleneck)
-                elif r is at:
-                    r.others -= old
-                    r.rising += 1
-                elif moved:
-                    r.others += rate - old
-                    if rate > r.others_max:
-                        r.others_max = rate
-                    touch(r)
-
+        push = heapq.heappush
         for f in started:
-            release(f)
+            p.release(f)
         first = {r.index: r for f in started for r in f.resources}
         for r in touched:
             first.setdefault(r.index, r)
         for r in first.values():
-            touch(r)
+            p.touch(r)
         while queue:
             key, index, version, what = pop(queue)
             if index < 0:  # a flow's cap
                 f = what
                 if f.epoch == epoch and f.mark == _RISING:
-                    level = key
-                    freeze(f, key, None, True)
+                    p.level = key
+                    p.freeze(f, key, None, True)
                 continue
             r = what
             if version != r.version:
                 continue
             r.queued = -1.0
-            level = key
+            p.level = key
             self.visits += 1
             if not r.expired and key < r.water:  # its old level, where it no longer fills: release its flows
                 r.expired = True
                 r.level = INF  # it holds none of them now; a fill below sets it again
                 held = list(r.held.values())
                 for f in held:
-                    release(f)
+                    p.release(f)
                 for f in held:
                     for s in f.resources:
                         if s is not r:
-                            touch(s)
+                            p.touch(s)
                 if r.water == INF:
                     continue
                 if queue and queue[0][0] <= r.water:
@@ -496,26 +357,26 @@ class Sharer:
                     r.queued = r.water
                     push(queue, (r.water, r.index, r.version, r))
                     continue
-                key = level = r.water  # nothing comes before its fill: fill it now
+                key = p.level = r.water  # nothing comes before its fill: fill it now
             r.filled = True
             r.water = key
             if r.expired or key != r.level:  # the flows it holds move to the new level
                 for f in r.held.values():
                     if f.epoch != epoch:
-                        freeze(f, key, r, False)
+                        p.freeze(f, key, r, False)
                     elif f.mark == _RISING:
-                        freeze(f, key, r, True)
+                        p.freeze(f, key, r, True)
                 r.level = key
             for f in r.risers:
                 if f.mark == _RISING and f.epoch == epoch:
-                    freeze(f, key, r, True)
+                    p.freeze(f, key, r, True)
             floor = key * (1.0 - SAME)
             if r.others_max >= floor:  # flows bound elsewhere at or above this level: they freeze here
                 rising = 0
                 others = top = 0.0
                 for f in r.flows.values():
                     if f.epoch != epoch and f.bottleneck is not r and f.rate >= floor:
-                        freeze(f, key, r, False)
+                        p.freeze(f, key, r, False)
                     if f.bottleneck is r:
                         rising += 1
                     else:
@@ -526,5 +387,158 @@ class Sharer:
                 r.rising = rising  # counted afresh: no drift in the running sums
                 r.others = others
                 r.others_max = top
-        faster.extend(f for f in started if f.rate == 0.0)  # a started flow always gets a completion
-        return faster
+        p.faster.extend(f for f in started if f.rate == 0.0)  # a started flow always gets a completion
+        return p.faster
+
+
+class _Pass:
+    """One incremental re-sharing (``Sharer._reshare``): its epoch, time, queue and water level, and the
+    steps that update a resource or flow.  (A class, not closures in ``_reshare``: closures that call
+    each other form a reference cycle per call, which only the cyclic collector frees, and a large
+    simulation makes hundreds of thousands of calls.)"""
+
+    __slots__ = ("epoch", "faster", "level", "now", "queue")
+
+    def __init__(self, epoch: int, now: float) -> None:
+        self.epoch = epoch
+        self.now = now
+        self.queue: list[tuple[float, int, int, Any]] = []  # (key, index, version, resource or flow)
+        self.faster: list[Flow] = []
+        self.level = 0.0  # how far the filling has risen
+
+    def water_of(self, r: Resource) -> float:
+        """r's water level, counted flow by flow (exact; also refreshes r's running sums)."""
+        frozen = 0.0
+        rising = 0
+        top = 0.0
+        later: list[float] = []  # rates of flows expected to freeze elsewhere above ``level``
+        for f in r.flows.values():
+            if (f.epoch == self.epoch and f.mark == _RISING) or f.bottleneck is r:
+                rising += 1
+            else:
+                x = f.rate
+                if x > top:
+                    top = x
+                if x <= self.level:
+                    frozen += x
+                else:
+                    later.append(x)
+        r.rising = rising
+        r.others = frozen + sum(later)
+        r.others_max = top
+        left = r.capacity - frozen
+        n = rising + len(later)
+        if later:
+            later.sort()
+            for x in later:
+                if x * n >= left:
+                    break
+                left -= x
+                n -= 1
+        return left / n if n else INF
+
+    def begin(self, r: Resource) -> None:
+        r.epoch = self.epoch
+        r.expired = r.filled = False
+        r.queued = -1.0
+        r.risers = []
+
+    def touch(self, r: Resource) -> None:
+        """(Re)compute r's water level from what its flows are known to do, and queue it."""
+        if r.epoch != self.epoch:
+            r.epoch = self.epoch
+            r.expired = r.filled = False
+            r.queued = -1.0
+            r.risers = []
+        elif r.filled:
+            raise Inconsistent(r.name)
+        n = r.rising
+        left = r.capacity - r.others
+        if n and left >= r.others_max * n:  # the others all freeze below its water level
+            water = left / n
+        elif not n and left >= 0.0:
+            water = INF
+        else:
+            water = self.water_of(r)
+        if water < self.level:
+            if water < self.level * (1.0 - TOLERANCE):
+                raise Inconsistent(r.name)
+            water = self.level
+        if r.expired:
+            key = water
+        else:
+            old = r.level
+            if old < INF and -SAME * old <= water - old <= SAME * old:
+                water = old
+            if water < old:
+                key = water
+            elif water > old:
+                key = old  # examine it at its old level: it will not fill there
+            elif n > len(r.held):  # released or started flows rise with it: freeze them there
+                key = water
+            else:
+                key = INF
+        r.water = water
+        if key != r.queued:
+            r.version += 1
+            r.queued = key
+            if key < INF:
+                heapq.heappush(self.queue, (key, r.index, r.version, r))
+
+    def release(self, f: Flow) -> None:
+        """``f`` rises again (started, or its bottleneck did not fill at its old level)."""
+        f.epoch = self.epoch
+        f.mark = _RISING
+        b = f.bottleneck
+        x = f.rate
+        for r in f.resources:
+            if r is not b:
+                r.others -= x
+                r.rising += 1
+                if r.epoch != self.epoch:
+                    self.begin(r)
+                r.risers.append(f)
+        if f.ceiling < INF:
+            heapq.heappush(self.queue, (f.ceiling, -1 - f.id, 0, f))
+
+    def freeze(self, f: Flow, rate: float, at: Resource | None, rising: bool) -> None:
+        """``f``'s rate is final: ``rate``, decided at ``at`` (None: its cap)."""
+        f.epoch = self.epoch
+        f.mark = _FROZEN
+        old = f.rate
+        moved = not -SAME * old <= rate - old <= SAME * old
+        if not moved:
+            rate = old
+        b = f.bottleneck
+        if b is not at:
+            if b is not None:
+                del b.held[f.id]
+            if at is not None:
+                at.held[f.id] = f
+            f.bottleneck = at
+        if moved:
+            if self.now > f.last:  # f.settle(now), inlined
+                left = f.remaining - old * (self.now - f.last)
+                f.remaining = left if left > 0.0 else 0.0
+                f.last = self.now
+            f.rate = rate
+            if rate > old:  # (slower: its completion entry is early, and moved on when reached)
+                self.faster.append(f)
+        # The running sums of its resources, and a touch for each whose water level moved.
+        for r in f.resources:
+            if rising or r is b:  # it rose with r
+                if r is not at:
+                    r.rising -= 1
+                    r.others += rate
+                    if rate > r.others_max:
+                        r.others_max = rate
+                    if moved or rising or r.epoch != self.epoch or not r.filled:
+                        self.touch(r)  # (not moved, not rising: a tie; it no longer rises with its old bottleneck)
+            elif r is at:
+                r.others -= old
+                r.rising += 1
+            elif moved:
+                r.others += rate - old
+                if rate > r.others_max:
+                    r.others_max = rate
+                self.touch(r)

@@ -19,6 +19,7 @@ shared, sized stand-ins for studies where payloads are not materialised (simulat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -63,6 +64,15 @@ class SimNet:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._waiters: dict[int, tuple[Flow, asyncio.Future[None]]] = {}
+        # The loop of the run, taken on first use (a SimNet serves one run): asyncio.get_running_loop()
+        # makes a getpid() system call each time (Python 3.11), several per simulated message.
+        self._io_loop: asyncio.AbstractEventLoop | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._io_loop
+        if loop is None:
+            loop = self._io_loop = asyncio.get_running_loop()
+        return loop
 
     # ------------------------------------------------------------ endpoints
 
@@ -101,7 +111,7 @@ class SimNet:
     # ------------------------------------------------------------ time and flows
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        return self.loop().time()
 
     async def message(self, src: str, dst: str) -> None:
         """A small message: one one-way latency, no bandwidth."""
@@ -123,7 +133,7 @@ class SimNet:
         now = self._net_now()
         self._advance(now)
         flow = self.network.add_flow(now, src, dst, nbytes, tag=tag)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[None] = self.loop().create_future()
         self._waiters[flow.id] = (flow, done)
         self._arm()
         return flow, done
@@ -140,7 +150,7 @@ class SimNet:
     def _net_now(self) -> float:
         """The loop's time, never behind the network's: asyncio runs a timer up to its clock resolution
         early, so the network, advanced to the timer's exact deadline, may be a nanosecond ahead."""
-        return max(asyncio.get_running_loop().time(), self.network.now)
+        return max(self.loop().time(), self.network.now)
 
     def _advance(self, t: float) -> None:
         for flow in self.network.advance(t):
@@ -157,7 +167,7 @@ class SimNet:
             self._timer = None
         self._timer_at = t
         if t < math.inf:
-            self._timer = asyncio.get_running_loop().call_at(t, self._fire)
+            self._timer = self.loop().call_at(t, self._fire)
 
     def _fire(self) -> None:
         t = self._timer_at
@@ -195,7 +205,30 @@ class SimTransport:
         else:
             await asyncio.sleep(net.network.latency(self.host, ep.host))  # net.message, inlined (hot path)
         ep = net.endpoint(addr)  # it may have gone meanwhile
-        await ep.handlers.gossip(data)
+        ep.handlers.gossip(data)
+
+    def post(self, addr: str, data: bytes) -> None:
+        # One timer per datagram, no task: gossip is half of a simulated swarm's messages.
+        net = self.net
+        ep = net.endpoints.get(addr)
+        if self.closed or ep is None:
+            return  # lost, as send's TransportError would have been
+        if net.gossip_flows:  # the datagram as a flow: the general path (the task waits on the flow's future)
+            asyncio.ensure_future(self._post_flow(addr, data))  # noqa: RUF006
+            return
+        net.stats.gossip_messages += 1
+        net.stats.gossip_bytes += len(data)
+        net.stats.per_host_gossip_bytes[self.host] = net.stats.per_host_gossip_bytes.get(self.host, 0) + len(data)
+        net.loop().call_later(net.network.latency(self.host, ep.host), self._deliver, addr, data)
+
+    def _deliver(self, addr: str, data: bytes) -> None:
+        ep = self.net.endpoints.get(addr)  # it may have gone meanwhile
+        if ep is not None:
+            ep.handlers.gossip(data)
+
+    async def _post_flow(self, addr: str, data: bytes) -> None:
+        with contextlib.suppress(TransportError):
+            await self.send(addr, data)
 
     async def get_chunk(
         self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str, held: int = -1
@@ -212,7 +245,7 @@ class SimTransport:
         except TransportError:
             net.stats.failures += 1
             raise
-        loop = asyncio.get_running_loop()
+        loop = net.loop()
         reply: asyncio.Future[ChunkReply] = loop.create_future()
         out = _Delivery(net, ep.host, self.host, size)
         arrival = loop.call_later(
@@ -244,7 +277,7 @@ class SimTransport:
         # No reference kept: while pending, the task waits on what the node or network holds (a line
         # turn, a timer, a flow's future), so it cannot be collected.
         handler = ep.handlers.chunk(chunk_hash, requester, held, out.send)
-        asyncio.ensure_future(self._answer(addr, ep, handler, out, reply))  # noqa: RUF006
+        self.net.loop().create_task(self._answer(addr, ep, handler, out, reply))
 
     async def _answer(
         self,
@@ -271,7 +304,7 @@ class SimTransport:
         if self.net.endpoints.get(addr) is not ep:  # the server that handled it must still be there to answer
             reply.set_exception(TransportError(f"{addr}: connection reset"))
         elif isinstance(result, Busy | Missing):
-            asyncio.get_running_loop().call_later(self.net.network.latency(ep.host, self.host), settle, reply, result)
+            self.net.loop().call_later(self.net.network.latency(ep.host, self.host), settle, reply, result)
         else:
             try:
                 reply.set_result(out.received(addr))

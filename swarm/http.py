@@ -8,11 +8,16 @@ GET  /swarm/v1/board/<path>      a board object the node holds (head, manifest, 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import aiohttp
 from aiohttp import web
 
 from protocol.errors import LimitExceededError
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
+
+log = logging.getLogger(__name__)
 
 MAX_GOSSIP_BYTES = 1 << 20
 PREFIX = "/swarm/v1"
@@ -28,7 +33,7 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
         data = await request.content.read(MAX_GOSSIP_BYTES + 1)
         if len(data) > MAX_GOSSIP_BYTES:
             raise web.HTTPRequestEntityTooLarge(max_size=MAX_GOSSIP_BYTES, actual_size=len(data))
-        await handlers.gossip(data)
+        handlers.gossip(data)
         return web.Response(status=204)
 
     async def chunk(request: web.Request) -> web.StreamResponse:
@@ -82,6 +87,8 @@ class HttpTransport:
         self._per_host = connections_per_host
         self._connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
+        self._posts: set[asyncio.Task[None]] = set()  # gossip under way (post): close cancels it
+        self._closed = False
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -100,6 +107,19 @@ class HttpTransport:
                     raise TransportError(f"gossip to {addr}: HTTP {r.status}")
         except (TimeoutError, aiohttp.ClientError) as e:
             raise TransportError(f"gossip to {addr}: {type(e).__name__}") from None
+
+    def post(self, addr: str, data: bytes) -> None:
+        if self._closed:
+            return  # (a post now would open a session nobody closes)
+        task = asyncio.get_running_loop().create_task(self._post(addr, data))
+        self._posts.add(task)
+        task.add_done_callback(self._posts.discard)
+
+    async def _post(self, addr: str, data: bytes) -> None:
+        try:
+            await self.send(addr, data)
+        except TransportError as e:
+            log.debug("%s", e)  # lost, as gossip may be
 
     async def get_chunk(
         self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str, held: int = -1
@@ -141,6 +161,11 @@ class HttpTransport:
             raise TransportError(f"GET {url}: {type(e).__name__}") from None
 
     async def close(self) -> None:
+        self._closed = True
+        posts, self._posts = self._posts, set()
+        for task in posts:
+            task.cancel()
+        await asyncio.gather(*posts, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None

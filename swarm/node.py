@@ -216,6 +216,9 @@ class SwarmNode:
         self._alive: list[NodeInfo] = []  # live members, kept from membership events (for sampled announcements)
         self._alive_at: dict[str, int] = {}  # node id -> index in _alive
         self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
+        # The loop the node runs on, taken on first use: asyncio.get_running_loop() makes a getpid()
+        # system call each time (Python 3.11), and the hot paths below would make hundreds of thousands.
+        self._io_loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -232,6 +235,12 @@ class SwarmNode:
 
     def _wall(self) -> float:
         return self.clock.wall()
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._io_loop
+        if loop is None:
+            loop = self._io_loop = asyncio.get_running_loop()
+        return loop
 
     async def start(self) -> None:
         if self.board is not None:
@@ -374,21 +383,17 @@ class SwarmNode:
         if self._stopping:
             coro.close()
             return
-        task = asyncio.get_running_loop().create_task(coro)
+        task = self._loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     def _dispatch(self, sends: list[Send]) -> None:
+        if self._stopping:
+            return
         for send in sends:
-            self._spawn(self._send(send.to.addr, self._frame(send.message)))
+            self.transport.post(send.to.addr, self._frame(send.message))
 
-    async def _send(self, addr: str, data: bytes) -> None:
-        try:
-            await self.transport.send(addr, data)
-        except TransportError as e:
-            log.debug("%s: %s", self.info.node_id, e)
-
-    async def handle_gossip(self, data: bytes) -> None:
+    def handle_gossip(self, data: bytes) -> None:
         try:
             frame = decode_frame(self.config.cluster_secret, data)
         except WireError as e:
@@ -468,7 +473,7 @@ class SwarmNode:
         At most one push per ``announce_interval``; between changes the loop sleeps until the next
         change or refresh instead of waking every interval (thousands of idle nodes in a simulation)."""
         last_refresh = self.clock.now()
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         while not self._stopping:
             # The interval, cut short by rare news (one future and one timer: thousands of nodes do this).
             tick: asyncio.Future[None] = loop.create_future()
@@ -496,7 +501,7 @@ class SwarmNode:
                 continue
             frame = self._frame(None)
             for info in targets:
-                self._spawn(self._send(info.addr, frame))
+                self.transport.post(info.addr, frame)
 
     def _availability_changed(self, *, rare: bool = False) -> None:
         """Announce what we hold at the next tick; ``rare`` (a chunk few peers hold): now."""
@@ -526,7 +531,7 @@ class SwarmNode:
             return
         frame = self._frame(None)
         for info in targets:
-            self._spawn(self._send(info.addr, frame))
+            self.transport.post(info.addr, frame)
 
     def _announce_targets(self, count: int) -> list[NodeInfo]:
         """Peers that lack chunks we hold first ("interested", as BitTorrent says), nearest first, then anyone.
@@ -769,7 +774,7 @@ class SwarmNode:
         room = self.config.seed_upload_queue if self.config.is_seed else self.config.upload_queue
         if not line or len(self._upload_queue) >= room:
             return False
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         turn: asyncio.Future[bool] = loop.create_future()  # True: _release_upload_slot handed a slot over
         self._upload_queue.append(turn)
         # The wait's end is a timer answering False (one handle, not a sleeping task and asyncio.wait:
@@ -1006,7 +1011,7 @@ class SwarmNode:
                 if not requests and not running and self._ask_seeds_again(sched, len(sizes), seed_asked, now):
                     requests = sched.next_requests(now)
                 for req in requests:
-                    running[(req.chunk, req.peer_id)] = asyncio.create_task(
+                    running[(req.chunk, req.peer_id)] = self._loop().create_task(
                         self._fetch(sched, manifest, mid, req, running)
                     )
                 if sched.complete:
@@ -1070,7 +1075,7 @@ class SwarmNode:
 
         One future and one timer rather than helper tasks or callbacks on every fetch: a download
         loop wakes about once per chunk, so this is on the hot path of large (simulated) swarms."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         fut: asyncio.Future[None] = loop.create_future()
         timer = loop.call_later(max(0.0, timeout), settle, fut, None)
         self._change_waiter = fut

@@ -49,8 +49,8 @@ async def start_http_node(
     """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
     box: list[SwarmNode] = []
 
-    async def gossip(data: bytes) -> None:
-        await box[0].handle_gossip(data)
+    def gossip(data: bytes) -> None:
+        box[0].handle_gossip(data)
 
     async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
         return await box[0].handle_chunk(h, requester, held, send)

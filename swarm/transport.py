@@ -53,6 +53,12 @@ class Transport(Protocol):
     async def send(self, addr: str, data: bytes) -> None:
         """Deliver one gossip datagram; raises TransportError when it cannot."""
 
+    def post(self, addr: str, data: bytes) -> None:
+        """Send one gossip datagram in the background and return at once; one that cannot be delivered
+        is dropped (gossip tolerates loss: the next announcement or protocol period repeats it).  A node
+        gossips several datagrams per chunk it receives, so this is its most frequent send; ``close``
+        drops the ones still under way."""
+
     async def get_chunk(
         self, addr: str, chunk_hash: bytes, size: int, timeout: float, requester: str, held: int = -1
     ) -> ChunkReply:
@@ -75,7 +81,8 @@ class Transport(Protocol):
 class Handlers:
     """What a node answers with: the server side of the transport calls these."""
 
-    gossip: Callable[[bytes], Awaitable[None]]
+    # (datagram): runs to completion at once (decoding, checks and bookkeeping: nothing to wait for)
+    gossip: Callable[[bytes], None]
     # (chunk hash, requesting node id, chunks of that version it holds or -1, send): Busy or Missing,
     # or None once the bytes went through send
     chunk: Callable[[bytes, str, int, SendChunk], Awaitable[Busy | Missing | None]]

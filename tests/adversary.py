@@ -141,7 +141,7 @@ class Adversary:
     async def _gossip(self, request: web.Request) -> web.Response:
         self.requests["gossip"] += 1
         assert self.node is not None
-        await self.node.handle_gossip(await request.read())
+        self.node.handle_gossip(await request.read())
         return web.Response(status=204)
 
     async def _object(self, request: web.Request) -> web.StreamResponse:

@@ -82,7 +82,7 @@ def make_net() -> SimNet:
 
 
 def serving(chunks: dict[bytes, ChunkReply], objects: dict[str, bytes], log: list[bytes]) -> Handlers:
-    async def gossip(data: bytes) -> None:
+    def gossip(data: bytes) -> None:
         log.append(data)
 
     async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
@@ -136,6 +136,32 @@ def test_chunk_request_costs_request_latency_then_latency_plus_transfer() -> Non
     assert out["chunk"] == pytest.approx(0.01 + 0.01 + 0.5)
     assert out["busy"] == pytest.approx(0.02)
     assert out["three more"] == pytest.approx(0.02 + (0.02 + 10 / 1e6) + 0.02)
+
+
+def test_post_delivers_one_latency_later_and_drops_what_cannot_arrive() -> None:
+    async def main() -> list[tuple[float, bytes]]:
+        net = make_net()
+        loop = asyncio.get_running_loop()
+        got: list[tuple[float, bytes]] = []
+        handlers = serving({}, {}, [])
+        net.register(
+            "sim://server", "server", Handlers(lambda d: got.append((loop.time(), d)), handlers.chunk, handlers.object)
+        )
+        client = net.transport("client")
+        client.post("sim://server", b"one")  # returns at once; arrives one latency (10 ms) later
+        assert got == []
+        client.post("sim://nobody", b"lost")  # no such address: dropped, no error
+        await asyncio.sleep(0.02)
+        client.post("sim://server", b"two")
+        net.unregister("sim://server")  # gone before "two" arrives: dropped on arrival
+        await asyncio.sleep(0.1)
+        await client.close()
+        client.post("sim://server", b"closed")  # a closed transport sends nothing
+        await asyncio.sleep(0.1)
+        assert net.stats.gossip_messages == 2
+        return got
+
+    assert run_virtual(main()) == [(pytest.approx(0.01), b"one")]
 
 
 def test_concurrent_downloads_share_the_server_uplink() -> None:

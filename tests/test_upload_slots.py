@@ -183,8 +183,10 @@ async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None
     }
     helds: list[int] = []
 
-    async def gossip(data: bytes) -> None:
-        return None
+    gossiped: list[bytes] = []
+
+    def gossip(data: bytes) -> None:
+        gossiped.append(data)
 
     async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
         helds.append(held)
@@ -235,8 +237,19 @@ async def test_http_route_sends_inside_the_handler_and_carries_holders() -> None
         assert await client.get_object(addr, "manifests/ab", 10, 10.0, "me", insist=True) == b"m"
         assert await client.get_object(addr, "certs/cd", 10, 10.0) is None
         assert asked == [("manifests/ab", "me", False), ("manifests/ab", "me", True), ("certs/cd", "", False)]
+        # Gossip: post returns at once and the datagram arrives in the background; one that cannot
+        # be delivered (nobody listens there) is dropped without an error.
+        client.post(addr, b"news")
+        client.post("http://127.0.0.1:9", b"lost")
+        for _ in range(500):
+            if gossiped:
+                break
+            await asyncio.sleep(0.01)
+        assert gossiped == [b"news"]
     finally:
         await client.close()
+        client.post(addr, b"after close")  # dropped: a closed transport sends nothing
+        assert not client._posts
         await runner.cleanup()
 
 
