@@ -197,9 +197,7 @@ class SimTransport:
     async def send(self, addr: str, data: bytes) -> None:
         net = self.net
         ep = net.endpoint(addr)
-        net.stats.gossip_messages += 1
-        net.stats.gossip_bytes += len(data)
-        net.stats.per_host_gossip_bytes[self.host] = net.stats.per_host_gossip_bytes.get(self.host, 0) + len(data)
+        self._count_gossip(len(data))
         if net.gossip_flows:
             await net.transfer(self.host, ep.host, len(data), tag="gossip")
         else:
@@ -216,10 +214,14 @@ class SimTransport:
         if net.gossip_flows:  # the datagram as a flow: the general path (the task waits on the flow's future)
             asyncio.ensure_future(self._post_flow(addr, data))  # noqa: RUF006
             return
-        net.stats.gossip_messages += 1
-        net.stats.gossip_bytes += len(data)
-        net.stats.per_host_gossip_bytes[self.host] = net.stats.per_host_gossip_bytes.get(self.host, 0) + len(data)
+        self._count_gossip(len(data))
         net.loop().call_later(net.network.latency(self.host, ep.host), self._deliver, addr, data)
+
+    def _count_gossip(self, nbytes: int) -> None:
+        stats = self.net.stats
+        stats.gossip_messages += 1
+        stats.gossip_bytes += nbytes
+        stats.per_host_gossip_bytes[self.host] = stats.per_host_gossip_bytes.get(self.host, 0) + nbytes
 
     def _deliver(self, addr: str, data: bytes) -> None:
         ep = self.net.endpoints.get(addr)  # it may have gone meanwhile
