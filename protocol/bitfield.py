@@ -77,6 +77,18 @@ class Bitfield:
         bf._count = int.from_bytes(raw, "little").bit_count()
         return bf
 
+    @staticmethod
+    def mask_from_bytes(n: int, data: bytes | bytearray | memoryview) -> int:
+        """``from_bytes(n, data).to_int()`` without the Bitfield: the same checks, for a reader that
+        only tests bits (the chunk scheduler takes a peer's chunks as an int)."""
+        if n < 0:
+            raise ValueError(f"chunk count must be >= 0, got {n}")
+        if len(data) != _nbytes(n):
+            raise BitfieldError(n, f"{len(data)} bytes, expected {_nbytes(n)}")
+        if n and data[-1] & _spare_mask(n):
+            raise BitfieldError(n, "spare bits past the last chunk are set")
+        return int.from_bytes(data, "little")
+
     def copy(self) -> Bitfield:
         bf = Bitfield(0)  # not __new__: compiled classes have no bare allocation
         bf._n = self._n
@@ -167,6 +179,10 @@ class Bitfield:
 
     def to_bytes(self) -> bytes:
         return bytes(self._bits)
+
+    def to_int(self) -> int:
+        """The chunks held as an int: bit ``i`` is chunk ``i``."""
+        return int.from_bytes(self._bits, "little")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Bitfield):

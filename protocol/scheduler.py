@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from protocol.bitfield import Bitfield
 
 _MIN_ELAPSED = 1e-6  # seconds: a zero elapsed time would be an infinite rate
+_ALL = -1  # a peer's chunks as an int when it holds every chunk: every bit set, whatever the count
 
 
 def _indices(bits: int) -> list[int]:
@@ -160,7 +161,9 @@ class Request:
 @dataclass(slots=True, eq=False)  # identity: ``list.remove`` on a round's peers compared every field
 class _Peer:
     info: PeerInfo
-    has: Bitfield | None  # None: holds every chunk
+    # The chunks it holds as an int (bit i: chunk i), -1 for "every chunk": a round tests each peer
+    # against the pool with one AND, and an announcement's change is an XOR (no Bitfield copies).
+    bits: int
     inflight: set[int] = field(default_factory=set)
     rate: float | None = None  # EWMA of delivered bytes/s, None until measured
     banned_until: float = -math.inf
@@ -168,7 +171,6 @@ class _Peer:
     failures: int = 0  # consecutive
     bytes: int = 0
     missing: dict[int, float] = field(default_factory=dict)  # chunk -> until when its claims are ignored
-    bits: int | None = None  # ``has`` as an int (bit i: chunk i), None until needed after a change
     remote: bool = False  # in another region: its requests count against max_inflight_remote
     free_at: float = -math.inf  # max(resting_until, banned_until): one comparison in ``_round``'s walk
     cap: int = 0  # requests it may have in flight (``_peer_cap``), set with ``remote``
@@ -177,13 +179,7 @@ class _Peer:
     load: int = 0
 
     def holds(self, chunk: int) -> bool:
-        return self.has is None or self.has.has(chunk)
-
-    def mask(self) -> int:
-        """``has`` as an int, kept between changes (``next_requests`` ANDs it with the pool per call)."""
-        if self.bits is None:
-            self.bits = -1 if self.has is None else int.from_bytes(self.has.to_bytes(), "little")
-        return self.bits
+        return bool(self.bits >> chunk & 1)
 
 
 @dataclass(slots=True, eq=False)
@@ -266,6 +262,8 @@ class ChunkScheduler:
         self._since_heap: list[tuple[float, int]] = []  # (since, chunk), stale entries dropped lazily
         self._flights: dict[int, dict[str, _Flight]] = {}
         self._n_inflight = 0
+        # heap: (deadline, chunk, peer) of the requests in flight; entries of dropped ones are removed lazily
+        self._deadlines: list[tuple[float, int, str]] = []
         self._n_remote = 0  # of _n_inflight, counted against max_inflight_remote
         self._remote_peers = 0  # known peers that count as remote (none: the remote budget is no room)
         self._random_left = max(0, config.random_first - self._have.count())
@@ -325,27 +323,37 @@ class ChunkScheduler:
 
     # ------------------------------------------------------------------ peers
 
-    def update_peer(self, peer: PeerInfo, has: Bitfield | None, now: float) -> None:
+    def update_peer(self, peer: PeerInfo, has: Bitfield | int | None, now: float) -> None:
         """Add or refresh a peer; ``has=None``: it holds every chunk (the seed, or a complete node).
 
-        The bitfield is copied.  Rate estimate, rest and ban survive a refresh.
+        ``has`` is a Bitfield, or the same as an int (bit i: chunk i; what ``Bitfield.mask_from_bytes``
+        makes of a wire bitfield, saving the driver a Bitfield per announcement).  It is not kept:
+        later changes to it are not seen.  Rate estimate, rest and ban survive a refresh.
         """
         self._tick(now)
         if peer.peer_id == self._me.peer_id:
             raise ValueError("update_peer() about this node itself")
-        if has is not None and has.n != len(self._sizes):
-            raise ValueError(f"bitfield of {has.n} chunks for a version of {len(self._sizes)}")
-        new_has = has.copy() if has is not None else None
+        n = len(self._sizes)
+        if has is None:
+            new_bits = _ALL
+        elif isinstance(has, Bitfield):
+            if has.n != n:
+                raise ValueError(f"bitfield of {has.n} chunks for a version of {n}")
+            new_bits = has.to_int()
+        else:
+            if has < 0 or has >> n:
+                raise ValueError(f"bitfield int names chunks outside a version of {n}")
+            new_bits = has
         p = self._peers.get(peer.peer_id)
         if p is not None and p.missing:  # a stale announcement must not undo a fresh MISSING
             p.missing = {c: t for c, t in p.missing.items() if t > now}
             if p.missing:
-                if new_has is None:
-                    new_has = Bitfield.full(len(self._sizes))
+                if new_bits == _ALL:
+                    new_bits = (1 << n) - 1
                 for c in p.missing:
-                    new_has.clear(c)
+                    new_bits &= ~(1 << c)
         if p is None:
-            p = self._peers[peer.peer_id] = _Peer(peer, Bitfield(len(self._sizes)))
+            p = self._peers[peer.peer_id] = _Peer(peer, 0)
             old_counted = False
             if self._cfg.max_peers and not peer.is_seed:
                 self._make_room(peer.peer_id)
@@ -354,9 +362,8 @@ class ChunkScheduler:
             if self._cfg.max_peers:  # the most recently heard from last: the first to go is the stalest
                 self._peers[peer.peer_id] = self._peers.pop(peer.peer_id)
         new_counted = not peer.is_seed
-        old_has = p.has
-        old_bits = p.mask()
-        p.info, p.has, p.bits = peer, new_has, None
+        old_bits = p.bits
+        p.info, p.bits = peer, new_bits
         me = self._me
         remote = bool(self._cfg.max_inflight_remote and me.region and peer.region and peer.region != me.region)
         self._remote_peers += remote - p.remote
@@ -369,19 +376,19 @@ class ChunkScheduler:
         removed: list[int] = []
         added: list[int] = []
         full_delta = 0
-        # (on int masks: an announcement usually differs from the last one by a chunk or two)
-        new_bits = p.mask()
-        if old_counted and new_counted and old_has is not None and new_has is not None:
-            removed = _indices(old_bits & ~new_bits)
-            added = _indices(new_bits & ~old_bits)
+        # (an announcement usually differs from the last one by a chunk or two)
+        if old_counted and new_counted and old_bits != _ALL and new_bits != _ALL:
+            changed = old_bits ^ new_bits
+            removed = _indices(old_bits & changed)
+            added = _indices(new_bits & changed)
         else:
             if old_counted:
-                if old_has is None:
+                if old_bits == _ALL:
                     full_delta -= 1
                 else:
                     removed = _indices(old_bits)
             if new_counted:
-                if new_has is None:
+                if new_bits == _ALL:
                     full_delta += 1
                 else:
                     added = _indices(new_bits)
@@ -406,10 +413,10 @@ class ChunkScheduler:
         if p is None:
             return
         p.missing.pop(chunk, None)  # news newer than its MISSING answer
-        if p.has is None or not p.has.set(self._index(chunk)):
+        bits = p.bits
+        if bits == _ALL or bits >> self._index(chunk) & 1:
             return
-        if p.bits is not None:
-            p.bits |= 1 << chunk
+        p.bits = bits | 1 << chunk
         if not p.info.is_seed:
             self._avail_change(chunk, +1, now)
 
@@ -423,10 +430,10 @@ class ChunkScheduler:
         self._remote_peers -= p.remote
         dropped = [self._drop_flight(c, peer_id).request for c in sorted(p.inflight)]
         if not p.info.is_seed:
-            if p.has is None:
+            if p.bits == _ALL:
                 self._apply_availability([], [], -1, self._now)
             else:
-                self._apply_availability(list(p.has.held()), [], 0, self._now)
+                self._apply_availability(_indices(p.bits), [], 0, self._now)
         for r in dropped:
             self._maybe_repool(r.chunk, self._now)
         return dropped
@@ -441,7 +448,7 @@ class ChunkScheduler:
             return out
         # Peers holding nothing in the pool cannot take a new chunk: one pass lists the free peers that do.
         pool = self._pool
-        pool_bits = int.from_bytes(pool.to_bytes(), "little")
+        pool_bits = pool.to_int()
         scan = self._round(now, pool_bits) if pool_bits else None
         if scan is not None and scan.free:
             self._ensure_order()
@@ -539,7 +546,8 @@ class ChunkScheduler:
         """In-flight requests past their deadline, now dropped as TIMEOUT failures (cancel them)."""
         self._tick(now)
         flights = self._flights
-        if not any(f.request.deadline <= now for fl in flights.values() for f in fl.values()):
+        first = self._first_deadline()
+        if first is None or first > now:
             return []  # the usual case (deadlines are seconds away): no sort, no list
         late = [f.request for c in sorted(flights) for f in flights[c].values() if f.request.deadline <= now]
         for r in late:
@@ -553,7 +561,8 @@ class ChunkScheduler:
         ban, or moment a waiting chunk's seed patience runs out.  "Future" is relative to the
         latest ``now`` the scheduler was given, so a driver that re-arms after each call never spins.
         """
-        deadlines = [f.request.deadline for fl in self._flights.values() for f in fl.values()]
+        first_deadline = self._first_deadline()
+        deadlines = [] if first_deadline is None else [first_deadline]
         later: list[float] = []
         wake = self._first_wake()
         if wake is not None:
@@ -572,6 +581,17 @@ class ChunkScheduler:
                 )
         after = self._now
         return min(deadlines + [t for t in later if t > after], default=None)
+
+    def _first_deadline(self) -> float | None:
+        """The earliest deadline of a request in flight (the heap's entries of dropped ones are dropped)."""
+        heap = self._deadlines
+        while heap:
+            t, chunk, pid = heap[0]
+            flight = self._flights.get(chunk, {}).get(pid)
+            if flight is not None and flight.request.deadline == t:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _first_wake(self) -> float | None:
         """The earliest future end of a peer's rest or ban (the heap's stale or past entries are dropped)."""
@@ -612,9 +632,7 @@ class ChunkScheduler:
         (with an active set, ``max_peers``: the order they were last heard from)."""
         cfg = self._cfg
         free = [  # (this walks every peer on each call: kept to three tests on plain fields)
-            p
-            for p in self._peers.values()
-            if p.free_at <= now and p.load < p.cap and (p.bits if p.bits is not None else p.mask()) & pool_bits
+            p for p in self._peers.values() if p.free_at <= now and p.load < p.cap and p.bits & pool_bits
         ]
         blocked = 0
         if cfg.max_inflight_remote and not (self._room(False) and self._room(True)):
@@ -635,7 +653,7 @@ class ChunkScheduler:
         """The chunks any of ``peers`` holds (an OR of their masks)."""
         held = 0
         for p in peers:
-            held |= p.bits if p.bits is not None else p.mask()
+            held |= p.bits
         return held
 
     def _choose(self, chunk: int, rnd: _Round, waiting_since: float | None = None) -> _Peer | None:
@@ -648,10 +666,7 @@ class ChunkScheduler:
         holders: list[_Peer] = []
         seeds: list[_Peer] = []
         for p in rnd.free:
-            bits = p.bits  # (``has`` as an int: one shift instead of a Bitfield.has call per peer and chunk)
-            if bits is None:
-                bits = p.mask()
-            if bits >> chunk & 1 and chunk not in p.inflight:
+            if p.bits >> chunk & 1 and chunk not in p.inflight:
                 (seeds if p.info.is_seed else holders).append(p)
         if not seeds:
             return holders
@@ -716,6 +731,10 @@ class ChunkScheduler:
         req = Request(chunk, pid, deadline, duplicate)
         remote = peer.remote
         self._flights.setdefault(chunk, {})[pid] = _Flight(req, rnd.now, remote)
+        heapq.heappush(self._deadlines, (deadline, chunk, pid))
+        if len(self._deadlines) > 4 * self._n_inflight + 64:  # compact the entries of dropped requests
+            self._deadlines = [(f.request.deadline, c, q) for c, fl in self._flights.items() for q, f in fl.items()]
+            heapq.heapify(self._deadlines)
         peer.inflight.add(chunk)
         peer.load = len(peer.inflight)
         self._n_inflight += 1
@@ -764,13 +783,14 @@ class ChunkScheduler:
         if reason is FailureReason.MISSING:
             self._counters["missing"] += 1
             p.missing[chunk] = now + cfg.failure_backoff
-            p.bits = None
-            if p.has is None:
-                p.has = Bitfield.full(len(self._sizes))
+            if p.bits == _ALL:
+                p.bits = (1 << len(self._sizes)) - 1
                 if not p.info.is_seed:  # from "holds everything" to an explicit bitfield
-                    self._apply_availability([], list(p.has.held()), -1, now)
-            if p.has.clear(chunk) and not p.info.is_seed:
-                self._avail_change(chunk, -1, now)
+                    self._apply_availability([], list(range(len(self._sizes))), -1, now)
+            if p.bits >> chunk & 1:
+                p.bits &= ~(1 << chunk)
+                if not p.info.is_seed:
+                    self._avail_change(chunk, -1, now)
             return
         p.failures += 1
         rest = min(cfg.backoff_cap, cfg.failure_backoff * 2.0 ** min(p.failures - 1, 60))

@@ -276,6 +276,11 @@ class SimTransport:
             fail(reply, TransportError(f"{addr}: connection refused"))
             return
         out.src = ep.host
+        refuse = ep.handlers.refuse
+        if refuse is not None and (refusal := refuse(chunk_hash, requester, held)) is not None:
+            # As _answer's refusal, without a task for the handler (most requests of a large swarm end here).
+            self.net.loop().call_later(self.net.network.latency(ep.host, self.host), settle, reply, refusal)
+            return
         # No reference kept: while pending, the task waits on what the node or network holds (a line
         # turn, a timer, a flow's future), so it cannot be collected.
         handler = ep.handlers.chunk(chunk_hash, requester, held, out.send)

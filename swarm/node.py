@@ -194,6 +194,8 @@ class SwarmNode:
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
         self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
+        self._change_timer: asyncio.TimerHandle | None = None  # its wake-up timer, kept between waits
+        self._change_at = 0.0  # when the current wait ends if nothing happens (loop time)
         self._download_full = False  # it waits with every request it may have in flight out
         self._announce_dirty = False
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
@@ -231,7 +233,9 @@ class SwarmNode:
     # ------------------------------------------------------------ lifecycle
 
     def handlers(self) -> Handlers:
-        return Handlers(gossip=self.handle_gossip, chunk=self.handle_chunk, object=self.handle_object)
+        return Handlers(
+            gossip=self.handle_gossip, chunk=self.handle_chunk, object=self.handle_object, refuse=self.refuse_chunk
+        )
 
     def _wall(self) -> float:
         return self.clock.wall()
@@ -624,16 +628,14 @@ class SwarmNode:
         at once and each taking longer (a relay can pass on only what it has received in full).
         ``held``: chunks of that version the requester says it holds (-1: not said; see
         ``_requester_finishing``)."""
-        if chunk_hash not in self.chunks:
-            return Missing()
-        withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
-        if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
+        if (refusal := self.refuse_chunk(chunk_hash, requester, held)) is not None:
             return refusal  # checked before reading the chunk or queueing for a slot
+        withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
+        line = self._may_wait_in_line(requester)
         if not self.config.is_seed or not requester:
-            return await self._upload(chunk_hash, requester, withholds, send, line=True)
+            return await self._upload(chunk_hash, requester, withholds, send, line=line)
         # A seed counts each requester's uploads and waits: see _upload_slot.
         uploading = self._seed_uploading
-        line = requester not in uploading
         uploading[requester] = uploading.get(requester, 0) + 1
         try:
             return await self._upload(chunk_hash, requester, withholds, send, line=line)
@@ -642,6 +644,32 @@ class SwarmNode:
                 uploading[requester] = left
             else:
                 del uploading[requester]
+
+    def refuse_chunk(self, chunk_hash: bytes, requester: str, held: int) -> Busy | Missing | None:
+        """The answer ``handle_chunk`` gives without waiting, or None: the chunk is not here (Missing),
+        a seed withholds it (``_seed_refusal``), or no upload slot is free and there is no place in
+        line for this requester (Busy).  A transport may call this first and spare a refused request
+        the task ``handle_chunk`` runs in (simulated swarms refuse most requests at once); None does
+        not promise a chunk: a request can still be refused after waiting in line."""
+        if chunk_hash not in self.chunks:
+            return Missing()
+        withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
+        if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
+            return refusal
+        if self.upload_slots.in_use < self.upload_slots.capacity or self._line_has_room(
+            self._may_wait_in_line(requester)
+        ):
+            return None
+        self.metrics.busy_replies += 1
+        return Busy(self._busy_retry_after())
+
+    def _may_wait_in_line(self, requester: str) -> bool:
+        """A seed's line is for requesters it is not serving yet (see ``_upload_slot``)."""
+        return not self.config.is_seed or not requester or requester not in self._seed_uploading
+
+    def _line_has_room(self, line: bool) -> bool:
+        room = self.config.seed_upload_queue if self.config.is_seed else self.config.upload_queue
+        return line and len(self._upload_queue) < room
 
     async def _upload(
         self, chunk_hash: bytes, requester: str, withholds: bool, send: SendChunk, *, line: bool
@@ -771,8 +799,7 @@ class SwarmNode:
         all was 8.8-11.3 s over 8 seeds; with this rule 8.0-9.1 s, each host taking 2-12 chunks."""
         if self.upload_slots.acquire():
             return True
-        room = self.config.seed_upload_queue if self.config.is_seed else self.config.upload_queue
-        if not line or len(self._upload_queue) >= room:
+        if not self._line_has_room(line):
             return False
         loop = self._loop()
         turn: asyncio.Future[bool] = loop.create_future()  # True: _release_upload_slot handed a slot over
@@ -1022,6 +1049,7 @@ class SwarmNode:
                 await self._until_change(timeout)
         finally:
             self._download_full = False
+            self._drop_change_timer()
             for task in running.values():
                 task.cancel()
             del self.partial[mid]
@@ -1077,13 +1105,34 @@ class SwarmNode:
         loop wakes about once per chunk, so this is on the hot path of large (simulated) swarms."""
         loop = self._loop()
         fut: asyncio.Future[None] = loop.create_future()
-        timer = loop.call_later(max(0.0, timeout), settle, fut, None)
+        # The timer outlives the wait: a loop woken by news waits again, usually until a later time, and
+        # the timer armed for the earlier one stays, moving itself on when it fires early (a timer
+        # armed and cancelled per wait was two operations on the loop's heap of timers each time).
+        at = loop.time() + max(0.0, timeout)
+        self._change_at = at
+        timer = self._change_timer
+        if timer is None or timer.when() > at:
+            if timer is not None:
+                timer.cancel()
+            self._change_timer = loop.call_at(at, self._change_timer_fired)
         self._change_waiter = fut
         try:
             await fut
         finally:
             self._change_waiter = None
-            timer.cancel()
+
+    def _change_timer_fired(self) -> None:
+        loop = self._loop()
+        if loop.time() < self._change_at:  # armed for a wait that news ended: on to this one's time
+            self._change_timer = loop.call_at(self._change_at, self._change_timer_fired)
+            return
+        self._change_timer = None
+        self._note_peers_changed()
+
+    def _drop_change_timer(self) -> None:
+        if self._change_timer is not None:
+            self._change_timer.cancel()
+            self._change_timer = None
 
     def _touch(self, node_id: str) -> None:
         view = self.peers.get(node_id)
@@ -1109,7 +1158,10 @@ class SwarmNode:
                 continue
             ann = view.ann
             peer = PeerInfo(view.info.node_id, view.info.zone, view.info.region, is_seed=ann.seed)
-            bits = dict(ann.partial).get(mid)
+            bits = None
+            for partial_mid, partial_bits in ann.partial:  # (usually one: no dict per peer and wake)
+                if partial_mid == mid:
+                    bits = partial_bits
             if bits is None and (ann.seed or mid in ann.complete):
                 sched.update_peer(peer, None, now)
                 continue
@@ -1117,11 +1169,11 @@ class SwarmNode:
             if bits is None and not hinted:
                 continue
             try:
-                has = Bitfield.from_bytes(nchunks, bits) if bits is not None else Bitfield(nchunks)
+                has = Bitfield.mask_from_bytes(nchunks, bits) if bits is not None else 0
             except PatchswarmError:
                 continue  # a malformed bitfield: ignore that claim
             for i in hinted or ():
-                has.set(i)
+                has |= 1 << i
             sched.update_peer(peer, has, now)
 
     async def _fetch(

@@ -88,6 +88,9 @@ class Handlers:
     chunk: Callable[[bytes, str, int, SendChunk], Awaitable[Busy | Missing | None]]
     # (path, requesting node id, insist): the bytes, None (not here) or Missing naming where to ask
     object: Callable[[str, str, bool], Awaitable[bytes | Missing | None]]
+    # (chunk hash, requesting node id, chunks held): the refusal ``chunk`` would answer at once, or None.
+    # Optional: a transport may ask it first and spare a refused request the task ``chunk`` runs in.
+    refuse: Callable[[bytes, str, int], Busy | Missing | None] | None = None
 
 
 class Clock(Protocol):

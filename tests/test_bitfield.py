@@ -46,6 +46,7 @@ def test_wire_round_trip_and_layout(case: tuple[int, set[int]]) -> None:
     back = Bitfield.from_bytes(n, raw)
     assert back == bf
     assert back.count() == len(held)
+    assert bf.to_int() == Bitfield.mask_from_bytes(n, raw) == sum(1 << i for i in held)
 
 
 def test_lsb_first_bit_order() -> None:
@@ -101,6 +102,8 @@ def test_from_bytes_rejects_wrong_length(n: int, length: int) -> None:
         Bitfield.from_bytes(n, bytes(length))
     assert isinstance(info.value, FormatError)
     assert info.value.n == n
+    with pytest.raises(BitfieldError, match="expected"):
+        Bitfield.mask_from_bytes(n, bytes(length))
 
 
 @pytest.mark.parametrize(("n", "last"), [(1, 0b10), (7, 0x80), (9, 0b10), (15, 0x80)])
@@ -108,6 +111,8 @@ def test_from_bytes_rejects_spare_bits(n: int, last: int) -> None:
     raw = bytes((n + 7) // 8 - 1) + bytes([last])
     with pytest.raises(BitfieldError, match="spare bits"):
         Bitfield.from_bytes(n, raw)
+    with pytest.raises(BitfieldError, match="spare bits"):
+        Bitfield.mask_from_bytes(n, raw)
 
 
 def test_copy_is_independent_and_iteration_uses_a_snapshot() -> None:

@@ -562,6 +562,10 @@ def test_rejects_misuse() -> None:
         s.update_peer(ME, None, 0.0)
     with pytest.raises(ValueError):
         s.update_peer(peer("a"), Bitfield(4), 0.0)
+    with pytest.raises(ValueError, match="outside a version of 3"):
+        s.update_peer(peer("a"), 0b1000, 0.0)  # an int naming chunk 3 of 0..2
+    with pytest.raises(ValueError, match="outside a version of 3"):
+        s.update_peer(peer("a"), -1, 0.0)  # "every chunk" is None, not an int
     with pytest.raises(ValueError):
         s.on_success(0.0, 3, "a", 1, 1.0)
     with pytest.raises(ValueError):
@@ -576,6 +580,22 @@ def test_rejects_misuse() -> None:
         SchedulerConfig(rate_alpha=0.0)
     with pytest.raises(ValueError):
         SchedulerConfig(deadline_rate=0.0)
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.sets(st.integers(0, 11))), min_size=1, max_size=12))
+def test_a_peer_given_as_an_int_is_the_same_as_its_bitfield(updates: list[tuple[str, set[int]]]) -> None:
+    """``update_peer`` takes the chunks as a Bitfield or as its int (what the node passes); the
+    scheduler keeps neither object (changing the Bitfield afterwards changes nothing)."""
+    by_bitfield, by_int = make(12, seed=3), make(12, seed=3)
+    for pid, held in updates:
+        given_bits = bits(12, held)
+        by_bitfield.update_peer(peer(pid), given_bits, 0.0)
+        by_int.update_peer(peer(pid), given_bits.to_int(), 0.0)
+        given_bits.set(11 - min(held, default=0))  # after the call: not seen
+    assert [by_bitfield.holders(c) for c in range(12)] == [by_int.holders(c) for c in range(12)]
+    assert by_bitfield.next_requests(1.0) == by_int.next_requests(1.0)
+    last = {pid: held for pid, held in updates}
+    assert [by_int.holders(c) for c in range(12)] == [sum(c in h for h in last.values()) for c in range(12)]
 
 
 def test_empty_and_complete_downloads() -> None:
@@ -791,10 +811,14 @@ def simulate(seed: int) -> World:
             assert r.deadline <= now
             del out[(r.chunk, r.peer_id)]
             rest(r.peer_id, now)
+        assert all(r.deadline > now for r, _ in out.values()), "a late request not reported as expired"
         check(sched.next_requests(now), now)
         if sched.complete:
             break
-        wake = [t for t in (events[0][0] if events else None, sched.next_deadline()) if t is not None]
+        deadline = sched.next_deadline()
+        if out:  # never later than the earliest request in flight
+            assert deadline is not None and deadline <= min(r.deadline for r, _ in out.values())
+        wake = [t for t in (events[0][0] if events else None, deadline) if t is not None]
         assert wake, f"deadlock at t={now}: nothing in flight, nothing to wait for"
         nxt = min(wake)
         assert nxt > now, "the timer would spin"

@@ -138,6 +138,37 @@ def test_chunk_request_costs_request_latency_then_latency_plus_transfer() -> Non
     assert out["three more"] == pytest.approx(0.02 + (0.02 + 10 / 1e6) + 0.02)
 
 
+def test_a_refusal_given_at_once_skips_the_handler_and_takes_the_same_time() -> None:
+    """``Handlers.refuse``: the transport asks it first; its refusal comes back one latency after
+    the request arrived, as the handler's would, and the handler never runs; None goes on to it."""
+
+    async def main() -> tuple[float, list[bytes]]:
+        net = make_net()
+        base = serving({b"a": b"x" * 1000}, {}, [])
+        called: list[bytes] = []
+
+        async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
+            called.append(h)
+            return await base.chunk(h, requester, held, send)
+
+        def refuse(h: bytes, requester: str, held: int) -> Busy | Missing | None:
+            return Busy(0.5) if h == b"busy" else None
+
+        net.register("sim://server", "server", Handlers(base.gossip, chunk, base.object, refuse))
+        client = net.transport("client")
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        assert await client.get_chunk("sim://server", b"busy", 10, 10.0, "client") == Busy(0.5)
+        took = loop.time() - t
+        assert await client.get_chunk("sim://server", b"a", 1000, 10.0, "client") == b"x" * 1000
+        net.close()
+        return took, called
+
+    took, called = run_virtual(main())
+    assert took == pytest.approx(0.02)
+    assert called == [b"a"]
+
+
 def test_post_delivers_one_latency_later_and_drops_what_cannot_arrive() -> None:
     async def main() -> list[tuple[float, bytes]]:
         net = make_net()

@@ -59,6 +59,42 @@ def test_an_unpaced_node_holds_its_slot_while_the_chunk_travels() -> None:
     assert 0.4 < retry < 0.6
 
 
+def test_the_refusal_given_at_once_is_the_handlers_own() -> None:
+    """``refuse_chunk`` (what a transport may ask before giving a request its own task) answers as
+    ``handle_chunk`` would at that moment: Missing for a chunk not held, nothing while a slot or a
+    place in line is free, then the same Busy, counted once per refusal."""
+
+    async def main() -> tuple[list[object], object, list[int]]:
+        hosts = [Host("a", "r", up=1 * MB), Host("b", "r"), Host("c", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_queue=1, upload_queue_wait=5.0, busy_retry_after=5.0)
+        node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        node.chunks.put(b"h", b"x" * MB)
+        net.register("sim://a", "a", node.handlers())
+        answers: list[object] = [node.refuse_chunk(b"nope", "d", -1), node.refuse_chunk(b"h", "d", -1)]
+        b, c = net.transport("b"), net.transport("c")
+        served = asyncio.ensure_future(b.get_chunk("sim://a", b"h", MB, 60.0, "b"))  # takes the slot
+        waiting = asyncio.ensure_future(c.get_chunk("sim://a", b"h", MB, 60.0, "c"))  # the place in line
+        await asyncio.sleep(0.1)
+        counts = [node.metrics.busy_replies]
+        answers.append(node.refuse_chunk(b"h", "d", -1))
+        counts.append(node.metrics.busy_replies)
+
+        async def never(data: bytes) -> None:
+            raise AssertionError("a refused request sends nothing")
+
+        direct = await node.handle_chunk(b"h", "d", -1, never)
+        counts.append(node.metrics.busy_replies)
+        assert await served == b"x" * MB and await waiting == b"x" * MB
+        net.close()
+        return answers, direct, counts
+
+    answers, direct, counts = run_virtual(main())
+    assert answers == [Missing(), None, Busy(5.0)]
+    assert direct == Busy(5.0)
+    assert counts == [0, 1, 2]
+
+
 def test_a_seed_keeps_its_own_longer_line() -> None:
     """One slot each; peers' lines hold nobody (``upload_queue=0``), the seed's one
     (``seed_upload_queue=1``): of three requesters at once, one is served at once, one waits at the
@@ -308,6 +344,30 @@ def test_news_does_not_wake_a_downloader_with_every_request_out() -> None:
         return results[0], results[1], results[2]
 
     assert run_virtual(main()) == (False, True, True)
+
+
+def test_the_download_loop_wakes_at_its_latest_deadline_or_on_news() -> None:
+    """The wait's timer is kept between waits: a wait ended early by news leaves it armed, and when
+    it fires during the next, longer wait it moves on to that wait's end instead of waking the loop
+    (an empty wake-up walks every peer); a shorter next wait re-arms it sooner."""
+
+    async def main() -> list[float]:
+        node = _node("a")
+        loop = asyncio.get_running_loop()
+        ends = []
+        first = asyncio.ensure_future(node._until_change(0.25))
+        await asyncio.sleep(0.01)
+        node._note_peers_changed()  # news: the first wait ends at 0.01
+        await first
+        ends.append(loop.time())
+        await node._until_change(0.5)  # the 0.25 timer fires inside this wait and moves on
+        ends.append(loop.time())
+        await node._until_change(0.1)
+        ends.append(loop.time())
+        node._drop_change_timer()
+        return ends
+
+    assert run_virtual(main()) == pytest.approx([0.01, 0.51, 0.61])
 
 
 def test_a_seed_serves_a_finishing_requester_a_chunk_it_withholds() -> None:
