@@ -194,8 +194,6 @@ class SwarmNode:
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
         self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
-        self._change_timer: asyncio.TimerHandle | None = None  # its wake-up timer, kept between waits
-        self._change_at = 0.0  # when the current wait ends if nothing happens (loop time)
         self._download_full = False  # it waits with every request it may have in flight out
         self._announce_dirty = False
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
@@ -1049,7 +1047,6 @@ class SwarmNode:
                 await self._until_change(timeout)
         finally:
             self._download_full = False
-            self._drop_change_timer()
             for task in running.values():
                 task.cancel()
             del self.partial[mid]
@@ -1105,34 +1102,13 @@ class SwarmNode:
         loop wakes about once per chunk, so this is on the hot path of large (simulated) swarms."""
         loop = self._loop()
         fut: asyncio.Future[None] = loop.create_future()
-        # The timer outlives the wait: a loop woken by news waits again, usually until a later time, and
-        # the timer armed for the earlier one stays, moving itself on when it fires early (a timer
-        # armed and cancelled per wait was two operations on the loop's heap of timers each time).
-        at = loop.time() + max(0.0, timeout)
-        self._change_at = at
-        timer = self._change_timer
-        if timer is None or timer.when() > at:
-            if timer is not None:
-                timer.cancel()
-            self._change_timer = loop.call_at(at, self._change_timer_fired)
+        timer = loop.call_later(max(0.0, timeout), settle, fut, None)
         self._change_waiter = fut
         try:
             await fut
         finally:
             self._change_waiter = None
-
-    def _change_timer_fired(self) -> None:
-        loop = self._loop()
-        if loop.time() < self._change_at:  # armed for a wait that news ended: on to this one's time
-            self._change_timer = loop.call_at(self._change_at, self._change_timer_fired)
-            return
-        self._change_timer = None
-        self._note_peers_changed()
-
-    def _drop_change_timer(self) -> None:
-        if self._change_timer is not None:
-            self._change_timer.cancel()
-            self._change_timer = None
+            timer.cancel()
 
     def _touch(self, node_id: str) -> None:
         view = self.peers.get(node_id)

@@ -346,30 +346,6 @@ def test_news_does_not_wake_a_downloader_with_every_request_out() -> None:
     assert run_virtual(main()) == (False, True, True)
 
 
-def test_the_download_loop_wakes_at_its_latest_deadline_or_on_news() -> None:
-    """The wait's timer is kept between waits: a wait ended early by news leaves it armed, and when
-    it fires during the next, longer wait it moves on to that wait's end instead of waking the loop
-    (an empty wake-up walks every peer); a shorter next wait re-arms it sooner."""
-
-    async def main() -> list[float]:
-        node = _node("a")
-        loop = asyncio.get_running_loop()
-        ends = []
-        first = asyncio.ensure_future(node._until_change(0.25))
-        await asyncio.sleep(0.01)
-        node._note_peers_changed()  # news: the first wait ends at 0.01
-        await first
-        ends.append(loop.time())
-        await node._until_change(0.5)  # the 0.25 timer fires inside this wait and moves on
-        ends.append(loop.time())
-        await node._until_change(0.1)
-        ends.append(loop.time())
-        node._drop_change_timer()
-        return ends
-
-    assert run_virtual(main()) == pytest.approx([0.01, 0.51, 0.61])
-
-
 def test_a_seed_serves_a_finishing_requester_a_chunk_it_withholds() -> None:
     """Handed out a moment ago, chunk 0 is withheld (Missing, naming who got it) from a requester
     that lacks most of the version, and served to one that says it lacks at most
