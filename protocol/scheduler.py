@@ -583,7 +583,7 @@ class ChunkScheduler:
         return min(deadlines + [t for t in later if t > after], default=None)
 
     def _first_deadline(self) -> float | None:
-        """The earliest deadline of a request in flight (the heap's entries of dropped ones are dropped)."""
+        """The earliest deadline of a request in flight (entries of requests since dropped are popped on the way)."""
         heap = self._deadlines
         while heap:
             t, chunk, pid = heap[0]
