@@ -446,10 +446,7 @@ class _Pass:
     def touch(self, r: Resource) -> None:
         """(Re)compute r's water level from what its flows are known to do, and queue it."""
         if r.epoch != self.epoch:
-            r.epoch = self.epoch
-            r.expired = r.filled = False
-            r.queued = -1.0
-            r.risers = []
+            self.begin(r)
         elif r.filled:
             raise Inconsistent(r.name)
         n = r.rising

@@ -278,8 +278,7 @@ class SimTransport:
         out.src = ep.host
         refuse = ep.handlers.refuse
         if refuse is not None and (refusal := refuse(chunk_hash, requester, held)) is not None:
-            # As _answer's refusal, without a task for the handler (most requests of a large swarm end here).
-            self.net.loop().call_later(self.net.network.latency(ep.host, self.host), settle, reply, refusal)
+            self._refuse_back(ep, reply, refusal)  # no task for the handler: most requests of a large swarm end here
             return
         # No reference kept: while pending, the task waits on what the node or network holds (a line
         # turn, a timer, a flow's future), so it cannot be collected.
@@ -311,12 +310,16 @@ class SimTransport:
         if self.net.endpoints.get(addr) is not ep:  # the server that handled it must still be there to answer
             reply.set_exception(TransportError(f"{addr}: connection reset"))
         elif isinstance(result, Busy | Missing):
-            self.net.loop().call_later(self.net.network.latency(ep.host, self.host), settle, reply, result)
+            self._refuse_back(ep, reply, result)
         else:
             try:
                 reply.set_result(out.received(addr))
             except TransportError as e:
                 reply.set_exception(e)
+
+    def _refuse_back(self, ep: Endpoint, reply: asyncio.Future[ChunkReply], refusal: Busy | Missing) -> None:
+        """A refusal reaches the requester one one-way latency after the server gave it."""
+        self.net.loop().call_later(self.net.network.latency(ep.host, self.host), settle, reply, refusal)
 
     async def get_object(
         self, addr: str, path: str, limit: int, timeout: float, requester: str = "", insist: bool = False
