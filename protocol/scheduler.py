@@ -68,7 +68,7 @@ import heapq
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protocol.bitfield import Bitfield
 
@@ -79,10 +79,17 @@ _ALL = -1  # a peer's chunks as an int when it holds every chunk: every bit set,
 def _indices(bits: int) -> list[int]:
     """The set bits of a non-negative int, ascending (bit i: chunk i)."""
     out = []
-    while bits:
-        low = bits & -bits
-        out.append(low.bit_length() - 1)
-        bits ^= low
+    if bits.bit_count() <= 4:  # peeling off the lowest bit makes two ints per bit: cheaper for a few
+        while bits:
+            low = bits & -bits
+            out.append(low.bit_length() - 1)
+            bits ^= low
+        return out
+    digits = bin(bits)[:1:-1]  # bit i is character i (many bits: a whole bitfield at a peer's first word)
+    i = digits.find("1")
+    while i >= 0:
+        out.append(i)
+        i = digits.find("1", i + 1)
     return out
 
 
@@ -94,12 +101,20 @@ class FailureReason(enum.Enum):
     MISSING = "missing"  # the peer says it does not hold the chunk: clear that bit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PeerInfo:
     peer_id: str
-    zone: str = ""
-    region: str = ""
-    is_seed: bool = False  # the trainer seed: has everything, asked only as a last resort
+    zone: str
+    region: str
+    is_seed: bool  # the trainer seed: has everything, asked only as a last resort
+
+    # __init__ written out (init=False) here and below: the native build compiles its stores
+    # (simulations/build.py) where the generated one stays interpreted, ~20x the cost per object.
+    def __init__(self, peer_id: str, zone: str = "", region: str = "", is_seed: bool = False) -> None:
+        object.__setattr__(self, "peer_id", peer_id)
+        object.__setattr__(self, "zone", zone)
+        object.__setattr__(self, "region", region)
+        object.__setattr__(self, "is_seed", is_seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,46 +165,67 @@ class SchedulerConfig:
             raise ValueError("rate_alpha must be in (0, 1]")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Request:
     chunk: int
     peer_id: str
     deadline: float
-    duplicate: bool = False  # endgame duplicate
+    duplicate: bool  # endgame duplicate
+
+    def __init__(self, chunk: int, peer_id: str, deadline: float, duplicate: bool = False) -> None:
+        object.__setattr__(self, "chunk", chunk)
+        object.__setattr__(self, "peer_id", peer_id)
+        object.__setattr__(self, "deadline", deadline)
+        object.__setattr__(self, "duplicate", duplicate)
 
 
-@dataclass(slots=True, eq=False)  # identity: ``list.remove`` on a round's peers compared every field
+@dataclass(slots=True, eq=False, init=False)  # identity: ``list.remove`` on a round's peers compared every field
 class _Peer:
     info: PeerInfo
     # The chunks it holds as an int (bit i: chunk i), -1 for "every chunk": a round tests each peer
     # against the pool with one AND, and an announcement's change is an XOR (no Bitfield copies).
     bits: int
-    inflight: set[int] = field(default_factory=set)
-    rate: float | None = None  # EWMA of delivered bytes/s, None until measured
-    banned_until: float = -math.inf
-    resting_until: float = -math.inf
-    failures: int = 0  # consecutive
-    bytes: int = 0
-    missing: dict[int, float] = field(default_factory=dict)  # chunk -> until when its claims are ignored
-    remote: bool = False  # in another region: its requests count against max_inflight_remote
-    free_at: float = -math.inf  # max(resting_until, banned_until): one comparison in ``_round``'s walk
-    cap: int = 0  # requests it may have in flight (``_peer_cap``), set with ``remote``
+    inflight: set[int]
+    rate: float | None  # EWMA of delivered bytes/s, None until measured
+    banned_until: float
+    resting_until: float
+    failures: int  # consecutive
+    bytes: int
+    missing: dict[int, float]  # chunk -> until when its claims are ignored
+    remote: bool  # in another region: its requests count against max_inflight_remote
+    free_at: float  # max(resting_until, banned_until): one comparison in ``_round``'s walk
+    cap: int  # requests it may have in flight (``_peer_cap``), set with ``remote``
     # len(inflight), kept with it: ``_round``'s walk reads this field, not the set (whose header is
     # elsewhere in memory: a cache miss per peer per round, most of the walk's time)
-    load: int = 0
+    load: int
+
+    def __init__(self, info: PeerInfo, bits: int) -> None:
+        self.info = info
+        self.bits = bits
+        self.inflight = set()
+        self.rate = None
+        self.banned_until = self.resting_until = self.free_at = -math.inf
+        self.failures = self.bytes = self.cap = self.load = 0
+        self.missing = {}
+        self.remote = False
 
     def holds(self, chunk: int) -> bool:
         return bool(self.bits >> chunk & 1)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class _Flight:
     request: Request
     start: float
     remote: bool  # counted against the remote budget (the peer's class when it was asked)
 
+    def __init__(self, request: Request, start: float, remote: bool) -> None:
+        self.request = request
+        self.start = start
+        self.remote = remote
 
-@dataclass(slots=True, eq=False)
+
+@dataclass(slots=True, eq=False, init=False)
 class _Round:
     """What one ``next_requests`` call computes once: the peers that can take requests, and more."""
 
@@ -198,9 +234,28 @@ class _Round:
     any_banned: bool
     slow_below: float | None  # a holder measured below this is "too slow" (None: seed rate unknown)
     peers: dict[str, _Peer]
-    held: int = -1  # the chunks some free peer holds (an OR of their masks; a superset once peers fill up)
-    blocked: int = 0  # the chunks held by peers left out only because this node's budget for their class is spent
-    _fast: list[_Peer] | None = None
+    held: int  # the chunks some free peer holds (an OR of their masks; a superset once peers fill up)
+    blocked: int  # the chunks held by peers left out only because this node's budget for their class is spent
+    _fast: list[_Peer] | None
+
+    def __init__(
+        self,
+        now: float,
+        free: list[_Peer],
+        any_banned: bool,
+        slow_below: float | None,
+        peers: dict[str, _Peer],
+        held: int = -1,
+        blocked: int = 0,
+    ) -> None:
+        self.now = now
+        self.free = free
+        self.any_banned = any_banned
+        self.slow_below = slow_below
+        self.peers = peers
+        self.held = held
+        self.blocked = blocked
+        self._fast = None
 
     @property
     def fast(self) -> list[_Peer]:

@@ -122,12 +122,19 @@ class NodeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
-@dataclass
+@dataclass(init=False)
 class PeerView:
     info: NodeInfo
     ann: Announcement
     seen: float
-    seq: int = 0  # bumps with every announcement or hint about this peer (refresh only what changed)
+    seq: int  # bumps with every announcement or hint about this peer (refresh only what changed)
+
+    # Written out: compiled, it stores the fields directly (the generated __init__ is interpreted).
+    def __init__(self, info: NodeInfo, ann: Announcement, seen: float, seq: int = 0) -> None:
+        self.info = info
+        self.ann = ann
+        self.seen = seen
+        self.seq = seq
 
 
 @dataclass

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.bitfield import Bitfield
-from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
+from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig, _indices
 
 ME = PeerInfo("me", zone="z1", region="r1")
 MB = 1_000_000
@@ -1019,3 +1019,11 @@ def test_without_an_active_set_every_peer_stays() -> None:
     for i in range(50):
         s.update_peer(peer(f"p{i}"), bits(4, {i % 4}), float(i))
     assert sum(k.startswith("bytes:") for k in s.stats()) == 50
+
+
+@given(st.integers(min_value=0, max_value=(1 << 300) - 1))
+def test_indices_lists_the_set_bits_in_order(bits: int) -> None:
+    """Both ways ``_indices`` takes (a few bits, many) agree with the plain definition."""
+    assert _indices(bits) == [i for i in range(bits.bit_length()) if bits >> i & 1]
+    dense = bits | ((1 << 64) - 1)  # at least 64 bits set: the string scan
+    assert _indices(dense) == [i for i in range(dense.bit_length()) if dense >> i & 1]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import operator
+import socket
+from typing import Any
 
 import pytest
 
@@ -63,6 +66,81 @@ def test_a_loop_with_nothing_left_to_do_reports_a_deadlock() -> None:
         loop.close()
 
 
+async def _timers_and_a_failing_callback() -> tuple[list[object], float]:
+    """Timers (one cancelled), a callback that raises (caught by the exception handler), a sleep."""
+    loop = asyncio.get_running_loop()
+    seen: list[object] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(type(context["exception"]).__name__))
+    loop.call_later(0.2, seen.append, "b")
+    loop.call_at(loop.time() + 0.1, seen.append, "a")
+    loop.call_later(0.15, seen.append, "cancelled").cancel()
+    loop.call_soon(operator.truediv, 1, 0)
+    loop.call_later(0.05, operator.truediv, 1, 0)
+    await asyncio.sleep(0.3)
+    return seen, loop.time()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_debug_mode_runs_the_same_on_asyncio_s_own_handles(debug: bool) -> None:
+    """In debug mode asyncio's checked call_soon/call_at and handles feed the same queue and heap."""
+
+    async def main() -> tuple[tuple[list[object], float], bool]:
+        loop = asyncio.get_running_loop()
+        assert loop.get_debug() == debug
+        native = isinstance(loop.call_later(1, print), asyncio.TimerHandle)
+        return await _timers_and_a_failing_callback(), native
+
+    result, asyncio_handles = run_virtual(main(), debug=debug)
+    assert result == (["ZeroDivisionError", "ZeroDivisionError", "a", "b"], 0.3)
+    assert asyncio_handles == debug
+
+
+def test_a_task_factory_set_on_the_loop_makes_its_tasks() -> None:
+    made: list[str] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def child() -> int:
+        return 7
+
+    async def main() -> int:
+        asyncio.get_running_loop().set_task_factory(factory)
+        return await asyncio.get_running_loop().create_task(child())
+
+    assert run_virtual(main()) == 7
+    assert made[0].endswith("<locals>.child")  # (then asyncio.Runner's own shutdown tasks)
+
+
+def test_a_closed_loop_refuses_callbacks_and_a_nan_deadline_is_refused() -> None:
+    loop = VirtualTimeLoop()
+    with pytest.raises(ValueError, match="NaN"):
+        loop.call_at(math.nan, print)
+    loop.close()
+    for schedule in (lambda: loop.call_soon(print), lambda: loop.call_later(1, print)):
+        with pytest.raises(RuntimeError, match="closed"):
+            schedule()
+
+
+def test_real_io_still_arrives_on_a_virtual_loop() -> None:
+    """A watched file is polled before the clock jumps: its data arrives while timers are pending."""
+
+    async def main() -> tuple[bytes, float]:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        with a, b:
+            got: asyncio.Future[bytes] = loop.create_future()
+            loop.add_reader(b, lambda: got.set_result(b.recv(16)))
+            loop.call_later(5, lambda: None)  # a pending timer: the loop must not just jump past the data
+            a.send(b"hello")
+            data = await got
+            loop.remove_reader(b)
+        return data, loop.time()
+
+    assert run_virtual(main()) == (b"hello", 0.0)
+
+
 def test_sim_clock_is_a_clock() -> None:
     async def main() -> tuple[float, float]:
         clock: Clock = SimClock(epoch=1_700_000_000.0)
@@ -71,6 +149,24 @@ def test_sim_clock_is_a_clock() -> None:
         return clock.now(), clock.wall()
 
     assert run_virtual(main()) == (2.5, 1_700_000_002.5)
+
+
+def test_a_sim_clock_follows_the_loop_it_is_read_on() -> None:
+    """Reused across runs it reads each run's loop; on a stock asyncio loop, that loop's time()."""
+    clock = SimClock(epoch=0.0)
+
+    async def now_after(seconds: float) -> float:
+        await clock.sleep(seconds)
+        return clock.now()
+
+    assert run_virtual(now_after(1.0)) == 1.0
+    assert run_virtual(now_after(0.5), start=100.0) == 100.5
+    loop = asyncio.new_event_loop()
+    try:
+        t0 = loop.time()
+        assert t0 <= loop.run_until_complete(now_after(0.0)) <= loop.time()
+    finally:
+        loop.close()
 
 
 # ---------------------------------------------------------------- transport
@@ -244,18 +340,21 @@ def test_a_crashed_host_stops_its_flows_and_answers_nothing() -> None:
 class _StockLoop(VirtualTimeLoop):
     """VirtualTimeLoop on asyncio's own scheduling code (its heap of handles, its ``_run_once``): the reference."""
 
+    _LEAN = ("time",)  # the core's clock only
     call_soon = asyncio.SelectorEventLoop.call_soon  # type: ignore[assignment]
     call_at = asyncio.SelectorEventLoop.call_at  # type: ignore[assignment]
     call_later = asyncio.SelectorEventLoop.call_later  # type: ignore[assignment]
     _run_once = asyncio.SelectorEventLoop._run_once  # type: ignore[attr-defined]
+    _timer_handle_cancelled = asyncio.SelectorEventLoop._timer_handle_cancelled  # type: ignore[attr-defined]
 
     def _jump(self, timeout: float) -> None:
-        target = self._virtual_now + timeout
+        core = self._core
+        target = core.now + timeout
         scheduled = self._scheduled  # type: ignore[attr-defined]
         if scheduled and abs(scheduled[0].when() - target) <= 1e-6 * max(1.0, abs(target)):
             target = scheduled[0].when()
-        self._virtual_now = max(self._virtual_now, target)
-        self.jumps += 1
+        core.now = max(core.now, target)
+        core.jumps += 1
 
 
 @pytest.mark.parametrize("seed", range(4))
