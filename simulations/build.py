@@ -12,10 +12,12 @@ say which build produced it: ``build_label()``.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -73,6 +75,7 @@ def missing_toolchain() -> str | None:
 
 def build(dest: Path) -> None:
     """Copy the packages into ``dest`` and compile ``NATIVE_MODULES`` in place there."""
+    started = time.time()
     if dest.exists():  # a whole new copy: a file deleted from the source must not linger in it
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -89,7 +92,10 @@ def build(dest: Path) -> None:
     )
     if r.returncode != 0:
         raise SystemExit(f"mypyc failed (exit {r.returncode}):\n{r.stdout[-6000:]}{r.stderr[-6000:]}")
+    # The stamp is dated when the copy began: a source edited while mypyc ran is newer than it, so
+    # make builds again (dated at the end, make would call the stale copy up to date).
     (dest / ".built").touch()
+    os.utime(dest / ".built", (started, started))
 
 
 def main(argv: list[str] | None = None) -> int:
