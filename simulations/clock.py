@@ -108,7 +108,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     same ready queue and timer heap.
     """
 
-    # The core's methods installed outside debug mode (asyncio's futures and tasks call the last three).
+    # The core's methods installed outside debug mode (asyncio's C futures and tasks call get_debug and call_soon).
     _LEAN = ("call_soon", "call_at", "call_later", "time", "get_debug", "create_future", "create_task")
 
     def __init__(self, start: float = 0.0, *, idle_wall_timeout: float = 1.0) -> None:
