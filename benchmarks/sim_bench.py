@@ -138,6 +138,7 @@ class GcTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.collections = [0, 0, 0]  # per generation
+        self.by_generation = [0.0, 0.0, 0.0]  # seconds
         self.collected = 0  # objects it freed: cyclic garbage (reference counting frees the rest)
         self._t0 = 0.0
 
@@ -152,13 +153,19 @@ class GcTimer:
         if phase == "start":
             self._t0 = time.process_time()
         else:
-            self.seconds += time.process_time() - self._t0
+            spent = time.process_time() - self._t0
+            self.seconds += spent
+            self.by_generation[info["generation"]] += spent
             self.collections[info["generation"]] += 1
             self.collected += info["collected"]
 
     def __str__(self) -> str:
         runs = "/".join(map(str, self.collections))
-        return f"gc {self.seconds:.1f} s ({runs} collections by generation, {self.collected} objects freed)"
+        spent = "/".join(f"{s:.1f}" for s in self.by_generation)
+        return (
+            f"gc {self.seconds:.1f} s ({runs} collections by generation taking {spent} s, "
+            f"{self.collected} objects freed)"
+        )
 
 
 def placeholder_bench(

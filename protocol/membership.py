@@ -424,11 +424,16 @@ class Membership:
             self._left = False
             self._incarnation += 1
             self._broadcast(self.local())
+        self.add_seeds(seeds)
+        return [self._sync_to(seed, reply=True) for seed in self._seeds if seed in seeds]
+
+    def add_seeds(self, seeds: list[NodeInfo]) -> None:
+        """Remember join contacts without syncing (``join`` does both): a bounded view keeps them, and
+        each periodic sync retries them while this node knows no live member."""
         me = self._me
         for seed in seeds:
             if seed.node_id != me.node_id and seed.addr != me.addr and seed not in self._seeds:
                 self._seeds.append(seed)
-        return [self._sync_to(seed, reply=True) for seed in self._seeds if seed in seeds]
 
     def leave(self, now: float) -> list[Send]:
         """Graceful leave: gossip LEFT about self; probing and syncing stop, pings are still answered."""

@@ -208,6 +208,32 @@ def run_virtual(main: Coroutine[Any, Any, T], *, start: float = 0.0, debug: bool
         return runner.run(main)
 
 
+_sparse_depth = 0  # run_virtual calls under way: long_lived() may freeze only inside one
+
+
+@contextlib.contextmanager
+def long_lived() -> Iterator[None]:
+    """Build what a simulation keeps for its whole run (its nodes and their warm membership) without the
+    cyclic collector, then freeze it out of the collector's later scans (``run_virtual`` unfreezes at its
+    end).  Outside ``run_virtual``: a plain block.
+
+    That state is most of a large run's heap, and it is young when built: each young collection that
+    finds it alive traverses it and promotes it, and the next generation's collections traverse it again.
+    (10,000 hosts x 50 MB: the collector took 34.6 of 264.5 CPU-s and freed nothing.)  What it builds
+    is not garbage until the run ends."""
+    if not _sparse_depth:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 @contextlib.contextmanager
 def _sparse_gc() -> Iterator[None]:
     """Fewer, cheaper cyclic collections while a simulation runs: what exists before it (modules, torch,
@@ -219,11 +245,14 @@ def _sparse_gc() -> Iterator[None]:
     objects live a little longer than 50,000 allocations, and each collection scans and promotes them.
     Peak RSS is the same as with no collection at all (the run leaves little cyclic garbage).  Restored
     afterwards."""
+    global _sparse_depth
     threshold = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(max(threshold[0], 500_000), *threshold[1:])
+    _sparse_depth += 1
     try:
         yield
     finally:
+        _sparse_depth -= 1
         gc.set_threshold(*threshold)
         gc.unfreeze()

@@ -29,8 +29,9 @@ from protocol.keys import KeyPolicy
 from protocol.membership import MembershipConfig, Sync
 from protocol.served import state_root
 from protocol.signed import Envelope
+from protocol.wire import GossipFrame, encode_frame
 from simulations.bounds import kumar_ross
-from simulations.clock import SimClock, VirtualTimeLoop, run_virtual
+from simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from simulations.network import Backbone, Host, Network, Region
 from simulations.transport import MessageStats, SimNet
 from swarm.node import ApplyVersion, NodeConfig, SwarmNode, VerifyChunk
@@ -146,20 +147,7 @@ async def run_swarm(
         return f"sim://{host.id}"
 
     per_host = host_options or {}
-    seed_cfg = replace(
-        base, node_id=seed_host.id, region=seed_host.region, is_seed=True, **per_host.get(seed_host.id, {})
-    )
-    seed_node = SwarmNode(
-        seed_cfg,
-        addr(seed_host),
-        net.transport(seed_host.id),
-        clock,
-        setup.policy(),
-        random.Random(f"{seed}:{seed_host.id}"),
-        chunks=setup.seed_store(),
-        board=setup.board,
-        **setup.hooks(),
-    )
+    seed_node = _seed_node(setup, replace(base, **per_host.get(seed_host.id, {})), seed_host, net, clock, seed)
     nodes = [seed_node]
     for i, h in enumerate(peers):
         held = Held(start_from.version, start_from.model.clone(), list(start_from.digests)) if start_from else None
@@ -211,6 +199,21 @@ async def run_swarm(
         errors={n.config.node_id: n.error for n in nodes if n.error},
         roots={n.config.node_id: state_root(n.held.model.specs, n.held.digests) for n in nodes[1:] if n.held},
         loop_jumps=loop.jumps if isinstance(loop, VirtualTimeLoop) else 0,
+    )
+
+
+def _seed_node(setup: SwarmSetup, base: NodeConfig, host: Host, net: SimNet, clock: SimClock, seed: int) -> SwarmNode:
+    """The seed's node: serves the setup's board and chunk store from ``host``."""
+    return SwarmNode(
+        replace(base, node_id=host.id, region=host.region, is_seed=True),
+        f"sim://{host.id}",
+        net.transport(host.id),
+        clock,
+        setup.policy(),
+        random.Random(f"{seed}:{host.id}"),
+        chunks=setup.seed_store(),
+        board=setup.board,
+        **setup.hooks(),
     )
 
 
@@ -388,17 +391,6 @@ async def run_stream(
     def addr(host_id: str) -> str:
         return f"sim://{host_id}"
 
-    seed_node = SwarmNode(
-        replace(base, node_id=seed_host.id, region=seed_host.region, is_seed=True, **per_host.get(seed_host.id, {})),
-        addr(seed_host.id),
-        net.transport(seed_host.id),
-        clock,
-        setup.policy(),
-        random.Random(f"{seed}:{seed_host.id}"),
-        chunks=setup.seed_store(),
-        board=setup.board,
-        **setup.hooks(),
-    )
     nodes: dict[str, SwarmNode] = {}
     lives: dict[str, int] = {}
     retired: list[SwarmNode] = []  # crashed incarnations (their byte counters still count)
@@ -431,11 +423,13 @@ async def run_stream(
         net.register(node.info.addr, host_id, node.handlers())
         return node
 
-    for i, hid in enumerate(order):
-        make(hid, clone(start_from), [addr(seed_host.id), *(addr(p) for p in order[max(0, i - 2) : i])])
-    net.register(seed_node.info.addr, seed_host.id, seed_node.handlers())
-    if warm_membership:
-        _warm([seed_node, *nodes.values()], clock.now(), random.Random(f"{seed}:warm"))
+    with long_lived():  # the nodes live as long as the run: kept out of the collector's scans
+        seed_node = _seed_node(setup, replace(base, **per_host.get(seed_host.id, {})), seed_host, net, clock, seed)
+        for i, hid in enumerate(order):
+            make(hid, clone(start_from), [addr(seed_host.id), *(addr(p) for p in order[max(0, i - 2) : i])])
+        net.register(seed_node.info.addr, seed_host.id, seed_node.handlers())
+        if warm_membership:
+            _warm([seed_node, *nodes.values()], clock.now(), random.Random(f"{seed}:warm"))
     tasks: list[asyncio.Task[None]] = []
 
     async def publisher() -> None:
@@ -494,9 +488,9 @@ async def run_stream(
     # The head starts at what the hosts hold (a board reused from an earlier run may be further on).
     setup.publish(start_from.version if start_from is not None else versions[0])
     try:
-        await seed_node.start()
+        await seed_node.start(join=not warm_membership)
         for hid in order:
-            await nodes[hid].start()
+            await nodes[hid].start(join=not warm_membership)
         tasks.append(asyncio.create_task(publisher()))
         if churn is not None:
             for at, hid, down_for in churn.schedule:
@@ -631,22 +625,32 @@ def _warm(nodes: Sequence[SwarmNode], now: float, rng: random.Random) -> None:
 
     Full membership: every member.  A bounded view of k keeps the k lowest-ranked members it heard
     of, the rank a hash per pair of nodes, so a uniformly random k-subset however many it heard of:
-    it is given the seed and ``WARM_HEARD_PER_MEMBER`` x k others drawn at random, the same kind of
+    it is given the seed, its join contacts (kept, as after its join) and ``WARM_HEARD_PER_MEMBER`` x k
+    others drawn at random, the same kind of
     view for O(k) updates per node instead of O(N) (at 3,000 hosts the full warm-up was 24% of a
     run's CPU; at 10,000 it is 10^8 updates)."""
     updates = [n.membership.local() for n in nodes]
     everyone = tuple(sorted(updates, key=lambda u: u.info.node_id))
+    at = {n.info.addr: j for j, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         sender = nodes[1 if i == 0 else 0].info
         k = node.config.membership.max_members
         heard = everyone
         if k and WARM_HEARD_PER_MEMBER * k < len(nodes) - 1:
             picked = set(rng.sample(range(len(nodes)), WARM_HEARD_PER_MEMBER * k + 1)) | {0}
+            picked.update(at[a] for a in node.config.bootstrap if a in at)  # its join contacts, kept (rank -1)
             picked.discard(i)
             heard = tuple(sorted((updates[j] for j in picked), key=lambda u: u.info.node_id))
         node.membership.receive(now, sender, Sync(heard, reply=False))
     for node in nodes:
         node.membership.settle()  # those joins are old news in a running swarm: nothing to gossip round
+    # What each join left besides members: the node and each contact heard the other's announcement (so
+    # a node knows the seed as a seed, which it falls back on for chunks no peer it knows holds).
+    for i, node in enumerate(nodes):
+        for contact in (nodes[at[a]] for a in node.config.bootstrap if at.get(a, i) != i):
+            for hearer, speaker in ((node, contact), (contact, node)):
+                frame = GossipFrame(speaker.info, speaker.announcement(), None)
+                hearer.handle_gossip(encode_frame(speaker.config.cluster_secret, frame))
 
 
 def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], **kw: Any) -> StreamResult:

@@ -141,6 +141,32 @@ def test_real_io_still_arrives_on_a_virtual_loop() -> None:
     assert run_virtual(main()) == (b"hello", 0.0)
 
 
+def test_long_lived_state_is_frozen_for_the_run_only() -> None:
+    """Inside ``run_virtual`` what ``long_lived`` builds is kept out of the collector's scans (frozen,
+    built with the collector off) until the run ends; outside one the block changes nothing."""
+    import gc
+
+    from simulations.clock import long_lived
+
+    frozen, enabled = gc.get_freeze_count(), gc.isenabled()
+    with long_lived():
+        assert gc.isenabled() == enabled
+        kept = [[i] for i in range(1000)]
+    assert gc.get_freeze_count() == frozen
+
+    async def main() -> tuple[bool, int, int]:
+        before = gc.get_freeze_count()
+        with long_lived():
+            off = not gc.isenabled()
+            state = [[i] for i in range(1000)]
+        return off and gc.isenabled(), gc.get_freeze_count() - before, len(state)
+
+    collector_back, newly_frozen, _ = run_virtual(main())
+    assert collector_back
+    assert newly_frozen >= 1000
+    assert gc.get_freeze_count() == frozen and gc.isenabled() == enabled and len(kept) == 1000
+
+
 def test_sim_clock_is_a_clock() -> None:
     async def main() -> tuple[float, float]:
         clock: Clock = SimClock(epoch=1_700_000_000.0)
