@@ -50,14 +50,22 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class NodeInfo:
     """A node's identity, locality labels and address (the address is opaque to this module)."""
 
     node_id: str
     addr: str
-    zone: str = ""
-    region: str = ""
+    zone: str
+    region: str
+
+    # __init__ written out (init=False) here and below: the native build compiles its stores
+    # (simulations/build.py) where the generated one stays interpreted (protocol/wire.py too).
+    def __init__(self, node_id: str, addr: str, zone: str = "", region: str = "") -> None:
+        object.__setattr__(self, "node_id", node_id)
+        object.__setattr__(self, "addr", addr)
+        object.__setattr__(self, "zone", zone)
+        object.__setattr__(self, "region", region)
 
 
 class MemberState(IntEnum):
@@ -69,14 +77,20 @@ class MemberState(IntEnum):
     LEFT = 3
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Update:
     """A gossiped fact about one member.  ``origin``: the node that asserted it (counts suspicions)."""
 
     info: NodeInfo
     incarnation: int
     state: MemberState
-    origin: str = ""
+    origin: str
+
+    def __init__(self, info: NodeInfo, incarnation: int, state: MemberState, origin: str = "") -> None:
+        object.__setattr__(self, "info", info)
+        object.__setattr__(self, "incarnation", incarnation)
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "origin", origin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,16 +210,28 @@ def suspicion_timeout(confirmations: int, expected: int, shortest: float, longes
     return max(shortest, longest - frac * (longest - shortest))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _Member:
     info: NodeInfo
     incarnation: int
     state: MemberState
     origin: str
     since: float  # when state last changed
-    told_at: float = -math.inf  # when we last told it that we consider it DEAD/LEFT
-    rank: int = 0  # bounded view: its rank from this node (lower stays)
-    fact: Update | None = None  # the Update equal to (info, incarnation, state, origin), kept for known()
+    told_at: float  # when we last told it that we consider it DEAD/LEFT
+    rank: int  # bounded view: its rank from this node (lower stays)
+    fact: Update | None  # the Update equal to (info, incarnation, state, origin), kept for known()
+
+    def __init__(
+        self, info: NodeInfo, incarnation: int, state: MemberState, origin: str, since: float, fact: Update | None
+    ) -> None:
+        self.info = info
+        self.incarnation = incarnation
+        self.state = state
+        self.origin = origin
+        self.since = since
+        self.told_at = -math.inf
+        self.rank = 0
+        self.fact = fact
 
 
 @dataclass(slots=True)
@@ -237,11 +263,16 @@ class _Relay:  # a PingReq we are serving as helper
     nack_at: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _Broadcast:
     update: Update
     transmits: int
     order: int
+
+    def __init__(self, update: Update, transmits: int, order: int) -> None:
+        self.update = update
+        self.transmits = transmits
+        self.order = order
 
 
 class _SortedIds:
@@ -424,16 +455,11 @@ class Membership:
             self._left = False
             self._incarnation += 1
             self._broadcast(self.local())
-        self.add_seeds(seeds)
-        return [self._sync_to(seed, reply=True) for seed in self._seeds if seed in seeds]
-
-    def add_seeds(self, seeds: list[NodeInfo]) -> None:
-        """Remember join contacts without syncing (``join`` does both): a bounded view keeps them, and
-        each periodic sync retries them while this node knows no live member."""
         me = self._me
         for seed in seeds:
             if seed.node_id != me.node_id and seed.addr != me.addr and seed not in self._seeds:
                 self._seeds.append(seed)
+        return [self._sync_to(seed, reply=True) for seed in self._seeds if seed in seeds]
 
     def leave(self, now: float) -> list[Send]:
         """Graceful leave: gossip LEFT about self; probing and syncing stop, pings are still answered."""
@@ -459,8 +485,8 @@ class Membership:
         if isinstance(message, Sync):
             for u in message.members:
                 self._apply(u, now, synced_from=sender.node_id)
-        if sender.node_id not in self._members and self._admit(sender):  # talking to us: alive
-            self._add(Update(sender, 0, ALIVE, sender.node_id), now)
+        if sender.node_id not in self._members and (rank := self._admit(sender)) is not None:  # talking to us: alive
+            self._add(Update(sender, 0, ALIVE, sender.node_id), now, rank)
         out = self._tell_if_dead(sender, now)
         me = self._me.node_id
         if isinstance(message, Ping):
@@ -590,8 +616,9 @@ class Membership:
             return
         m = self._members.get(node_id)
         if m is None:
-            if u.state <= SUSPECT and self._admit(u.info):  # a DEAD/LEFT stranger is not worth remembering
-                self._add(u, now)
+            # (a DEAD/LEFT stranger is not worth remembering)
+            if u.state <= SUSPECT and (rank := self._admit(u.info)) is not None:
+                self._add(u, now, rank)
                 self._broadcast(u)
             elif self._cfg.max_members:
                 self._relay(u)
@@ -638,13 +665,13 @@ class Membership:
         self._incarnation = max(self._incarnation, incarnation) + 1
         self._broadcast(self.local())
 
-    def _add(self, u: Update, now: float) -> None:
+    def _add(self, u: Update, now: float, rank: int) -> None:
         m = _Member(u.info, u.incarnation, u.state, u.origin, now, fact=u)
         self._members[u.info.node_id] = m
         self._track(u.info.node_id, None, u.state)
         if self._cfg.max_members:
-            m.rank = self._rank(u.info)
-            bisect.insort(self._ranks, (m.rank, u.info.node_id))
+            m.rank = rank
+            bisect.insort(self._ranks, (rank, u.info.node_id))
             self._heard.pop(u.info.node_id, None)
         pos = self._rng.randint(0, len(self._probe_order))
         self._probe_order.insert(pos, u.info.node_id)
@@ -672,19 +699,24 @@ class Membership:
                 return -1
         h = self._rank_hash.copy()  # blake2b(f"{own id}\0{their id}"), without hashing the prefix each time
         h.update(info.node_id.encode())
-        return int.from_bytes(h.digest(), "big")
+        # The top 62 bits, in order: a compiled (native) build keeps an int under 2**62 unboxed.
+        return int.from_bytes(h.digest(), "big") >> 2
 
-    def _admit(self, info: NodeInfo) -> bool:
-        """Whether a stranger joins the view: always under full membership or while there is room; in a
-        full bounded view when it ranks below the worst member, which then leaves (silently: it is alive)."""
+    def _admit(self, info: NodeInfo) -> int | None:
+        """The rank a stranger joins the view with (0 under full membership), or None if it does not: it
+        joins while there is room, and a full bounded view when it ranks below the worst member, which
+        then leaves (silently: it is alive)."""
         k = self._cfg.max_members
-        if not k or len(self._members) < k:
-            return True
-        if self._rank(info) >= self._ranks[-1][0]:
-            return False
+        if not k:
+            return 0
+        rank = self._rank(info)
+        if len(self._members) < k:
+            return rank
+        if rank >= self._ranks[-1][0]:
+            return None
         m = self._remove(self._ranks[-1][1])
         self._note_heard(m.info.node_id, m.incarnation, m.state)
-        return True
+        return rank
 
     def _relay(self, u: Update) -> None:
         """Bounded view: pass on a fact about a non-member once (unless an equal or newer one was)."""

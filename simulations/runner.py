@@ -29,7 +29,6 @@ from protocol.keys import KeyPolicy
 from protocol.membership import MembershipConfig, Sync
 from protocol.served import state_root
 from protocol.signed import Envelope
-from protocol.wire import GossipFrame, encode_frame
 from simulations.bounds import kumar_ross
 from simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from simulations.network import Backbone, Host, Network, Region
@@ -488,9 +487,9 @@ async def run_stream(
     # The head starts at what the hosts hold (a board reused from an earlier run may be further on).
     setup.publish(start_from.version if start_from is not None else versions[0])
     try:
-        await seed_node.start(join=not warm_membership)
+        await seed_node.start()
         for hid in order:
-            await nodes[hid].start(join=not warm_membership)
+            await nodes[hid].start()
         tasks.append(asyncio.create_task(publisher()))
         if churn is not None:
             for at, hid, down_for in churn.schedule:
@@ -625,32 +624,26 @@ def _warm(nodes: Sequence[SwarmNode], now: float, rng: random.Random) -> None:
 
     Full membership: every member.  A bounded view of k keeps the k lowest-ranked members it heard
     of, the rank a hash per pair of nodes, so a uniformly random k-subset however many it heard of:
-    it is given the seed, its join contacts (kept, as after its join) and ``WARM_HEARD_PER_MEMBER`` x k
-    others drawn at random, the same kind of
+    it is given the seed and ``WARM_HEARD_PER_MEMBER`` x k others drawn at random, the same kind of
     view for O(k) updates per node instead of O(N) (at 3,000 hosts the full warm-up was 24% of a
     run's CPU; at 10,000 it is 10^8 updates)."""
     updates = [n.membership.local() for n in nodes]
-    everyone = tuple(sorted(updates, key=lambda u: u.info.node_id))
-    at = {n.info.addr: j for j, n in enumerate(nodes)}
+    by_id = sorted(range(len(nodes)), key=lambda j: updates[j].info.node_id)
+    everyone = tuple(updates[j] for j in by_id)
+    place = [0] * len(nodes)  # node -> its place in everyone (sorting a sample's places sorts it by id)
+    for p, j in enumerate(by_id):
+        place[j] = p
     for i, node in enumerate(nodes):
         sender = nodes[1 if i == 0 else 0].info
         k = node.config.membership.max_members
         heard = everyone
         if k and WARM_HEARD_PER_MEMBER * k < len(nodes) - 1:
             picked = set(rng.sample(range(len(nodes)), WARM_HEARD_PER_MEMBER * k + 1)) | {0}
-            picked.update(at[a] for a in node.config.bootstrap if a in at)  # its join contacts, kept (rank -1)
             picked.discard(i)
-            heard = tuple(sorted((updates[j] for j in picked), key=lambda u: u.info.node_id))
+            heard = tuple(everyone[p] for p in sorted(place[j] for j in picked))
         node.membership.receive(now, sender, Sync(heard, reply=False))
     for node in nodes:
         node.membership.settle()  # those joins are old news in a running swarm: nothing to gossip round
-    # What each join left besides members: the node and each contact heard the other's announcement (so
-    # a node knows the seed as a seed, which it falls back on for chunks no peer it knows holds).
-    for i, node in enumerate(nodes):
-        for contact in (nodes[at[a]] for a in node.config.bootstrap if at.get(a, i) != i):
-            for hearer, speaker in ((node, contact), (contact, node)):
-                frame = GossipFrame(speaker.info, speaker.announcement(), None)
-                hearer.handle_gossip(encode_frame(speaker.config.cluster_secret, frame))
 
 
 def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], **kw: Any) -> StreamResult:

@@ -186,7 +186,6 @@ class SwarmNode:
         self.seed_bytes_by_manifest: dict[bytes, int] = {}
         self.peer_bytes_by_manifest: dict[bytes, int] = {}
         self.membership = Membership(self.info, config.membership, rng, clock.now())
-        self.membership.add_seeds(self._bootstrap())
         self.peers: dict[str, PeerView] = {}
         self.head: Head | None = None
         self.head_counter = -1
@@ -243,9 +242,6 @@ class SwarmNode:
             gossip=self.handle_gossip, chunk=self.handle_chunk, object=self.handle_object, refuse=self.refuse_chunk
         )
 
-    def _bootstrap(self) -> list[NodeInfo]:
-        return [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
-
     def _wall(self) -> float:
         return self.clock.wall()
 
@@ -255,17 +251,11 @@ class SwarmNode:
             loop = self._io_loop = asyncio.get_running_loop()
         return loop
 
-    async def start(self, *, join: bool = True) -> None:
-        """Start the node's loops, first syncing with the bootstrap list (``join``).
-
-        ``join=False`` is for a membership given beforehand (a simulation's hosts that were up before
-        it began): their joins are long past, and at N hosts joining again would push N full member
-        lists through the bootstrap contacts.  The bootstrap list stays the fallback when alone.
-        """
+    async def start(self) -> None:
         if self.board is not None:
             self._load_board_head()
-        if join:
-            self._dispatch(self.membership.join(self._bootstrap(), self.clock.now()))
+        seeds = [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
+        self._dispatch(self.membership.join(seeds, self.clock.now()))
         self._tasks = [
             asyncio.create_task(self._membership_loop(), name=f"{self.info.node_id}-membership"),
             asyncio.create_task(self._announce_loop(), name=f"{self.info.node_id}-announce"),
@@ -479,7 +469,8 @@ class SwarmNode:
             if now - last_join >= REJOIN_INTERVAL and not self.membership.alive_count():  # cheap test first
                 # Alone (a long partition, or every peer restarted): knock on the bootstrap list again.
                 last_join = now
-                self._dispatch(self.membership.join(self._bootstrap(), now))
+                seeds = [NodeInfo("", addr) for addr in self.config.bootstrap if addr != self.info.addr]
+                self._dispatch(self.membership.join(seeds, now))
             self._dispatch(self.membership.tick(now))
             self._apply_membership_events()
             delay = max(0.01, min(self.membership.next_deadline() - self.clock.now(), 1.0))

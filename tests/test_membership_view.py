@@ -160,19 +160,6 @@ def test_the_join_seeds_keep_their_place() -> None:
     assert info(5) in m.alive()
 
 
-def test_seeds_added_without_a_join_keep_their_place_and_send_nothing() -> None:
-    """``add_seeds`` is ``join`` without the sync (a node whose membership was given to it): the seed
-    keeps its place in a full view all the same; a later ``join`` syncs with it."""
-    m = lone(k=4)
-    m.add_seeds([NodeInfo("", info(5).addr)])
-    assert m.pending_broadcasts == 1  # our own record only: nothing was sent or queued for the seed
-    hear(m, list(range(400)))
-    check_view(m)
-    assert info(5) in m.alive()
-    sends = m.join([NodeInfo("", info(5).addr)], 1.0)
-    assert [s.to.addr for s in sends] == [info(5).addr]
-
-
 def test_a_sync_of_a_huge_full_membership_fits_the_wire() -> None:
     from protocol.membership import MAX_SYNC_MEMBERS, Sync
     from protocol.wire import Announcement, GossipFrame, decode_frame, encode_frame

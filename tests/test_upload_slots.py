@@ -430,61 +430,6 @@ def test_warm_membership_gives_every_node_every_member() -> None:
     assert pending == [0] * 46
 
 
-@pytest.mark.parametrize("join", [True, False])
-def test_a_node_started_without_a_join_syncs_with_no_one_but_keeps_its_contacts(join: bool) -> None:
-    """``start(join=False)`` (a simulation's hosts that were up before it began) sends no join sync to
-    the bootstrap contacts; they are still the node's seeds (kept in a bounded view, retried when
-    alone).  ``start()`` syncs with each."""
-    from protocol.membership import Sync
-    from protocol.wire import decode_frame
-
-    async def main() -> tuple[list[tuple[str, str]], list[str]]:
-        node = _node("a", bootstrap=["sim://b", "sim://c", "sim://a"])
-        sent: list[tuple[str, str]] = []
-
-        def post(addr: str, data: bytes) -> None:
-            sent.append((addr, type(decode_frame(SECRET, data).message).__name__))
-
-        node.transport.post = post  # type: ignore[method-assign]
-        await node.start(join=join)
-        await asyncio.sleep(0)
-        await node.stop(leave=False)
-        return sent, [s.addr for s in node.membership._seeds]
-
-    sent, seeds = run_virtual(main())
-    assert seeds == ["sim://b", "sim://c"]
-    syncs = [addr for addr, kind in sent if kind == Sync.__name__]
-    assert syncs == (["sim://b", "sim://c"] if join else [])
-
-
-def test_warm_bounded_views_keep_each_node_s_join_contacts() -> None:
-    """A bounded view warmed as after a join holds the node's bootstrap contacts (the seed and two
-    earlier hosts, as the runner gives them), whatever the random draw of the rest; and each node and
-    its contacts have heard each other's announcement (a node knows the seed as its join left it)."""
-    from simulations.runner import _warm
-
-    async def main() -> list[tuple[set[str], set[str]]]:
-        seed = _node("s00")
-        names = [f"b{i:02d}" for i in range(40)]
-        peers = [
-            _node(
-                n,
-                bootstrap=["sim://s00", *(f"sim://{p}" for p in names[max(0, i - 2) : i])],
-                membership=MembershipConfig(max_members=3),
-            )
-            for i, n in enumerate(names)
-        ]
-        _warm([seed, *peers], 0.0, random.Random(0))
-        assert set(seed.peers) == set(names)
-        return [
-            ({a.removeprefix("sim://") for a in p.config.bootstrap}, {i.node_id for i in p.membership.alive()})
-            for p in peers
-        ] + [({*names[i + 1 : i + 3], "s00", *names[max(0, i - 2) : i]}, set(p.peers)) for i, p in enumerate(peers)]
-
-    for contacts, view in run_virtual(main()):
-        assert contacts <= view
-
-
 def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to_wake_on() -> None:
     """Endgame: chunk 0 is asked of two peers.  The first answers in the same instant as the
     duplicate's task is created, so the duplicate is cancelled before it ever ran and never reaches
