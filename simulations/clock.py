@@ -37,7 +37,7 @@ from typing import Any, TypeVar, TypeVarTuple
 
 from simulations.loop_core import LoopCore, SimClock
 
-__all__ = ["SimClock", "VirtualTimeDeadlock", "VirtualTimeLoop", "run_virtual"]
+__all__ = ["SimClock", "VirtualTimeDeadlock", "VirtualTimeLoop", "long_lived", "run_virtual"]
 
 T = TypeVar("T")
 _Ts = TypeVarTuple("_Ts")

@@ -146,7 +146,7 @@ async def run_swarm(
         return f"sim://{host.id}"
 
     per_host = host_options or {}
-    seed_node = _seed_node(setup, replace(base, **per_host.get(seed_host.id, {})), seed_host, net, clock, seed)
+    seed_node = _seed_node(setup, base, per_host.get(seed_host.id, {}), seed_host, net, clock, seed)
     nodes = [seed_node]
     for i, h in enumerate(peers):
         held = Held(start_from.version, start_from.model.clone(), list(start_from.digests)) if start_from else None
@@ -201,10 +201,12 @@ async def run_swarm(
     )
 
 
-def _seed_node(setup: SwarmSetup, base: NodeConfig, host: Host, net: SimNet, clock: SimClock, seed: int) -> SwarmNode:
-    """The seed's node: serves the setup's board and chunk store from ``host``."""
+def _seed_node(
+    setup: SwarmSetup, base: NodeConfig, options: Mapping[str, Any], host: Host, net: SimNet, clock: SimClock, seed: int
+) -> SwarmNode:
+    """The seed's node: serves the setup's board and chunk store from ``host``; ``options``: its NodeConfig fields."""
     return SwarmNode(
-        replace(base, node_id=host.id, region=host.region, is_seed=True),
+        replace(base, node_id=host.id, region=host.region, is_seed=True, **options),
         f"sim://{host.id}",
         net.transport(host.id),
         clock,
@@ -423,7 +425,7 @@ async def run_stream(
         return node
 
     with long_lived():  # the nodes live as long as the run: kept out of the collector's scans
-        seed_node = _seed_node(setup, replace(base, **per_host.get(seed_host.id, {})), seed_host, net, clock, seed)
+        seed_node = _seed_node(setup, base, per_host.get(seed_host.id, {}), seed_host, net, clock, seed)
         for i, hid in enumerate(order):
             make(hid, clone(start_from), [addr(seed_host.id), *(addr(p) for p in order[max(0, i - 2) : i])])
         net.register(seed_node.info.addr, seed_host.id, seed_node.handlers())
