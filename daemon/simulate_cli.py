@@ -27,6 +27,12 @@ def add_simulate_parser(sub: Any) -> None:
     sm.add_argument("--out", required=True, metavar="DIR", help="results.csv, summary.json, *.png, report.md go here")
     sm.add_argument("--seed", type=int, metavar="S", help="RNG seed (overrides run.seed)")
     sm.add_argument(
+        "--partitions",
+        type=int,
+        metavar="P",
+        help="run the swarm's nodes in P processes, for wall time on P cores (overrides run.partitions)",
+    )
+    sm.add_argument(
         "--sweep",
         action="append",
         default=[],
@@ -41,6 +47,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     words = ["patchswarm", "simulate", args.scenario, "--out", args.out]
     words += ["--seed", str(args.seed)] if args.seed is not None else []
+    words += ["--partitions", str(args.partitions)] if args.partitions is not None else []
     for sweep in args.sweep:
         words += ["--sweep", sweep]
     command = shlex.join(words)
@@ -72,7 +79,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         points = run_study(
             args.scenario, args.out, seed=args.seed, sweeps=args.sweep, command=command, progress=progress,
-            on_points=on_points,
+            on_points=on_points, partitions=args.partitions,
         )  # fmt: skip
     for p in points:
         best = {r.strategy: max((o.completion for o in r.outcomes), default=0.0) for r in p.runs}

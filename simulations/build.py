@@ -26,8 +26,9 @@ PACKAGES = ("protocol", "swarm", "simulations", "daemon")
 
 # Where a large simulation spends its CPU (py-spy, docs/simulation.md section 5): the scheduler,
 # membership and wire decoding, the node's download and gossip paths, the flow model and its
-# transport, and the virtual-time loop's scheduling (simulations/clock.py itself cannot be: its loop
-# subclasses asyncio's classes; its per-callback work is in loop_core.py).
+# transport (and a partitioned run's, partitioned.py), and the virtual-time loop's scheduling
+# (simulations/clock.py itself cannot be: its loop subclasses asyncio's classes; its per-callback work
+# is in loop_core.py).
 NATIVE_MODULES = (
     "protocol/bitfield.py",
     "protocol/membership.py",
@@ -43,6 +44,7 @@ NATIVE_MODULES = (
     "simulations/loop_core.py",
     "simulations/network.py",
     "simulations/network_share.py",
+    "simulations/partitioned.py",
     "simulations/transport.py",
 )
 

@@ -29,6 +29,7 @@ from protocol.keys import KeyPolicy
 from protocol.membership import MembershipConfig, Sync
 from protocol.served import state_root
 from protocol.signed import Envelope
+from simulations import partitioned
 from simulations.bounds import kumar_ross
 from simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from simulations.network import Backbone, Host, Network, Region
@@ -335,6 +336,7 @@ async def run_stream(
     progress: Callable[[float, int, int], None] | None = None,
     pace_seed: bool = True,
     warm_membership: bool = True,
+    partitions: int = 1,
 ) -> StreamResult:
     """Publish ``versions`` one every ``interval`` virtual seconds (the first at 0) on the seed's
     board (its head first moved to ``start_from``'s version, or to ``versions[0]``), and run the
@@ -345,16 +347,24 @@ async def run_stream(
     every member, as after the anti-entropy syncs of a running swarm (``_warm``).  Off: every node
     joins at 0 through the seed and the two hosts before it, and the first version spreads while
     the membership still does (a cold start: at 1,000 hosts some hosts were still unknown to 95% of
-    the others when the rest had the version)."""
+    the others when the rest had the version).
+
+    ``partitions`` > 1: the nodes run in that many forked processes, the flow model in this one
+    (simulations/partitioned.py: what differs from one process, and what it does not support)."""
     if setup.publish is None:
         raise ValueError("a stream needs a setup that can move its head (SwarmSetup.publish)")
     if interval < 0:
         raise ValueError("interval must be >= 0")
+    if partitions < 1:
+        raise ValueError("partitions must be >= 1")
     wall0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     jumps0 = loop.jumps if isinstance(loop, VirtualTimeLoop) else 0
     kw: dict[str, Any] = {} if window is None else {"window": window}
     network = Network([seed_host, *peers], regions, backbones, quantum=quantum, **kw)
+    why = partitioned.supported(network, churn=churn, gossip_flows=gossip_flows, quantum=quantum)
+    if partitions > 1 and why:
+        raise ValueError(f"a run in several partitions does not support {why}")
     net = SimNet(network, gossip_flows=gossip_flows)
     clock = SimClock(setup.epoch)
     t0 = clock.now()
@@ -375,6 +385,7 @@ async def run_stream(
     if not total_rows:
         everyone.set()
     wanted = list(versions)
+    last_at = t0 + max(0, len(versions) - 1) * interval  # the last publication
 
     def recorder(host: str) -> Callable[[Held], None]:
         def on_version(held: Held) -> None:
@@ -429,19 +440,22 @@ async def run_stream(
         for i, hid in enumerate(order):
             make(hid, clone(start_from), [addr(seed_host.id), *(addr(p) for p in order[max(0, i - 2) : i])])
         net.register(seed_node.info.addr, seed_host.id, seed_node.handlers())
-        if warm_membership:
+        if warm_membership and partitions == 1:  # (partitioned: each process warms its own nodes)
             _warm([seed_node, *nodes.values()], clock.now(), random.Random(f"{seed}:warm"))
     tasks: list[asyncio.Task[None]] = []
 
-    async def publisher() -> None:
+    async def publisher(board: bool = True, hosts: Callable[[str], bool] = lambda hid: True) -> None:
+        """Publish each version on time (``board``: this process holds the seed's board; else only note
+        the time), and count ``hosts`` already holding it as done."""
         assert setup.publish is not None
         for i, v in enumerate(versions):
             await asyncio.sleep(t0 + i * interval - clock.now())
-            setup.publish(v)
-            seed_node.board_changed()  # as a publisher's notification would: no wait for the seed's next board read
+            if board:
+                setup.publish(v)
+                seed_node.board_changed()  # as a publisher's notification would: no wait for the seed's next board read
             published[v] = i * interval
             for hid, node in nodes.items():  # hosts already holding it (or newer) have it now
-                if node.held is not None and node.held.version >= v:
+                if hosts(hid) and node.held is not None and node.held.version >= v:
                     done.setdefault((hid, v), published[v])
             if len(done) == total_rows:
                 everyone.set()
@@ -488,6 +502,47 @@ async def run_stream(
 
     # The head starts at what the hosts hold (a board reused from an earlier run may be further on).
     setup.publish(start_from.version if start_from is not None else versions[0])
+    if partitions > 1:
+        owner = partitioned.assign(seed_host.id, order, partitions)
+        everybody = {seed_host.id: seed_node, **nodes}
+
+        async def start(index: int) -> None:
+            nonlocal progress
+            progress = None  # (the parent reports progress: it knows every partition's rows)
+            if warm_membership:
+                with long_lived():
+                    rng = random.Random(f"{seed}:warm")
+                    _warm(list(everybody.values()), clock.now(), rng, lambda node: owner[node.config.node_id] == index)
+            for hid, node in everybody.items():
+                if owner[hid] == index:
+                    await node.start()
+            mine = owner[seed_host.id] == index
+            tasks.append(asyncio.create_task(publisher(board=mine, hosts=lambda hid: owner[hid] == index)))
+
+        tally = await partitioned.run_partitioned(
+            net, everybody, owner, start, lambda: done, lambda: published, total_rows, t0, last_at + deadline, progress
+        )
+        for v in sorted(tally.published):  # this process's board follows the seed's (the result reads its head)
+            setup.publish(v)
+        published.update(tally.published)
+        done.update(tally.done)
+        end = tally.end - t0
+        return _stream_result(
+            setup,
+            seed_host,
+            peers,
+            versions,
+            published,
+            done,
+            list(nodes.values()),
+            seed_node,
+            net,
+            [],
+            tally.jumps,
+            end,
+            time.perf_counter() - wall0,
+            t0=t0,
+        )
     try:
         await seed_node.start()
         for hid in order:
@@ -504,9 +559,8 @@ async def run_stream(
                 tasks.append(asyncio.create_task(switch(at, hid, up)))
             if churn.rate > 0:
                 tasks.extend(asyncio.create_task(poisson(hid, churn)) for hid in order)
-        last = t0 + max(0, len(versions) - 1) * interval
         try:
-            async with asyncio.timeout_at(last + deadline):
+            async with asyncio.timeout_at(last_at + deadline):
                 await everyone.wait()
         except TimeoutError:
             pass
@@ -553,6 +607,7 @@ def _stream_result(
     events: int,
     end: float,
     wall: float,
+    t0: float | None = None,
 ) -> StreamResult:
     head = Head.from_bytes(
         Envelope.from_bytes(setup.board.read(Board.head_rel(setup.run_id)) or b"", "patchswarm/head").body
@@ -599,7 +654,8 @@ def _stream_result(
             )
         )
     errors = {n.config.node_id: n.error for n in nodes if n.error}
-    t0 = seed_node.clock.now() - end
+    if t0 is None:
+        t0 = seed_node.clock.now() - end
     marks = {n.config.node_id: tuple((w, v, t - t0) for w, v, t in n.marks) for n in nodes}
     return StreamResult(
         rows=tuple(rows),
@@ -619,7 +675,9 @@ def _stream_result(
 WARM_HEARD_PER_MEMBER = 4  # a bounded view of k is warmed with this many x k members drawn at random
 
 
-def _warm(nodes: Sequence[SwarmNode], now: float, rng: random.Random) -> None:
+def _warm(
+    nodes: Sequence[SwarmNode], now: float, rng: random.Random, only: Callable[[SwarmNode], bool] | None = None
+) -> None:
     """Give every node the membership of a running swarm, as one anti-entropy sync from an up-to-date
     member would (in-process: no frame limit), with nothing left to gossip about it.  ``nodes[0]``
     is the seed, every node's join contact.
@@ -628,7 +686,8 @@ def _warm(nodes: Sequence[SwarmNode], now: float, rng: random.Random) -> None:
     of, the rank a hash per pair of nodes, so a uniformly random k-subset however many it heard of:
     it is given the seed and ``WARM_HEARD_PER_MEMBER`` x k others drawn at random, the same kind of
     view for O(k) updates per node instead of O(N) (at 3,000 hosts the full warm-up was 24% of a
-    run's CPU; at 10,000 it is 10^8 updates)."""
+    run's CPU; at 10,000 it is 10^8 updates).  ``only``: warm just those nodes (each process of a
+    partitioned run warms its own), with the same random draws."""
     updates = [n.membership.local() for n in nodes]
     by_id = sorted(range(len(nodes)), key=lambda j: updates[j].info.node_id)
     everyone = tuple(updates[j] for j in by_id)
@@ -638,14 +697,16 @@ def _warm(nodes: Sequence[SwarmNode], now: float, rng: random.Random) -> None:
     for i, node in enumerate(nodes):
         sender = nodes[1 if i == 0 else 0].info
         k = node.config.membership.max_members
-        heard = everyone
+        picked: set[int] | None = None
         if k and WARM_HEARD_PER_MEMBER * k < len(nodes) - 1:
-            picked = set(rng.sample(range(len(nodes)), WARM_HEARD_PER_MEMBER * k + 1)) | {0}
+            picked = set(rng.sample(range(len(nodes)), WARM_HEARD_PER_MEMBER * k + 1)) | {0}  # (drawn for every node)
             picked.discard(i)
-            heard = tuple(everyone[p] for p in sorted(place[j] for j in picked))
-        node.membership.receive(now, sender, Sync(heard, reply=False))
+        if only is None or only(node):
+            heard = everyone if picked is None else tuple(everyone[p] for p in sorted(place[j] for j in picked))
+            node.membership.receive(now, sender, Sync(heard, reply=False))
     for node in nodes:
-        node.membership.settle()  # those joins are old news in a running swarm: nothing to gossip round
+        if only is None or only(node):
+            node.membership.settle()  # those joins are old news in a running swarm: nothing to gossip round
 
 
 def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], **kw: Any) -> StreamResult:

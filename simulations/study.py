@@ -88,13 +88,15 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def expand(
-    raw: Mapping[str, Any], sweeps: Sequence[tuple[str, list[Any]]], seed: int | None
+    raw: Mapping[str, Any], sweeps: Sequence[tuple[str, list[Any]]], seed: int | None, partitions: int | None = None
 ) -> list[tuple[tuple[tuple[str, Any], ...], Scenario]]:
     """Every point of the grid as (params, scenario), validated before anything runs."""
     keys = [k for k, _ in sweeps]
     if len(set(keys)) != len(keys):
         raise ScenarioError("--sweep", f"a key is swept twice: {keys}")
     base: dict[str, Any] = {} if seed is None else {"run.seed": seed}
+    if partitions is not None:
+        base["run.partitions"] = partitions
     combos = list(itertools.product(*(values for _, values in sweeps)))
     if len(combos) > 256:
         raise ScenarioError("--sweep", f"{len(combos)} points; at most 256")
@@ -218,6 +220,7 @@ def run_study(
     seed: int | None = None,
     sweeps: Sequence[str] = (),
     command: str = "",
+    partitions: int | None = None,
     progress: Progress | None = None,
     on_points: Callable[[int], None] | None = None,
 ) -> list[Point]:
@@ -225,7 +228,7 @@ def run_study(
     from simulations import plots  # matplotlib only when writing
 
     base = load_scenario(scenario_path)
-    grid = expand(base.raw, [parse_sweep(t) for t in sweeps], seed)
+    grid = expand(base.raw, [parse_sweep(t) for t in sweeps], seed, partitions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if on_points is not None:

@@ -443,6 +443,11 @@ async def _serve(handler: Awaitable[T]) -> T:
 _PLACEHOLDERS: dict[int, bytes] = {}
 
 
+def is_placeholder(data: bytes) -> bool:
+    """Whether ``data`` is the shared placeholder of its size (made by ``placeholder_bytes``)."""
+    return _PLACEHOLDERS.get(len(data)) is data
+
+
 def placeholder_bytes(size: int) -> bytes:
     """A shared all-zero ``bytes`` of ``size``: every holder of a same-sized chunk references one object."""
     data = _PLACEHOLDERS.get(size)
