@@ -4,16 +4,16 @@ Why: a large run is single-threaded Python (1,000 hosts x 500 MB: ~100 CPU-s, ni
 nodes), and the issue's budget is wall time on 2 cores.
 
 How (conservative synchronous windows, as parallel discrete-event simulators do): the parent builds the
-run as ``runner.run_stream`` does (network, nodes, warm membership), then forks one child per partition.
-Each child runs its share of the nodes on its copy of the virtual-time loop; the parent keeps the flow
-model.  Virtual time advances in windows no longer than the smallest one-way latency L: what a node
-does at t reaches another node at t + L at the earliest (a message after its latency, a flow after its
-latency and then its bytes), so nothing a partition does inside a window can change another's
-window, and the flow model's events inside a window depend only on flows started before it.  Per
-window the parent advances the flow model through it and hands each child the events that fall in it
-(messages from other partitions, finished flows); the children run their loops to the window's end
-and hand back what they sent (messages, flows to start or stop).  Windows where nothing happens are
-skipped.
+run as ``runner.run_stream`` does (network and nodes), then forks one child per partition.  Each child
+warms and runs its share of the nodes on its copy of the virtual-time loop; the parent keeps the flow
+model.  What a node does at t reaches another node at t + L at the earliest, L the smallest one-way
+latency (a message after its latency, a flow after its latency and then its bytes).  So virtual time
+advances in windows of L / 2, two in flight: what a partition sends in window j acts from window j + 2
+on, and the parent computes the flow model's window j + 2 (its events depend only on flows started
+before) while the children run window j + 1.  Per window the parent hands each child the events that
+fall in it (messages from other partitions, finished flows); the children run their loops to the
+window's end and hand back what they sent (messages, flows to start or stop).  Windows where nobody
+acts are skipped.
 
 The simulated nodes are the same objects; only their transport differs (``_PartTransport``, the same
 exchanges as ``transport.SimTransport``).  One seed gives one result in this mode, as in the
@@ -25,8 +25,8 @@ sequential one, but not the same result as the sequential mode, which differs in
   requester one latency later, as a refusal does;
 * callbacks due at one virtual instant may run in another order.
 
-Not supported (``supported`` says why; the runner then runs sequentially): churn, gossip sent as flows,
-a zero latency between some hosts, network quanta.
+Not supported (``supported`` says why; ``run_stream`` refuses): churn, gossip sent as flows, a zero
+latency between some hosts, network quanta.
 """
 
 from __future__ import annotations
