@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import heapq
 import math
 import os
@@ -81,9 +80,7 @@ def supported(network: Network, *, churn: object, gossip_flows: bool, quantum: f
 
 def lookahead(network: Network) -> float:
     """The smallest one-way latency between two hosts: how far partitions may run apart."""
-    hosts = list(network.hosts)
-    regions = {network.hosts[h].region: h for h in hosts}
-    reps = list(regions.values())
+    reps = list({h.region: h.id for h in network.hosts.values()}.values())  # a host per region
     return min((network.latency(a, b) for a in reps for b in reps), default=0.0)
 
 
@@ -179,10 +176,7 @@ class _PartTransport:
         host = part.hosts.get(addr)
         if self.closed or host is None:
             return
-        stats = part.stats
-        stats.gossip_messages += 1
-        stats.gossip_bytes += len(data)
-        stats.per_host_gossip_bytes[self.host] = stats.per_host_gossip_bytes.get(self.host, 0) + len(data)
+        part.stats.count_gossip(self.host, len(data))
         part.deliver(part.latency(self.host, host), host, _GOSSIP, (addr, data))
 
     async def get_chunk(
@@ -190,11 +184,7 @@ class _PartTransport:
     ) -> ChunkReply:
         part = self.part
         part.stats.chunk_requests += 1
-        host = self._server(addr)
-        rid, reply = part.expect()
-        part.deliver(
-            part.latency(self.host, host), host, _REQUEST, (rid, addr, chunk_hash, size, requester, held, self.host)
-        )
+        host, rid, reply = self._ask(addr, _REQUEST, chunk_hash, size, requester, held)
         deadline = part.loop.call_later(max(timeout, 0.0), _time_out, addr, reply)
         try:
             answer: ChunkReply = await reply
@@ -213,11 +203,7 @@ class _PartTransport:
     ) -> bytes | Missing | None:
         part = self.part
         part.stats.object_requests += 1
-        host = self._server(addr)
-        rid, reply = part.expect()
-        part.deliver(
-            part.latency(self.host, host), host, _OBJECT_REQUEST, (rid, addr, path, limit, requester, insist, self.host)
-        )
+        host, rid, reply = self._ask(addr, _OBJECT_REQUEST, path, limit, requester, insist)
         try:
             async with asyncio.timeout(max(timeout, 0.0)):
                 answer = await reply
@@ -237,14 +223,19 @@ class _PartTransport:
         result: bytes | Missing | None = answer
         return result
 
-    def _server(self, addr: str) -> str:
+    def _ask(self, addr: str, kind: str, *args: Any) -> tuple[str, int, asyncio.Future[Any]]:
+        """Send a request of ``kind`` (``(rid, addr, *args, this host)``) to ``addr``: (its host, the request's
+        id, the future its answer settles)."""
+        part = self.part
         if self.closed:
             raise TransportError("transport closed")
-        host = self.part.hosts.get(addr)
+        host = part.hosts.get(addr)
         if host is None:
-            self.part.stats.failures += 1
+            part.stats.failures += 1
             raise TransportError(f"{addr}: connection refused")
-        return host
+        rid, reply = part.expect()
+        part.deliver(part.latency(self.host, host), host, kind, (rid, addr, *args, self.host))
+        return host, rid, reply
 
     async def close(self) -> None:
         self.closed = True
@@ -458,7 +449,7 @@ class ChildResult:
     published: dict[int, float]
     stats: MessageStats
     jumps: int
-    end: float = 0.0
+    end: float
 
 
 @dataclass
@@ -753,13 +744,7 @@ async def run_partitioned(
         tally.published.update(r.published)
         tally.jumps += r.jumps
         tally.end = max(tally.end, r.end)
-        for f in dataclasses.fields(stats):
-            mine, theirs = getattr(stats, f.name), getattr(r.stats, f.name)
-            if isinstance(mine, dict):
-                for key, n in theirs.items():
-                    mine[key] = mine.get(key, 0) + n
-            else:
-                setattr(stats, f.name, mine + theirs)
+        stats.add(r.stats)
     return tally
 
 
@@ -792,6 +777,6 @@ async def _child(
         dict(published()),
         part.stats,
         loop._core.jumps - jumps0,  # type: ignore[attr-defined]
+        loop.time(),
     )
-    result.end = loop.time()
     conn.send_bytes(pickle.dumps(result))

@@ -52,6 +52,24 @@ class MessageStats:
     failures: int = 0
     per_host_gossip_bytes: dict[str, int] = field(default_factory=dict)
 
+    def count_gossip(self, host: str, nbytes: int) -> None:
+        """A datagram of ``nbytes`` sent by ``host``."""
+        self.gossip_messages += 1
+        self.gossip_bytes += nbytes
+        self.per_host_gossip_bytes[host] = self.per_host_gossip_bytes.get(host, 0) + nbytes
+
+    def add(self, other: MessageStats) -> None:
+        """Add ``other``'s counts to these (a partitioned run's processes: simulations/partitioned.py)."""
+        self.gossip_messages += other.gossip_messages
+        self.gossip_bytes += other.gossip_bytes
+        self.chunk_requests += other.chunk_requests
+        self.chunk_bytes += other.chunk_bytes
+        self.object_requests += other.object_requests
+        self.object_bytes += other.object_bytes
+        self.failures += other.failures
+        for host, n in other.per_host_gossip_bytes.items():
+            self.per_host_gossip_bytes[host] = self.per_host_gossip_bytes.get(host, 0) + n
+
 
 class SimNet:
     """The asyncio side of a Network: endpoints by address, flows as awaitables."""
@@ -197,7 +215,7 @@ class SimTransport:
     async def send(self, addr: str, data: bytes) -> None:
         net = self.net
         ep = net.endpoint(addr)
-        self._count_gossip(len(data))
+        net.stats.count_gossip(self.host, len(data))
         if net.gossip_flows:
             await net.transfer(self.host, ep.host, len(data), tag="gossip")
         else:
@@ -214,14 +232,8 @@ class SimTransport:
         if net.gossip_flows:  # the datagram as a flow: the general path (the task waits on the flow's future)
             asyncio.ensure_future(self._post_flow(addr, data))  # noqa: RUF006
             return
-        self._count_gossip(len(data))
+        net.stats.count_gossip(self.host, len(data))
         net.loop().call_later(net.network.latency(self.host, ep.host), self._deliver, addr, data)
-
-    def _count_gossip(self, nbytes: int) -> None:
-        stats = self.net.stats
-        stats.gossip_messages += 1
-        stats.gossip_bytes += nbytes
-        stats.per_host_gossip_bytes[self.host] = stats.per_host_gossip_bytes.get(self.host, 0) + nbytes
 
     def _deliver(self, addr: str, data: bytes) -> None:
         ep = self.net.endpoints.get(addr)  # it may have gone meanwhile
