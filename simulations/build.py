@@ -31,6 +31,7 @@ PACKAGES = ("protocol", "swarm", "simulations", "daemon")
 # is in loop_core.py).
 NATIVE_MODULES = (
     "protocol/bitfield.py",
+    "protocol/draws.py",
     "protocol/membership.py",
     "protocol/ordered.py",
     "protocol/ratelimit.py",

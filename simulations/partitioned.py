@@ -268,14 +268,15 @@ class _Partition:
         self.waiting: dict[int, asyncio.Future[Any]] = {}  # rid -> the requester's answer
         self.serving: dict[int, _Serving] = {}
         self._next = 0
-        self._latency: dict[tuple[str, str], float] = {}
+        # One-way latencies by region (the network's are): a host's region index, then a table lookup,
+        # where a cache keyed by host pairs built and hashed a tuple per message.
+        reps = {h.region: h.id for h in network.hosts.values()}  # a host per region
+        numbers = {region: i for i, region in enumerate(reps)}
+        self._region = {h.id: numbers[h.region] for h in network.hosts.values()}
+        self._latency = [[network.latency(a, b) for b in reps.values()] for a in reps.values()]
 
     def latency(self, a: str, b: str) -> float:
-        key = (a, b)
-        lat = self._latency.get(key)
-        if lat is None:
-            lat = self._latency[key] = self.network.latency(a, b)
-        return lat
+        return self._latency[self._region[a]][self._region[b]]
 
     def expect(self) -> tuple[int, asyncio.Future[Any]]:
         """A request id unique across partitions, and the future its answer settles."""

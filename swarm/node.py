@@ -23,6 +23,7 @@ from typing import Any
 
 from daemon.board import Board
 from daemon.pull import Held, Puller
+from protocol import draws
 from protocol.bitfield import Bitfield
 from protocol.catalog import CatalogEntry, plan
 from protocol.chunks import ChunkRef, verify_chunk
@@ -526,7 +527,7 @@ class SwarmNode:
             return
         sample = self.config.announce_sample
         if 0 < sample < len(self._alive):
-            alive = self.rng.sample(self._alive, sample)
+            alive = draws.sample(self.rng, self._alive, sample)
         else:
             alive = sorted(self._alive, key=lambda i: i.node_id)
         behind = []
@@ -534,7 +535,7 @@ class SwarmNode:
             view = self.peers.get(info.node_id)
             if view is None or view.ann.head_counter < self.head_counter:
                 behind.append(info)
-        self.rng.shuffle(behind)
+        draws.shuffle(self.rng, behind)
         targets = behind[: self.config.announce_fanout]
         if not targets:
             return
@@ -549,7 +550,7 @@ class SwarmNode:
         O(sample) instead of O(members) per announcement (large simulated swarms)."""
         sample = self.config.announce_sample
         if 0 < sample < len(self._alive):
-            alive = self.rng.sample(self._alive, sample)
+            alive = draws.sample(self.rng, self._alive, sample)
         else:
             alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
         mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
@@ -561,11 +562,11 @@ class SwarmNode:
         interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
         if interested and not self.config.is_seed:
             interested += self._stale_nearer(alive, min(map(tier, interested)), tier)
-        self.rng.shuffle(interested)
+        draws.shuffle(self.rng, interested)
         interested.sort(key=tier)
         chosen = {i.node_id for i in interested}
         rest = [i for i in alive if i.node_id not in chosen]
-        self.rng.shuffle(rest)
+        draws.shuffle(self.rng, rest)
         return (interested + rest)[:count]
 
     def _stale_nearer(
@@ -857,7 +858,7 @@ class SwarmNode:
         if len(given) >= copies:
             alive = [self._alive[at].addr for g in given if (at := self._alive_at.get(g)) is not None]
             if alive:
-                return Missing(tuple(self.rng.sample(alive, min(4, len(alive)))))
+                return Missing(tuple(draws.sample(self.rng, alive, min(4, len(alive)))))
             given.clear()  # every one of them is gone: hand it out afresh
         if requester in self._alive_at:  # only a requester that can be named counts as a copy given
             given.append(requester)

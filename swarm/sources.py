@@ -19,6 +19,7 @@ import blake3
 
 from daemon.board import Board
 from daemon.sources import HttpSource, SourceError
+from protocol import draws
 from protocol.errors import LimitExceededError, PatchswarmError
 from protocol.signed import Envelope
 from protocol.trust import TrustState
@@ -89,7 +90,7 @@ class SwarmSource:
             views = holders or views
         others = [v.info.addr for v in views if v.info.addr not in addrs]
         want = max(0, PEER_TRIES - len(addrs))
-        picked = node.rng.sample(others, min(want, len(others)))
+        picked = draws.sample(node.rng, others, min(want, len(others)))
         seeds = sorted(v.info.addr for v in views if v.ann.seed and v.info.addr not in addrs)
         return addrs + picked + seeds[:1]
 

@@ -812,6 +812,7 @@ def simulate(seed: int) -> World:
             del out[(r.chunk, r.peer_id)]
             rest(r.peer_id, now)
         assert all(r.deadline > now for r, _ in out.values()), "a late request not reported as expired"
+        check_live_index(sched, now)
         check(sched.next_requests(now), now)
         if sched.complete:
             break
@@ -826,6 +827,24 @@ def simulate(seed: int) -> World:
     assert sched.complete, f"download did not complete (t={now})"
     assert sched.stats()["successes"] == w.n - w.have.count()
     return w
+
+
+def check_live_index(sched: ChunkScheduler, now: float) -> None:
+    """A round walks only the peers indexed as holding something the node lacks, and lists the free
+    ones in the order a walk over every peer would."""
+    missing = ((1 << sched.have.n) - 1) & ~sched.have.to_int()
+    assert sched._missing == missing
+    for pid, p in sched._peers.items():
+        if p.bits & missing:
+            assert sched._live.get(pid) is p, "a peer holding a missing chunk is left out of the rounds"
+    for pool_bits in (sched._pool.to_int(), -1):
+        everyone = [
+            p for p in sched._peers.values() if p.free_at <= now and p.load < p.cap and p.bits & pool_bits & missing
+        ]
+        if sched._cfg.max_inflight_remote and not (sched._room(False) and sched._room(True)):
+            full = not sched._room(True)  # (the class whose budget is spent sits the round out)
+            everyone = [p for p in everyone if p.remote != full]
+        assert sched._round(now, pool_bits).free == everyone
 
 
 @given(st.integers(0, 2**32 - 1))
@@ -1027,3 +1046,20 @@ def test_indices_lists_the_set_bits_in_order(bits: int) -> None:
     assert _indices(bits) == [i for i in range(bits.bit_length()) if bits >> i & 1]
     dense = bits | ((1 << 64) - 1)  # at least 64 bits set: the string scan
     assert _indices(dense) == [i for i in range(dense.bit_length()) if dense >> i & 1]
+
+
+@pytest.mark.parametrize("max_peers", [0, 64])
+def test_rounds_skip_peers_holding_nothing_missing_and_keep_the_peers_order(max_peers: int) -> None:
+    """A round leaves out the peers that hold only chunks this node has (and takes them back when
+    they announce one it lacks), and lists the free peers in the order they were heard from."""
+    s = make(4, replace(WIDE, max_peers=max_peers), have=bits(4, {0}))
+    for pid in "abc":
+        s.update_peer(peer(pid), bits(4, {0}), 0.0)  # only what this node has
+    assert s.next_requests(0.0) == [] and not s._live  # that round found them holding nothing missing
+    s.on_have("c", 1, 0.1)
+    s.on_have("a", 2, 0.1)
+    s.on_have("b", 3, 0.1)
+    assert [p.info.peer_id for p in s._round(0.1, -1).free] == ["a", "b", "c"]
+    s.update_peer(peer("a"), bits(4, {0, 2}), 0.2)  # a refresh: with an active set, "a" was heard from last
+    assert [p.info.peer_id for p in s._round(0.2, -1).free] == (["b", "c", "a"] if max_peers else ["a", "b", "c"])
+    assert sorted(r.chunk for r in s.next_requests(0.2)) == [1, 2, 3]
