@@ -1,6 +1,6 @@
 """Random draws made as ``random.Random``'s methods make them, in code the native build compiles.
 
-``Random.shuffle``, ``sample``, ``choice`` and ``randrange`` are Python code over the generator's C
+``Random.shuffle``, ``sample``, ``choice`` and ``randint`` are Python code over the generator's C
 ``getrandbits``; a simulated swarm calls them on every announcement and gossip round, where their
 interpreted frames were ~3% of a node's work.  These functions take the same draws from the same
 generator in the same order (CPython's algorithms, checked against it by tests/test_draws.py), so a

@@ -977,9 +977,9 @@ class ChunkScheduler:
         if delta > 0 and old + self._n_full == 0:
             self._set_since(chunk, now)  # its first holder appeared: seed patience starts now
         if not self._order_dirty:
-            key = old * len(self._sizes) + self._rank[chunk]
-            del self._order[bisect.bisect_left(self._order, key)]
-            bisect.insort(self._order, key + delta * len(self._sizes))
+            key = self._order_key(chunk)  # (the new availability's; the old key is delta x n below)
+            del self._order[bisect.bisect_left(self._order, key - delta * len(self._sizes))]
+            bisect.insort(self._order, key)
 
     def _apply_availability(self, removed: list[int], added: list[int], full_delta: int, now: float) -> None:
         if len(removed) + len(added) > self._pool.count() // 8 + 16:
