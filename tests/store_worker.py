@@ -73,17 +73,24 @@ def _killer(point: str) -> Callable[[str], None]:
     return fault
 
 
+def say(line: str) -> None:
+    """One line in one write: print() writes the text and its newline apart, and with unbuffered output
+    a SIGKILL between the two left "activated 25" and the launcher's "dead 9" on one line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def run_daemon(name: str, shm_dir: str, jdir: str, seed: int, point: str | None, crash_version: int) -> None:
     store = WeightStore.open(name, shm_dir=shm_dir)
     recover(store, jdir)
-    print(f"ready {store.header().version}", flush=True)
+    say(f"ready {store.header().version}")
     while True:
         k = store.header().version
         if point is not None and k + 1 == crash_version:
             store.fault = _killer(point)
         old, new = model(seed, k), model(seed, k + 1)
         store.activate(k + 1, new.root(), diff_updates(old, new), jdir)
-        print(f"activated {k + 1}", flush=True)
+        say(f"activated {k + 1}")
 
 
 def run_load(name: str, shm_dir: str, seed: int, version: int, point: str) -> None:
@@ -160,7 +167,7 @@ def run_launcher(name: str, shm_dir: str, jdir: str, seed: int) -> None:
         pid = os.fork()
         if pid == 0:  # the child: a daemon that will die by SIGKILL (or exit after a load)
             try:
-                print(f"pid {os.getpid()}", flush=True)
+                say(f"pid {os.getpid()}")
                 if cmd[0] == "go":
                     point = cmd[1] if len(cmd) > 1 else None
                     run_daemon(name, shm_dir, jdir, seed, point, int(cmd[2]) if point else -1)
