@@ -242,6 +242,14 @@ SCHEMA: list[Key] = [
         "Peers the download considers at once: those heard from last; 0 = every peer heard from.",
     ),
     Key(
+        "swarm",
+        "tree_fanout",
+        count_in(0, 64),
+        _NODE.tree_fanout,
+        "Stripe trees of this fan-out (0 = off): each chunk comes from one parent per stripe, as a regular "
+        "relay plan; for one region of equal links (docs/bandwidth-study.md). The seed needs the same value.",
+    ),
+    Key(
         "trust",
         "root",
         parse_str,

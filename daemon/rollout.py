@@ -85,6 +85,7 @@ def swarm_budgets(cfg: DaemonConfig) -> dict[str, Any]:
     return {
         "max_uploads": cfg["swarm.max_uploads"],
         "upload_queue": cfg["swarm.upload_queue"],
+        "tree_fanout": cfg["swarm.tree_fanout"],
         "scheduler": SchedulerConfig(
             max_inflight=cfg["swarm.max_inflight"],
             max_inflight_per_peer=cfg["swarm.max_inflight_per_peer"],

@@ -62,6 +62,12 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
         help=f"requests waiting for an upload slot before refusals (default {_NODE.upload_queue}; "
         f"a seed: {_NODE.seed_upload_queue})",
     )
+    p.add_argument(
+        "--tree-fanout",
+        type=_fanout,
+        metavar="K",
+        help="stripe trees of this fan-out (default 0: off; a seed: serve every tree's root at once)",
+    )
 
 
 def add_seed_args(p: argparse.ArgumentParser) -> None:
@@ -98,6 +104,7 @@ def _bounded(convert: Callable[[str], N], what: str, low: N, high: N) -> Callabl
 _count = _bounded(int, "a whole number", 0, 1024)
 _seconds = _bounded(float, "a number of seconds", 0.0, 3600.0)
 _copies = _bounded(int, "a whole number", 0, 1 << 20)
+_fanout = _bounded(int, "a whole number", 0, 64)
 
 
 def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConfig:
@@ -109,6 +116,7 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
         f"{prefix}upload_queue": args.upload_queue,
         "seed_copy_window": getattr(args, "copy_window", None),
         "seed_object_copies": getattr(args, "object_copies", None),
+        "tree_fanout": args.tree_fanout,
     }
     return NodeConfig(
         node_id=args.name or listen,

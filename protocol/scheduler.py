@@ -146,15 +146,34 @@ class SchedulerConfig:
     # keeps ~50 connections); a round walks every known peer, so this bounds its cost in large swarms
     # (simulated 1,000 hosts: the same time to all, 0.596 / 0.595 s).  0: every peer heard from.
     max_peers: int = 64
+    # With stripe trees (``set_parents``): how long a chunk some peer holds waits for this node's
+    # parent in its stripe before the usual rules may place it elsewhere (a slow or stuck relay).
+    tree_patience: float = 0.1
+    # Per stripe parent: the second waits behind the first at the parent (swarm/node.py ``_follow``),
+    # so the parent's flow to this node has no round trip's gap between chunks.
+    max_inflight_per_parent: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight", "max_inflight_per_peer", "max_inflight_per_remote_peer", "max_inflight_seed"):
+        for name in (
+            "max_inflight",
+            "max_inflight_per_peer",
+            "max_inflight_per_remote_peer",
+            "max_inflight_seed",
+            "max_inflight_per_parent",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("random_first", "endgame_remaining", "max_inflight_remote", "max_peers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("deadline_base", "ban_seconds", "failure_backoff", "seed_patience", "backoff_cap"):
+        for name in (
+            "deadline_base",
+            "ban_seconds",
+            "failure_backoff",
+            "seed_patience",
+            "backoff_cap",
+            "tree_patience",
+        ):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be finite and >= 0")
@@ -337,6 +356,7 @@ class ChunkScheduler:
         self._order_dirty = True
         self._since: dict[int, float] = {}  # pooled chunk -> waiting since (default: _epoch)
         self._since_heap: list[tuple[float, int]] = []  # (since, chunk), stale entries dropped lazily
+        self._tree_heap: list[tuple[float, int]] = []  # the same, for tree_patience (kept only with parents)
         self._flights: dict[int, dict[str, _Flight]] = {}
         self._n_inflight = 0
         # heap: (deadline, chunk, peer) of the requests in flight; entries of dropped ones are removed lazily
@@ -344,6 +364,8 @@ class ChunkScheduler:
         self._n_remote = 0  # of _n_inflight, counted against max_inflight_remote
         self._remote_peers = 0  # known peers that count as remote (none: the remote budget is no room)
         self._random_left = max(0, config.random_first - self._have.count())
+        self._parents: tuple[str | None, ...] = ()  # per stripe (chunk % len): the peer to ask, None: the seeds
+        self._max_local = config.max_inflight  # requests in flight to peers of this region (see set_parents)
         self._epoch: float | None = None
         self._now = -math.inf
         self._counters = dict.fromkeys(_COUNTERS, 0.0)
@@ -482,7 +504,13 @@ class ChunkScheduler:
             return
         now = self._now
         for pid, p in self._peers.items():
-            if pid != newcomer and not p.info.is_seed and not p.inflight and p.free_at <= now:
+            if (
+                pid != newcomer
+                and not p.info.is_seed
+                and not p.inflight
+                and p.free_at <= now
+                and pid not in self._parents
+            ):
                 self.remove_peer(pid)
                 return
 
@@ -501,6 +529,24 @@ class ChunkScheduler:
             self._live[peer_id] = p
         if not p.info.is_seed:
             self._avail_change(chunk, +1, now)
+
+    def set_parents(self, parents: tuple[str | None, ...]) -> None:
+        """Stripe trees (protocol/trees.py): chunk ``c`` is asked of ``parents[c % len(parents)]``
+        (None: the seeds; "": no parent, the usual rules) unless that peer is banned, even if it does
+        not hold the chunk yet, for up to ``tree_patience`` after some other peer does; () turns the
+        trees off."""
+        if self._me.peer_id in parents:
+            raise ValueError("a node is not its own parent")
+        self._parents = tuple(parents)
+        # Room for every parent's requests: a root's seed requests must not crowd out its other stripes.
+        self._max_local = max(self._cfg.max_inflight, len(parents) * self._cfg.max_inflight_per_parent)
+        for p in self._peers.values():
+            p.cap = self._peer_cap(p)
+
+    def orphan(self, peer_id: str) -> None:
+        """``peer_id`` is gone for good: the stripes it was the parent of follow the usual rules."""
+        if peer_id in self._parents:
+            self._parents = tuple("" if p == peer_id else p for p in self._parents)
 
     def remove_peer(self, peer_id: str) -> list[Request]:
         """Forget a peer (dead or gone); returns its in-flight requests, now dropped (cancel them)."""
@@ -665,6 +711,8 @@ class ChunkScheduler:
                 later.extend(
                     max(ready, f.start + patience) for fl in self._flights.values() if len(fl) == 1 for f in fl.values()
                 )
+        if self._parents and (tree := self._first_tree_patience_end()) is not None:
+            later.append(tree)  # a chunk may leave its stripe's parent for the usual rules
         after = self._now
         return min(deadlines + [t for t in later if t > after], default=None)
 
@@ -700,6 +748,16 @@ class ChunkScheduler:
             heapq.heappop(heap)  # stale, already past, or nobody holds it (a new holder restarts the clock)
         return None
 
+    def _first_tree_patience_end(self) -> float | None:
+        """The earliest future end of tree patience among pooled chunks somebody holds."""
+        heap, patience, after = self._tree_heap, self._cfg.tree_patience, self._now
+        while heap:
+            t, c = heap[0]
+            if c in self._pool and self._since.get(c) == t and t + patience > after and self._avail[c] + self._n_full:
+                return t + patience
+            heapq.heappop(heap)
+        return None
+
     # ------------------------------------------------------------------ choosing
 
     def _room(self, remote: bool | None = None) -> bool:
@@ -707,7 +765,7 @@ class ChunkScheduler:
         where the remote budget counts only while some known peer is remote, so that a node in one
         region is "full" when its one budget is, as without a remote budget)."""
         cfg = self._cfg
-        local = self._n_inflight - self._n_remote < cfg.max_inflight
+        local = self._n_inflight - self._n_remote < self._max_local
         if not cfg.max_inflight_remote or remote is False:
             return local
         far = self._n_remote < cfg.max_inflight_remote
@@ -764,6 +822,10 @@ class ChunkScheduler:
 
     def _candidates(self, chunk: int, rnd: _Round, waiting_since: float | None = None) -> list[_Peer]:
         """The free peers that may be asked for ``chunk`` now: non-seed holders, or else the seeds."""
+        if self._parents and waiting_since is None:
+            tree = self._tree_candidates(chunk, rnd)
+            if tree is not None:
+                return tree
         holders: list[_Peer] = []
         seeds: list[_Peer] = []
         for p in rnd.free:
@@ -782,6 +844,26 @@ class ChunkScheduler:
                 return seeds
             waiting_since = self._since.get(chunk, rnd.now if self._epoch is None else self._epoch)
         return seeds if rnd.now - waiting_since >= self._cfg.seed_patience else []
+
+    def _tree_candidates(self, chunk: int, rnd: _Round) -> list[_Peer] | None:
+        """The chunk's stripe parent if it may be asked now, [] to wait for it, None: the usual rules."""
+        parent_id = self._parents[chunk % len(self._parents)]
+        if parent_id == "":  # no parent in this stripe (it left): the usual rules
+            return None
+        if parent_id is None:  # a root: its stripe comes from the seeds, first hand
+            return [p for p in rnd.free if p.info.is_seed and p.bits >> chunk & 1 and chunk not in p.inflight] or None
+        parent = self._peers.get(parent_id)
+        if parent is not None:
+            if parent.banned_until > rnd.now:
+                return None
+            if parent.bits >> chunk & 1:
+                free = parent.load < parent.cap and parent.free_at <= rnd.now and chunk not in parent.inflight
+                return [parent] if free and parent in rnd.free else []
+        # The parent lacks it (or has not announced this version yet): wait, unless others have held it a while.
+        since = self._since.get(chunk)
+        if since is None or self._avail[chunk] + self._n_full == 0:
+            return []
+        return [] if rnd.now < since + self._cfg.tree_patience else None  # (as next_deadline computes it)
 
     @staticmethod
     def _only_seeds_can_help(rnd: _Round) -> bool:
@@ -855,7 +937,9 @@ class ChunkScheduler:
     def _peer_cap(self, peer: _Peer) -> int:
         cfg = self._cfg
         if peer.info.is_seed:
-            return cfg.max_inflight_seed
+            return cfg.max_inflight_per_parent if None in self._parents else cfg.max_inflight_seed
+        if peer.info.peer_id in self._parents:
+            return cfg.max_inflight_per_parent
         return cfg.max_inflight_per_remote_peer if peer.remote else cfg.max_inflight_per_peer
 
     def _in_endgame(self) -> bool:
@@ -944,6 +1028,11 @@ class ChunkScheduler:
         if len(self._since_heap) > 4 * len(self._since) + 64:  # compact the stale entries
             self._since_heap = [(t, c) for c, t in self._since.items()]
             heapq.heapify(self._since_heap)
+        if self._parents:
+            heapq.heappush(self._tree_heap, (now, chunk))
+            if len(self._tree_heap) > 4 * len(self._since) + 64:
+                self._tree_heap = [(t, c) for c, t in self._since.items()]
+                heapq.heapify(self._tree_heap)
 
     def _maybe_repool(self, chunk: int, now: float) -> None:
         if chunk in self._have or chunk in self._flights or chunk in self._pool:

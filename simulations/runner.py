@@ -707,6 +707,7 @@ def _warm(
     for node in nodes:
         if only is None or only(node):
             node.membership.settle()  # those joins are old news in a running swarm: nothing to gossip round
+            node.settle_members()
 
 
 def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], **kw: Any) -> StreamResult:

@@ -188,6 +188,18 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
         "max_peers": _Field(
             "int", _SCHED.max_peers, 0, 1 << 20, "peers a download considers at once (heard from last), 0: all"
         ),
+        "tree_fanout": _Field(
+            "int", _NODE.tree_fanout, 0, 64, "stripe trees of this fan-out once membership settles; 0: off"
+        ),
+        "tree_settle": _Field(
+            "duration", _NODE.tree_settle, 0.0, 600.0, "trees only after the member list is unchanged this long"
+        ),
+        "tree_patience": _Field(
+            "duration", _SCHED.tree_patience, 0.0, 600.0, "wait for a lagging stripe parent before asking others"
+        ),
+        "max_inflight_per_parent": _Field(
+            "int", _SCHED.max_inflight_per_parent, 1, 1024, "requests in flight to a stripe parent"
+        ),
         "max_members": _Field(
             "int",
             _NODE.membership.max_members,

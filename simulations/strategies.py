@@ -185,6 +185,7 @@ def central(s: Scenario, lay: Layout, churn: Sequence[ChurnEvent], kind: str) ->
 _SCHEDULER_KEYS: tuple[str, ...] = ("max_inflight", "max_inflight_per_peer", "max_inflight_per_remote_peer")
 _SCHEDULER_KEYS += ("max_inflight_seed",)
 _SCHEDULER_KEYS += ("max_inflight_remote", "seed_patience", "endgame_remaining", "max_peers")
+_SCHEDULER_KEYS += ("tree_patience", "max_inflight_per_parent")
 
 
 def node_options(s: Scenario) -> dict[str, object]:

@@ -1,0 +1,128 @@
+"""Stripe trees (``NodeConfig.tree_fanout``) on real nodes in virtual time: the relay plan, the
+requests that wait behind their requester's transfer, and trees kept within a region."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from typing import Any
+
+from protocol.trust import TrustState
+from simulations.clock import SimClock, run_virtual
+from simulations.network import Backbone, Host, Network, Region
+from simulations.placeholder import placeholder_held
+from simulations.runner import StreamResult, simulate_stream
+from simulations.synthetic import synthetic_setup
+from simulations.transport import SimNet
+from swarm.node import NodeConfig, SwarmNode
+from tests.swarmkit import RUN, SECRET
+
+MB = 1e6
+EPOCH = 1_700_000_000.0
+
+
+def test_a_requesters_next_request_waits_behind_its_transfer_and_takes_over_the_slot() -> None:
+    data = b"c" * 10_000
+
+    async def main() -> list[str]:
+        net = SimNet(Network([Host("a")], [Region("", 0.001)]))
+        cfg = NodeConfig(
+            "a",
+            RUN,
+            SECRET,
+            max_uploads=1,
+            upload_queue=0,
+            upload_rate=10_000.0,
+            upload_queue_wait=100.0,
+            tree_fanout=2,
+        )
+        node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        node.chunks.put(b"h", data)
+        order: list[str] = []
+
+        def sender(tag: str) -> Any:
+            async def send(chunk: bytes) -> None:
+                order.append(tag)
+
+            return send
+
+        first = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, sender("x1")))  # the one slot, ~1 s
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, sender("x2")))  # behind x1, not refused
+        third = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, sender("x3")))
+        await asyncio.sleep(0.01)
+        # y has no place: the slot is taken and there is no line (upload_queue=0)
+        refused = await node.handle_chunk(b"h", "y", -1, sender("y"))
+        assert type(refused).__name__ == "Busy"
+        third.cancel()  # a follower cancelled while waiting gives up its place and nothing else
+        assert await first is None and await second is None
+        with contextlib.suppress(asyncio.CancelledError):
+            await third
+        assert node.upload_slots.in_use == 0 and not node._followers and not node._sending_to
+        # A follower cancelled just as the slot is handed to it passes the slot on (none is lost).
+        first = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, sender("x4")))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, sender("x5")))
+        await asyncio.sleep(0.01)
+        first.add_done_callback(lambda _: second.cancel())
+        assert await first is None
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
+        assert node.upload_slots.in_use == 0
+        assert await node.handle_chunk(b"h", "z", -1, sender("z")) is None
+        net.close()
+        return order
+
+    assert run_virtual(main()) == ["x1", "x2", "x4", "z"]
+
+
+def stream(n: int, **kw: Any) -> StreamResult:
+    run = synthetic_setup(patch_bytes=24 << 20, chunk_bytes=1 << 18, versions=1)
+    args: dict[str, Any] = {
+        "versions": run.versions,
+        "interval": 2.0,
+        "regions": [Region("r0", 0.001)],
+        "start_from": placeholder_held(0),
+        "deadline": 60.0,
+        "seed": 4,
+    }
+    seed = Host("seed", "r0", up=50 * MB, down=50 * MB)
+    peers = [Host(f"h{i:02d}", "r0", up=50 * MB, down=50 * MB) for i in range(n)]
+    return simulate_stream(run.setup, seed, peers, **{**args, **kw})
+
+
+def test_each_stripe_leaves_the_seed_once_to_its_root_and_the_trees_beat_random_pulls() -> None:
+    trees, usual = stream(16, node_options={"tree_fanout": 4}), stream(16)
+    assert trees.complete and usual.complete, (trees.errors, usual.errors)
+    from_seed = {row.host: row.from_seed for row in trees.rows}
+    # Only the 4 roots fetch from the seed, one stripe (a quarter of the 96 chunks) each.
+    assert sorted(b for b in from_seed.values() if b) == [6 << 20] * 4
+    assert trees.versions[0].seed_egress == 24 << 20
+    # Equal links: a regular relay plan fills them better than requests on random holders.
+    assert trees.versions[0].time_to_all < usual.versions[0].time_to_all
+
+
+def test_trees_stay_within_a_region() -> None:
+    # Two regions joined by a thin backbone: every host's trees are made of its own region's hosts,
+    # so the far region's hosts fetch across the backbone only what their roots do.
+    regions = [Region("r0", 0.001), Region("r1", 0.001)]
+    peers = [Host(f"a{i}", "r0", up=50 * MB, down=50 * MB) for i in range(6)]
+    peers += [Host(f"b{i}", "r1", up=50 * MB, down=50 * MB) for i in range(6)]
+    run = synthetic_setup(patch_bytes=24_000_000, chunk_bytes=1 << 20, versions=1)
+    r = simulate_stream(
+        run.setup,
+        Host("seed", "r0", up=50 * MB, down=50 * MB),
+        peers,
+        versions=run.versions,
+        regions=regions,
+        backbones=[Backbone("r0", "r1", capacity=100 * MB, latency=0.02)],
+        interval=2.0,
+        start_from=placeholder_held(0),
+        deadline=60.0,
+        seed=4,
+        node_options={"tree_fanout": 2},
+    )
+    assert r.complete, r.errors
+    for region in "ab":  # in each region only the 2 roots (fan-out 2) fetch from the seed
+        assert 0 < sum(1 for row in r.rows if row.host.startswith(region) and row.from_seed) <= 2
