@@ -240,6 +240,7 @@ class SwarmNode:
         self._alive: list[NodeInfo] = []  # live members, kept from membership events (for sampled announcements)
         self._alive_at: dict[str, int] = {}  # node id -> index in _alive
         self._members_changed = -math.inf  # when a member last joined _alive or left it (see tree_settle)
+        self._settled_until = -math.inf  # changes up to then are old news (settle_members)
         self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
         self._tree_children: dict[bytes, tuple[tuple[str, ...], ...]] = {}  # manifest -> per stripe: our children
         # The loop the node runs on, taken on first use: asyncio.get_running_loop() makes a getpid()
@@ -467,28 +468,31 @@ class SwarmNode:
                 self._note_peers_changed()
 
     def settle_members(self) -> None:
-        """Take the membership's pending news as old: a node given the view of a running swarm (a
+        """Take the membership's news so far as old: a node given the view of a running swarm (a
         simulation's warm start) has known these members for long, as ``tree_settle`` asks."""
-        self._apply_membership_events()
-        self._members_changed = -math.inf
+        self._settled_until = self.clock.now()
 
     def _track_alive(self, info: NodeInfo, state: MemberState) -> None:
         """Keep ``_alive`` (what ``membership.alive()`` lists, unsorted) without an O(members) walk."""
         at = self._alive_at.get(info.node_id)
         if state in (MemberState.ALIVE, MemberState.SUSPECT):
             if at is None:
-                self._members_changed = self.clock.now()
+                self._member_changed()
                 self._alive_at[info.node_id] = len(self._alive)
                 self._alive.append(info)
             else:
                 self._alive[at] = info  # its address may have changed
         elif at is not None:  # swap-remove
-            self._members_changed = self.clock.now()
+            self._member_changed()
             last = self._alive.pop()
             del self._alive_at[info.node_id]
             if last.node_id != info.node_id:
                 self._alive[at] = last
                 self._alive_at[last.node_id] = at
+
+    def _member_changed(self) -> None:
+        if (now := self.clock.now()) > self._settled_until:
+            self._members_changed = now
 
     async def _membership_loop(self) -> None:
         last_join = self.clock.now()
@@ -981,6 +985,7 @@ class SwarmNode:
                 self._head_fetching = -1
 
     async def _fetch_head_once(self, prefer: str | None) -> None:
+        before = self.head_counter
         try:
             # The root is refreshed (TUF: before a head is trusted) while the head travels: one round
             # trip instead of two on every new head.  If the refresh fails, the head is not waited for.
@@ -1006,8 +1011,8 @@ class SwarmNode:
         finally:
             self._keep_trusted()
         self.head_error = None
-        if accepted is None:
-            return
+        if accepted is None or (self.head_counter != before and accepted.counter <= self.head_counter):
+            return  # (or another fetch accepted this head, or a newer one, while this one was verifying)
         head = accepted
         self.head, self.head_counter = head, head.counter
         self.marks.append(("head", head.version, self.clock.now()))

@@ -126,3 +126,34 @@ def test_trees_stay_within_a_region() -> None:
     assert r.complete, r.errors
     for region in "ab":  # in each region only the 2 roots (fan-out 2) fetch from the seed
         assert 0 < sum(1 for row in r.rows if row.host.startswith(region) and row.from_seed) <= 2
+
+
+def test_no_trees_until_the_member_list_settles() -> None:
+    # Published as the hosts join (cold).  While members still arrive no node plans trees, and
+    # version 1 spreads by the usual rules: 0.66 s.  Trees planned at once, on lists that differ
+    # (tree_settle = 0), took 1.06 s.  4 s later every list has been still for tree_settle, and
+    # version 2 flows down the trees, only their 4 roots fetching from the seed.
+    run = synthetic_setup(patch_bytes=24 << 20, chunk_bytes=1 << 18, versions=2)
+
+    def cold(**options: Any) -> StreamResult:
+        seed = Host("seed", "r0", up=50 * MB, down=50 * MB)
+        peers = [Host(f"h{i:02d}", "r0", up=50 * MB, down=50 * MB) for i in range(16)]
+        return simulate_stream(
+            run.setup,
+            seed,
+            peers,
+            versions=run.versions,
+            interval=4.0,
+            regions=[Region("r0", 0.001)],
+            start_from=placeholder_held(0),
+            deadline=60.0,
+            seed=4,
+            warm_membership=False,
+            node_options={"tree_fanout": 4, **options},
+        )
+
+    settled, hasty = cold(), cold(tree_settle=0.0)
+    assert settled.complete and hasty.complete, (settled.errors, hasty.errors)
+    seeded = sorted(row.from_seed for row in settled.rows if row.version == 2 and row.from_seed)
+    assert seeded == [6 << 20] * 4
+    assert settled.versions[0].time_to_all < hasty.versions[0].time_to_all
