@@ -122,7 +122,12 @@ def versus(entries: Sequence[Mapping[str, Any]], key: str, metric: str, path: Pa
     ax.set_xlabel(key)
     ax.set_ylabel(METRICS[metric])
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    entries_shown = len(ax.get_legend_handles_labels()[1])
+    if entries_shown > 4:  # a grid's many series: the legend goes below the axes, not over the lines
+        fig.set_size_inches(6.4, 4.0 + 0.17 * entries_shown)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    else:
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

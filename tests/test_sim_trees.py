@@ -17,6 +17,7 @@ from simulations.synthetic import synthetic_setup
 from simulations.transport import SimNet
 from swarm.node import NodeConfig, SwarmNode
 from tests.swarmkit import RUN, SECRET
+from tests.test_sim_swarm import stream
 
 MB = 1e6
 EPOCH = 1_700_000_000.0
@@ -77,23 +78,9 @@ def test_a_requesters_next_request_waits_behind_its_transfer_and_takes_over_the_
     assert run_virtual(main()) == ["x1", "x2", "x4", "z"]
 
 
-def stream(n: int, **kw: Any) -> StreamResult:
-    run = synthetic_setup(patch_bytes=24 << 20, chunk_bytes=1 << 18, versions=1)
-    args: dict[str, Any] = {
-        "versions": run.versions,
-        "interval": 2.0,
-        "regions": [Region("r0", 0.001)],
-        "start_from": placeholder_held(0),
-        "deadline": 60.0,
-        "seed": 4,
-    }
-    seed = Host("seed", "r0", up=50 * MB, down=50 * MB)
-    peers = [Host(f"h{i:02d}", "r0", up=50 * MB, down=50 * MB) for i in range(n)]
-    return simulate_stream(run.setup, seed, peers, **{**args, **kw})
-
-
 def test_each_stripe_leaves_the_seed_once_to_its_root_and_the_trees_beat_random_pulls() -> None:
-    trees, usual = stream(16, node_options={"tree_fanout": 4}), stream(16)
+    run = synthetic_setup(patch_bytes=24 << 20, chunk_bytes=1 << 18, versions=1)
+    trees, usual = stream(run, 16, node_options={"tree_fanout": 4}), stream(run, 16)
     assert trees.complete and usual.complete, (trees.errors, usual.errors)
     from_seed = {row.host: row.from_seed for row in trees.rows}
     # Only the 4 roots fetch from the seed, one stripe (a quarter of the 96 chunks) each.
