@@ -40,6 +40,11 @@ Rules (DESIGN.md section 5: Kraken, BitTorrent, Dragonfly):
   this node's own budget for its class (local or remote) is spent still counts as a holder: the
   chunk waits for the node's requests, not for the seed.  A refusal (BUSY) rests the seed
   for ``retry_after`` and the peers wait for each other.
+* Stripe trees (``set_parents``, protocol/trees.py): a chunk is asked of its stripe's parent alone
+  (a root's: of the seeds at once), in line for it while the parent is busy or lacks the chunk,
+  until others have held the chunk ``tree_patience``; a banned or gone (``orphan``) parent leaves
+  its stripe to the rules above.  A parent gets ``max_inflight_per_parent``, and the node's budget
+  grows to that times the stripes.
 * Endgame: once every missing chunk is in flight and at most ``endgame_remaining`` remain, each
   gets one duplicate request to another eligible peer (to the seed only after ``seed_patience``
   or when the holders are too slow); the first success returns the other to cancel.
@@ -740,15 +745,9 @@ class ChunkScheduler:
             heapq.heappop(heap)
         return None
 
-    def _first_patience_end(
-        self, heap: list[tuple[float, int]] | None = None, patience: float | None = None
-    ) -> float | None:
-        """The earliest future end of seed patience (or ``patience`` over ``heap``: tree patience) among
-        pooled chunks somebody holds, whose waiting clock was restarted."""
-        if heap is None:
-            heap = self._since_heap
-        if patience is None:
-            patience = self._cfg.seed_patience
+    def _first_patience_end(self, heap: list[tuple[float, int]], patience: float) -> float | None:
+        """The earliest future end of ``patience`` (seed or tree) among pooled chunks somebody holds,
+        whose waiting clock was restarted (``heap``: their (since, chunk) entries)."""
         after = self._now
         while heap:
             t, c = heap[0]

@@ -131,6 +131,12 @@ class NodeConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
+    def __post_init__(self) -> None:
+        if self.tree_fanout < 0:
+            raise ValueError("tree_fanout must be >= 0")
+        if not 0 <= self.tree_settle < math.inf:
+            raise ValueError("tree_settle must be finite and >= 0")
+
 
 @dataclass(init=False)
 class PeerView:
@@ -757,9 +763,9 @@ class SwarmNode:
     ) -> Busy | Missing | None:
         """With trees, a requester's next request waits behind the transfer under way to it and takes
         over its slot when it ends, as a second request on one connection would: a child keeps its
-        parent's flow busy without a round trip's gap between chunks (one request at a time left the
-        links idle 7% of the time at 0.5 ms of latency), and without a second flow halving the first's
-        rate, which a chunk's every hop down the tree would pay."""
+        parent's flow busy without a round trip's gap between chunks, and without a second flow
+        halving the first's rate, which a chunk's every hop down the tree would pay (simulated 100
+        hosts, 4 MiB chunks: 0.520 s with one request per parent, 0.502 s with a second behind it)."""
         loop = self._loop()
         turn: asyncio.Future[bool] = loop.create_future()
         waiting = self._followers.setdefault(requester, collections.deque())
@@ -1109,6 +1115,7 @@ class SwarmNode:
         if (
             self.config.tree_fanout
             and not self.config.is_seed
+            and not self.config.membership.max_members  # a bounded view: each host would plan over other members
             and self.clock.now() - self._members_changed >= self.config.tree_settle
         ):
             self._plant_trees(sched, mid)

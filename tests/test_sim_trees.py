@@ -144,3 +144,18 @@ def test_no_trees_until_the_member_list_settles() -> None:
     seeded = sorted(row.from_seed for row in settled.rows if row.version == 2 and row.from_seed)
     assert seeded == [6 << 20] * 4
     assert settled.versions[0].time_to_all < hasty.versions[0].time_to_all
+
+
+def test_tree_settings_are_checked() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="tree_fanout"):
+        NodeConfig("a", RUN, SECRET, tree_fanout=-1)
+    with pytest.raises(ValueError, match="tree_settle"):
+        NodeConfig("a", RUN, SECRET, tree_settle=float("nan"))
+    from protocol.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="tree_patience"):
+        SchedulerConfig(tree_patience=-1.0)
+    with pytest.raises(ValueError, match="max_inflight_per_parent"):
+        SchedulerConfig(max_inflight_per_parent=0)
