@@ -68,6 +68,16 @@ async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: li
     return await asyncio.to_thread(apply_chunks, held, manifest, parts)
 
 
+def _hand_over(waiting: collections.deque[asyncio.Future[bool]]) -> bool:
+    """Give a freed upload slot to the first request still waiting in ``waiting``; False: none waits."""
+    while waiting:
+        turn = waiting.popleft()
+        if not turn.done():
+            turn.set_result(True)
+            return True
+    return False
+
+
 MAX_OBJECT_BYTES = 64 << 20
 SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
@@ -766,21 +776,10 @@ class SwarmNode:
         parent's flow busy without a round trip's gap between chunks, and without a second flow
         halving the first's rate, which a chunk's every hop down the tree would pay (simulated 100
         hosts, 4 MiB chunks: 0.520 s with one request per parent, 0.502 s with a second behind it)."""
-        loop = self._loop()
-        turn: asyncio.Future[bool] = loop.create_future()
         waiting = self._followers.setdefault(requester, collections.deque())
-        waiting.append(turn)
-        timer = loop.call_later(self.config.upload_queue_wait, settle, turn, False)
         try:
-            got = await turn
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled() and turn.result():
-                self._release_upload_slot(requester)
-            raise
+            got = await self._await_turn(waiting, requester)
         finally:
-            timer.cancel()
-            if turn in waiting:
-                waiting.remove(turn)
             if not waiting and self._followers.get(requester) is waiting:
                 del self._followers[requester]
         if not got:
@@ -886,9 +885,14 @@ class SwarmNode:
             return True
         if not self._line_has_room(line):
             return False
+        return await self._await_turn(self._upload_queue)
+
+    async def _await_turn(self, waiting: collections.deque[asyncio.Future[bool]], requester: str = "") -> bool:
+        """Wait in ``waiting`` (the line, or ``requester``'s followers) until a transfer's end hands its
+        slot over (True) or ``upload_queue_wait`` passes (False)."""
         loop = self._loop()
         turn: asyncio.Future[bool] = loop.create_future()  # True: _release_upload_slot handed a slot over
-        self._upload_queue.append(turn)
+        waiting.append(turn)
         # The wait's end is a timer answering False (one handle, not a sleeping task and asyncio.wait:
         # every queued request of a large simulated swarm comes through here).
         timer = loop.call_later(self.config.upload_queue_wait, settle, turn, False)
@@ -897,26 +901,18 @@ class SwarmNode:
         except asyncio.CancelledError:
             # Cancelled while waiting: give back a slot already handed over, or leave the line.
             if turn.done() and not turn.cancelled() and turn.result():
-                self._release_upload_slot()
+                self._release_upload_slot(requester)
             raise
         finally:
             timer.cancel()
-            if turn in self._upload_queue:
-                self._upload_queue.remove(turn)
+            if turn in waiting:
+                waiting.remove(turn)
 
     def _release_upload_slot(self, requester: str = "") -> None:
         """Hand the slot to a request waiting behind this requester's transfer, or the line's first, or free it."""
-        if requester and (waiting := self._followers.get(requester)):
-            while waiting:
-                turn = waiting.popleft()
-                if not turn.done():
-                    turn.set_result(True)
-                    return
-        while self._upload_queue:
-            turn = self._upload_queue.popleft()
-            if not turn.done():
-                turn.set_result(True)
-                return
+        followers = self._followers.get(requester) if requester else None
+        if (followers and _hand_over(followers)) or _hand_over(self._upload_queue):
+            return
         self.upload_slots.release()
 
     async def handle_object(self, path: str, requester: str = "", insist: bool = False) -> bytes | Missing | None:

@@ -8,6 +8,9 @@ import contextlib
 import random
 from typing import Any
 
+import pytest
+
+from protocol.scheduler import SchedulerConfig
 from protocol.trust import TrustState
 from simulations.clock import SimClock, run_virtual
 from simulations.network import Backbone, Host, Network, Region
@@ -147,14 +150,10 @@ def test_no_trees_until_the_member_list_settles() -> None:
 
 
 def test_tree_settings_are_checked() -> None:
-    import pytest
-
     with pytest.raises(ValueError, match="tree_fanout"):
         NodeConfig("a", RUN, SECRET, tree_fanout=-1)
     with pytest.raises(ValueError, match="tree_settle"):
         NodeConfig("a", RUN, SECRET, tree_settle=float("nan"))
-    from protocol.scheduler import SchedulerConfig
-
     with pytest.raises(ValueError, match="tree_patience"):
         SchedulerConfig(tree_patience=-1.0)
     with pytest.raises(ValueError, match="max_inflight_per_parent"):
