@@ -1,0 +1,145 @@
+"""The one way a local file enters patchswarm: bounded, regular files only, confined where a peer names it.
+
+Every file a server serves and every file named on a command line or in a config goes through
+``read_file`` (or ``read_confined`` when the name came from the network).  The checks happen on the
+open descriptor, not on the name, so a name swapped between check and read changes nothing:
+
+- the file is opened with O_NONBLOCK (a FIFO's open does not wait for a writer) and O_NOCTTY;
+- ``fstat`` must say regular file: FIFOs, sockets, character and block devices (/dev/zero) are refused;
+- its size must be at most ``limit``, and at most ``limit`` bytes are ever read (a file that grows
+  while it is read is cut off, never buffered past the bound);
+- a name from a peer (``read_confined``) must be a relative path of plain components under one of
+  the allowed top-level folders, and is opened component by component with O_NOFOLLOW below the
+  root (openat), so no ``..``, absolute path, percent-decoded ``/`` or symlink leads outside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Collection
+from pathlib import Path
+
+from protocol.errors import LimitExceededError, PatchswarmError
+
+
+class InputFileError(PatchswarmError):
+    """A named file that cannot be used: missing, not a regular file, unreadable or too large."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {reason}")
+        self.path = os.fspath(path)
+        self.reason = reason
+
+
+class FileTooLargeError(InputFileError, LimitExceededError):
+    """A file larger than the bound its reader allows."""
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_fd(fd: int, path: str | os.PathLike[str], limit: int) -> bytes:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InputFileError(path, f"not a regular file ({_kind(st.st_mode)})")
+    if st.st_size > limit:
+        raise FileTooLargeError(path, f"{st.st_size} bytes, more than the {limit} allowed")
+    os.set_blocking(fd, True)
+    parts: list[bytes] = []
+    got = 0
+    while got <= limit:
+        piece = os.read(fd, min(limit + 1 - got, 1 << 24) or 1)
+        if not piece:
+            break
+        parts.append(piece)
+        got += len(piece)
+    if got > limit:
+        raise FileTooLargeError(path, f"grew past the {limit} bytes allowed while being read")
+    return b"".join(parts)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def read_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes; InputFileError (one line) otherwise."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise InputFileError(path, "no such file") from None
+    except OSError as e:
+        raise InputFileError(path, e.strerror or type(e).__name__) from None
+    try:
+        return _read_fd(fd, path, limit)
+    except OSError as e:
+        raise InputFileError(path, e.strerror or type(e).__name__) from None
+    finally:
+        os.close(fd)
+
+
+def confined_parts(rel: str, top_level: Collection[str]) -> list[str] | None:
+    """The components of a peer-named relative path, or None if it could leave the allowed folders.
+
+    Refused: empty components, ``.``/``..``, hidden names, backslashes, NUL and other control
+    characters, and a first component outside ``top_level``.
+    """
+    if not rel or len(rel) > 1024:
+        return None
+    parts = rel.split("/")
+    for p in parts:
+        if p in ("", ".", "..") or p.startswith(".") or "\\" in p or any(ord(c) < 0x20 or ord(c) == 0x7F for c in p):
+            return None
+    if parts[0] not in top_level or len(parts) < 2:
+        return None
+    return parts
+
+
+def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[str], limit: int) -> bytes | None:
+    """A regular file at ``rel`` below ``root`` (a peer-supplied name), or None if it is not there.
+
+    None for anything that is not a regular file reached without leaving ``root``: a refused name,
+    a symlink on the way, a directory, FIFO or device.  FileTooLargeError past ``limit``.
+    """
+    parts = confined_parts(rel, top_level)
+    if parts is None:
+        return None
+    try:
+        dfd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        for p in parts[:-1]:
+            try:
+                nfd = os.open(p, _DIR_FLAGS, dir_fd=dfd)
+            except OSError:
+                return None
+            os.close(dfd)
+            dfd = nfd
+        try:
+            fd = os.open(parts[-1], _OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=dfd)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EACCES):
+                return None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            return _read_fd(fd, Path(root, *parts), limit)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
