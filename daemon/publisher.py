@@ -7,6 +7,11 @@ served version, encode, sign and write to the board, then move the head.
         ...
         info = pub.publish(model)        # version, changed fraction, patch bytes, seconds
 
+A run outlives any one trainer process: a Publisher resumes the run it finds on its board after
+any pause (its own key, or a newly certified one: key rotation), re-signing the head with a fresh
+expiry, and re-signs it in the background while the trainer is idle (``head_ttl``; docs/board.md,
+"Run lifecycle").
+
 With ``background=True``, ``publish`` returns as soon as the served copy is taken (the cast
 is the copy) and the rest runs on a worker thread; a bounded queue raises
 PublisherBehindError instead of silently piling up versions.
@@ -32,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +50,14 @@ from pathlib import Path
 import torch
 
 from daemon.board import Board
+from daemon.head_refresh import (
+    DEFAULT_HEAD_TTL_S,
+    board_head,
+    check_head_ttl,
+    check_own_key,
+    head_lock,
+    signer_policy,
+)
 from daemon.publish_work import (
     Buffers,
     Prepared,
@@ -56,16 +71,22 @@ from daemon.pull import Held, Puller
 from daemon.served_format import ServedFormat
 from daemon.sources import DirSource
 from protocol.catalog import CatalogEntry
-from protocol.chunks import DEFAULT_CHUNK_SIZE
+from protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from protocol.codec import TensorDelta, assemble, diff_tensor
-from protocol.errors import PublisherBehindError, UntrustedKeyError
+from protocol.errors import PublisherBehindError
 from protocol.head import Head
-from protocol.keys import SigningKey, TrustedKeys
+from protocol.keys import KeyPolicy, SigningKey
 from protocol.manifest import Kind
 from protocol.patchfile import Version, sign_version
 from protocol.served import ServedModel, TensorSpec, state_root
 
-DEFAULT_HEAD_TTL_S = 120.0
+log = logging.getLogger("patchswarm.publisher")
+
+MAX_ANCHOR_EVERY = 1 << 20
+MAX_KEEP_ANCHORS = 1 << 10
+MAX_QUEUE_SIZE = 1 << 10
+# What hosts accept as swarm.run_id (daemon/config.py parse_name): a run id they could not follow is refused here.
+RUN_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}")
 # Stage names of PublishInfo.stages (seconds; see docs/board.md "Publish latency").
 STAGES = ("cast", "diff", "digests", "prepare", "encode", "anchor", "sign", "write")
 
@@ -104,26 +125,45 @@ class Publisher:
         anchor_every: int = 10,
         certificate: bytes | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
-        head_ttl_s: float = DEFAULT_HEAD_TTL_S,
+        head_ttl: float | None = None,
+        head_ttl_s: float | None = None,  # the earlier name of head_ttl
         keep_anchors: int = 2,
         background: bool = False,
         queue_size: int = 2,
         resume: bool = True,
+        refresh: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if anchor_every < 1 or keep_anchors < 1:
-            raise ValueError("anchor_every and keep_anchors must be at least 1")
+        if not isinstance(signing_key, SigningKey):
+            raise ValueError(f"signing_key must be a SigningKey, not {type(signing_key).__name__}")
+        if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+            raise ValueError(
+                f"run_id must be 1 to 128 letters, digits and . _ : - (not starting with .), not {run_id!r}"
+            )
+        _check_int("anchor_every", anchor_every, 1, MAX_ANCHOR_EVERY)
+        _check_int("keep_anchors", keep_anchors, 1, MAX_KEEP_ANCHORS)
+        _check_int("chunk_size", chunk_size, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
+        _check_int("queue_size", queue_size, 1, MAX_QUEUE_SIZE)
+        if head_ttl is not None and head_ttl_s is not None:
+            raise ValueError("give head_ttl or its earlier name head_ttl_s, not both")
+        ttl = head_ttl if head_ttl is not None else head_ttl_s
+        ttl = DEFAULT_HEAD_TTL_S if ttl is None else check_head_ttl(ttl, "head_ttl")
+        if certificate is not None and not isinstance(certificate, bytes):
+            raise ValueError(
+                f"certificate must be bytes (the certificate file's contents), not {type(certificate).__name__}"
+            )
+        self.format = served_format if isinstance(served_format, ServedFormat) else ServedFormat(served_format)
         self.board = board if isinstance(board, Board) else Board(board)
-        Board.head_rel(run_id)  # validates the run id
         self.key = signing_key
         self.run_id = run_id
-        self.format = served_format if isinstance(served_format, ServedFormat) else ServedFormat(served_format)
         self.anchor_every = anchor_every
         self.chunk_size = chunk_size
-        self.head_ttl_ms = int(head_ttl_s * 1000)
+        self.head_ttl_ms = int(ttl * 1000)
         self.keep_anchors = keep_anchors
         self.clock = clock
+        self._certificate = certificate
         if certificate is not None:
+            signer_policy(self.board, signing_key, certificate)  # a certificate that does not parse: refused now
             self.board.put_certificate(signing_key.key_id, certificate)
         self._lock = threading.Lock()  # guards the chain state below
         self._counter_lock = threading.Lock()  # guards the version counter and the open sharded version
@@ -143,12 +183,22 @@ class Publisher:
         self._queue: queue.Queue[tuple[int, Served, bool, float, Stages, Future[PublishInfo]] | None] | None
         self._queue = None
         self._worker: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._refresher: threading.Thread | None = None
         if resume:
             self._resume()
         if background:
             self._queue = queue.Queue(maxsize=queue_size)
             self._worker = threading.Thread(target=self._run_worker, name="patchswarm-publisher", daemon=True)
             self._worker.start()
+        if refresh:
+            self._refresher = threading.Thread(target=self._refresh_loop, name="patchswarm-head-refresh", daemon=True)
+            self._refresher.start()
+
+    @property
+    def head_ttl(self) -> float:
+        """Seconds each signed head is valid for (hosts add their clock skew allowance)."""
+        return self.head_ttl_ms / 1000
 
     @property
     def version(self) -> int:
@@ -224,10 +274,14 @@ class Publisher:
             self._queue.join()
 
     def close(self) -> None:
+        self._closed.set()
         if self._queue is not None and self._worker is not None:
             self._queue.put(None)
             self._worker.join()
             self._queue = None
+        if self._refresher is not None and self._refresher is not threading.current_thread():
+            self._refresher.join()
+            self._refresher = None
 
     def __enter__(self) -> Publisher:
         return self
@@ -235,36 +289,61 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def refresh_head(self) -> None:
-        """Re-sign the head with a fresh expiry (call periodically when no version is published)."""
+    def refresh_head(self, *, only_after: float | None = None) -> bool:
+        """Re-sign the head with a fresh expiry (the background refresher calls this while idle).
+
+        ``only_after``: seconds; only if the board's head is at least that old (another signer of
+        this host may have just re-signed it).  True if a head was written.
+        """
         with self._lock:
-            if self._catalog:
-                self._write_head()
+            if not self._catalog:
+                return False
+            if only_after is not None:
+                with head_lock(self.board, self.run_id):
+                    current = board_head(self.board, self.run_id)
+                if current is not None and self.clock() * 1000 - current.created_ms < only_after * 1000:
+                    return False
+            self._write_head()
+            return True
 
     # ------------------------------------------------------------ internals
 
+    def _refresh_loop(self) -> None:
+        # Wakes every sixth of the lifetime and re-signs once a third has passed since the last head
+        # (this publisher's or another signer's): a head always has over half its lifetime left.
+        while not self._closed.wait(max(self.head_ttl / 6, 0.05)):
+            try:
+                self.refresh_head(only_after=self.head_ttl / 3)
+            except Exception as e:  # the trainer goes on; the next tick tries again
+                log.warning("run %r: cannot refresh the head: %s", self.run_id, e)
+
+    def _policy(self) -> KeyPolicy:
+        return signer_policy(self.board, self.key, self._certificate)
+
     def _resume(self) -> None:
-        """Continue the run's chain from the board: rebuild the head version from its own files."""
+        """Continue the run's chain from the board after any pause: rebuild the head version from its
+        own files, trusting the head through this key's trust chain (another certified key of the run
+        may have signed it) but not its expiry, then re-sign it fresh if it is due."""
         if self.board.read(Board.head_rel(self.run_id)) is None:
             return
-        puller = Puller(DirSource(self.board.root), TrustedKeys(frozenset([self.key.key_id])), self.run_id)
+        policy = self._policy()
+        check_own_key(policy, self.key, self.run_id, now_ms=int(self.clock() * 1000))
+        puller = Puller(DirSource(self.board.root), policy, self.run_id, clock=self.clock, allow_expired=True)
 
         async def rebuild() -> tuple[Head, Held]:
             head = await puller.fetch_head()
             return head, await puller.catch_up(None, head)
 
-        try:
-            head, held = asyncio.run(rebuild())
-        except UntrustedKeyError:
-            raise UntrustedKeyError(
-                f"run {self.run_id!r} on this board was published with another key; use a new run id"
-            ) from None
+        head, held = asyncio.run(rebuild())
         self._prev, self._prev_digests = held.model, held.digests
         self._prev_version = head.version
         self._version = head.version
         self._counter = head.counter
         self._catalog = list(head.catalog)
         self._prev_manifest = head.manifest_id
+        if self.clock() * 1000 - head.created_ms >= self.head_ttl_ms / 3 or self.clock() * 1000 > head.expires_ms:
+            with self._lock:
+                self._write_head()
 
     def _run_worker(self) -> None:
         assert self._queue is not None
@@ -388,24 +467,47 @@ class Publisher:
         self._catalog = [e for e in self._catalog if e not in self._dropped]
 
     def _write_head(self) -> None:
-        now_ms = int(self.clock() * 1000)
+        """Sign and write the head for the chain's latest version (chain lock held).
+
+        Under the board's per-run lock, the board's head is read again: another signer of this run
+        on this host (a seed or cron job re-signing it) may have moved its counter, which this head
+        then goes past.  A head for a version this publisher did not write is another history.
+        """
         latest = max(self._catalog, key=lambda e: (e.version, e.kind == Kind.PATCH))
-        self._counter += 1
-        head = Head(
-            run_id=self.run_id,
-            version=latest.version,
-            manifest_id=latest.manifest_id,
-            counter=self._counter,
-            created_ms=now_ms,
-            expires_ms=now_ms + self.head_ttl_ms,
-            catalog=tuple(self._catalog),
-        )
-        self.board.put_head(self.run_id, head.sign(self.key).to_bytes())
+        with head_lock(self.board, self.run_id):
+            current = board_head(self.board, self.run_id)
+            if current is not None and current.counter >= self._counter:
+                known = {(e.version, e.manifest_id) for e in (*self._catalog, *self._dropped)}
+                if current.version > latest.version or (current.version, current.manifest_id) not in known:
+                    raise RuntimeError(
+                        f"the head of run {self.run_id!r} moved to version {current.version} (counter "
+                        f"{current.counter}) under this publisher: another publisher writes this run"
+                    )
+                self._counter = current.counter
+            now_ms = int(self.clock() * 1000)
+            self._counter += 1
+            head = Head(
+                run_id=self.run_id,
+                version=latest.version,
+                manifest_id=latest.manifest_id,
+                counter=self._counter,
+                created_ms=now_ms,
+                expires_ms=now_ms + self.head_ttl_ms,
+                catalog=tuple(self._catalog),
+            )
+            self.board.put_head(self.run_id, head.sign(self.key).to_bytes())
 
     def _collect_garbage(self) -> None:
         if self._dropped:
             self.board.collect_garbage(self._catalog)
             self._dropped = []
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a whole number, not {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, not {value}")
 
 
 # ---------------------------------------------------------------- sharded trainers

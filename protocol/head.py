@@ -9,6 +9,7 @@ different heads with the same counter).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,15 +116,34 @@ class Head:
         return Envelope.sign(HEAD_TAG, self.to_bytes(), key)
 
 
-def verify_head(data: bytes, policy: KeyPolicy, *, now_ms: int, skew_ms: int) -> tuple[Head, Envelope]:
-    """Signature -> parse -> key policy for the head's run -> expiry (with skew)."""
+def verify_head(
+    data: bytes, policy: KeyPolicy, *, now_ms: int, skew_ms: int, allow_expired: bool = False
+) -> tuple[Head, Envelope]:
+    """Signature -> parse -> key policy for the head's run -> expiry (with skew).
+
+    ``allow_expired`` is for the run's own signer only (a publisher resuming, ``patchswarm head
+    refresh``): an expired head is still the board's latest word for the run, which it re-signs
+    with a fresh expiry.  Hosts never pass it: to them an expired head means a frozen board.
+    """
     env = Envelope.from_bytes(data, HEAD_TAG)
     env.check_signature()
     head = Head.from_bytes(env.body)
-    policy.check(env.key_id, run_id=head.run_id, now_ms=now_ms)
-    if now_ms - skew_ms > head.expires_ms:
-        raise ExpiredError(f"head of run {head.run_id!r} (counter {head.counter}) expired: the board may be frozen")
+    policy.check(env.key_id, run_id=head.run_id, now_ms=None if allow_expired else now_ms)
+    if not allow_expired and head_expired(head, now_ms=now_ms, skew_ms=skew_ms):
+        raise ExpiredError(
+            f"head of run {head.run_id!r} (counter {head.counter}) expired at {_utc(head.expires_ms)}: "
+            "the board may be frozen"
+        )
     return head, env
+
+
+def head_expired(head: Head, *, now_ms: int, skew_ms: int) -> bool:
+    """Past its expiry by more than the allowed clock skew."""
+    return now_ms - skew_ms > head.expires_ms
+
+
+def _utc(ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
 
 
 @dataclass(slots=True)
