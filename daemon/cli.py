@@ -22,6 +22,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from daemon.board import Board, write_atomic
+from daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
 from daemon.publisher import Publisher, PublishInfo
 from daemon.pull import Held, Puller
 from daemon.pull_state import PullState
@@ -253,7 +254,23 @@ def cmd_rotate_root(args: argparse.Namespace) -> int:
 def cmd_publish(args: argparse.Namespace) -> int:
     model = load_safetensors(args.model)
     cert = Path(args.cert).read_bytes() if args.cert else None
-    pub = Publisher(
+    try:
+        pub = _publisher(args, cert)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    tensors = {s.name: model.typed(i) for i, s in enumerate(model.specs)}
+    info = pub.publish(tensors, anchor=args.anchor)
+    pub.close()
+    assert isinstance(info, PublishInfo)
+    out.print(
+        f"published version {info.version} of run {args.run_id!r}: {100 * info.changed_fraction:.3f}% changed, "
+        f"patch {info.patch_bytes:,} bytes" + (f", anchor {info.anchor_bytes:,} bytes" if info.anchor_bytes else "")
+    )
+    return 0
+
+
+def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
+    return Publisher(
         args.board,
         SigningKey.load(args.key),
         run_id=args.run_id,
@@ -261,15 +278,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
         certificate=cert,
         chunk_size=args.chunk_size,
         served_format=ServedFormat("as_is"),
+        head_ttl=args.head_ttl,
+        refresh=False,  # one version and exit: `patchswarm seed --key` or `head refresh` keeps the head fresh
     )
-    tensors = {s.name: model.typed(i) for i, s in enumerate(model.specs)}
-    info = pub.publish(tensors, anchor=args.anchor)
-    assert isinstance(info, PublishInfo)
-    out.print(
-        f"published version {info.version} of run {args.run_id!r}: {100 * info.changed_fraction:.3f}% changed, "
-        f"patch {info.patch_bytes:,} bytes" + (f", anchor {info.anchor_bytes:,} bytes" if info.anchor_bytes else "")
-    )
-    return 0
 
 
 def cmd_seed(args: argparse.Namespace) -> int:
@@ -283,6 +294,8 @@ def cmd_seed(args: argparse.Namespace) -> int:
         raise UserError(f"--listen: {e}") from None
     if not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
+    if args.key and not args.run:
+        raise UserError("--key needs --run (the run whose head the seed re-signs)")
     if args.run:
         from daemon.swarm_cli import SwarmCliError, run_seed
 
@@ -421,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--anchor", action="store_true", help="also publish this version as a full anchor")
     pb.add_argument("--anchor-every", type=int, default=10)
     pb.add_argument("--chunk-size", type=int, default=1 << 20)
+    add_head_ttl_arg(pb)
     pb.set_defaults(func=cmd_publish)
 
     sd = sub.add_parser("seed", help="serve a board over HTTP")
@@ -492,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     add_simulate_parser(sub)
+    add_head_parser(sub)
     return p
 
 
@@ -500,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
         return rc
-    except (UserError, PatchswarmError) as e:
+    except (UserError, HeadCliError, PatchswarmError) as e:
         err.print(f"patchswarm {args.command}: error: {e}", markup=False, highlight=False)
     except FileNotFoundError as e:
         err.print(f"patchswarm {args.command}: error: no such file: {e.filename}", markup=False, highlight=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ MAX_DOC_BYTES = 1 << 16
 MIN_HEAD_TTL_S = 1.0
 MAX_HEAD_TTL_S = 30 * 86_400.0  # a head that outlives a month hides a frozen board for that long
 DEFAULT_HEAD_TTL_S = 120.0
+# What hosts accept as swarm.run_id (daemon/config.py parse_name): a run id they could not follow is refused.
+RUN_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}")
 
 
 class HeadWriteError(PatchswarmError):
@@ -47,7 +50,7 @@ def check_head_ttl(value: float, name: str = "head_ttl") -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number of seconds, not {type(value).__name__}")
     if not MIN_HEAD_TTL_S <= value <= MAX_HEAD_TTL_S:  # also refuses NaN
-        raise ValueError(f"{name} must be between {MIN_HEAD_TTL_S:g} and {MAX_HEAD_TTL_S:g} seconds, not {value!r}")
+        raise ValueError(f"{name} must be between {MIN_HEAD_TTL_S:.0f} and {MAX_HEAD_TTL_S:.0f} seconds, not {value!r}")
     return float(value)
 
 
@@ -152,7 +155,7 @@ def refresh_board_head(
     refresher: another signer may have just done it).  Returns the new head, or None when none was due.
     """
     ttl_ms = int(check_head_ttl(head_ttl) * 1000)
-    if certificate is not None:
+    if certificate is not None and board.read(Board.cert_rel(key.key_id)) != certificate:
         board.put_certificate(key.key_id, certificate)
     policy = signer_policy(board, key, certificate)
     with head_lock(board, run_id):

@@ -49,6 +49,11 @@ class DaemonMetrics:
             "Seconds until the newest accepted head expires (negative: the board may be frozen)",
             registry=r,
         )
+        self.head_age = Gauge(
+            "patchswarm_head_age_seconds",
+            "Seconds since the newest head this host saw (accepted, or refused as expired) was signed",
+            registry=r,
+        )
         self.apply_failures = Counter("patchswarm_apply_failures", "Versions that failed to fetch or apply", registry=r)
         self.pause = Histogram(
             "patchswarm_activation_pause_seconds",
@@ -103,8 +108,12 @@ class DaemonMetrics:
             self.objects_refused.inc(refused_objects - self._objects_seen)
             self._objects_seen = refused_objects
         self.run_halted.set(1 if swarm.puller.tracker.halted else 0)
-        if stats.head_expires_ms is not None:
-            self.head_ttl.set(stats.head_expires_ms / 1000 - time.time())
+        # A host that only ever saw expired heads (started after the board froze) still exports how long ago.
+        expires_ms = max(stats.head_expires_ms or 0, stats.frozen_since_ms or 0) or None
+        if expires_ms is not None:
+            self.head_ttl.set(expires_ms / 1000 - time.time())
+        if stats.head_created_ms is not None:
+            self.head_age.set(time.time() - stats.head_created_ms / 1000)
 
     def render(self) -> bytes:
         out: bytes = generate_latest(self.registry)

@@ -39,7 +39,6 @@ import asyncio
 import dataclasses
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -52,6 +51,7 @@ import torch
 from daemon.board import Board
 from daemon.head_refresh import (
     DEFAULT_HEAD_TTL_S,
+    RUN_ID,
     board_head,
     check_head_ttl,
     check_own_key,
@@ -85,8 +85,6 @@ log = logging.getLogger("patchswarm.publisher")
 MAX_ANCHOR_EVERY = 1 << 20
 MAX_KEEP_ANCHORS = 1 << 10
 MAX_QUEUE_SIZE = 1 << 10
-# What hosts accept as swarm.run_id (daemon/config.py parse_name): a run id they could not follow is refused here.
-RUN_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}")
 # Stage names of PublishInfo.stages (seconds; see docs/board.md "Publish latency").
 STAGES = ("cast", "diff", "digests", "prepare", "encode", "anchor", "sign", "write")
 

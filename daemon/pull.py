@@ -21,8 +21,8 @@ from daemon.board import Board
 from daemon.sources import BoardSource
 from protocol.catalog import CatalogEntry, plan
 from protocol.chunks import verify_chunk
-from protocol.errors import ChunkError, FormatError, MissingError, PatchswarmError, UntrustedKeyError
-from protocol.head import HEAD_TAG, Head, HeadTracker, verify_head
+from protocol.errors import ChunkError, ExpiredError, FormatError, MissingError, PatchswarmError, UntrustedKeyError
+from protocol.head import HEAD_TAG, Head, HeadTracker, head_expired, verify_head
 from protocol.keys import KeyPolicy
 from protocol.manifest import Manifest, SignedManifest
 from protocol.patchfile import apply_version
@@ -52,6 +52,8 @@ class PullStats:
     refused: collections.Counter[str] = field(default_factory=collections.Counter)  # heads, by error class
     last_refusal: str | None = None
     head_expires_ms: int | None = None  # of the newest head accepted (a frozen board lets it pass)
+    head_created_ms: int | None = None  # of the newest head seen, accepted or refused as expired (its age)
+    frozen_since_ms: int | None = None  # expiry of the head this host last found expired; None once a fresh one came
     marks_dropped: int = 0  # high-water marks forgotten because their signer was revoked
 
 
@@ -135,10 +137,24 @@ class Puller:
         except PatchswarmError as e:
             self.stats.refused[type(e).__name__] += 1
             self.stats.last_refusal = str(e)
+            if isinstance(e, ExpiredError):
+                self._note_expired(data)
             raise
+        self.stats.frozen_since_ms = None
         if head.counter == self.tracker.counter:
             self.stats.head_expires_ms = head.expires_ms
+            self.stats.head_created_ms = head.created_ms
         return head if head.counter > newer_than else None
+
+    def _note_expired(self, data: bytes) -> None:
+        """A head refused for its age (not its signer's certificate): the board looks frozen since it expired."""
+        try:
+            head = Head.from_bytes(Envelope.from_bytes(data, HEAD_TAG).body)  # its signature was checked
+        except PatchswarmError:
+            return
+        if head.run_id == self.run_id and head_expired(head, now_ms=self._now_ms(), skew_ms=self._skew_ms):
+            self.stats.frozen_since_ms = head.expires_ms
+            self.stats.head_created_ms = max(head.created_ms, self.stats.head_created_ms or 0)
 
     def _mark_signer_revoked(self) -> bool:
         """Forget the high-water mark if the root has since revoked the key that signed it (True).

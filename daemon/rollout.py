@@ -49,6 +49,7 @@ from daemon.weightstore import (
     check_registration,
     diff_updates,
 )
+from protocol.head import utc_text
 from protocol.keys import load_public_key
 from protocol.scheduler import SchedulerConfig
 from protocol.served import state_root
@@ -491,7 +492,12 @@ class RolloutDaemon:
                 changes["phase"] = Phase.IDLE
         if n.error and self.status.phase == Phase.IDLE and head_version != self.status.version:
             changes["reason"] = n.error
-        if n.head_error and self.status.phase == Phase.IDLE:
+        frozen_ms = n.puller.stats.frozen_since_ms if n.head_error else None
+        changes["head_expired_since"] = None if frozen_ms is None else frozen_ms / 1000
+        if frozen_ms is not None and self.status.phase == Phase.IDLE:
+            # One line, the same at every poll: the engine keeps the last verified version meanwhile.
+            changes["reason"] = f"{HEAD_REFUSED}: board frozen since {utc_text(frozen_ms)} (the newest head expired)"
+        elif n.head_error and self.status.phase == Phase.IDLE:
             changes["reason"] = f"{HEAD_REFUSED}: {n.head_error}"
         elif "reason" not in changes and (self.status.reason or "").startswith(HEAD_REFUSED):
             changes["reason"] = None

@@ -38,6 +38,7 @@ class Status:
     held_versions: list[int] = field(default_factory=list)
     acks: dict[str, int] = field(default_factory=dict)  # engine name -> version it acknowledged
     last_activation_pause_s: float | None = None
+    head_expired_since: float | None = None  # unix seconds: the newest head expired then (frozen board), else None
     started: float = field(default_factory=time.time)
     _changed: asyncio.Condition | None = None
     _subscribers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
@@ -67,6 +68,7 @@ class Status:
             "acks": dict(self.acks),
             "last_activation_pause_s": self.last_activation_pause_s,
             "uptime_s": round(time.time() - self.started, 3),
+            "head_expired_since": self.head_expired_since,
         }
 
     def update(self, **changes: Any) -> None:

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from daemon.board import Board
+from daemon.head_cli import add_seed_refresh_args, seed_refresher
 from daemon.pull import Held
 from daemon.seed import parse_listen
 from protocol.keys import TrustedKeys, load_public_key
 from protocol.trust import TrustState
 from swarm.node import NodeConfig
-from swarm.server import start_http_node
+from swarm.server import RunningNode, start_http_node
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
 _NODE = NodeConfig("", "", b"")
@@ -71,6 +72,7 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_seed_args(p: argparse.ArgumentParser) -> None:
+    add_seed_refresh_args(p)
     p.add_argument(
         "--copy-window",
         type=_seconds,
@@ -145,15 +147,26 @@ def run_seed(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen)
     board = Board(args.board)
     config = _config(args, is_seed=True, listen=args.listen)
+    running: list[RunningNode] = []
+
+    def head_moved() -> None:
+        for n in running:
+            n.node.board_changed()
+
+    refresher = seed_refresher(args, head_moved)
 
     async def main() -> None:
         # A seed serves its own board and never takes anything from peers: it trusts no key.
         policy = TrustedKeys(frozenset())
         node = await start_http_node(config, policy, host=host, port=port, advertise=args.advertise, board=board)
+        running.append(node)
+        refreshing = refresher() if refresher else None  # with --key: re-signs the head while the trainer is idle
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
             await _serve_until_signalled()
         finally:
+            if refreshing is not None:
+                refreshing.cancel()
             await node.stop()
 
     asyncio.run(main())

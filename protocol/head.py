@@ -131,7 +131,7 @@ def verify_head(
     policy.check(env.key_id, run_id=head.run_id, now_ms=None if allow_expired else now_ms)
     if not allow_expired and head_expired(head, now_ms=now_ms, skew_ms=skew_ms):
         raise ExpiredError(
-            f"head of run {head.run_id!r} (counter {head.counter}) expired at {_utc(head.expires_ms)}: "
+            f"head of run {head.run_id!r} (counter {head.counter}) expired at {utc_text(head.expires_ms)}: "
             "the board may be frozen"
         )
     return head, env
@@ -142,7 +142,8 @@ def head_expired(head: Head, *, now_ms: int, skew_ms: int) -> bool:
     return now_ms - skew_ms > head.expires_ms
 
 
-def _utc(ms: int) -> str:
+def utc_text(ms: int) -> str:
+    """A time in milliseconds, as hosts and operators read it in messages."""
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
 
 

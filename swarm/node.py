@@ -81,6 +81,7 @@ def _hand_over(waiting: collections.deque[asyncio.Future[bool]]) -> bool:
 MAX_OBJECT_BYTES = 64 << 20
 SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
+HEAD_WARN_INTERVAL = 60.0  # seconds between two warnings of one kind of head refusal
 
 
 @dataclass
@@ -270,6 +271,7 @@ class SwarmNode:
         self.marks: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=64)
         self.error: str | None = None
         self.head_error: str | None = None  # why the last head this node checked was refused
+        self._head_warned: dict[str, float] = {}  # refusal class -> clock time of its last warning
 
     # ------------------------------------------------------------ lifecycle
 
@@ -1006,7 +1008,7 @@ class SwarmNode:
             # Verified, checked against the high-water mark (rewind, equivocation) and counted when refused.
             accepted = await self.puller.accept_head(data, newer_than=self.head_counter)
         except (PatchswarmError, TransportError) as e:
-            log.warning("%s: head refused: %s", self.info.node_id, e)
+            self._warn_head_refused(e)
             if isinstance(e, PatchswarmError):
                 self.head_error = str(e)  # e.g. expired beyond the clock skew: the host reports it
             return
@@ -1024,6 +1026,17 @@ class SwarmNode:
         self._availability_changed()
         self._wake.set()
         self._push_head()
+
+    def _warn_head_refused(self, e: Exception) -> None:
+        # A frozen board (or any refusal that repeats at every poll) is one warning a minute, not one
+        # per poll: the status and the metrics say it continuously.
+        kind, now = type(e).__name__, self.clock.now()
+        last = self._head_warned.get(kind)
+        if last is not None and now - last < HEAD_WARN_INTERVAL:
+            log.debug("%s: head refused: %s", self.info.node_id, e)
+            return
+        self._head_warned[kind] = now
+        log.warning("%s: head refused: %s", self.info.node_id, e)
 
     def _keep_trusted(self) -> None:
         """Serve the certificates and root documents this node has verified: a node asks the peer
