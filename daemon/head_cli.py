@@ -15,7 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from daemon.board import Board
-from daemon.head_refresh import DEFAULT_HEAD_TTL_S, MAX_DOC_BYTES, RUN_ID, check_head_ttl, refresh_board_head
+from daemon.head_refresh import (
+    DEFAULT_HEAD_TTL_S,
+    MAX_DOC_BYTES,
+    MAX_HEAD_TTL_S,
+    MIN_HEAD_TTL_S,
+    RUN_ID,
+    check_head_ttl,
+    refresh_board_head,
+)
 from protocol.errors import PatchswarmError
 from protocol.files import read_file
 from protocol.keys import SigningKey
@@ -30,9 +38,11 @@ class HeadCliError(Exception):
 def head_ttl_arg(text: str) -> float:
     """argparse type of ``--head-ttl``: seconds, within the bounds ``Publisher(head_ttl=...)`` takes."""
     try:
-        return check_head_ttl(float(text), "--head-ttl")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return check_head_ttl(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a number of seconds between {MIN_HEAD_TTL_S:.0f} and {MAX_HEAD_TTL_S:.0f}: {text!r}"
+        ) from None
 
 
 def run_id_arg(text: str) -> str:

@@ -155,13 +155,16 @@ def refresh_board_head(
     refresher: another signer may have just done it).  Returns the new head, or None when none was due.
     """
     ttl_ms = int(check_head_ttl(head_ttl) * 1000)
+    missing = HeadWriteError(f"the board has no head for run {run_id!r} yet: publish a version first")
+    if not board.path(Board.head_rel(run_id)).exists():
+        raise missing  # before the lock, which would create the run's folder
     if certificate is not None and board.read(Board.cert_rel(key.key_id)) != certificate:
         board.put_certificate(key.key_id, certificate)
     policy = signer_policy(board, key, certificate)
     with head_lock(board, run_id):
         data = board_head_bytes(board, run_id)
         if data is None:
-            raise HeadWriteError(f"the board has no head for run {run_id!r} yet: publish a version first")
+            raise missing
         now_ms = int(clock() * 1000)
         head = verify_board_head(board, data, policy, run_id, now_ms=now_ms)
         if only_after is not None and now_ms - head.created_ms < only_after * 1000:

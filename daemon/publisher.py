@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -332,7 +332,13 @@ class Publisher:
             head = await puller.fetch_head()
             return head, await puller.catch_up(None, head)
 
-        head, held = asyncio.run(rebuild())
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            head, held = asyncio.run(rebuild())
+        else:  # constructed inside an async trainer: its loop cannot run another, a thread's can
+            with ThreadPoolExecutor(1) as pool:
+                head, held = pool.submit(lambda: asyncio.run(rebuild())).result()
         self._prev, self._prev_digests = held.model, held.digests
         self._prev_version = head.version
         self._version = head.version

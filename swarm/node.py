@@ -81,7 +81,7 @@ def _hand_over(waiting: collections.deque[asyncio.Future[bool]]) -> bool:
 MAX_OBJECT_BYTES = 64 << 20
 SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
-HEAD_WARN_INTERVAL = 60.0  # seconds between two warnings of one kind of head refusal
+HEAD_WARN_INTERVAL = 60.0  # seconds between two warnings of the same head refusal
 
 
 @dataclass
@@ -271,7 +271,7 @@ class SwarmNode:
         self.marks: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=64)
         self.error: str | None = None
         self.head_error: str | None = None  # why the last head this node checked was refused
-        self._head_warned: dict[str, float] = {}  # refusal class -> clock time of its last warning
+        self._head_warned: dict[str, float] = {}  # refusal message -> clock time of its last warning
 
     # ------------------------------------------------------------ lifecycle
 
@@ -1029,14 +1029,17 @@ class SwarmNode:
 
     def _warn_head_refused(self, e: Exception) -> None:
         # A frozen board (or any refusal that repeats at every poll) is one warning a minute, not one
-        # per poll: the status and the metrics say it continuously.
-        kind, now = type(e).__name__, self.clock.now()
-        last = self._head_warned.get(kind)
+        # per poll: the status and the metrics say it continuously.  A new refusal is always told.
+        what, now = str(e), self.clock.now()
+        last = self._head_warned.get(what)
         if last is not None and now - last < HEAD_WARN_INTERVAL:
-            log.debug("%s: head refused: %s", self.info.node_id, e)
+            log.debug("%s: head refused: %s", self.info.node_id, what)
             return
-        self._head_warned[kind] = now
-        log.warning("%s: head refused: %s", self.info.node_id, e)
+        if len(self._head_warned) >= 64:  # refusals from many sources: keep only the recent ones
+            self._head_warned = {k: t for k, t in self._head_warned.items() if now - t < HEAD_WARN_INTERVAL}
+        if len(self._head_warned) < 64:
+            self._head_warned[what] = now
+        log.warning("%s: head refused: %s", self.info.node_id, what)
 
     def _keep_trusted(self) -> None:
         """Serve the certificates and root documents this node has verified: a node asks the peer
