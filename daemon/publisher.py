@@ -85,6 +85,7 @@ log = logging.getLogger("patchswarm.publisher")
 MAX_ANCHOR_EVERY = 1 << 20
 MAX_KEEP_ANCHORS = 1 << 10
 MAX_QUEUE_SIZE = 1 << 10
+MAX_WORLD_SIZE = 1 << 16
 # Stage names of PublishInfo.stages (seconds; see docs/board.md "Publish latency").
 STAGES = ("cast", "diff", "digests", "prepare", "encode", "anchor", "sign", "write")
 
@@ -216,6 +217,10 @@ class Publisher:
         self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], *, anchor: bool = False
     ) -> PublishInfo | Future[PublishInfo]:
         """Publish the next version; in background mode returns a Future once the served copy is taken."""
+        if not isinstance(anchor, bool):
+            raise ValueError(f"anchor must be True or False, not {anchor!r}")
+        if not isinstance(model_or_state, torch.nn.Module | Mapping):
+            raise ValueError(f"model_or_state must be a module or a state dict, not {type(model_or_state).__name__}")
         start = self.clock()
         stages = Stages()
         if self._sharded is not None:
@@ -252,8 +257,9 @@ class Publisher:
         ``publish`` and another ``begin_sharded`` are refused.  In background mode, versions
         still queued are published first.
         """
-        if world_size < 1:
-            raise ValueError("world_size must be at least 1")
+        _check_int("world_size", world_size, 1, MAX_WORLD_SIZE)
+        if not isinstance(anchor, bool):
+            raise ValueError(f"anchor must be True or False, not {anchor!r}")
         start = self.clock()
         self.flush()
         with self._counter_lock:

@@ -265,3 +265,15 @@ def test_background_refresh_keeps_an_idle_run_fresh_and_stops_on_close(run) -> N
     closed = head_of(board).counter
     time.sleep(1.0)  # over two refresh periods: a closed publisher writes nothing more
     assert head_of(board).counter == closed
+
+
+def test_publish_parameters_are_checked_where_they_enter(run) -> None:  # type: ignore[no-untyped-def]
+    board, _, trainer, cert, clock = run
+    with Publisher(board, trainer, run_id=RUN, certificate=cert, clock=clock, refresh=False) as pub:
+        with pytest.raises(ValueError, match="anchor"):
+            pub.publish(weights(1), anchor="yes")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="model_or_state"):
+            pub.publish([torch.zeros(3)])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="world_size"):
+            pub.begin_sharded(1 << 20)
+        assert pub.version == 0 and board.read(Board.head_rel(RUN)) is None  # nothing taken, nothing written
