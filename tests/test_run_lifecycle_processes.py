@@ -31,6 +31,7 @@ from daemon.publisher import Publisher
 from daemon.pull import Puller
 from daemon.sources import DirSource
 from protocol.errors import ExpiredError
+from protocol.head import HeadTracker, verify_head
 from protocol.keys import SigningKey
 from protocol.safetensors_io import save_safetensors
 from protocol.served import ServedModel
@@ -144,7 +145,7 @@ def test_cli_head_errors_are_one_line(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "board") == []
 
 
-def test_seed_with_the_key_keeps_an_idle_run_fresh(tmp_path: Path) -> None:
+def test_seed_with_the_key_keeps_an_idle_run_fresh_beside_the_trainer(tmp_path: Path) -> None:
     root, trainer = SigningKey.generate(), SigningKey.generate()
     trainer.save(tmp_path / "trainer.key")
     (tmp_path / "secret").write_bytes(SECRET)
@@ -174,6 +175,20 @@ def test_seed_with_the_key_keeps_an_idle_run_fresh(tmp_path: Path) -> None:
                 time.sleep(0.1)
             time.sleep(2.5)  # past the first head's lifetime (and every head the seed replaced)
             assert host_reaches(board, root, 0) == 1  # still fresh: hosts see a live run, not a frozen board
+
+            # The trainer comes back while the seed keeps refreshing (two processes, two refreshers):
+            # a host reading the head all along sees no fork, no reused counter, no rewind.
+            tracker, policy = HeadTracker(RUN), TrustState(root.key_id)
+            policy.add_certificate(certificate(root, trainer))
+            with Publisher(board, trainer, run_id=RUN, head_ttl=1, refresh=True) as pub:
+                for _ in range(2, 8):
+                    pub.publish({"w": torch.randn(64, 64)})
+                    for _poll in range(3):
+                        data = board.read(Board.head_rel(RUN))
+                        assert data is not None
+                        tracker.accept(*verify_head(data, policy, now_ms=int(time.time() * 1000), skew_ms=0))
+                        time.sleep(0.1)
+            assert tracker.version == 7 and host_reaches(board, root, 0) == 7
         finally:
             seed.send_signal(signal.SIGTERM)
             seed.wait(timeout=30)
