@@ -18,7 +18,7 @@ from daemon.head_refresh import HeadWriteError, board_head, refresh_board_head
 from daemon.publisher import Publisher
 from daemon.pull import Puller
 from daemon.sources import DirSource
-from protocol.errors import ExpiredError, UntrustedKeyError
+from protocol.errors import ExpiredError, SignatureError, UntrustedKeyError
 from protocol.head import Head, HeadTracker, verify_head
 from protocol.keys import SigningKey
 from protocol.signed import Envelope
@@ -277,3 +277,24 @@ def test_publish_parameters_are_checked_where_they_enter(run) -> None:  # type: 
         with pytest.raises(ValueError, match="world_size"):
             pub.begin_sharded(1 << 20)
         assert pub.version == 0 and board.read(Board.head_rel(RUN)) is None  # nothing taken, nothing written
+
+
+def test_expiry_is_tolerated_only_when_asked_and_nothing_else_is(run) -> None:  # type: ignore[no-untyped-def]
+    board, root, trainer, cert, clock = run
+    with Publisher(board, trainer, run_id=RUN, certificate=cert, clock=clock, refresh=False) as pub:
+        pub.publish(weights(1))
+    data = board.read(Board.head_rel(RUN))
+    assert data is not None
+    policy = TrustState(root.key_id)
+    policy.add_certificate(cert)
+    later = int((clock.now + DAY) * 1000)
+    with pytest.raises(ExpiredError, match="frozen"):  # what every host does
+        verify_head(data, policy, now_ms=later, skew_ms=300_000)
+    head, _ = verify_head(data, policy, now_ms=later, skew_ms=0, allow_expired=True)
+    assert head == head_of(board)
+    env = Envelope.from_bytes(data, "patchswarm/head")
+    forged = Envelope(env.tag, env.body, env.key_id, bytes(64)).to_bytes()
+    with pytest.raises(SignatureError):
+        verify_head(forged, policy, now_ms=later, skew_ms=0, allow_expired=True)
+    with pytest.raises(UntrustedKeyError):
+        verify_head(data, TrustState(SigningKey.generate().key_id), now_ms=later, skew_ms=0, allow_expired=True)
