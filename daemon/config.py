@@ -8,22 +8,28 @@ Environment overrides: ``PATCHSWARM_<SECTION>_<KEY>`` (upper case), e.g. ``PATCH
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import ipaddress
 import math
 import os
 import re
 import socket
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.seed import parse_listen as split_listen
 from swarm.node import NodeConfig
 
 
 class ConfigError(Exception):
     """A configuration problem, always naming the offending key."""
+
+
+class ListenError(ConfigError):
+    """A listen address that could not be bound (in use, not on this host, privileged port)."""
 
 
 _UNITS = {
@@ -87,9 +93,51 @@ def parse_duration(v: Any) -> float:
     return _finite(float(m.group(1)) * _DURATION[m.group(2)], v)
 
 
+def split_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); IPv6 hosts in brackets (``[::1]:7000``); an empty host is 0.0.0.0."""
+    host, sep, port = listen.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT (IPv6 as [::1]:PORT), got {listen!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1])), int(port)
+        except ValueError:
+            raise ValueError(f"expected an IPv6 address in brackets, got {listen!r}") from None
+    if ":" in host:
+        raise ValueError(f"an IPv6 host goes in brackets ([{host}]:{port}), got {listen!r}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{0,253}", host):
+        raise ValueError(f"expected HOST:PORT with a host name or address, got {listen!r}")
+    return host or "0.0.0.0", int(port)
+
+
+def url_host(host: str) -> str:
+    """A host as it goes into a URL (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
+_BIND_REASONS = {
+    errno.EADDRINUSE: "address already in use",
+    errno.EADDRNOTAVAIL: "no such address on this host",
+    errno.EACCES: "permission denied (a port below 1024 needs privileges)",
+}
+
+
+@contextlib.contextmanager
+def bind_errors(key: str, value: str) -> Iterator[None]:
+    """Turn a failure to bind ``value`` into one line naming the config key, e.g.
+    ``node.listen = [::1]:7000: address already in use``."""
+    try:
+        yield
+    except socket.gaierror as e:
+        raise ListenError(f"{key} = {value}: unknown host ({e.strerror})") from None
+    except OSError as e:
+        reason = _BIND_REASONS.get(e.errno or 0) or (e.strerror or str(e)).lower()
+        raise ListenError(f"{key} = {value}: {reason}") from None
+
+
 def parse_listen(v: Any) -> str:
-    split_listen(str(v))
-    return str(v)
+    split_listen(parse_str(v))
+    return str(v).strip()
 
 
 def parse_url(v: Any) -> str:
@@ -319,6 +367,10 @@ class DaemonConfig:
 
     def __getitem__(self, path: str) -> Any:
         return self.values[path]
+
+    def listen(self, path: str) -> tuple[str, int]:
+        """A listen key's (host, port), IPv6 unbracketed."""
+        return split_listen(self.values[path])
 
     @property
     def node_name(self) -> str:

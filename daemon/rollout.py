@@ -29,10 +29,10 @@ import aiohttp
 
 from daemon import systemd
 from daemon.api import make_api_app, serve_unix
-from daemon.config import ConfigError, DaemonConfig
+from daemon.config import ConfigError, DaemonConfig, bind_errors
 from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST
 from daemon.journal import recover
-from daemon.metrics import DaemonMetrics
+from daemon.metrics import DaemonMetrics, serve_metrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from daemon.pull import Held
 from daemon.pull_state import PullState
@@ -203,9 +203,11 @@ class RolloutDaemon:
             raise DaemonError(str(e)) from None
         if self.cfg["sidecar.enabled"]:
             await self._start_sidecar()
-        host, _, port = self.cfg["node.listen"].rpartition(":")
+        if self.cfg["metrics.listen"]:
+            self._runners.append(await serve_metrics(self._metrics_text, self.cfg["metrics.listen"]))
+        host, port = self.cfg.listen("node.listen")
         advertise = self.cfg["node.advertise"]
-        if advertise is None and host in ("", "0.0.0.0", "::", "[::]"):
+        if advertise is None and host in ("0.0.0.0", "::"):
             advertise = f"http://{socket.getfqdn()}:{port}"
         node_cfg = NodeConfig(
             node_id=self.cfg.node_name,
@@ -219,17 +221,18 @@ class RolloutDaemon:
             download_rate=self.cfg["swarm.download_rate"],
             **swarm_budgets(self.cfg),
         )
-        self.node = await start_http_node(
-            node_cfg,
-            self.trust,
-            host=host or "0.0.0.0",
-            port=int(port),
-            advertise=advertise,
-            held=self.shadow,
-            rng=random.Random(),
-            on_version=self._on_version,
-            apply=apply_chunks_off_loop,  # the API and the sidecar keep answering while a version stages
-        )
+        with bind_errors("node.listen", self.cfg["node.listen"]):
+            self.node = await start_http_node(
+                node_cfg,
+                self.trust,
+                host=host,
+                port=port,
+                advertise=advertise,
+                held=self.shadow,
+                rng=random.Random(),
+                on_version=self._on_version,
+                apply=apply_chunks_off_loop,  # the API and the sidecar keep answering while a version stages
+            )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
             self.status.update(phase=Phase.IDLE, **({"reason": AWAITING_ENGINE} if self._awaiting_engine() else {}))
@@ -239,8 +242,9 @@ class RolloutDaemon:
         from daemon.sidecar import VersionGate, start_sidecar
 
         self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
-        host, _, port = self.cfg["sidecar.listen"].rpartition(":")
-        server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=int(port))
+        host, port = self.cfg.listen("sidecar.listen")
+        with bind_errors("sidecar.listen", self.cfg["sidecar.listen"]):
+            server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=port)
         self._servers.append(server)
 
     # ------------------------------------------------------------ activation
