@@ -285,7 +285,9 @@ class RolloutDaemon:
             size = int(self.cfg["store.size"])
             if size and layout.nbytes > size:
                 raise StoreTooSmallError(layout.nbytes, size)
-            self.store = WeightStore.create(self.cfg.store_name, layout, engine_buffer=True)
+            self.store = WeightStore.create(
+                self.cfg.store_name, layout, engine_buffer=True, group=self.cfg["api.group"]
+            )
         if self.store is not None and self.store.data is None:
             return False
         ready = self.store is not None and self.store.header().state == StoreState.READY
@@ -294,7 +296,9 @@ class RolloutDaemon:
             self.status.update(phase=Phase.ACTIVATING)
             if self.store is None:
                 capacity = int(self.cfg["store.size"]) or None
-                self.store = WeightStore.create(self.cfg.store_name, layout, capacity=capacity)
+                self.store = WeightStore.create(
+                    self.cfg.store_name, layout, capacity=capacity, group=self.cfg["api.group"]
+                )
             start = time.perf_counter()
             if self.gate is not None:
                 await self.gate.begin_activation("quiesce", held.version)
