@@ -86,21 +86,23 @@ async def test_serve_metrics_on_ipv6_loopback_and_a_taken_port_names_the_key() -
 
 
 @pytest.mark.asyncio
-async def test_the_daemon_serves_its_metrics_on_metrics_listen(tmp_path: Path) -> None:
+async def test_the_daemon_serves_its_metrics_on_metrics_listen_and_logs_fields_in_text(tmp_path: Path) -> None:
     sw = Swarm(tmp_path)
     sw.publish()
     await sw.start_seed()
     port = free_port()
     d = make_daemon(sw, "d1", tmp_path, extra=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
-    d.start()
+    d.start(PATCHSWARM_LOG_FORMAT="text")
     try:
         await d.wait_version(1)
+        await d.wait_version(sw.publish(scale=5e-4))
         status, _, text = await scrape(f"http://127.0.0.1:{port}/metrics")
         assert status == 200
         scraped = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
         for name in ("patchswarm_version_applied", "patchswarm_peers", "process_resident_memory_bytes"):
             assert name in scraped, text
-        assert "patchswarm_version_applied 1.0" in text
+        assert "patchswarm_version_applied 2.0" in text
+        assert re.search(r"^INFO patchswarm.daemon: activated version=2 pause_s=[0-9.]+$", d.log.read_text(), re.M)
         assert "patchswarm_time_to_activation_seconds_count" in scraped
         assert await d.stop() == 0
         with pytest.raises(aiohttp.ClientError):  # the listener closed with the daemon
