@@ -53,6 +53,7 @@ from protocol.keys import load_public_key
 from protocol.scheduler import SchedulerConfig
 from protocol.served import state_root
 from protocol.trust import TrustState
+from swarm.client_errors import describe
 from swarm.node import NodeConfig, apply_chunks_off_loop
 from swarm.server import RunningNode, start_http_node
 
@@ -350,7 +351,7 @@ class RolloutDaemon:
                     raise StoreError(f"sidecar.upstream {req.path} answered {resp.status}: {(await resp.text())[:200]}")
         except (aiohttp.ClientError, TimeoutError) as e:
             raise StoreError(
-                f"sidecar.commit_mode 'in_place' needs the engine's {req.path} at sidecar.upstream: {e}"
+                f"sidecar.commit_mode 'in_place' needs the engine's {req.path} at sidecar.upstream: {describe(e)}"
             ) from e
         if req.path == "/pause_generation":
             log.info("engine paused for activation")
