@@ -9,6 +9,7 @@ Environment overrides: ``PATCHSWARM_<SECTION>_<KEY>`` (upper case), e.g. ``PATCH
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import ipaddress
 import math
@@ -234,7 +235,7 @@ _SCHED = _NODE.scheduler
 
 SCHEMA: list[Key] = [
     Key("node", "name", parse_name, None, "Node id in the swarm (default: the host name)."),
-    Key("node", "listen", parse_listen, "0.0.0.0:8701", "Address the swarm endpoints listen on."),
+    Key("node", "listen", parse_listen, "0.0.0.0:8701", "Address the swarm endpoints listen on (IPv6: [::]:8701)."),
     Key("node", "advertise", parse_url, None, "URL peers use to reach this node (default: from listen)."),
     Key("node", "region", parse_str, "", "Region label; peers in the same region are preferred."),
     Key("node", "zone", parse_str, "", "Zone label; peers in the same zone are preferred first."),
@@ -352,18 +353,59 @@ SCHEMA: list[Key] = [
         "version and pause the engine (POST upstream /pause_generation, then /continue_generation) while writing.",
     ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
-    Key("metrics", "listen", parse_listen, None, "Prometheus metrics address (also served on the API socket)."),
-    Key("log", "format", choice("json", "text"), "json", "Log format."),
+    Key(
+        "metrics",
+        "listen",
+        parse_listen,
+        None,
+        "Serve Prometheus metrics over TCP here (HOST:PORT, GET /metrics); they are always on the API socket.",
+    ),
+    Key(
+        "log",
+        "format",
+        choice("json", "text"),
+        "json",
+        "json: one object per line; text: LEVEL logger: message key=value ... (the same fields).",
+    ),
     Key("log", "level", choice("debug", "info", "warning", "error"), "info", "Log level."),
 ]
 _BY_PATH = {k.path: k for k in SCHEMA}
 SECTIONS = sorted({k.section for k in SCHEMA})
 
 
+# PATCHSWARM_* variables read outside the schema (the other tools, fault injection, test and bench knobs).
+OTHER_ENV = frozenset(
+    {
+        "PATCHSWARM_CLUSTER_SECRET",
+        "PATCHSWARM_FAULT_AT",
+        "PATCHSWARM_FAULT_KILLS",
+        "PATCHSWARM_CRASH_KILLS",
+        "PATCHSWARM_BENCH_CONFIG",
+        "PATCHSWARM_BENCH_PROFILE",
+        "PATCHSWARM_BENCH_TRACE",
+    }
+)
+
+
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """One warning per ``PATCHSWARM_*`` variable nothing reads (a typo would otherwise go unnoticed),
+    naming the closest known variable."""
+    known = sorted({k.env for k in SCHEMA} | OTHER_ENV)
+    out = []
+    for name in sorted(env):
+        if not name.startswith("PATCHSWARM_") or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "the variables are listed in docs/daemon.md"
+        out.append(f"{name}: unknown environment variable, ignored ({hint})")
+    return out
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     values: Mapping[str, Any]
     source: str
+    warnings: tuple[str, ...] = ()  # logged once the daemon's logging is set up
 
     def __getitem__(self, path: str) -> Any:
         return self.values[path]
@@ -438,7 +480,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
             values[key.path] = key.parse(value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    return DaemonConfig(values, source)
+    return DaemonConfig(values, source, tuple(unknown_env(env)))
 
 
 def reference_markdown() -> str:

@@ -193,6 +193,8 @@ class RolloutDaemon:
         self.status.update(version=header.version, root=root.hex())
 
     async def start(self) -> None:
+        for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
+            log.warning(warning)
         self._prepare_data_dir()
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
         state.restore_into(self.trust)
