@@ -109,6 +109,23 @@ def test_node_on_a_taken_port_names_the_flag(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_a_board_seed_on_a_taken_port_names_the_flag(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_cli("seed", "--board", str(tmp_path), "--listen", f"127.0.0.1:{port}")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == f"patchswarm seed: error: --listen = 127.0.0.1:{port}: address already in use"
+
+
+def test_status_of_a_daemon_that_is_not_there_is_one_plain_line(tmp_path: Path) -> None:
+    sock = tmp_path / "api.sock"
+    r = run_cli("status", "--socket", str(sock))
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"patchswarm status: error: cannot reach the daemon at {sock}: no such socket"
+
+
 async def exits_with(d: Daemon, line: str) -> None:
     assert d.proc is not None
     rc = await asyncio.to_thread(d.proc.wait, 60)
