@@ -59,6 +59,15 @@ def test_every_address_round_trips(addr: ipaddress.IPv4Address | ipaddress.IPv6A
     assert split_listen(f"{url_host(str(addr))}:{port}") == (str(addr), port)
 
 
+@given(st.text(max_size=64))
+def test_any_text_parses_or_is_refused_with_a_value_error(text: str) -> None:
+    try:
+        host, port = split_listen(text)
+    except ValueError:
+        return
+    assert 0 <= port < 65536 and host
+
+
 def test_upload_rate_zero_means_unlimited_as_in_the_config_file(monkeypatch: pytest.MonkeyPatch) -> None:
     def node_args(*extra: str) -> list[str]:
         return ["node", "--listen", "127.0.0.1:0", "--run", "r", "--trust", "t.pub", *extra]
