@@ -304,7 +304,13 @@ def cmd_seed(args: argparse.Namespace) -> int:
         except SwarmCliError as e:
             raise UserError(str(e)) from None
     err.print(f"serving board {args.board} on http://{host}:{port}/")
-    web.run_app(board_app(args.board), host=host, port=port, print=None, handle_signals=True)
+    from daemon.config import ListenError, bind_errors
+
+    try:
+        with bind_errors("--listen", args.listen):
+            web.run_app(board_app(args.board), host=host, port=port, print=None, handle_signals=True)
+    except ListenError as e:
+        raise UserError(str(e)) from None
     return 0
 
 

@@ -8,22 +8,29 @@ Environment overrides: ``PATCHSWARM_<SECTION>_<KEY>`` (upper case), e.g. ``PATCH
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import errno
+import ipaddress
 import math
 import os
 import re
 import socket
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.seed import parse_listen as split_listen
 from swarm.node import NodeConfig
 
 
 class ConfigError(Exception):
     """A configuration problem, always naming the offending key."""
+
+
+class ListenError(ConfigError):
+    """A listen address that could not be bound (in use, not on this host, privileged port)."""
 
 
 _UNITS = {
@@ -87,9 +94,51 @@ def parse_duration(v: Any) -> float:
     return _finite(float(m.group(1)) * _DURATION[m.group(2)], v)
 
 
+def split_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); IPv6 hosts in brackets (``[::1]:7000``); an empty host is 0.0.0.0."""
+    host, sep, port = listen.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT (IPv6 as [::1]:PORT), got {listen!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1])), int(port)
+        except ValueError:
+            raise ValueError(f"expected an IPv6 address in brackets, got {listen!r}") from None
+    if ":" in host:
+        raise ValueError(f"an IPv6 host goes in brackets ([{host}]:{port}), got {listen!r}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{0,253}", host):
+        raise ValueError(f"expected HOST:PORT with a host name or address, got {listen!r}")
+    return host or "0.0.0.0", int(port)
+
+
+def url_host(host: str) -> str:
+    """A host as it goes into a URL (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
+_BIND_REASONS = {
+    errno.EADDRINUSE: "address already in use",
+    errno.EADDRNOTAVAIL: "no such address on this host",
+    errno.EACCES: "permission denied (a port below 1024 needs privileges)",
+}
+
+
+@contextlib.contextmanager
+def bind_errors(key: str, value: str) -> Iterator[None]:
+    """Turn a failure to bind ``value`` into one line naming the config key, e.g.
+    ``node.listen = [::1]:7000: address already in use``."""
+    try:
+        yield
+    except socket.gaierror as e:
+        raise ListenError(f"{key} = {value}: unknown host ({e.strerror})") from None
+    except OSError as e:
+        reason = _BIND_REASONS.get(e.errno or 0) or (e.strerror or str(e)).lower()
+        raise ListenError(f"{key} = {value}: {reason}") from None
+
+
 def parse_listen(v: Any) -> str:
-    split_listen(str(v))
-    return str(v)
+    split_listen(parse_str(v))
+    return str(v).strip()
 
 
 def parse_url(v: Any) -> str:
@@ -186,7 +235,7 @@ _SCHED = _NODE.scheduler
 
 SCHEMA: list[Key] = [
     Key("node", "name", parse_name, None, "Node id in the swarm (default: the host name)."),
-    Key("node", "listen", parse_listen, "0.0.0.0:8701", "Address the swarm endpoints listen on."),
+    Key("node", "listen", parse_listen, "0.0.0.0:8701", "Address the swarm endpoints listen on (IPv6: [::]:8701)."),
     Key("node", "advertise", parse_url, None, "URL peers use to reach this node (default: from listen)."),
     Key("node", "region", parse_str, "", "Region label; peers in the same region are preferred."),
     Key("node", "zone", parse_str, "", "Zone label; peers in the same zone are preferred first."),
@@ -304,21 +353,66 @@ SCHEMA: list[Key] = [
         "version and pause the engine (POST upstream /pause_generation, then /continue_generation) while writing.",
     ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
-    Key("metrics", "listen", parse_listen, None, "Prometheus metrics address (also served on the API socket)."),
-    Key("log", "format", choice("json", "text"), "json", "Log format."),
+    Key(
+        "metrics",
+        "listen",
+        parse_listen,
+        None,
+        "Serve Prometheus metrics over TCP here (HOST:PORT, GET /metrics); they are always on the API socket.",
+    ),
+    Key(
+        "log",
+        "format",
+        choice("json", "text"),
+        "json",
+        "json: one object per line; text: LEVEL logger: message key=value ... (the same fields).",
+    ),
     Key("log", "level", choice("debug", "info", "warning", "error"), "info", "Log level."),
 ]
 _BY_PATH = {k.path: k for k in SCHEMA}
 SECTIONS = sorted({k.section for k in SCHEMA})
 
 
+# PATCHSWARM_* variables read outside the schema (the other tools, fault injection, test and bench knobs).
+OTHER_ENV = frozenset(
+    {
+        "PATCHSWARM_CLUSTER_SECRET",
+        "PATCHSWARM_FAULT_AT",
+        "PATCHSWARM_FAULT_KILLS",
+        "PATCHSWARM_CRASH_KILLS",
+        "PATCHSWARM_BENCH_CONFIG",
+        "PATCHSWARM_BENCH_PROFILE",
+        "PATCHSWARM_BENCH_TRACE",
+    }
+)
+
+
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """One warning per ``PATCHSWARM_*`` variable nothing reads (a typo would otherwise go unnoticed),
+    naming the closest known variable."""
+    known = sorted({k.env for k in SCHEMA} | OTHER_ENV)
+    out = []
+    for name in sorted(env):
+        if not name.startswith("PATCHSWARM_") or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "the variables are listed in docs/daemon.md"
+        out.append(f"{name}: unknown environment variable, ignored ({hint})")
+    return out
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     values: Mapping[str, Any]
     source: str
+    warnings: tuple[str, ...] = ()  # logged once the daemon's logging is set up
 
     def __getitem__(self, path: str) -> Any:
         return self.values[path]
+
+    def listen(self, path: str) -> tuple[str, int]:
+        """A listen key's (host, port), IPv6 unbracketed."""
+        return split_listen(self.values[path])
 
     @property
     def node_name(self) -> str:
@@ -386,7 +480,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
             values[key.path] = key.parse(value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    return DaemonConfig(values, source)
+    return DaemonConfig(values, source, tuple(unknown_env(env)))
 
 
 def reference_markdown() -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import grp
 import math
 import mmap
 import os
@@ -280,6 +281,21 @@ class ControlBlock:
 # ---------------------------------------------------------------- shared-memory segments
 
 
+SEGMENT_MODE = 0o660  # owner and group: the daemon and engines in api.group
+
+
+def _group_id(group: str | int) -> int:
+    """A group name or gid as a gid; -1 (keep the creator's group) for ""."""
+    if isinstance(group, int):
+        return group
+    if not group:
+        return -1
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise StoreError(f"api.group: no such group {group!r}") from None
+
+
 class SharedSegment:
     """A named POSIX shared-memory segment mapped read-write; it stays until ``unlink``."""
 
@@ -295,14 +311,25 @@ class SharedSegment:
         return Path(shm_dir) / name
 
     @classmethod
-    def create(cls, name: str, size: int, shm_dir: Path | str = SHM_DIR) -> SharedSegment:
-        """Create and reserve ``size`` bytes up front (so a full /dev/shm fails here, not as SIGBUS later)."""
+    def create(cls, name: str, size: int, shm_dir: Path | str = SHM_DIR, group: str | int = "") -> SharedSegment:
+        """Create and reserve ``size`` bytes up front (so a full /dev/shm fails here, not as SIGBUS later).
+
+        Mode 0660, owned by ``group`` (a name or gid; empty: the creator's group), whatever the umask:
+        an engine running as another user of that group attaches to it (``api.group``).
+        """
         path = cls._path(name, shm_dir)
+        gid = _group_id(group)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
         except OSError as e:
             raise StoreError(f"cannot create shared memory {path}: {e}") from e
         try:
+            os.fchmod(fd, SEGMENT_MODE)
+            if gid != -1:
+                try:
+                    os.fchown(fd, -1, gid)
+                except PermissionError:
+                    raise StoreError(f"api.group: cannot give {path} to group {group!r} (not a member)") from None
             os.ftruncate(fd, size)
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -314,6 +341,10 @@ class SharedSegment:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise StoreError(f"cannot create shared memory {path} of {size} bytes: {e}") from e
+        except StoreError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
         os.close(fd)
         return cls(name, path, mm)
 
@@ -597,7 +628,10 @@ def allocate(info: dict[str, Any], device: torch.device | str) -> EngineView:
     buffer_id = secrets.randbits(63) | 1
     owned = None
     if dev.type == "cpu":
-        owned = SharedSegment.create(f"{seg.name}.buf.{buffer_id:016x}", max(layout.nbytes, 1), shm_dir)
+        # The daemon (another user, same group as the store) opens this buffer: give it the store's group.
+        gid = os.stat(seg.path).st_gid
+        gid = gid if os.geteuid() == 0 or gid in (os.getegid(), *os.getgroups()) else -1
+        owned = SharedSegment.create(f"{seg.name}.buf.{buffer_id:016x}", max(layout.nbytes, 1), shm_dir, gid)
         data = owned.tensor(0, layout.nbytes)
         handle = export_buffer(data, buffer_id, owned.name)
     else:

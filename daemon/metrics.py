@@ -1,13 +1,34 @@
-"""Prometheus metrics of the rollout daemon (versions, bytes by source, failures, pauses, staleness)."""
+"""Prometheus metrics of the rollout daemon (versions, bytes by source, failures, pauses, staleness).
+
+They are served on the API socket's ``/metrics`` and, when ``metrics.listen`` is set, over TCP by
+:func:`serve_metrics`.  docs/daemon.md lists every exported name (a test compares the two).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
+from daemon.config import bind_errors, split_listen
 from swarm.node import Metrics as NodeMetrics
 from swarm.node import SwarmNode
+
+# Head seen -> version active: a catch-up of a few steps over a slow link takes minutes.
+ACTIVATION_BUCKETS = (0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# Versions seen but not yet active that keep their first-seen time (a host far behind skips most).
+_PENDING_CAP = 64
 
 
 class DaemonMetrics:
@@ -61,7 +82,18 @@ class DaemonMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
+        self.peers = Gauge("patchswarm_peers", "Peers whose holdings this node knows", registry=r)
+        self.time_to_activation = Histogram(
+            "patchswarm_time_to_activation_seconds",
+            "From a version's head first seen to the version active in the store (sampled every 0.25 s)",
+            buckets=ACTIVATION_BUCKETS,
+            registry=r,
+        )
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, open fds
+        PlatformCollector(registry=r)  # python_info
         self._seen = NodeMetrics()
+        self._head_seen: dict[int, float] = {}  # version -> monotonic time its head was first seen
+        self._applied: int | None = None
         self._refused_seen: dict[str, int] = {}
         self._objects_seen = 0
         self._stale_since: float | None = None
@@ -72,6 +104,8 @@ class DaemonMetrics:
         """Fold the swarm node's running totals in (as deltas) and refresh the gauges."""
         if swarm is not None:
             self._sync_trust(swarm)
+            self.peers.set(len(swarm.peers))
+        self._sync_activation(applied, target)
         for counter, field, labels in (
             (self.bytes_in, "bytes_from_peers", {"source": "peer"}),
             (self.bytes_in, "bytes_from_seed", {"source": "seed"}),
@@ -96,6 +130,20 @@ class DaemonMetrics:
             self._stale_since = None
         self.stale_seconds.set(0 if self._stale_since is None else time.monotonic() - self._stale_since)
 
+    def _sync_activation(self, applied: int | None, target: int | None) -> None:
+        now = time.monotonic()
+        if target is not None and (applied is None or target > applied) and target not in self._head_seen:
+            if len(self._head_seen) >= _PENDING_CAP:
+                del self._head_seen[min(self._head_seen)]
+            self._head_seen[target] = now
+        if applied is not None and applied != self._applied:
+            self._applied = applied
+            seen = self._head_seen.get(applied)
+            if seen is not None:
+                self.time_to_activation.observe(now - seen)
+            for v in [v for v in self._head_seen if v <= applied]:
+                del self._head_seen[v]
+
     def _sync_trust(self, swarm: SwarmNode) -> None:
         stats = swarm.puller.stats
         for reason, count in stats.refused.items():
@@ -118,3 +166,26 @@ class DaemonMetrics:
     def render(self) -> bytes:
         out: bytes = generate_latest(self.registry)
         return out
+
+
+async def serve_metrics(render: Callable[[], bytes], listen: str, key: str = "metrics.listen") -> web.AppRunner:
+    """Serve ``GET /metrics`` (``render()``) over TCP at ``listen`` (HOST:PORT, IPv6 as [::1]:PORT).
+
+    A failure to bind raises ListenError (a ConfigError) naming ``key``; the caller cleans the runner up at shutdown.
+    """
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=1024)  # GET only: no request body is ever read
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    host, port = split_listen(listen)
+    try:
+        with bind_errors(key, listen):
+            await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner

@@ -29,10 +29,10 @@ import aiohttp
 
 from daemon import systemd
 from daemon.api import make_api_app, serve_unix
-from daemon.config import ConfigError, DaemonConfig
+from daemon.config import ConfigError, DaemonConfig, bind_errors
 from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST
 from daemon.journal import recover
-from daemon.metrics import DaemonMetrics
+from daemon.metrics import DaemonMetrics, serve_metrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from daemon.pull import Held
 from daemon.pull_state import PullState
@@ -54,6 +54,7 @@ from protocol.keys import load_public_key
 from protocol.scheduler import SchedulerConfig
 from protocol.served import state_root
 from protocol.trust import TrustState
+from swarm.client_errors import describe
 from swarm.node import NodeConfig, apply_chunks_off_loop
 from swarm.server import RunningNode, start_http_node
 
@@ -193,6 +194,8 @@ class RolloutDaemon:
         self.status.update(version=header.version, root=root.hex())
 
     async def start(self) -> None:
+        for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
+            log.warning(warning)
         self._prepare_data_dir()
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
         state.restore_into(self.trust)
@@ -204,9 +207,11 @@ class RolloutDaemon:
             raise DaemonError(str(e)) from None
         if self.cfg["sidecar.enabled"]:
             await self._start_sidecar()
-        host, _, port = self.cfg["node.listen"].rpartition(":")
+        if self.cfg["metrics.listen"]:
+            self._runners.append(await serve_metrics(self._metrics_text, self.cfg["metrics.listen"]))
+        host, port = self.cfg.listen("node.listen")
         advertise = self.cfg["node.advertise"]
-        if advertise is None and host in ("", "0.0.0.0", "::", "[::]"):
+        if advertise is None and host in ("0.0.0.0", "::"):
             advertise = f"http://{socket.getfqdn()}:{port}"
         node_cfg = NodeConfig(
             node_id=self.cfg.node_name,
@@ -220,17 +225,18 @@ class RolloutDaemon:
             download_rate=self.cfg["swarm.download_rate"],
             **swarm_budgets(self.cfg),
         )
-        self.node = await start_http_node(
-            node_cfg,
-            self.trust,
-            host=host or "0.0.0.0",
-            port=int(port),
-            advertise=advertise,
-            held=self.shadow,
-            rng=random.Random(),
-            on_version=self._on_version,
-            apply=apply_chunks_off_loop,  # the API and the sidecar keep answering while a version stages
-        )
+        with bind_errors("node.listen", self.cfg["node.listen"]):
+            self.node = await start_http_node(
+                node_cfg,
+                self.trust,
+                host=host,
+                port=port,
+                advertise=advertise,
+                held=self.shadow,
+                rng=random.Random(),
+                on_version=self._on_version,
+                apply=apply_chunks_off_loop,  # the API and the sidecar keep answering while a version stages
+            )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
             self.status.update(phase=Phase.IDLE, **({"reason": AWAITING_ENGINE} if self._awaiting_engine() else {}))
@@ -240,8 +246,9 @@ class RolloutDaemon:
         from daemon.sidecar import VersionGate, start_sidecar
 
         self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
-        host, _, port = self.cfg["sidecar.listen"].rpartition(":")
-        server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=int(port))
+        host, port = self.cfg.listen("sidecar.listen")
+        with bind_errors("sidecar.listen", self.cfg["sidecar.listen"]):
+            server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=port)
         self._servers.append(server)
 
     # ------------------------------------------------------------ activation
@@ -282,7 +289,9 @@ class RolloutDaemon:
             size = int(self.cfg["store.size"])
             if size and layout.nbytes > size:
                 raise StoreTooSmallError(layout.nbytes, size)
-            self.store = WeightStore.create(self.cfg.store_name, layout, engine_buffer=True)
+            self.store = WeightStore.create(
+                self.cfg.store_name, layout, engine_buffer=True, group=self.cfg["api.group"]
+            )
         if self.store is not None and self.store.data is None:
             return False
         ready = self.store is not None and self.store.header().state == StoreState.READY
@@ -291,7 +300,9 @@ class RolloutDaemon:
             self.status.update(phase=Phase.ACTIVATING)
             if self.store is None:
                 capacity = int(self.cfg["store.size"]) or None
-                self.store = WeightStore.create(self.cfg.store_name, layout, capacity=capacity)
+                self.store = WeightStore.create(
+                    self.cfg.store_name, layout, capacity=capacity, group=self.cfg["api.group"]
+                )
             start = time.perf_counter()
             if self.gate is not None:
                 await self.gate.begin_activation("quiesce", held.version)
@@ -343,7 +354,7 @@ class RolloutDaemon:
                     raise StoreError(f"sidecar.upstream {req.path} answered {resp.status}: {(await resp.text())[:200]}")
         except (aiohttp.ClientError, TimeoutError) as e:
             raise StoreError(
-                f"sidecar.commit_mode 'in_place' needs the engine's {req.path} at sidecar.upstream: {e}"
+                f"sidecar.commit_mode 'in_place' needs the engine's {req.path} at sidecar.upstream: {describe(e)}"
             ) from e
         if req.path == "/pause_generation":
             log.info("engine paused for activation")

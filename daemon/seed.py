@@ -11,6 +11,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from daemon.config import split_listen as parse_listen  # one parser for every listen address
+
 IMMUTABLE = "public, max-age=31536000, immutable"
 MUTABLE = "no-cache"
 TOP_LEVEL = frozenset({"runs", "manifests", "chunks", "certs", "trust"})
@@ -44,8 +46,4 @@ def board_app(board: str | Path) -> web.Application:
     return app
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {listen!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+__all__ = ["board_app", "parse_listen"]

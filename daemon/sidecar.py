@@ -44,6 +44,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from swarm.client_errors import describe
+
 log = logging.getLogger(__name__)
 
 HEADER_MIN = "X-Weight-Version-Min"
@@ -603,7 +605,7 @@ async def _forward(request: web.Request, body: bytes, lease: _Lease | None) -> w
             request.method, url, headers=_forward_headers(request.headers), data=body or None, allow_redirects=False
         )
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
-        return _error(502, "UpstreamUnavailable", f"engine at {settings.upstream}: {type(e).__name__}: {e}")
+        return _error(502, "UpstreamUnavailable", f"engine at {settings.upstream}: {describe(e)}")
     async with upstream:
         headers = _response_headers(upstream.headers)
         if lease is not None:
@@ -621,7 +623,7 @@ async def _buffered(
     try:
         data = await upstream.read()
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
-        return _error(502, "UpstreamFailed", f"engine response broke off: {type(e).__name__}: {e}")
+        return _error(502, "UpstreamFailed", f"engine response broke off: {describe(e)}")
     if lease is not None:
         end = lease.finish()
         headers[HEADER_END] = str(end)

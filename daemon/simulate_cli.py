@@ -43,6 +43,8 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from daemon.cli import UserError
+    from simulations.plots import PlotsUnavailable
     from simulations.study import run_study  # the simulator loads only for this command
 
     words = ["patchswarm", "simulate", args.scenario, "--out", args.out]
@@ -77,10 +79,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             else:
                 bar.update(task, completed=finished + fraction, description=f"point {index}: {strategy}")
 
-        points = run_study(
-            args.scenario, args.out, seed=args.seed, sweeps=args.sweep, command=command, progress=progress,
-            on_points=on_points, partitions=args.partitions,
-        )  # fmt: skip
+        try:
+            points = run_study(
+                args.scenario, args.out, seed=args.seed, sweeps=args.sweep, command=command, progress=progress,
+                on_points=on_points, partitions=args.partitions,
+            )  # fmt: skip
+        except PlotsUnavailable as e:
+            raise UserError(f"wrote {args.out}/results.csv, summary.json and report.md, but no plots: {e}") from None
     for p in points:
         best = {r.strategy: max((o.completion for o in r.outcomes), default=0.0) for r in p.runs}
         parts = ", ".join(f"{k} {v:.4g} s" for k, v in best.items())

@@ -12,6 +12,7 @@ from typing import Protocol
 import aiohttp
 
 from protocol.errors import LimitExceededError, PatchswarmError
+from swarm.client_errors import describe
 from swarm.http import read_bounded
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -74,7 +75,7 @@ class HttpSource:
                     raise SourceError(f"GET {url}: HTTP {r.status}")
                 return await read_bounded(r, limit, rel)
         except (TimeoutError, aiohttp.ClientError) as e:
-            raise SourceError(f"GET {url}: {type(e).__name__}: {e}") from None
+            raise SourceError(f"GET {url}: {describe(e)}") from None
 
     async def close(self) -> None:
         if self._session is not None:

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from swarm.client_errors import reason
+
 DEFAULT_SOCKET = "/run/patchswarm/api.sock"
 
 
@@ -27,7 +29,7 @@ async def fetch_status(socket_path: str) -> dict[str, Any]:
             data: dict[str, Any] = await r.json()
             return data
     except (aiohttp.ClientError, OSError) as e:
-        raise StatusError(f"cannot reach the daemon at {socket_path}: {e}") from None
+        raise StatusError(f"cannot reach the daemon at {socket_path}: {reason(e)}") from None
 
 
 def render(st: dict[str, Any]) -> Table:

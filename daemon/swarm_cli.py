@@ -12,11 +12,12 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TypeVar
 
 from daemon.board import Board
+from daemon.config import ListenError, bind_errors, parse_rate
 from daemon.head_cli import add_seed_refresh_args, seed_refresher
 from daemon.pull import Held
 from daemon.seed import parse_listen
@@ -47,8 +48,9 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zone", default="")
     p.add_argument("--region", default="")
     p.add_argument("--advertise", metavar="URL", help="address peers use to reach this node")
-    p.add_argument("--upload-rate", type=float, default=float("inf"), metavar="BYTES/S")
-    p.add_argument("--download-rate", type=float, default=float("inf"), metavar="BYTES/S")
+    # The same meaning as swarm.upload_rate in the daemon's config: 0 (the default) = unlimited.
+    p.add_argument("--upload-rate", type=_rate, default="0", metavar="RATE", help="bytes/s ('100MB'); 0 = unlimited")
+    p.add_argument("--download-rate", type=_rate, default="0", metavar="RATE", help="bytes/s ('100MB'); 0 = unlimited")
     p.add_argument("--bootstrap", action="append", default=[], metavar="URL", help="a peer or seed to join through")
     p.add_argument(
         "--max-uploads",
@@ -103,6 +105,14 @@ def _bounded(convert: Callable[[str], N], what: str, low: N, high: N) -> Callabl
     return parse
 
 
+def _rate(text: str) -> float:
+    """An argparse type: a rate as the config takes it ('100MB', 0 = unlimited -> inf)."""
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 _count = _bounded(int, "a whole number", 0, 1024)
 _seconds = _bounded(float, "a number of seconds", 0.0, 3600.0)
 _copies = _bounded(int, "a whole number", 0, 1 << 20)
@@ -143,8 +153,22 @@ async def _serve_until_signalled() -> None:
     await stop.wait()
 
 
+def _listen(listen: str) -> tuple[str, int]:
+    try:
+        return parse_listen(listen)
+    except ValueError as e:
+        raise SwarmCliError(f"--listen: {e}") from None
+
+
+def _run(main: Coroutine[None, None, None]) -> None:
+    try:
+        asyncio.run(main)
+    except ListenError as e:  # "--listen = [::1]:7000: address already in use"
+        raise SwarmCliError(str(e)) from None
+
+
 def run_seed(args: argparse.Namespace) -> int:
-    host, port = parse_listen(args.listen)
+    host, port = _listen(args.listen)
     board = Board(args.board)
     config = _config(args, is_seed=True, listen=args.listen)
     running: list[RunningNode] = []
@@ -158,7 +182,8 @@ def run_seed(args: argparse.Namespace) -> int:
     async def main() -> None:
         # A seed serves its own board and never takes anything from peers: it trusts no key.
         policy = TrustedKeys(frozenset())
-        node = await start_http_node(config, policy, host=host, port=port, advertise=args.advertise, board=board)
+        with bind_errors("--listen", args.listen):
+            node = await start_http_node(config, policy, host=host, port=port, advertise=args.advertise, board=board)
         running.append(node)
         refreshing = refresher() if refresher else None  # with --key: re-signs the head while the trainer is idle
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
@@ -169,12 +194,12 @@ def run_seed(args: argparse.Namespace) -> int:
                 refreshing.cancel()
             await node.stop()
 
-    asyncio.run(main())
+    _run(main())
     return 0
 
 
 def run_node(args: argparse.Namespace) -> int:
-    host, port = parse_listen(args.listen)
+    host, port = _listen(args.listen)
     trust = TrustState(load_public_key(args.trust))
     config = _config(args, is_seed=False, listen=args.listen)
 
@@ -183,9 +208,10 @@ def run_node(args: argparse.Namespace) -> int:
         print(json.dumps({"event": "version", "version": held.version, "root": root}), flush=True)
 
     async def main() -> None:
-        node = await start_http_node(
-            config, trust, host=host, port=port, advertise=args.advertise, on_version=on_version
-        )
+        with bind_errors("--listen", args.listen):
+            node = await start_http_node(
+                config, trust, host=host, port=port, advertise=args.advertise, on_version=on_version
+            )
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
             await _serve_until_signalled()
@@ -194,5 +220,5 @@ def run_node(args: argparse.Namespace) -> int:
             print(json.dumps({"event": "stopped", "metrics": m.__dict__}), flush=True)
             await node.stop()
 
-    asyncio.run(main())
+    _run(main())
     return 0

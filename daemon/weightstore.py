@@ -260,16 +260,18 @@ class WeightStore:
     @classmethod
     def create(
         cls, name: str, layout: StoreLayout, *, capacity: int | None = None, engine_buffer: bool = False,
-        shm_dir: Path | str = SHM_DIR,
+        shm_dir: Path | str = SHM_DIR, group: str = "",
     ) -> WeightStore:  # fmt: skip
-        """A new store named ``name``: host data (default) or, with ``engine_buffer``, control only."""
+        """A new store named ``name``: host data (default) or, with ``engine_buffer``, control only.
+
+        The segment is mode 0660, of ``group`` when given (``api.group``), so engines of that group attach."""
         cap = layout.nbytes if capacity is None else capacity
         if cap < layout.nbytes:
             raise StoreTooSmallError(layout.nbytes, cap)
         text = json.dumps(layout.to_json(), separators=(",", ":")).encode()
         lay_cap = -(-(len(text) + 1) // PAGE) * PAGE
         tail = _HANDLE_CAP if engine_buffer else -(-cap // PAGE) * PAGE
-        seg = SharedSegment.create(name, CONTROL_SIZE + lay_cap + tail, shm_dir)
+        seg = SharedSegment.create(name, CONTROL_SIZE + lay_cap + tail, shm_dir, group)
         seg.mm[CONTROL_SIZE : CONTROL_SIZE + len(text)] = text
         ctl = ControlBlock(seg.mm)
         tail_off = CONTROL_SIZE + lay_cap

@@ -28,8 +28,15 @@ METRICS = {
 }
 
 
+class PlotsUnavailable(Exception):
+    """matplotlib is an optional extra: the daemon never needs it, a study's plots do."""
+
+
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotsUnavailable("matplotlib is not installed: install patchswarm[sim] for plots") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

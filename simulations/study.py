@@ -239,7 +239,11 @@ def run_study(
             "sweep": [parse_sweep(t)[0] for t in sweeps], "build": build_label()}  # fmt: skip
     doc = summary_doc(points, meta)
     (out / "summary.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
-    figures = plots.write_all(points, doc, out)
+    try:
+        figures = plots.write_all(points, doc, out)
+    except plots.PlotsUnavailable:
+        (out / "report.md").write_text(render_report(base, points, doc, []))  # the numbers are kept
+        raise
     (out / "report.md").write_text(render_report(base, points, doc, figures))
     return points
 

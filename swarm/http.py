@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from protocol.errors import LimitExceededError
+from swarm.client_errors import describe
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class HttpTransport:
                 if r.status >= 400:
                     raise TransportError(f"gossip to {addr}: HTTP {r.status}")
         except (TimeoutError, aiohttp.ClientError) as e:
-            raise TransportError(f"gossip to {addr}: {type(e).__name__}") from None
+            raise TransportError(f"gossip to {addr}: {describe(e)}") from None
 
     def post(self, addr: str, data: bytes) -> None:
         if self._closed:
@@ -140,7 +141,7 @@ class HttpTransport:
                     raise TransportError(f"GET {url}: HTTP {r.status}")
                 return await read_chunk(r, size)
         except (TimeoutError, aiohttp.ClientError, ValueError, LimitExceededError) as e:
-            raise TransportError(f"GET {url}: {type(e).__name__}") from None
+            raise TransportError(f"GET {url}: {describe(e)}") from None
 
     async def get_object(
         self, addr: str, path: str, limit: int, timeout: float, requester: str = "", insist: bool = False
@@ -158,7 +159,7 @@ class HttpTransport:
                     raise TransportError(f"GET {url}: HTTP {r.status}")
                 return await read_bounded(r, limit, url)
         except (TimeoutError, aiohttp.ClientError, LimitExceededError) as e:
-            raise TransportError(f"GET {url}: {type(e).__name__}") from None
+            raise TransportError(f"GET {url}: {describe(e)}") from None
 
     async def close(self) -> None:
         self._closed = True

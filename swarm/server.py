@@ -65,7 +65,7 @@ async def start_http_node(
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1]
-    url = advertise or f"http://{host}:{bound}"
+    url = advertise or f"http://{f'[{host}]' if ':' in host else host}:{bound}"  # IPv6 literals in brackets
     transport = HttpTransport()
     node = SwarmNode(
         config,
