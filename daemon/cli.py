@@ -273,9 +273,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_seed(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from daemon.seed import board_app, parse_listen
+    from swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
     try:
         host, port = parse_listen(args.listen)
@@ -283,6 +282,11 @@ def cmd_seed(args: argparse.Namespace) -> int:
         raise UserError(f"--listen: {e}") from None
     if not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
+    try:
+        limits = ServerLimits.from_env()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    raise_nofile_limit()
     if args.run:
         from daemon.swarm_cli import SwarmCliError, run_seed
 
@@ -291,7 +295,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
         except SwarmCliError as e:
             raise UserError(str(e)) from None
     err.print(f"serving board {args.board} on http://{host}:{port}/")
-    web.run_app(board_app(args.board), host=host, port=port, print=None, handle_signals=True)
+    run_app(board_app(args.board), host, port, limits)
     return 0
 
 

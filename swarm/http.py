@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from protocol.errors import LimitExceededError
+from swarm.serving import read_body
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,7 @@ MAX_HOLDERS = 16
 
 def add_routes(app: web.Application, handlers: Handlers) -> None:
     async def gossip(request: web.Request) -> web.Response:
-        data = await request.content.read(MAX_GOSSIP_BYTES + 1)
-        if len(data) > MAX_GOSSIP_BYTES:
-            raise web.HTTPRequestEntityTooLarge(max_size=MAX_GOSSIP_BYTES, actual_size=len(data))
-        handlers.gossip(data)
+        handlers.gossip(await read_body(request, MAX_GOSSIP_BYTES))
         return web.Response(status=204)
 
     async def chunk(request: web.Request) -> web.StreamResponse:
