@@ -26,10 +26,12 @@ Tests set small deadlines through ``PATCHSWARM_HTTP_*`` variables (:meth:`Server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
 import signal
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -161,6 +163,7 @@ class _GuardedHandler(web.RequestHandler):
             return
         guard.open += 1
         self._counted = True
+        _set_user_timeout(transport, guard.limits.send_timeout_s)
         self._header_timer = self._loop.call_later(guard.limits.header_timeout_s, self._headers_late)
         super().connection_made(transport)
 
@@ -221,6 +224,17 @@ class _GuardedHandler(web.RequestHandler):
         else:
             # A handler's own failure (a 500): a bug, worth its traceback, but not once per request.
             self._guard.lines.log(logging.ERROR, "bug", "HTTP handler failed", exc_info=exc)
+
+
+def _set_user_timeout(transport: asyncio.BaseTransport, seconds: float) -> None:
+    """TCP: the kernel drops a connection whose sent data stays unacknowledged, or unsent behind a
+    zero window, this long: the deadline for a client that stops reading a file sent with sendfile
+    (which bypasses the transport's buffer, so pause_writing never sees it) or that vanished."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
 
 
 def _one_line(exc: HttpProcessingError) -> str:
