@@ -43,6 +43,9 @@ from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "PATCHSWARM_HTTP_"
+# After answering a request whose body it did not read (a 413, a 408), how long the server reads and
+# drops the rest so the answer is not lost to a reset (aiohttp's default, 10 s, holds a slot longer).
+LINGER_S = 2.0
 _REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -103,8 +106,7 @@ class _LineLimiter:
 
 
 _AIOHTTP_QUIET = logging.getLogger("patchswarm.http.aiohttp")
-_AIOHTTP_QUIET.propagate = False
-_AIOHTTP_QUIET.addHandler(logging.NullHandler())
+_AIOHTTP_QUIET.disabled = True
 
 
 class _GuardedServer(web.Server):
@@ -118,6 +120,7 @@ class _GuardedServer(web.Server):
             max_line_size=limits.max_line_size,
             max_field_size=limits.max_field_size,
             max_headers=limits.max_headers,
+            lingering_time=LINGER_S,
             logger=_AIOHTTP_QUIET,  # every line goes through _GuardedHandler's rate-limited ones
         )
         super().__init__(
