@@ -39,6 +39,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,9 @@ class _GuardedServer(web.Server):
             max_field_size=limits.max_field_size,
             max_headers=limits.max_headers,
             lingering_time=LINGER_S,
+            # Bodies as sent: none of our clients compresses one, and a decompressor is a bomb's
+            # way in (the sidecar passes an engine's client's compressed body on untouched).
+            auto_decompress=False,
             logger=_AIOHTTP_QUIET,  # every line goes through _GuardedHandler's rate-limited ones
         )
         super().__init__(
@@ -219,7 +223,7 @@ class _GuardedHandler(web.RequestHandler):
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         exc = kw.get("exc_info")
-        if isinstance(exc, HttpProcessingError):
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
             # A malformed request (bad request line, header, length, chunk): the client's fault, one line.
             self._guard.lines.log(logging.INFO, "malformed", "malformed HTTP request: %s", _one_line(exc))
         elif isinstance(exc, ConnectionError):
@@ -240,8 +244,9 @@ def _set_user_timeout(transport: asyncio.BaseTransport, seconds: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
 
 
-def _one_line(exc: HttpProcessingError) -> str:
-    text = exc.message if isinstance(exc.message, str) and exc.message else type(exc).__name__
+def _one_line(exc: BaseException) -> str:
+    message = getattr(exc, "message", None) or str(exc)
+    text = message if isinstance(message, str) and message else type(exc).__name__
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
@@ -286,6 +291,8 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
                 parts.append(piece)
     except TimeoutError:
         raise web.HTTPRequestTimeout(text="request body too slow\n") from None
+    except RequestPayloadError as e:  # a malformed chunked body
+        raise web.HTTPBadRequest(text=f"request body: {_one_line(e.__cause__ or e)}\n") from None
     return b"".join(parts)
 
 

@@ -58,16 +58,40 @@ BODIES = [b"", b"{}", b'{"engine": "e", "version": 1}', b'{"engine": 1}', b"[" *
 EOLS = ["\r\n", "\r\n", "\r\n", "\n", "\r"]
 
 
+def _legal(text: str) -> bool:
+    return text.isascii() and text.isprintable() and " " not in text.strip() and len(text) < 1000
+
+
+_FRAMING = ("Host", "Content-Length", "Transfer-Encoding", "Content-Encoding", "Connection", "Upgrade")
+
+# Most requests are well-formed HTTP (so they reach the handlers: routing, confinement, bodies); the
+# rest draw from everything above, and mostly die in the parser with a 400.
+CLEAN = {
+    "methods": [m for m in METHODS if m.isalpha() and m.isupper()],
+    "prefixes": [p for p in PREFIXES if p.startswith("/")],
+    "segments": [g for g in SEGMENTS if _legal(g) and g not in ("#", "?", "%", "%zz")],
+    "versions": ["HTTP/1.1", "HTTP/1.0"],
+    "names": [n for n in NAMES if n.replace("-", "").isalnum() and n not in _FRAMING],
+    "values": [v for v in VALUES if _legal(v) and v.strip() == v],
+    "eols": ["\r\n"],
+}
+DIRTY = {
+    "methods": METHODS, "prefixes": PREFIXES, "segments": SEGMENTS, "versions": VERSIONS, "names": NAMES,
+    "values": VALUES, "eols": EOLS,
+}  # fmt: skip
+
+
 def raw_request(pick: Pick) -> bytes:
     """One request: a request line, up to 6 headers (framing headers right, wrong or repeated) and a
     body sent plain or chunked (well-formed or not)."""
-    eol = pick.choice(EOLS)
-    path = pick.choice(PREFIXES) + "/".join(pick.choice(SEGMENTS) for _ in range(pick.choice([0, 1, 2, 3, 5])))
-    line = f"{pick.choice(METHODS)} {path}{pick.choice(QUERIES)} {pick.choice(VERSIONS)}"
+    g = pick.choice([CLEAN, CLEAN, CLEAN, DIRTY])
+    eol = pick.choice(g["eols"])
+    path = pick.choice(g["prefixes"]) + "/".join(pick.choice(g["segments"]) for _ in range(pick.choice([0, 1, 2, 3])))
+    line = f"{pick.choice(g['methods'])} {path}{pick.choice(QUERIES)} {pick.choice(g['versions'])}"
     body = pick.choice(BODIES) if pick.choice([True, False]) else pick.blob(512)
-    framing = pick.choice(["length", "length", "none", "chunked", "chunked-bad", "length-short", "length-long",
-                           "both", "twice"])  # fmt: skip
-    headers = ["Host: x"] if pick.choice([True, True, False]) else []
+    framing = pick.choice(["length", "length", "length", "none", "chunked", "chunked", "chunked-bad",
+                           "length-short", "length-long", "both", "twice"])  # fmt: skip
+    headers = ["Host: x"] if g is CLEAN or pick.choice([True, True, False]) else []
     encoded = body
     if framing in ("length", "length-short", "length-long", "both"):
         delta = {"length-short": -1, "length-long": 7}.get(framing, 0)
@@ -78,7 +102,7 @@ def raw_request(pick: Pick) -> bytes:
         headers.append("Transfer-Encoding: chunked")
         encoded = _chunked(body, pick, bad=framing == "chunked-bad")
     for _ in range(pick.choice([0, 1, 2, 4, 6])):
-        headers.append(f"{pick.choice(NAMES)}:{pick.choice([' ', '', '  '])}{pick.choice(VALUES)}")
+        headers.append(f"{pick.choice(g['names'])}:{pick.choice([' ', '', '  '])}{pick.choice(g['values'])}")
     if pick.choice([True, False]):
         headers.append("Connection: close")
     return (line + eol + "".join(h + eol for h in headers) + eol).encode("utf-8", "surrogateescape") + encoded
