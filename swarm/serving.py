@@ -260,7 +260,27 @@ class HardenedRunner(web.AppRunner):
         self.limits = limits if limits is not None else ServerLimits.from_env()
 
     async def _make_server(self) -> web.Server:
-        return _GuardedServer(await super()._make_server(), self.limits)
+        server = _GuardedServer(await super()._make_server(), self.limits)
+        loop = asyncio.get_running_loop()
+        if loop.get_exception_handler() is None:
+            loop.set_exception_handler(_AcceptErrors(server.lines))
+        return server
+
+
+class _AcceptErrors:
+    """The loop's exception handler: asyncio's accept loop, out of descriptors (EMFILE), pauses a
+    second and says so with a traceback each time; here it is one line at most every interval."""
+
+    def __init__(self, lines: _LineLimiter) -> None:
+        self.lines = lines
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") == "socket.accept() out of system resource":
+            exc = context.get("exception")
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "out of resources"
+            self.lines.log(logging.WARNING, "accept", "HTTP server cannot accept connections: %s", why)
+            return
+        loop.default_exception_handler(context)
 
 
 def limits_of(request: web.BaseRequest) -> ServerLimits:

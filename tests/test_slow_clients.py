@@ -9,15 +9,28 @@ bounded wait, no timing asserted), that its memory stays bounded and that its lo
 
 from __future__ import annotations
 
+import os
+import resource
 import select
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.serverkit import FAST_LIMITS, Server, closed_within, read_until_closed, running_servers, status_of
+from tests.boards import free_port
+from tests.serverkit import (
+    FAST_LIMITS,
+    ROOT,
+    Server,
+    closed_within,
+    read_until_closed,
+    running_servers,
+    status_of,
+)
 
 CAP = int(FAST_LIMITS["PATCHSWARM_HTTP_MAX_CONNECTIONS"])
 MAX_GROWTH_KIB = 64 << 10  # RSS a server may gain over one attack
@@ -93,10 +106,14 @@ def test_slow_readers_are_cut_off(server: Server) -> None:
         s.setblocking(False)
         readers.append((s, memoryview(request)))
     try:
-        end = time.monotonic() + 4  # keep writing the requests (the server reads them as it answers)
+        # Keep writing the requests (the server reads them as it answers) until all are sent or the
+        # server stops taking them for a while (its answers fill the socket and it stops reading).
+        end = time.monotonic() + 6
         while time.monotonic() < end:
             pending = [(s, rest) for s, rest in readers if rest]
-            _, writable, _ = select.select([], [s for s, _ in pending], [], 0.2)
+            _, writable, _ = select.select([], [s for s, _ in pending], [], 0.5)
+            if not writable:
+                break
             for i, (s, rest) in enumerate(readers):
                 if s in writable and rest:
                     try:
@@ -104,6 +121,7 @@ def test_slow_readers_are_cut_off(server: Server) -> None:
                     except OSError:
                         readers[i] = (s, rest[:0])
         assert server.honest() == 200
+        time.sleep(max(0.0, end - 2 - time.monotonic()))  # never read for 4 s: 4 send timeouts
         for s, _ in readers:
             s.setblocking(True)
             got = read_until_closed(s, timeout=20)
@@ -173,3 +191,56 @@ def test_limits_from_environment_are_checked(tmp_path: Path) -> None:
         ServerLimits.from_env({"PATCHSWARM_HTTP_MAX_CONNECTIONS": "many"})
     with pytest.raises(ValueError, match="PATCHSWARM_HTTP_IDLE_TIMEOUT"):
         ServerLimits.from_env({"PATCHSWARM_HTTP_IDLE_TIMEOUT": "0"})
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_out_of_descriptors_the_server_neither_spins_nor_dies(tmp_path: Path) -> None:
+    """The plain board server with 40 descriptors at most (hard limit: it cannot raise it): 80
+    connections leave accept() failing with EMFILE; it pauses accepting instead of spinning, logs a
+    line, and serves again once they are gone."""
+    (tmp_path / "board" / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "board" / "runs" / "r" / "head").write_bytes(b"head")
+    port = free_port()
+    log = tmp_path / "board.log"
+    env = {**os.environ, **FAST_LIMITS, "PATCHSWARM_HTTP_MAX_CONNECTIONS": "1000"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "daemon.cli",
+                "seed",
+                "--board",
+                str(tmp_path / "board"),
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40)),
+        )
+    server = Server("board", proc, log, port=port, honest_path="/runs/r/head")
+    held: list[socket.socket] = []
+    try:
+        server.honest(deadline_s=60)
+        held = [server.connect() for _ in range(80)]  # (the kernel queues what the server cannot accept)
+        before = _cpu_s(proc.pid)
+        time.sleep(3)
+        assert _cpu_s(proc.pid) - before < 1.5, "the accept loop spins"
+        assert "Too many open files" in log.read_text(), log.read_text()[-2000:]
+        for s in held:
+            s.close()
+        assert server.honest() == 200
+        assert proc.poll() is None
+        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        proc.wait(15)
