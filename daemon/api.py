@@ -27,8 +27,10 @@ from typing import Any
 from aiohttp import web
 
 from daemon.status import Status
+from swarm.serving import HardenedRunner, ServerLimits, read_body
 
 MAX_WAIT_S = 300.0
+MAX_BODY_BYTES = 1 << 16
 STATUS_KEY: web.AppKey[Status] = web.AppKey("status", Status)
 LAYOUT_KEY: web.AppKey[Callable[[], dict[str, Any] | None]] = web.AppKey("layout", object)  # type: ignore[arg-type]
 METRICS_KEY: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics", object)  # type: ignore[arg-type]
@@ -97,9 +99,11 @@ async def layout(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    """The request's JSON body; ValueError for anything else (deep nesting included, not a 500)."""
+    """The request's JSON body (413 past MAX_BODY_BYTES, 408 when too slow); ValueError for anything
+    else (deep nesting and bytes that are not UTF-8 included, not a 500)."""
+    data = await read_body(request, MAX_BODY_BYTES)
     try:
-        return await request.json()
+        return json.loads(data)
     except RecursionError as e:
         raise ValueError("JSON nested too deeply") from e
 
@@ -145,7 +149,7 @@ def make_api_app(
     *,
     register_store: StoreRegistrar | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=1 << 16)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[STATUS_KEY] = st
     app[LAYOUT_KEY] = layout_info
     app[METRICS_KEY] = metrics_text
@@ -161,8 +165,11 @@ def make_api_app(
     return app
 
 
-async def serve_unix(app: web.Application, path: str | Path, group: str = "") -> web.AppRunner:
-    """Serve on a unix socket with mode 0660 (and the group, if given); replaces a stale socket file."""
+async def serve_unix(
+    app: web.Application, path: str | Path, group: str = "", limits: ServerLimits | None = None
+) -> web.AppRunner:
+    """Serve on a unix socket with mode 0660 (and the group, if given); replaces a stale socket file.
+    ``limits``: the connection cap and deadlines (default: ServerLimits.from_env())."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +179,7 @@ async def serve_unix(app: web.Application, path: str | Path, group: str = "") ->
         raise PermissionError(f"api.socket: no permission to create a socket in {path.parent}")
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = HardenedRunner(app, limits)
     await runner.setup()
     site = web.UnixSite(runner, str(path))
     await site.start()

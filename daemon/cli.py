@@ -284,9 +284,8 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
 
 
 def cmd_seed(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from daemon.seed import board_app, parse_listen
+    from swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
     try:
         host, port = parse_listen(args.listen)
@@ -296,6 +295,11 @@ def cmd_seed(args: argparse.Namespace) -> int:
         raise UserError(f"{args.board} is not a directory")
     if args.key and not args.run:
         raise UserError("--key needs --run (the run whose head the seed re-signs)")
+    try:
+        limits = ServerLimits.from_env()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    raise_nofile_limit()
     if args.run:
         from daemon.swarm_cli import SwarmCliError, run_seed
 
@@ -308,7 +312,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
 
     try:
         with bind_errors("--listen", args.listen):
-            web.run_app(board_app(args.board), host=host, port=port, print=None, handle_signals=True)
+            run_app(board_app(args.board), host, port, limits)
     except ListenError as e:
         raise UserError(str(e)) from None
     return 0

@@ -21,7 +21,11 @@ BOARD_KEY: web.AppKey[Path] = web.AppKey("board", Path)
 
 def _resolve(board: Path, rel: str) -> Path | None:
     parts = rel.split("/")
-    if not parts or parts[0] not in TOP_LEVEL or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+    if (
+        not parts
+        or parts[0] not in TOP_LEVEL
+        or any(p in ("", ".", "..") or p.startswith(".") or len(p.encode()) > 255 for p in parts)  # (ENAMETOOLONG)
+    ):
         return None
     path = board.joinpath(*parts)
     return path if path.is_file() else None

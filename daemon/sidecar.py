@@ -45,6 +45,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from swarm.client_errors import describe
+from swarm.serving import HardenedRunner, ServerLimits, read_body
 
 log = logging.getLogger(__name__)
 
@@ -560,7 +561,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     settings = request.app[_SETTINGS]
     try:
         header_constraint = constraint_from_headers(request.headers)
-        body = await request.read()
+        body = await read_body(request, settings.max_body_bytes)
         content_type = request.content_type if "Content-Type" in request.headers else ""
         body, body_constraint = split_body_constraint(body, content_type)
         constraint = header_constraint.merged(body_constraint)
@@ -704,8 +705,11 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-    """Serve ``app`` on ``host:port`` (port 0: any free port, reported in the result)."""
+async def serve_app(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None
+) -> RunningServer:
+    """Serve ``app`` on ``host:port`` (port 0: any free port, reported in the result) under ``limits``
+    (the connection cap and deadlines; default: ServerLimits.from_env())."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -716,7 +720,7 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
     except OSError:
         sock.close()
         raise
-    runner = web.AppRunner(app, access_log=None)
+    runner = HardenedRunner(app, limits)
     await runner.setup()
     try:
         await web.SockSite(runner, sock).start()
@@ -728,7 +732,12 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
 
 
 async def start_sidecar(
-    upstream_url: str, gate: VersionGate, host: str = "127.0.0.1", port: int = 0, **options: Any
+    upstream_url: str,
+    gate: VersionGate,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: ServerLimits | None = None,
+    **options: Any,
 ) -> RunningServer:
     """Run the sidecar on a TCP port (``options``: keyword arguments of :func:`make_sidecar_app`)."""
-    return await serve_app(make_sidecar_app(upstream_url, gate, **options), host, port)
+    return await serve_app(make_sidecar_app(upstream_url, gate, **options), host, port, limits)

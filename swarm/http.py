@@ -16,6 +16,7 @@ from aiohttp import web
 
 from protocol.errors import LimitExceededError
 from swarm.client_errors import describe
+from swarm.serving import read_body
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,7 @@ MAX_HOLDERS = 16
 
 def add_routes(app: web.Application, handlers: Handlers) -> None:
     async def gossip(request: web.Request) -> web.Response:
-        data = await request.content.read(MAX_GOSSIP_BYTES + 1)
-        if len(data) > MAX_GOSSIP_BYTES:
-            raise web.HTTPRequestEntityTooLarge(max_size=MAX_GOSSIP_BYTES, actual_size=len(data))
-        handlers.gossip(data)
+        handlers.gossip(await read_body(request, MAX_GOSSIP_BYTES))
         return web.Response(status=204)
 
     async def chunk(request: web.Request) -> web.StreamResponse:
@@ -71,7 +69,16 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
 
     async def board_object(request: web.Request) -> web.Response:
         insist = request.headers.get(INSIST_HEADER) == "1"
-        data = await handlers.object(request.match_info["path"], _requester(request), insist)
+        path = request.match_info["path"]  # (percent-decoded: %2F is a "/" here, %2E%2E a "..")
+        if not _board_path(path):
+            raise web.HTTPNotFound()
+        try:
+            data = await handlers.object(path, _requester(request), insist)
+        except (IsADirectoryError, NotADirectoryError, PermissionError):
+            raise web.HTTPNotFound() from None  # a folder, or nothing a peer may have
+        except OSError as e:  # out of descriptors, a disk error: the peer may come back
+            log.warning("board object %s: %s", path[:100], e.strerror or type(e).__name__)
+            raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}) from None
         if isinstance(data, Missing):
             raise web.HTTPNotFound(headers={HOLDERS_HEADER: ",".join(data.holders)} if data.holders else None)
         if data is None:
@@ -207,6 +214,24 @@ async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> byte
     if len(data) > limit:
         raise LimitExceededError(f"{what}: response runs past the {limit} bytes expected")
     return data
+
+
+BOARD_FOLDERS = frozenset({"runs", "manifests", "chunks", "certs", "trust"})
+
+
+def _board_path(path: str) -> bool:
+    """Whether ``path`` (decoded) can name a board object: a top-level board folder, then names that
+    are not empty, hidden, "." or "..", with no NUL or backslash, each short enough for a file name.
+    (The board's own reader confines what it opens; this turns the rest away before any lookup.)"""
+    parts = path.split("/")
+    return (
+        len(path) <= 1024
+        and len(parts) >= 2
+        and parts[0] in BOARD_FOLDERS
+        and all(p and not p.startswith(".") and len(p.encode()) <= 255 for p in parts)
+        and "\x00" not in path
+        and "\\" not in path
+    )
 
 
 def _requester(request: web.Request) -> str:

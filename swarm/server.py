@@ -14,6 +14,7 @@ from daemon.seed import board_app
 from protocol.keys import KeyPolicy
 from swarm.http import HttpTransport, add_routes
 from swarm.node import ApplyVersion, NodeConfig, SwarmNode
+from swarm.serving import HardenedRunner, ServerLimits, serve_tcp
 from swarm.staging import StagedApply
 from swarm.stores import BoardChunkStore
 from swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
@@ -22,7 +23,7 @@ from swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
 @dataclass
 class RunningNode:
     node: SwarmNode
-    runner: web.AppRunner
+    runner: HardenedRunner
     transport: HttpTransport
     url: str
 
@@ -45,6 +46,7 @@ async def start_http_node(
     rng: random.Random | None = None,
     on_version: Callable[[Held], Awaitable[None] | None] | None = None,
     apply: ApplyVersion | None = None,  # default: swarm.staging.StagedApply (one per node)
+    limits: ServerLimits | None = None,  # default: ServerLimits.from_env()
 ) -> RunningNode:
     """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
     box: list[SwarmNode] = []
@@ -60,11 +62,7 @@ async def start_http_node(
 
     app = board_app(board.root) if board is not None else web.Application()
     add_routes(app, Handlers(gossip, chunk, obj))
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
+    runner, bound = await serve_tcp(app, host, port, limits)
     url = advertise or f"http://{f'[{host}]' if ':' in host else host}:{bound}"  # IPv6 literals in brackets
     transport = HttpTransport()
     node = SwarmNode(

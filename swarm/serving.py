@@ -1,0 +1,362 @@
+"""One hardened way to serve an aiohttp application, for every server of the project: a peer's (and a
+seed's) HTTP endpoints, the plain board server, the sidecar and the daemon's unix-socket API.
+
+aiohttp bounds the request line and header sizes, but on its own it has no deadline for a request's
+headers (a client sending a byte a second holds a connection forever), no cap on connections, no
+deadline on a response the client never reads, and it logs a traceback for every malformed request.
+:class:`HardenedRunner` adds them at the protocol level:
+
+- at most ``max_connections`` connections: one past the cap is answered 503 and closed at once,
+  established ones are untouched;
+- a connection's first request must complete its request line and headers within
+  ``header_timeout_s`` of connecting (half-open connections and slowloris); between requests a
+  connection may stay idle ``idle_timeout_s``, and the next request's headers must complete in that
+  time too (aiohttp's keep-alive timer only counts complete requests);
+- a response the client stops reading (the socket's send buffer stays full for ``send_timeout_s``)
+  aborts the connection, which cancels its handler;
+- a client that goes away cancels its handler, so abandoned long polls leave nothing behind;
+- a malformed request gets its 400 and one log line (rate-limited), never a traceback.
+
+Handlers read request bodies with :func:`read_body`: in a loop until complete, within a size limit
+(413) and ``body_timeout_s`` (408), never assuming a body arrives in one piece.
+
+Tests set small deadlines through ``PATCHSWARM_HTTP_*`` variables (:meth:`ServerLimits.from_env`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "PATCHSWARM_HTTP_"
+# After answering a request whose body it did not read (a 413, a 408), how long the server reads and
+# drops the rest so the answer is not lost to a reset (aiohttp's default, 10 s, holds a slot longer).
+LINGER_S = 2.0
+_REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_connections: int = 1024  # well under the daemon's LimitNOFILE (65536)
+    header_timeout_s: float = 10.0  # connect -> the first request's headers complete
+    idle_timeout_s: float = 60.0  # keep-alive: the end of a response -> the next request's headers
+    body_timeout_s: float = 60.0  # the request line -> its whole body read (read_body)
+    send_timeout_s: float = 60.0  # a response's send buffer stays full this long: the client is gone
+    max_line_size: int = 8190
+    max_field_size: int = 8190
+    max_headers: int = 64
+    log_interval_s: float = 10.0  # at most one line per kind of client misbehaviour per interval
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not value > 0:
+                raise ValueError(f"{ENV_PREFIX}{f.name.removesuffix('_s').upper()}: must be positive, got {value}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ServerLimits:
+        """The defaults, each overridable by ``PATCHSWARM_HTTP_<NAME>`` (``_s`` dropped: HEADER_TIMEOUT);
+        ValueError naming the variable for a value that is not a positive number."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = ENV_PREFIX + f.name.removesuffix("_s").upper()
+            text = env.get(name)
+            if text is None:
+                continue
+            convert = int if f.type == "int" else float
+            try:
+                values[f.name] = convert(text)
+            except ValueError:
+                raise ValueError(f"{name}: expected a positive {convert.__name__}, got {text!r}") from None
+        return cls(**values)
+
+
+class _LineLimiter:
+    """At most one log line per kind per interval; the next one says how many were left out."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self._interval) < self._interval:
+            self._dropped[kind] = self._dropped.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        dropped = self._dropped.pop(kind, 0)
+        suffix = f" ({dropped} more like it since the last line)" if dropped else ""
+        log.log(level, msg + suffix, *args, exc_info=exc_info)
+
+
+_AIOHTTP_QUIET = logging.getLogger("patchswarm.http.aiohttp")
+_AIOHTTP_QUIET.disabled = True
+
+
+class _GuardedServer(web.Server):
+    """aiohttp's connection manager, counting connections and making :class:`_GuardedHandler`s."""
+
+    def __init__(self, inner: web.Server, limits: ServerLimits) -> None:
+        # The application's handler, request factory and handler arguments, as AppRunner built them.
+        kwargs: dict[str, Any] = dict(inner._kwargs)
+        kwargs.update(
+            keepalive_timeout=limits.idle_timeout_s,
+            max_line_size=limits.max_line_size,
+            max_field_size=limits.max_field_size,
+            max_headers=limits.max_headers,
+            lingering_time=LINGER_S,
+            # Bodies as sent: none of our clients compresses one, and a decompressor is a bomb's
+            # way in (the sidecar passes an engine's client's compressed body on untouched).
+            auto_decompress=False,
+            logger=_AIOHTTP_QUIET,  # every line goes through _GuardedHandler's rate-limited ones
+        )
+        super().__init__(
+            inner.request_handler,
+            request_factory=inner.request_factory,
+            handler_cancellation=True,  # a client gone: its handler ends (no abandoned long polls pile up)
+            loop=inner._loop,
+            **kwargs,
+        )
+        self.limits = limits
+        self.open = 0
+        self.lines = _LineLimiter(limits.log_interval_s)
+
+    def __call__(self) -> _GuardedHandler:
+        return _GuardedHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _GuardedHandler(web.RequestHandler):
+    __slots__ = ("_counted", "_guard", "_header_timer", "_send_timer")
+
+    def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = manager
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._counted = False
+
+    @property
+    def limits(self) -> ServerLimits:
+        return self._guard.limits
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        guard = self._guard
+        if guard.open >= guard.limits.max_connections:
+            # Refused before aiohttp sees it: no handler task, no parser state, the established
+            # connections untouched.  The short answer tells an honest client to come back.
+            self._manager = None  # (connection_lost then does nothing)
+            self._force_close = True
+            guard.lines.log(logging.WARNING, "cap", "HTTP connection cap (%d) reached: refusing", guard.open)
+            if isinstance(transport, asyncio.WriteTransport):
+                transport.write(_REFUSAL)
+            transport.close()
+            return
+        guard.open += 1
+        self._counted = True
+        _set_user_timeout(transport, guard.limits.send_timeout_s)
+        self._header_timer = self._loop.call_later(guard.limits.header_timeout_s, self._headers_late)
+        super().connection_made(transport)
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._request_count == 0 and self.transport is not None:
+            self._guard.lines.log(logging.INFO, "slow", "HTTP client sent no complete request in time: closed")
+            self.force_close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is not None and self._request_count > 0:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self._loop.call_later(self._guard.limits.send_timeout_s, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_stalled(self) -> None:
+        self._send_timer = None
+        if self.transport is not None:
+            self._guard.lines.log(logging.INFO, "stall", "HTTP client stopped reading its response: closed")
+            self.transport.abort()  # close() would wait for the buffer to drain, which it never will
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        for timer in (self._header_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._send_timer = None
+        if self._counted:
+            self._counted = False
+            self._guard.open -= 1
+        super().connection_lost(exc)
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if isinstance(exc, BadHttpMethod) and self._request_count == 1:
+            # (aiohttp logs this one, not-HTTP-at-all traffic, itself: to the quiet logger)
+            self._guard.lines.log(logging.INFO, "malformed", "malformed HTTP request: %s", _one_line(exc))
+        return super().handle_error(request, status, exc, message)
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
+            # A malformed request (bad request line, header, length, chunk): the client's fault, one line.
+            self._guard.lines.log(logging.INFO, "malformed", "malformed HTTP request: %s", _one_line(exc))
+        elif isinstance(exc, ConnectionError):
+            self._guard.lines.log(logging.DEBUG, "gone", "HTTP client went away: %s", type(exc).__name__)
+        else:
+            # A handler's own failure (a 500): a bug, worth its traceback, but not once per request.
+            self._guard.lines.log(logging.ERROR, "bug", "HTTP handler failed", exc_info=exc)
+
+
+def _set_user_timeout(transport: asyncio.BaseTransport, seconds: float) -> None:
+    """TCP: the kernel drops a connection whose sent data stays unacknowledged, or unsent behind a
+    zero window, this long: the deadline for a client that stops reading a file sent with sendfile
+    (which bypasses the transport's buffer, so pause_writing never sees it) or that vanished."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
+
+
+def _one_line(exc: BaseException) -> str:
+    message = getattr(exc, "message", None) or str(exc)
+    text = message if isinstance(message, str) and message else type(exc).__name__
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+class HardenedRunner(web.AppRunner):
+    """An AppRunner whose connections get :class:`ServerLimits` (use with TCPSite, UnixSite, SockSite)."""
+
+    def __init__(self, app: web.Application, limits: ServerLimits | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("access_log", None)
+        kwargs.setdefault("handle_signals", False)
+        super().__init__(app, **kwargs)
+        self.limits = limits if limits is not None else ServerLimits.from_env()
+
+    async def _make_server(self) -> web.Server:
+        server = _GuardedServer(await super()._make_server(), self.limits)
+        loop = asyncio.get_running_loop()
+        if loop.get_exception_handler() is None:
+            loop.set_exception_handler(_AcceptErrors(server.lines))
+        return server
+
+
+class _AcceptErrors:
+    """The loop's exception handler: asyncio's accept loop, out of descriptors (EMFILE), pauses a
+    second and says so with a traceback each time; here it is one line at most every interval."""
+
+    def __init__(self, lines: _LineLimiter) -> None:
+        self.lines = lines
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") == "socket.accept() out of system resource":
+            exc = context.get("exception")
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "out of resources"
+            self.lines.log(logging.WARNING, "accept", "HTTP server cannot accept connections: %s", why)
+            return
+        loop.default_exception_handler(context)
+
+
+def limits_of(request: web.BaseRequest) -> ServerLimits:
+    """The limits the request's server runs under (the defaults for a plain aiohttp server)."""
+    proto = request.protocol
+    return proto.limits if isinstance(proto, _GuardedHandler) else _DEFAULTS
+
+
+_DEFAULTS = ServerLimits()
+
+
+async def read_body(request: web.BaseRequest, limit: int) -> bytes:
+    """The whole request body, read piece by piece as it arrives: 413 past ``limit`` bytes (checked
+    against Content-Length first), 408 when it has not all come within the server's body deadline."""
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    parts: list[bytes] = []
+    got = 0
+    try:
+        async with asyncio.timeout(limits_of(request).body_timeout_s):
+            while True:
+                piece = await request.content.readany()
+                if not piece:
+                    break
+                got += len(piece)
+                if got > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=got)
+                parts.append(piece)
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text="request body too slow\n") from None
+    except RequestPayloadError as e:  # a malformed chunked body
+        raise web.HTTPBadRequest(text=f"request body: {_one_line(e.__cause__ or e)}\n") from None
+    return b"".join(parts)
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (a server holds a descriptor per
+    connection, a file per chunk served); returns the (soft, hard) now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, want, e)
+    return soft, hard
+
+
+async def serve_tcp(
+    app: web.Application, host: str, port: int, limits: ServerLimits | None = None
+) -> tuple[HardenedRunner, int]:
+    """Serve ``app`` on ``host:port`` under ``limits``; returns the runner and the bound port."""
+    runner = HardenedRunner(app, limits)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
+def run_app(app: web.Application, host: str, port: int, limits: ServerLimits | None = None) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop)."""
+
+    async def main() -> None:
+        runner, _ = await serve_tcp(app, host, port, limits)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
