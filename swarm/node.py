@@ -39,7 +39,16 @@ from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request,
 from protocol.signed import Envelope
 from protocol.trees import StripeTrees
 from protocol.trust import TrustState
-from protocol.wire import Announcement, GossipFrame, WireError, decode_frame, encode_frame
+from protocol.wire import (
+    SEQ_PER_MS,
+    STALE,
+    Announcement,
+    FrameGuard,
+    GossipFrame,
+    WireError,
+    decode_frame,
+    encode_frame,
+)
 from swarm.futures import drain, settle
 from swarm.sources import SwarmSource
 from swarm.stores import ChunkStore, MemoryChunkStore
@@ -194,6 +203,8 @@ class Metrics:
     apply_failures: int = 0
     upload_stalls: int = 0  # transfers aborted at their deadline (the requester stopped reading)
     requester_refusals: int = 0  # requests refused for their requester's share or rest (upload_stall_rest)
+    gossip_stale: int = 0  # authenticated gossip frames refused as too old (or too far ahead)
+    gossip_replayed: int = 0  # authenticated gossip frames refused as repeats of one accepted before
 
 
 class SwarmNode:
@@ -232,6 +243,11 @@ class SwarmNode:
         self.seed_bytes_by_manifest: dict[bytes, int] = {}
         self.peer_bytes_by_manifest: dict[bytes, int] = {}
         self.membership = Membership(self.info, config.membership, rng, clock.now())
+        # Frame freshness (protocol/wire.py): our frames' counter, and the check on the frames we receive.
+        self._frame_seq = int(clock.wall() * 1000) * SEQ_PER_MS
+        self.frame_guard = FrameGuard(
+            round(config.membership.frame_window * 1000), round(config.membership.frame_skew * 1000)
+        )
         self.peers: dict[str, PeerView] = {}
         self.head: Head | None = None
         self.head_counter = -1
@@ -310,6 +326,9 @@ class SwarmNode:
 
     def _wall(self) -> float:
         return self.clock.wall()
+
+    def _wall_ms(self) -> int:
+        return int(self.clock.wall() * 1000)
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         loop = self._io_loop
@@ -450,7 +469,8 @@ class SwarmNode:
         return None
 
     def _frame(self, message: Message | None) -> bytes:
-        frame = GossipFrame(self.info, self.announcement(), message)
+        self._frame_seq += 1
+        frame = GossipFrame(self.info, self.announcement(), message, self._wall_ms(), self._frame_seq)
         return encode_frame(self.config.cluster_secret, frame)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -475,6 +495,14 @@ class SwarmNode:
             log.warning("%s: dropped gossip: %s", self.info.node_id, e)
             return
         if frame.sender.node_id == self.info.node_id:
+            return
+        if (why := self.frame_guard.check(frame.sender.node_id, frame.sent_ms, frame.seq, self._wall_ms())) is not None:
+            # Authenticated but not fresh: a replay, or a sender whose clock is off by more than frame_skew.
+            if why == STALE:
+                self.metrics.gossip_stale += 1
+            else:
+                self.metrics.gossip_replayed += 1
+            log.debug("%s: dropped gossip from %s: %s", self.info.node_id, frame.sender.node_id, why)
             return
         now = self.clock.now()
         if frame.message is not None:  # None: an availability push only

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import json
 import math
 import random
 import socket
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -28,6 +25,7 @@ from simulations.transport import SimNet
 from swarm.http import HELD_HEADER, PREFIX, HttpTransport, add_routes
 from swarm.node import NodeConfig, SwarmNode
 from swarm.transport import Busy, Handlers, Missing, SendChunk
+from tests.node_worker_client import NodeWorker
 from tests.swarmkit import RUN, SECRET
 
 MB = 1_000_000
@@ -529,36 +527,12 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
 # ------------------------------------------------------------ deadlines and per-requester limits
 
 
-class _SlotWorker:
-    """tests/slot_worker.py: a node process serving one chunk over real HTTP."""
+class _SlotWorker(NodeWorker):
+    """tests/node_worker.py: a node process serving one chunk over real HTTP."""
 
     def __init__(self, slots: int, deadline: float, size: int) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "tests.slot_worker", str(slots), str(deadline), str(size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.p.stdout is not None
-        hello = json.loads(self.p.stdout.readline())
-        self.port: int = hello["port"]
-        self.path = f"{PREFIX}/chunks/{hello['hash']}"
-
-    def metrics(self) -> dict[str, int]:
-        assert self.p.stdin is not None and self.p.stdout is not None
-        self.p.stdin.write("metrics\n")
-        self.p.stdin.flush()
-        return json.loads(self.p.stdout.readline())  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        assert self.p.stdin is not None and self.p.stdout is not None
-        self.p.stdin.close()
-        try:
-            self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-        self.p.stdout.close()
+        super().__init__("server", "--slots", str(slots), "--deadline", str(deadline), "--chunk-bytes", str(size))
+        self.path = f"{PREFIX}/chunks/{self.hello['hash']}"
 
     def stall(self, node: str) -> socket.socket:
         """A client that asks for the chunk and never reads: a tiny receive buffer, so the server's
