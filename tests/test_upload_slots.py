@@ -24,7 +24,7 @@ from simulations.network import Host, Network, Region
 from simulations.transport import SimNet
 from swarm.http import HELD_HEADER, PREFIX, HttpTransport, add_routes
 from swarm.node import NodeConfig, SwarmNode
-from swarm.transport import Busy, Handlers, Missing, SendChunk
+from swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
 from tests.node_worker_client import NodeWorker
 from tests.swarmkit import RUN, SECRET
 
@@ -772,3 +772,28 @@ def test_requester_limits_forget_the_oldest_stall_first_and_cap_the_rest() -> No
 def test_upload_limits_are_checked(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         NodeConfig("a", RUN, SECRET, **bad)  # type: ignore[arg-type]
+
+
+def test_a_slow_simulated_requester_is_cut_at_the_deadline_and_its_flow_stopped() -> None:
+    """The same deadline in the simulator: a requester on a 1 kB/s downlink asking for 1 MB gets a
+    reset after 2 s (its flow stopped, no bytes delivered), and the next requester is served."""
+
+    async def main() -> None:
+        hosts = [Host("a", "r"), Host("slow", "r", down=1000), Host("c", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_queue=0, upload_deadline=2.0, upload_floor_rate=1e9)
+        node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        node.chunks.put(b"h", b"x" * MB)
+        net.register("sim://a", "a", node.handlers())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TransportError, match="connection reset"):
+            await net.transport("slow").get_chunk("sim://a", b"h", MB, 60.0, "slow")
+        assert loop.time() - start == pytest.approx(2.0 + 0.002, abs=0.01)
+        assert net.network.active_flows() == []
+        assert node.metrics.upload_stalls == 1
+        _no_slot_leaked(node)
+        assert await net.transport("c").get_chunk("sim://a", b"h", MB, 60.0, "c") == b"x" * MB
+        net.close()
+
+    run_virtual(main())
