@@ -211,3 +211,11 @@ async def test_a_captured_frame_replayed_to_a_node_process_is_refused() -> None:
         target.close()
         await session.close()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("bad", [{"frame_window": -1.0}, {"frame_skew": -1.0}, {"frame_window": float("inf")}])
+def test_frame_windows_are_checked(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="frame_window and frame_skew"):
+        MembershipConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        FrameGuard(-1, 0)
