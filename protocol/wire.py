@@ -179,6 +179,11 @@ class FrameGuard:
         if age > self._max_age or age < -self._skew:
             return STALE
         entry = self._seen.get(sender)
+        if entry is not None and now_ms - entry[2] > self._max_age:
+            # Every frame it recorded is stale: start afresh (a sender restarted with a clock set back
+            # counts from below its old seqs, and is heard again once its old frames are all stale).
+            del self._seen[sender]
+            entry = None
         if entry is None:
             if sent_ms <= self._floor_ms:
                 return STALE

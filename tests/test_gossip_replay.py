@@ -219,3 +219,29 @@ def test_frame_windows_are_checked(bad: dict[str, float]) -> None:
         MembershipConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         FrameGuard(-1, 0)
+
+
+def test_a_sender_restarted_with_its_clock_set_back_is_heard_once_its_old_frames_are_stale() -> None:
+    guard = FrameGuard(WINDOW, SKEW)
+    assert guard.check("a", NOW, 5_000_000, NOW) is None
+    assert guard.check("a", NOW + 10, 1_000, NOW + 10) == REPLAYED  # restarted, counting from lower
+    later = NOW + WINDOW + SKEW + 1
+    assert guard.check("a", later, 1_001, later) is None
+    assert guard.check("a", NOW, 5_000_000, later) == STALE  # and the old frames stay refused
+
+
+def test_a_restarted_node_counts_on_from_above_its_last_run() -> None:
+    async def main() -> None:
+        net = SimNet(Network([Host("a", "r")], [Region("r", 0.001)]))
+        clock = SimClock(EPOCH)
+        cfg = NodeConfig("a", RUN, SECRET)
+        guard = FrameGuard(WINDOW, SKEW)
+        for _ in range(2):
+            node = SwarmNode(cfg, "sim://a", net.transport("a"), clock, TrustState(b"k" * 32), random.Random(0))
+            for _ in range(3):
+                f = decode_frame(SECRET, node._frame(None))
+                assert guard.check("a", f.sent_ms, f.seq, round(clock.wall() * 1000)) is None
+            await asyncio.sleep(0.01)  # restarted 10 ms later
+        net.close()
+
+    run_virtual(main())
