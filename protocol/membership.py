@@ -177,8 +177,9 @@ class MembershipConfig:
     max_members: int = 0  # >0: a bounded view of at most this many other members (see the module docstring)
     # Gossip frames older than frame_window (by their sender's clock, beyond frame_skew) or more than
     # frame_skew ahead are refused, as are repeats: a captured frame cannot be replayed (protocol/wire.py).
+    # The skew is the daemon's trust.clock_skew default: a host its heads tolerate is heard too.
     frame_window: float = 60.0
-    frame_skew: float = 60.0
+    frame_skew: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 < self.probe_timeout < self.probe_interval:
