@@ -175,6 +175,11 @@ class MembershipConfig:
     suspicion_confirmations: int = 3  # Lifeguard K: independent suspectors expected
     nack_fraction: float = 0.8  # a helper nacks after this share of (probe_interval - probe_timeout)
     max_members: int = 0  # >0: a bounded view of at most this many other members (see the module docstring)
+    # Gossip frames older than frame_window (by their sender's clock, beyond frame_skew) or more than
+    # frame_skew ahead are refused, as are repeats: a captured frame cannot be replayed (protocol/wire.py).
+    # The skew is the daemon's trust.clock_skew default: a host its heads tolerate is heard too.
+    frame_window: float = 60.0
+    frame_skew: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 < self.probe_timeout < self.probe_interval:
@@ -191,6 +196,8 @@ class MembershipConfig:
             raise ValueError("need 0 < nack_fraction < 1")
         if self.max_members < 0:
             raise ValueError("max_members must be >= 0 (0: every member)")
+        if not (0 <= self.frame_window < math.inf and 0 <= self.frame_skew < math.inf):
+            raise ValueError("frame_window and frame_skew must be finite and >= 0")
 
     @property
     def nack_timeout(self) -> float:

@@ -1,12 +1,18 @@
 """Gossip frames between swarm nodes: msgpack, authenticated with the cluster secret.
 
-    frame = msgpack ["patchswarm/gossip/1", body: bin, mac: bin32]
-    mac   = HMAC-SHA256(cluster secret, "patchswarm/gossip/v1\\0" || body)
-    body  = msgpack [sender, announcement, message | nil, sent_ms]
+    frame = msgpack ["patchswarm/gossip/2", body: bin, mac: bin32]
+    mac   = HMAC-SHA256(cluster secret, "patchswarm/gossip/v2\\0" || body)
+    body  = msgpack [sender, announcement, message | nil, sent_ms, seq]
 
 The MAC keeps outsiders from injecting members or availability claims; it never protects data:
 chunks, manifests and heads are verified against the trainer's signatures whatever their source.
 Every decoded field is type- and bound-checked; anything else raises WireError.
+
+Version 2 added freshness (version 1 had no ``seq``, and a frame captured once could be replayed
+forever): ``sent_ms`` is the sender's wall clock in ms and ``seq`` counts up with every frame it
+sends (from its start time in ms x 1024, so it keeps rising across restarts).  ``FrameGuard`` is the
+receiver's side: frames too old or from too far ahead, and (sender, seq) pairs already accepted, are
+refused.  Time comes in from the caller (sans-IO).
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from protocol.membership import (
     Update,
 )
 
-FRAME_TAG = "patchswarm/gossip/1"
-MAC_DOMAIN = b"patchswarm/gossip/v1\x00"
+FRAME_TAG = "patchswarm/gossip/2"
+OLD_FRAME_TAGS = ("patchswarm/gossip/1",)
+MAC_DOMAIN = b"patchswarm/gossip/v2\x00"
+SEQ_PER_MS = 1024  # a sender's first seq is its start time in ms times this (see module docstring)
 MAX_FRAME = 1 << 20
 MAX_UPDATES = 4096
 assert MAX_SYNC_MEMBERS <= MAX_UPDATES  # a Sync a node sends must be one its peers accept
@@ -81,13 +89,17 @@ class GossipFrame:
     sender: NodeInfo
     announcement: Announcement
     message: Message | None  # None: an availability push only
-    sent_ms: int
+    sent_ms: int  # the sender's wall clock, ms
+    seq: int  # the sender's frame counter (see the module docstring)
 
-    def __init__(self, sender: NodeInfo, announcement: Announcement, message: Message | None, sent_ms: int = 0) -> None:
+    def __init__(
+        self, sender: NodeInfo, announcement: Announcement, message: Message | None, sent_ms: int = 0, seq: int = 0
+    ) -> None:
         object.__setattr__(self, "sender", sender)
         object.__setattr__(self, "announcement", announcement)
         object.__setattr__(self, "message", message)
         object.__setattr__(self, "sent_ms", sent_ms)
+        object.__setattr__(self, "seq", seq)
 
 
 def mac(secret: bytes, body: bytes) -> bytes:
@@ -96,7 +108,8 @@ def mac(secret: bytes, body: bytes) -> bytes:
 
 def encode_frame(secret: bytes, frame: GossipFrame) -> bytes:
     body = msgpack.packb(
-        [_info(frame.sender), _ann(frame.announcement), _msg(frame.message), frame.sent_ms], use_bin_type=True
+        [_info(frame.sender), _ann(frame.announcement), _msg(frame.message), frame.sent_ms, frame.seq],
+        use_bin_type=True,
     )
     packed: bytes = msgpack.packb([FRAME_TAG, body, mac(secret, body)], use_bin_type=True)
     return packed
@@ -110,6 +123,8 @@ def decode_frame(secret: bytes, data: bytes) -> GossipFrame:
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise WireError(f"gossip frame is malformed ({type(e).__name__})") from None
     if not (isinstance(outer, list) and len(outer) == 3 and outer[0] == FRAME_TAG):
+        if isinstance(outer, list) and outer and outer[0] in OLD_FRAME_TAGS:
+            raise WireError(f"gossip frame is {outer[0]!r}: this node speaks {FRAME_TAG!r} (upgrade every node)")
         raise WireError("not a patchswarm gossip frame")
     _, body, tag = outer
     if not isinstance(body, bytes) or not isinstance(tag, bytes):
@@ -118,13 +133,90 @@ def decode_frame(secret: bytes, data: bytes) -> GossipFrame:
         raise WireError("gossip frame fails authentication (wrong cluster secret or tampered)")
     try:
         obj = msgpack.unpackb(body, raw=False, use_list=True, max_str_len=MAX_STR, max_array_len=MAX_UPDATES)
-        if not (isinstance(obj, list) and len(obj) == 4):
-            raise WireError("gossip body must be [sender, announcement, message, sent_ms]")
-        return GossipFrame(_to_info(obj[0]), _to_ann(obj[1]), _to_msg(obj[2]), _uint(obj[3]))
+        if not (isinstance(obj, list) and len(obj) == 5):
+            raise WireError("gossip body must be [sender, announcement, message, sent_ms, seq]")
+        return GossipFrame(_to_info(obj[0]), _to_ann(obj[1]), _to_msg(obj[2]), _uint(obj[3]), _uint(obj[4]))
     except WireError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as e:
         raise WireError(f"gossip body is malformed ({type(e).__name__})") from None
+
+
+# ---------------------------------------------------------------- freshness
+
+STALE = "stale"  # sent longer ago than the window (plus the skew allowed), or further ahead than the skew
+REPLAYED = "replayed"  # this sender's seq was accepted already (or is too far behind its newest to tell)
+REPLAY_BITS = 1024  # seqs below a sender's newest that are remembered one by one (reordering tolerated)
+_REPLAY_MASK = (1 << REPLAY_BITS) - 1
+
+
+class FrameGuard:
+    """The receiver's freshness check on authenticated frames (pure: the caller passes the time).
+
+    A frame is fresh when ``-skew_ms <= now_ms - sent_ms <= window_ms + skew_ms`` and its sender has
+    not had its ``seq`` accepted before.  Per sender: the highest seq accepted and a bitmap of the
+    ``REPLAY_BITS`` below it, as IPsec's anti-replay window (frames may arrive out of order: gossip
+    goes out concurrently), and the newest ``sent_ms`` accepted.  A sender's entry is dropped once
+    every frame it recorded is stale anyway; the table holds at most ``senders`` entries, and when
+    it is full of live ones the oldest goes, and frames sent before that sender's newest are refused
+    from senders that enter the table after it (their replays could no longer be told apart)."""
+
+    __slots__ = ("_floor_ms", "_max_age", "_seen", "_senders", "_skew")
+
+    def __init__(self, window_ms: int, skew_ms: int, senders: int = 1 << 14) -> None:
+        if window_ms < 0 or skew_ms < 0 or senders < 1:
+            raise ValueError("window_ms and skew_ms must be >= 0, senders >= 1")
+        self._max_age = window_ms + skew_ms
+        self._skew = skew_ms
+        self._senders = senders
+        # sender -> [highest seq, bitmap below it, newest sent_ms, floor_ms when the entry was made]
+        self._seen: dict[str, list[int]] = {}
+        self._floor_ms = -1
+
+    def check(self, sender: str, sent_ms: int, seq: int, now_ms: int) -> str | None:
+        """None, recording the frame as seen; or why it is refused (``STALE``, ``REPLAYED``)."""
+        age = now_ms - sent_ms
+        if age > self._max_age or age < -self._skew:
+            return STALE
+        entry = self._seen.get(sender)
+        if entry is not None and now_ms - entry[2] > self._max_age:
+            # Every frame it recorded is stale: start afresh (a sender restarted with a clock set back
+            # counts from below its old seqs, and is heard again once its old frames are all stale).
+            del self._seen[sender]
+            entry = None
+        if entry is None:
+            if sent_ms <= self._floor_ms:
+                return STALE
+            self._make_room(now_ms)
+            self._seen[sender] = [seq, 1, sent_ms, self._floor_ms]
+            return None
+        if sent_ms <= entry[3]:
+            return STALE  # from before an eviction: its seq may be one the evicted entry held
+        top = entry[0]
+        if seq > top:
+            shift = seq - top
+            entry[0] = seq
+            entry[1] = ((entry[1] << shift) | 1) & _REPLAY_MASK if shift < REPLAY_BITS else 1
+        else:
+            back = top - seq
+            if back >= REPLAY_BITS or (entry[1] >> back) & 1:
+                return REPLAYED
+            entry[1] |= 1 << back
+        if sent_ms > entry[2]:
+            entry[2] = sent_ms
+        return None
+
+    def _make_room(self, now_ms: int) -> None:
+        if len(self._seen) < self._senders:
+            return
+        for sender in [s for s, e in self._seen.items() if now_ms - e[2] > self._max_age]:
+            del self._seen[sender]  # all its frames are stale now: nothing left to remember
+        if len(self._seen) >= self._senders:
+            oldest = next(iter(self._seen))
+            self._floor_ms = max(self._floor_ms, self._seen.pop(oldest)[2])
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 # ---------------------------------------------------------------- encoders

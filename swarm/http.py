@@ -9,6 +9,7 @@ GET  /swarm/v1/board/<path>      a board object the node holds (head, manifest, 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 
 import aiohttp
@@ -54,8 +55,17 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
                 await resp.write(data)
             except ConnectionResetError:
                 pass  # the requester gave up (an endgame duplicate that lost, a deadline): nothing to send
+            except asyncio.CancelledError:
+                # Cut mid-reply (the node's deadline for the transfer: the requester stopped reading; or a
+                # shutdown): the connection can carry nothing more, and its buffers hold up to a chunk.
+                if request.transport is not None:
+                    request.transport.abort()
+                raise
 
-        reply = await handlers.chunk(chunk_hash, _requester(request), _held(request), send)
+        if handlers.chunk_from is not None:
+            reply = await handlers.chunk_from(chunk_hash, _requester(request), _held(request), send, _origin(request))
+        else:
+            reply = await handlers.chunk(chunk_hash, _requester(request), _held(request), send)
         if isinstance(reply, Busy):
             headers = {"Retry-After": f"{reply.retry_after:.3f}"}
             if reply.holders:
@@ -237,6 +247,18 @@ def _board_path(path: str) -> bool:
 def _requester(request: web.Request) -> str:
     """The requester's X-Patchswarm-Node (unverified: a name to count and to name to others), capped."""
     return request.headers.get(NODE_HEADER, "")[:256]
+
+
+def _origin(request: web.Request) -> str:
+    """Who a request counts against for per-requester upload limits: the address it came from (the node
+    id it sends is unverified, and costs nothing to change).  Loopback peers are this machine's own
+    processes (a test swarm, or a proxy in front of the port), told apart by the node id they send."""
+    ip = request.remote or ""
+    try:
+        loopback = ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        loopback = False  # not an IP address (a unix socket): counted as one
+    return f"{ip} {_requester(request)}" if loopback else ip
 
 
 def _held(request: web.Request) -> int:

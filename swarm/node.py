@@ -34,11 +34,21 @@ from protocol.manifest import Manifest
 from protocol.membership import Membership, MembershipConfig, MemberState, Message, NodeInfo, Send
 from protocol.patchfile import apply_version
 from protocol.ratelimit import TokenBucket, UploadSlots
+from protocol.requesters import RequesterLimits
 from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
 from protocol.signed import Envelope
 from protocol.trees import StripeTrees
 from protocol.trust import TrustState
-from protocol.wire import Announcement, GossipFrame, WireError, decode_frame, encode_frame
+from protocol.wire import (
+    SEQ_PER_MS,
+    STALE,
+    Announcement,
+    FrameGuard,
+    GossipFrame,
+    WireError,
+    decode_frame,
+    encode_frame,
+)
 from swarm.futures import drain, settle
 from swarm.sources import SwarmSource
 from swarm.stores import ChunkStore, MemoryChunkStore
@@ -112,6 +122,17 @@ class NodeConfig:
     # hosts, tests/test_sim_agreement.py: 10.2-12.6 s with a line of 2 against 9.3-9.7 s with 4).
     seed_upload_queue: int = 4
     busy_retry_after: float = 0.2
+    # Every transfer has a deadline, max(upload_deadline, chunk bytes / upload_floor_rate): a requester
+    # that stops reading would otherwise hold its slot forever, and a few such connections lock every
+    # honest requester out.  On expiry the connection is aborted and the slot freed; the requester (by
+    # the address it connects from) rests upload_stall_rest s, doubling per stall, up to upload_stall_max_rest.
+    upload_deadline: float = 30.0
+    upload_floor_rate: float = 128 * 1024  # bytes/s (a 4 MiB chunk: 32 s)
+    upload_stall_rest: float = 30.0
+    upload_stall_max_rest: float = 900.0
+    # Uploads one requester (by address) may have under way or waiting at once; 0: all slots but one,
+    # so that a single client never holds them all.
+    uploads_per_requester: int = 0
     # A seed hands out each chunk at most once per window ("super-seeding"): peers then get it from
     # each other, and the seed's uplink goes to chunks the swarm does not have yet.
     seed_copy_window: float = 2.0
@@ -147,6 +168,12 @@ class NodeConfig:
             raise ValueError("tree_fanout must be >= 0")
         if not 0 <= self.tree_settle < math.inf:
             raise ValueError("tree_settle must be finite and >= 0")
+        if not (0 < self.upload_deadline < math.inf and self.upload_floor_rate > 0):
+            raise ValueError("upload_deadline must be finite and > 0, upload_floor_rate > 0")
+        if not 0 <= self.upload_stall_rest <= self.upload_stall_max_rest < math.inf:
+            raise ValueError("upload_stall_rest must be >= 0 and at most upload_stall_max_rest (finite)")
+        if self.uploads_per_requester < 0:
+            raise ValueError("uploads_per_requester must be >= 0")
 
 
 @dataclass(init=False)
@@ -175,6 +202,10 @@ class Metrics:
     bans: int = 0
     versions_applied: int = 0
     apply_failures: int = 0
+    upload_stalls: int = 0  # transfers aborted at their deadline (the requester stopped reading)
+    requester_refusals: int = 0  # requests refused for their requester's share or rest (upload_stall_rest)
+    gossip_stale: int = 0  # authenticated gossip frames refused as too old (or too far ahead)
+    gossip_replayed: int = 0  # authenticated gossip frames refused as repeats of one accepted before
 
 
 class SwarmNode:
@@ -213,6 +244,11 @@ class SwarmNode:
         self.seed_bytes_by_manifest: dict[bytes, int] = {}
         self.peer_bytes_by_manifest: dict[bytes, int] = {}
         self.membership = Membership(self.info, config.membership, rng, clock.now())
+        # Frame freshness (protocol/wire.py): our frames' counter, and the check on the frames we receive.
+        self._frame_seq = int(clock.wall() * 1000) * SEQ_PER_MS
+        self.frame_guard = FrameGuard(
+            round(config.membership.frame_window * 1000), round(config.membership.frame_skew * 1000)
+        )
         self.peers: dict[str, PeerView] = {}
         self.head: Head | None = None
         self.head_counter = -1
@@ -228,6 +264,12 @@ class SwarmNode:
             # With trees every root keeps max_inflight_per_parent requests here: serve them all at once.
             slots = max(config.seed_max_uploads, config.tree_fanout * config.scheduler.max_inflight_per_parent)
         self.upload_slots = UploadSlots(slots)
+        self.requesters = RequesterLimits(
+            config.uploads_per_requester or max(1, slots - 1),
+            rest=config.upload_stall_rest,
+            max_rest=config.upload_stall_max_rest,
+            memory=4 * config.upload_stall_max_rest,  # a requester stalling again within it rests longer
+        )
         self.source = SwarmSource(self)
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
@@ -277,11 +319,18 @@ class SwarmNode:
 
     def handlers(self) -> Handlers:
         return Handlers(
-            gossip=self.handle_gossip, chunk=self.handle_chunk, object=self.handle_object, refuse=self.refuse_chunk
+            gossip=self.handle_gossip,
+            chunk=self.handle_chunk,
+            object=self.handle_object,
+            refuse=self.refuse_chunk,
+            chunk_from=self.handle_chunk,
         )
 
     def _wall(self) -> float:
         return self.clock.wall()
+
+    def _wall_ms(self) -> int:
+        return int(self.clock.wall() * 1000)
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         loop = self._io_loop
@@ -422,7 +471,8 @@ class SwarmNode:
         return None
 
     def _frame(self, message: Message | None) -> bytes:
-        frame = GossipFrame(self.info, self.announcement(), message)
+        self._frame_seq += 1
+        frame = GossipFrame(self.info, self.announcement(), message, self._wall_ms(), self._frame_seq)
         return encode_frame(self.config.cluster_secret, frame)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -447,6 +497,14 @@ class SwarmNode:
             log.warning("%s: dropped gossip: %s", self.info.node_id, e)
             return
         if frame.sender.node_id == self.info.node_id:
+            return
+        if (why := self.frame_guard.check(frame.sender.node_id, frame.sent_ms, frame.seq, self._wall_ms())) is not None:
+            # Authenticated but not fresh: a replay, or a sender whose clock is off by more than frame_skew.
+            if why == STALE:
+                self.metrics.gossip_stale += 1
+            else:
+                self.metrics.gossip_replayed += 1
+            log.debug("%s: dropped gossip from %s: %s", self.info.node_id, frame.sender.node_id, why)
             return
         now = self.clock.now()
         if frame.message is not None:  # None: an availability push only
@@ -674,33 +732,58 @@ class SwarmNode:
     # ------------------------------------------------------------ serving
 
     async def handle_chunk(
-        self, chunk_hash: bytes, requester: str, held: int, send: SendChunk
+        self, chunk_hash: bytes, requester: str, held: int, send: SendChunk, origin: str = ""
     ) -> Busy | Missing | None:
         """Answer a chunk request: Busy, Missing, or None after sending the bytes through ``send``.
 
-        The upload slot is held until ``send`` returns: the slots bound the transfers under way, so a
-        requester finds a free uplink or is told to come back, instead of every chunk being shared out
-        at once and each taking longer (a relay can pass on only what it has received in full).
+        The upload slot is held until ``send`` returns, or until the transfer's deadline (see
+        ``_send_within``): the slots bound the transfers under way, so a requester finds a free uplink
+        or is told to come back, instead of every chunk being shared out at once and each taking
+        longer (a relay can pass on only what it has received in full).
         ``held``: chunks of that version the requester says it holds (-1: not said; see
-        ``_requester_finishing``)."""
+        ``_requester_finishing``).  ``origin``: where the request came from (a transport on real
+        sockets passes the address; the node id is unverified): its uploads are capped at
+        ``uploads_per_requester``, and one that stalled rests (``upload_stall_rest``)."""
         if (refusal := self.refuse_chunk(chunk_hash, requester, held)) is not None:
             return refusal  # checked before reading the chunk or queueing for a slot
-        withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
-        if self.config.tree_fanout and not self.config.is_seed and requester in self._sending_to:
-            return await self._follow(chunk_hash, requester, withholds, send)
-        line = self._may_wait_in_line(requester)
-        if not self.config.is_seed or not requester:
-            return await self._upload(chunk_hash, requester, withholds, send, line=line)
-        # A seed counts each requester's uploads and waits: see _upload_slot.
-        uploading = self._seed_uploading
-        uploading[requester] = uploading.get(requester, 0) + 1
+        key = origin or requester
+        if key and (refusal := self._requester_refusal(key, capped=bool(origin))) is not None:
+            return refusal
+        if key:
+            self.requesters.begin(key)
         try:
-            return await self._upload(chunk_hash, requester, withholds, send, line=line)
+            withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
+            if self.config.tree_fanout and not self.config.is_seed and requester in self._sending_to:
+                return await self._follow(chunk_hash, requester, withholds, send, key)
+            line = self._may_wait_in_line(requester)
+            if not self.config.is_seed or not requester:
+                return await self._upload(chunk_hash, requester, withholds, send, line=line, key=key)
+            # A seed counts each requester's uploads and waits: see _upload_slot.
+            uploading = self._seed_uploading
+            uploading[requester] = uploading.get(requester, 0) + 1
+            try:
+                return await self._upload(chunk_hash, requester, withholds, send, line=line, key=key)
+            finally:
+                if (left := uploading[requester] - 1) > 0:
+                    uploading[requester] = left
+                else:
+                    del uploading[requester]
         finally:
-            if (left := uploading[requester] - 1) > 0:
-                uploading[requester] = left
-            else:
-                del uploading[requester]
+            if key:
+                self.requesters.end(key)
+
+    def _requester_refusal(self, key: str, *, capped: bool) -> Busy | None:
+        """Busy for a requester resting after a stall (until its rest ends) or, ``capped``, holding its
+        share of the uploads already."""
+        if (rest := self.requesters.rest_left(key, self.clock.now())) > 0:
+            retry = rest
+        elif capped and self.requesters.at_share(key):
+            retry = self._busy_retry_after()
+        else:
+            return None
+        self.metrics.busy_replies += 1
+        self.metrics.requester_refusals += 1
+        return Busy(retry)
 
     def refuse_chunk(self, chunk_hash: bytes, requester: str, held: int) -> Busy | Missing | None:
         """The answer ``handle_chunk`` gives without waiting, or None: the chunk is not here (Missing),
@@ -731,7 +814,15 @@ class SwarmNode:
         return line and len(self._upload_queue) < room
 
     async def _upload(
-        self, chunk_hash: bytes, requester: str, withholds: bool, send: SendChunk, *, line: bool, slot: bool = False
+        self,
+        chunk_hash: bytes,
+        requester: str,
+        withholds: bool,
+        send: SendChunk,
+        *,
+        line: bool,
+        slot: bool = False,
+        key: str = "",
     ) -> Busy | Missing | None:
         """``handle_chunk`` once the chunk may be served: an upload slot (``line``: or a place in
         line for one; ``slot``: one handed over already), then the bytes at the upload rate."""
@@ -758,7 +849,8 @@ class SwarmNode:
             self.metrics.bytes_uploaded += len(data)
             self._last_upload_bytes = len(data)
             self.metrics.chunks_uploaded += 1
-            await send(data)
+            if not await self._send_within(send, data, key):
+                return None  # aborted at its deadline: the requester gets nothing more from this request
             took = self.clock.now() - start
             self._upload_seconds = took if not self._upload_seconds else 0.7 * self._upload_seconds + 0.3 * took
             return None
@@ -771,7 +863,7 @@ class SwarmNode:
             self._release_upload_slot(requester if tracked else "")
 
     async def _follow(
-        self, chunk_hash: bytes, requester: str, withholds: bool, send: SendChunk
+        self, chunk_hash: bytes, requester: str, withholds: bool, send: SendChunk, key: str = ""
     ) -> Busy | Missing | None:
         """With trees, a requester's next request waits behind the transfer under way to it and takes
         over its slot when it ends, as a second request on one connection would: a child keeps its
@@ -787,7 +879,26 @@ class SwarmNode:
         if not got:
             self.metrics.busy_replies += 1
             return Busy(self._busy_retry_after())
-        return await self._upload(chunk_hash, requester, withholds, send, line=False, slot=True)
+        return await self._upload(chunk_hash, requester, withholds, send, line=False, slot=True, key=key)
+
+    async def _send_within(self, send: SendChunk, data: bytes, key: str) -> bool:
+        """``send(data)`` within its deadline, max(``upload_deadline``, bytes / ``upload_floor_rate``);
+        False: it passed, the send was cancelled (a transport aborts the connection then) and the
+        requester rests.  The caller's slot is released once, by the caller, either way.  (Loop time:
+        virtual in simulations, as the line's waits are.)"""
+        cfg = self.config
+        try:
+            async with asyncio.timeout(max(cfg.upload_deadline, len(data) / cfg.upload_floor_rate)):
+                await send(data)
+        except TimeoutError:
+            self.metrics.upload_stalls += 1
+            if key:
+                rest = self.requesters.stalled(key, self.clock.now())
+                log.info(
+                    "%s: upload to %s passed its deadline: aborted, resting it %.0f s", self.info.node_id, key, rest
+                )
+            return False
+        return True
 
     def _requester_finishing(self, chunk_hash: bytes, held: int) -> bool:
         """The requester says it lacks at most ``endgame_remaining`` chunks of this chunk's version: a

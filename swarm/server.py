@@ -54,14 +54,14 @@ async def start_http_node(
     def gossip(data: bytes) -> None:
         box[0].handle_gossip(data)
 
-    async def chunk(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
-        return await box[0].handle_chunk(h, requester, held, send)
+    async def chunk(h: bytes, requester: str, held: int, send: SendChunk, origin: str = "") -> Busy | Missing | None:
+        return await box[0].handle_chunk(h, requester, held, send, origin)
 
     async def obj(path: str, requester: str, insist: bool) -> bytes | Missing | None:
         return await box[0].handle_object(path, requester, insist)
 
     app = board_app(board.root) if board is not None else web.Application()
-    add_routes(app, Handlers(gossip, chunk, obj))
+    add_routes(app, Handlers(gossip, chunk, obj, chunk_from=chunk))  # chunk_from: per-requester upload limits
     runner, bound = await serve_tcp(app, host, port, limits)
     url = advertise or f"http://{f'[{host}]' if ':' in host else host}:{bound}"  # IPv6 literals in brackets
     transport = HttpTransport()

@@ -91,6 +91,9 @@ class Handlers:
     # (chunk hash, requesting node id, chunks held): the refusal ``chunk`` would answer at once, or None.
     # Optional: a transport may ask it first and spare a refused request the task ``chunk`` runs in.
     refuse: Callable[[bytes, str, int], Busy | Missing | None] | None = None
+    # ``chunk`` with the request's origin as a fifth argument (the address it came from: the node id is
+    # unverified), for per-requester limits.  Optional: a transport that knows the origin calls this.
+    chunk_from: Callable[[bytes, str, int, SendChunk, str], Awaitable[Busy | Missing | None]] | None = None
 
 
 class Clock(Protocol):

@@ -112,11 +112,13 @@ async def test_corrupting_peer_is_banned_and_chunks_refetched(tmp_path: Path) ->
         await s.wait_all(1)
         real = liar.node.handle_chunk
 
-        async def corrupt(h: bytes, requester: str, held: int, send: SendChunk) -> Busy | Missing | None:
+        async def corrupt(
+            h: bytes, requester: str, held: int, send: SendChunk, origin: str = ""
+        ) -> Busy | Missing | None:
             async def flipped(data: bytes) -> None:
                 await send(bytes([data[0] ^ 0xFF]) + data[1:])
 
-            return await real(h, requester, held, flipped)
+            return await real(h, requester, held, flipped, origin)
 
         liar.node.handle_chunk = corrupt  # type: ignore[method-assign]
         for i in range(5):

@@ -6,20 +6,26 @@ HTTP on loopback."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import math
 import random
+import socket
+import time
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from protocol.membership import MembershipConfig, NodeInfo
+from protocol.requesters import RequesterLimits
 from protocol.trust import TrustState
 from simulations.clock import SimClock, run_virtual
 from simulations.network import Host, Network, Region
 from simulations.transport import SimNet
 from swarm.http import HELD_HEADER, PREFIX, HttpTransport, add_routes
 from swarm.node import NodeConfig, SwarmNode
-from swarm.transport import Busy, Handlers, Missing, SendChunk
+from swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
+from tests.node_worker_client import NodeWorker
 from tests.swarmkit import RUN, SECRET
 
 MB = 1_000_000
@@ -516,3 +522,278 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
     assert ("near" in targets) == told_near
     if not told_near:
         assert targets == {"far0", "far1"}
+
+
+# ------------------------------------------------------------ deadlines and per-requester limits
+
+
+class _SlotWorker(NodeWorker):
+    """tests/node_worker.py: a node process serving one chunk over real HTTP."""
+
+    def __init__(self, slots: int, deadline: float, size: int) -> None:
+        super().__init__("server", "--slots", str(slots), "--deadline", str(deadline), "--chunk-bytes", str(size))
+        self.path = f"{PREFIX}/chunks/{self.hello['hash']}"
+
+    def stall(self, node: str) -> socket.socket:
+        """A client that asks for the chunk and never reads: a tiny receive buffer, so the server's
+        writes back up at once."""
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", self.port))
+        s.sendall(f"GET {self.path} HTTP/1.1\r\nHost: x\r\nX-Patchswarm-Node: {node}\r\n\r\n".encode())
+        return s
+
+    def status_of(self, node: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", self.path, headers={"X-Patchswarm-Node": node})
+            r = conn.getresponse()
+            r.read()
+            return r.status
+        finally:
+            conn.close()
+
+
+def _reply_of(s: socket.socket, timeout: float) -> tuple[bytes, bool]:
+    """What the server sent on ``s``, and whether it closed it (EOF or reset): a 200 is read until the
+    connection ends or ``timeout`` passes; a 503 (kept alive) only as far as its status line."""
+    s.settimeout(timeout)
+    got = bytearray()
+    try:
+        while piece := s.recv(1 << 16):
+            got += piece
+            if got.startswith(b"HTTP/1.1 503"):
+                return bytes(got), False
+    except (ConnectionResetError, BrokenPipeError):
+        return bytes(got), True
+    except TimeoutError:
+        return bytes(got), False
+    return bytes(got), True
+
+
+def test_clients_that_never_read_do_not_lock_honest_requesters_out() -> None:
+    """Known defect 3: more clients than slots ask for a chunk and never read.  Each transfer ends at
+    its deadline with the connection aborted (the client gets a cut reply, then EOF or a reset), the
+    slot goes back, an honest requester gets the chunk, and a client that stalled is refused while it rests."""
+    slots, size = 2, 8 << 20  # 8 MiB: far more than loopback's socket buffers hold
+    worker = _SlotWorker(slots, deadline=1.0, size=size)
+    stalled: list[socket.socket] = []
+    try:
+        stalled = [worker.stall(f"staller-{i}") for i in range(slots + 3)]
+        # Without deadlines the slots stay taken and every honest request is a 503, forever.
+        statuses: list[int] = []
+        give_up = time.monotonic() + 60
+        while time.monotonic() < give_up and (not statuses or statuses[-1] != 200):
+            statuses.append(worker.status_of("honest"))
+            time.sleep(0.05)
+        assert statuses[-1] == 200, statuses[-5:]
+        give_up = time.monotonic() + 60
+        while (stalls := worker.metrics()["upload_stalls"]) < slots and time.monotonic() < give_up:
+            time.sleep(0.05)
+        assert stalls == slots  # the clients that got a slot; the others were refused at once
+        served = []
+        for i, s in enumerate(stalled):
+            got, ended = _reply_of(s, timeout=30)
+            if got.startswith(b"HTTP/1.1 200"):
+                served.append(i)
+                assert ended, f"staller-{i}: the server never closed a transfer past its deadline"
+                assert len(got) < size, f"staller-{i}: got the whole chunk"
+            else:
+                assert got.startswith(b"HTTP/1.1 503"), got[:40]
+        assert len(served) == slots
+        # A requester that stalled rests: refused at once, however many slots are free.
+        assert worker.status_of(f"staller-{served[0]}") == 503
+        assert worker.status_of("honest") == 200
+        metrics = worker.metrics()
+        assert metrics["requester_refusals"] >= 1
+    finally:
+        for s in stalled:
+            s.close()
+        worker.close()
+
+
+def _sim_server(slots: int, **cfg: object) -> tuple[SimNet, SwarmNode]:
+    net = SimNet(Network([Host("a", "r", up=1 * MB)], [Region("r", 0.001)]))
+    config = NodeConfig("a", RUN, SECRET, max_uploads=slots, upload_queue=0, **cfg)  # type: ignore[arg-type]
+    node = SwarmNode(config, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+    node.chunks.put(b"h", b"x" * 1000)
+    return net, node
+
+
+async def _never(data: bytes) -> None:
+    await asyncio.get_running_loop().create_future()  # a requester that never reads
+
+
+async def _at_once(data: bytes) -> None:
+    return None
+
+
+def _no_slot_leaked(node: SwarmNode) -> None:
+    assert node.upload_slots.in_use == 0
+    assert node.requesters.busy_requesters == 0
+    assert not node._upload_queue and not node._followers and not node._sending_to and not node._seed_uploading
+
+
+def test_a_transfer_past_its_deadline_frees_its_slot_once_and_rests_the_requester() -> None:
+    async def main() -> None:
+        net, node = _sim_server(1, upload_deadline=2.0, upload_stall_rest=10.0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await node.handle_chunk(b"h", "x", -1, _never, "198.51.100.7") is None
+        assert loop.time() - start == pytest.approx(2.0)
+        assert node.metrics.upload_stalls == 1
+        _no_slot_leaked(node)
+        # It rests (by origin, whatever node id it sends now); others are served.
+        rested = await node.handle_chunk(b"h", "y", -1, _at_once, "198.51.100.7")
+        assert isinstance(rested, Busy) and rested.retry_after == pytest.approx(10.0)
+        assert await node.handle_chunk(b"h", "y", -1, _at_once, "198.51.100.8") is None
+        await asyncio.sleep(10.0)
+        assert await node.handle_chunk(b"h", "x", -1, _at_once, "198.51.100.7") is None
+        # A second stall within memory: twice the rest.
+        assert await node.handle_chunk(b"h", "x", -1, _never, "198.51.100.7") is None
+        again = await node.handle_chunk(b"h", "x", -1, _at_once, "198.51.100.7")
+        assert isinstance(again, Busy) and again.retry_after == pytest.approx(20.0)
+        assert node.metrics.requester_refusals == 2
+        _no_slot_leaked(node)
+        net.close()
+
+    run_virtual(main())
+
+
+def test_the_deadline_grows_with_the_chunk() -> None:
+    async def main() -> float:
+        net, node = _sim_server(1, upload_deadline=1.0, upload_floor_rate=100.0)  # 1000 bytes: 10 s
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await node.handle_chunk(b"h", "x", -1, _never)
+        net.close()
+        return loop.time() - start
+
+    assert run_virtual(main()) == pytest.approx(10.0)
+
+
+def test_a_cancelled_transfer_frees_its_slot_and_rests_nobody() -> None:
+    async def main() -> None:
+        net, node = _sim_server(1)
+        task = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, _never, "198.51.100.7"))
+        await asyncio.sleep(1.0)
+        assert node.upload_slots.in_use == 1 and node.requesters.active("198.51.100.7") == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        _no_slot_leaked(node)
+        assert node.metrics.upload_stalls == 0
+        assert await node.handle_chunk(b"h", "x", -1, _at_once, "198.51.100.7") is None
+        net.close()
+
+    run_virtual(main())
+
+
+def test_a_follower_takes_over_a_stalled_transfers_slot_and_nothing_leaks() -> None:
+    """With trees, a requester's second request waits behind its transfer (``_follow``); the first
+    passing its deadline hands the slot to it once (not to the line, not freed twice)."""
+
+    async def main() -> None:
+        net, node = _sim_server(1, tree_fanout=2, upload_deadline=2.0, upload_queue_wait=5.0)
+        first = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, _never))
+        await asyncio.sleep(0.1)
+        sent: list[bytes] = []
+
+        async def record(data: bytes) -> None:
+            sent.append(data)
+
+        second = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, record))
+        await asyncio.sleep(0.1)
+        assert len(node._followers["x"]) == 1
+        assert await first is None
+        assert await second is None
+        assert sent == [b"x" * 1000]
+        assert node.metrics.upload_stalls == 1
+        _no_slot_leaked(node)
+        assert node.upload_slots.acquire()  # the one slot is free again, and only one
+        assert not node.upload_slots.acquire()
+        net.close()
+
+    run_virtual(main())
+
+
+def test_one_origin_holds_at_most_its_share_of_the_slots() -> None:
+    """The node id is unverified: uploads are counted by the address a request comes from, and one
+    address gets all slots but one; a request from elsewhere still finds the last."""
+
+    async def main() -> None:
+        net, node = _sim_server(4)
+        held = [asyncio.ensure_future(node.handle_chunk(b"h", f"n{i}", -1, _never, "203.0.113.9")) for i in range(3)]
+        await asyncio.sleep(0.1)
+        refused = await node.handle_chunk(b"h", "n9", -1, _at_once, "203.0.113.9")
+        assert isinstance(refused, Busy)
+        assert node.metrics.requester_refusals == 1
+        assert node.upload_slots.in_use == 3
+        assert await node.handle_chunk(b"h", "m", -1, _at_once, "203.0.113.10") is None
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        _no_slot_leaked(node)
+        net.close()
+
+    run_virtual(main())
+
+
+def test_requester_limits_forget_the_oldest_stall_first_and_cap_the_rest() -> None:
+    limits = RequesterLimits(2, rest=1.0, max_rest=3.0, memory=100.0, table=3)
+    assert [limits.stalled("a", 0.0), limits.stalled("a", 1.0), limits.stalled("a", 2.0)] == [1.0, 2.0, 3.0]
+    for key in "bcd":
+        limits.stalled(key, 3.0)
+    assert limits.remembered == 3
+    assert limits.rest_left("a", 3.0) == 0.0  # forgotten: the table is full of later stalls
+    assert limits.rest_left("d", 3.5) == pytest.approx(0.5)
+    assert limits.stalled("d", 500.0) == 1.0  # past memory: counted afresh
+    limits.begin("x")
+    limits.begin("x")
+    assert limits.at_share("x")
+    limits.end("x")
+    limits.end("x")
+    assert limits.busy_requesters == 0
+    with pytest.raises(ValueError):
+        RequesterLimits(0, rest=1.0, max_rest=1.0, memory=1.0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"upload_deadline": 0.0},
+        {"upload_deadline": math.inf},
+        {"upload_floor_rate": 0.0},
+        {"upload_stall_rest": -1.0},
+        {"upload_stall_rest": 10.0, "upload_stall_max_rest": 5.0},
+        {"uploads_per_requester": -1},
+    ],
+)
+def test_upload_limits_are_checked(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        NodeConfig("a", RUN, SECRET, **bad)  # type: ignore[arg-type]
+
+
+def test_a_slow_simulated_requester_is_cut_at_the_deadline_and_its_flow_stopped() -> None:
+    """The same deadline in the simulator: a requester on a 1 kB/s downlink asking for 1 MB gets a
+    reset after 2 s (its flow stopped, no bytes delivered), and the next requester is served."""
+
+    async def main() -> None:
+        hosts = [Host("a", "r"), Host("slow", "r", down=1000), Host("c", "r")]
+        net = SimNet(Network(hosts, [Region("r", 0.001)]))
+        cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_queue=0, upload_deadline=2.0, upload_floor_rate=1e9)
+        node = SwarmNode(cfg, "sim://a", net.transport("a"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
+        node.chunks.put(b"h", b"x" * MB)
+        net.register("sim://a", "a", node.handlers())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TransportError, match="connection reset"):
+            await net.transport("slow").get_chunk("sim://a", b"h", MB, 60.0, "slow")
+        assert loop.time() - start == pytest.approx(2.0 + 0.002, abs=0.01)
+        assert net.network.active_flows() == []
+        assert node.metrics.upload_stalls == 1
+        _no_slot_leaked(node)
+        assert await net.transport("c").get_chunk("sim://a", b"h", MB, 60.0, "c") == b"x" * MB
+        net.close()
+
+    run_virtual(main())

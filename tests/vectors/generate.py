@@ -13,6 +13,7 @@ cases (keys, the trainer's certificate, the base and target models) are in ``_fi
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import shutil
 import struct
@@ -853,6 +854,31 @@ def gossip_cases() -> None:
         "unknown member state",
         "member state as a string",
         remac(lambda o: o[2][1][0].__setitem__(2, str(int(MemberState.ALIVE)))),
+    )
+    # Version 2 (freshness): the sender's frame counter after sent_ms; version 1 frames are named.
+    c(
+        "frame-seq-missing",
+        "WireError",
+        "gossip body must be [sender, announcement, message, sent_ms, seq]",
+        "a body of four fields (version 1's, under version 2's tag and MAC)",
+        remac(lambda o: o.pop()),
+    )
+    c(
+        "frame-seq-negative",
+        "WireError",
+        "expected a non-negative integer",
+        "frame seq -1",
+        remac(lambda o: o.__setitem__(4, -1)),
+    )
+    _, body2, _ = msgpack.unpackb(good, raw=False)
+    body1 = body_edit(body2, lambda o: o.pop())
+    mac1 = hmac.digest(ft.SECRET, b"patchswarm/gossip/v1\x00" + body1, "sha256")
+    c(
+        "version-1",
+        "WireError",
+        "gossip frame is 'patchswarm/gossip/1'",
+        "a well-formed version 1 frame (no freshness), MAC'd as version 1 did",
+        msgpack.packb(["patchswarm/gossip/1", body1, mac1], use_bin_type=True),
     )
 
 
