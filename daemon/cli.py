@@ -163,11 +163,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     policy = _trust(args.trust)
     data = Path(args.patch).read_bytes()
     v = open_file(data, policy, now_ms=_now_ms())
-    if policy is None:
-        warn("no --trust given: signature not checked (integrity still is)")
     base = load_safetensors(args.base)
     model, _ = apply_version(base, v.manifest, v.payload)
     save_safetensors(model, args.output)
+    if policy is None:  # after the work: an error stays the only line of a failed run
+        warn("no --trust given: signature not checked (integrity still is)")
     say(f"{args.output}: version {v.manifest.version} verified (root {v.manifest.target_root.hex()[:16]})")
     return 0
 
@@ -683,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         fail(str(e))
     except FileNotFoundError as e:
-        fail(f"no such file: {e.filename}")
+        fail(f"no such file: {e.filename}" if e.filename else str(e))
     except OSError as e:
         fail(f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}")
     except KeyboardInterrupt:
