@@ -523,24 +523,24 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"validity in days (default 30, at most {cli_args.MAX_CERT_DAYS:g})",
     )
     c.add_argument("-o", "--output", type=out, metavar="CERT", help="write the certificate here")
-    c.add_argument("--board", type=path, metavar="DIR", help="and/or place it on this board")
+    c.add_argument("--board", type=cli_args.board, metavar="DIR", help="and/or place it on this board")
     c.set_defaults(func=cmd_certify, check=_check_certify)
 
     r = sub.add_parser("revoke", help="publish the next root document, revoking a trainer key")
     r.add_argument("--root", type=path, required=True, metavar="ROOT.key")
-    r.add_argument("--board", type=path, required=True, metavar="DIR")
+    r.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
     r.add_argument("key", type=path, metavar="TRAINER.key.pub")
     r.set_defaults(func=cmd_revoke)
 
     rr = sub.add_parser("rotate-root", help="publish the next root document, handing over to a new root key")
     rr.add_argument("--root", type=path, required=True, metavar="ROOT.key")
-    rr.add_argument("--board", type=path, required=True, metavar="DIR")
+    rr.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
     rr.add_argument("--new-root", type=path, required=True, metavar="NEW_ROOT.key.pub")
     rr.set_defaults(func=cmd_rotate_root)
 
     pb = sub.add_parser("publish", help="publish a served version from a safetensors file onto a board")
     pb.add_argument("model", type=path, metavar="MODEL.safetensors")
-    pb.add_argument("--board", type=path, required=True, metavar="DIR")
+    pb.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
     pb.add_argument("--key", type=path, required=True, metavar="KEY")
     pb.add_argument("--run-id", type=cli_args.run_id, required=True)
     pb.add_argument("--cert", type=path, metavar="CERT", help="certificate of KEY to place on the board")
@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.set_defaults(func=cmd_publish)
 
     sd = sub.add_parser("seed", help="serve a board over HTTP")
-    sd.add_argument("--board", type=path, required=True, metavar="DIR")
+    sd.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
     sd.add_argument("--listen", type=cli_args.listen, default="127.0.0.1:8700", metavar="HOST:PORT")
     sd.add_argument(
         "--run", type=cli_args.run_id, help="also join the swarm of this run as a peer that holds everything"

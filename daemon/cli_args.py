@@ -194,7 +194,17 @@ def path(text: str) -> str:
 
 
 def output_path(text: str) -> str:
-    """A file to create: a name that is not a directory."""
+    """A file to create: a name that is not a directory, in a directory that exists."""
     if path(text).endswith("/") or os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
+    parent = os.path.dirname(text) or "."
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"no directory {parent!r} to write {os.path.basename(text)!r} in")
+    return text
+
+
+def board(text: str) -> str:
+    """A board: a directory, or a name where one will be created."""
+    if os.path.exists(path(text)) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
     return text

@@ -65,6 +65,9 @@ ACCEPTED: list[tuple[Callable[[str], Any], str, Any]] = [
     (cli_args.seconds, "0.5", 0.5),
     (cli_args.path, "a b/c", "a b/c"),
     (cli_args.output_path, "new.psw", "new.psw"),
+    (cli_args.output_path, "/tmp/new.psw", "/tmp/new.psw"),
+    (cli_args.board, "new-board", "new-board"),
+    (cli_args.board, "/tmp", "/tmp"),
     (cli_args.scenario_value("run.seed"), "0", 0),
     (cli_args.scenario_value("run.partitions"), "64", 64),
 ]
@@ -122,6 +125,8 @@ REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
     (cli_args.path, "a\0b", "expected a path"),
     (cli_args.output_path, ".", "expected a file name"),
     (cli_args.output_path, "dir/", "expected a file name"),
+    (cli_args.output_path, "missing/out", "no directory 'missing' to write 'out' in"),
+    (cli_args.board, __file__, "is not a directory"),
     (cli_args.scenario_value("run.seed"), "-1", "run.seed"),
     (cli_args.scenario_value("run.partitions"), "65", "run.partitions"),
 ]
