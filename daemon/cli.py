@@ -39,14 +39,14 @@ class UserError(Exception):
 def _err() -> Console:
     from rich.console import Console
 
-    return Console(stderr=True, soft_wrap=True)
+    return Console(stderr=True, soft_wrap=True, emoji=False)
 
 
 @functools.cache
 def _out() -> Console:
     from rich.console import Console
 
-    return Console(soft_wrap=True)
+    return Console(soft_wrap=True, emoji=False)
 
 
 def say(text: str) -> None:

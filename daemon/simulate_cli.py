@@ -57,8 +57,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from simulations.study import run_study  # the simulator loads only for this command
 
-    err = Console(stderr=True, soft_wrap=True)
-    out = Console(soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True, emoji=False)
+    out = Console(soft_wrap=True, emoji=False)
 
     words = ["patchswarm", "simulate", args.scenario, "--out", args.out]
     words += ["--seed", str(args.seed)] if args.seed is not None else []

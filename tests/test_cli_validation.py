@@ -447,7 +447,7 @@ def test_a_usage_error_in_a_real_process(tmp_path: Path) -> None:
 
 
 def test_odd_bytes_in_a_path_print_escaped(tmp_path: Path) -> None:
-    name = os.fsdecode(b"k\xff[bold]")
+    name = os.fsdecode(b"k\xff[bold]:smile:")
     r = subprocess.run(
         [sys.executable, "-m", "daemon.cli", "keygen", "-o", name],
         cwd=tmp_path,
@@ -456,7 +456,7 @@ def test_odd_bytes_in_a_path_print_escaped(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONIOENCODING": "utf-8"},
     )
     assert r.returncode == 0, r.stderr
-    assert b"k\\udcff[bold] and k\\udcff[bold].pub" in r.stdout  # no markup read into the name
+    assert b"k\\udcff[bold]:smile: and k\\udcff[bold]:smile:.pub" in r.stdout  # no markup, no emoji
     assert (tmp_path / name).exists() and (tmp_path / f"{name}.pub").exists()
 
 
@@ -481,3 +481,23 @@ def _accepts(check: Callable[[str], Any], text: str) -> bool:
     except argparse.ArgumentTypeError:
         return False
     return True
+
+
+def test_names_from_a_patch_print_as_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from protocol.safetensors_io import ServedModel
+
+    names = ["[/]", "[bold]w", "a:smile:b"]
+    base = ServedModel.from_tensors({n: torch.zeros(4, dtype=torch.bfloat16) for n in names}, {})
+    target = ServedModel.from_tensors({n: torch.ones(4, dtype=torch.bfloat16) for n in names}, {})
+    save_safetensors(base, tmp_path / "base.safetensors")
+    save_safetensors(target, tmp_path / "target.safetensors")
+    monkeypatch.chdir(tmp_path)
+    assert main(["diff", "base.safetensors", "target.safetensors", "-o", "p.psw", "--run-id", "r:smile:"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "p.psw"]) == 0
+    out = capsys.readouterr().out
+    assert "run 'r:smile:'" in out and all(n in out for n in names)
