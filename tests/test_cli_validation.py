@@ -501,3 +501,22 @@ def test_names_from_a_patch_print_as_they_are(
     assert main(["inspect", "p.psw"]) == 0
     out = capsys.readouterr().out
     assert "run 'r:smile:'" in out and all(n in out for n in names)
+
+
+def test_a_defect_is_still_one_line_and_the_traceback_is_there_on_request(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import daemon.cli
+
+    def boom(args: argparse.Namespace) -> int:
+        raise ValueError("something the code did not expect")
+
+    monkeypatch.setattr(daemon.cli, "cmd_inspect", boom)
+    monkeypatch.delenv("PATCHSWARM_DEBUG", raising=False)
+    assert main(["inspect", "p.psw"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("patchswarm inspect: error: internal error (ValueError: something the code did not expect)")
+    assert len(err.splitlines()) == 1 and "PATCHSWARM_DEBUG=1" in err
+    monkeypatch.setenv("PATCHSWARM_DEBUG", "1")
+    with pytest.raises(ValueError, match="did not expect"):
+        main(["inspect", "p.psw"])
