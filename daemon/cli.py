@@ -8,41 +8,67 @@ outputs are staged and renamed into place only after verification.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
+import functools
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
-
-from daemon.board import Board, write_atomic
+from daemon import cli_args
 from daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
-from daemon.publisher import Publisher, PublishInfo
-from daemon.pull import Held, Puller
-from daemon.pull_state import PullState
-from daemon.served_format import ServedFormat
 from daemon.simulate_cli import add_simulate_parser
-from daemon.sources import source_for
 from daemon.swarm_cli import add_seed_args, add_swarm_args
-from protocol.codec import read_header
-from protocol.errors import PatchswarmError
-from protocol.keys import SigningKey, TrustedKeys, load_public_key
-from protocol.patchfile import apply_version, build_version, open_file, write_file
-from protocol.safetensors_io import load_safetensors, save_safetensors
-from protocol.trust import Certificate, RootDocument, TrustState
 
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
+# Everything heavy (torch, numpy, aiohttp, rich) loads inside the command that needs it, so that
+# ``--help``, ``--version`` and a usage error answer at once.
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from daemon.board import Board
+    from daemon.publisher import Publisher
+    from protocol.keys import SigningKey, TrustedKeys
+    from protocol.trust import RootDocument
 
 
 class UserError(Exception):
     """An error worth one line to the user, never a traceback."""
+
+
+@functools.cache
+def _err() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True, emoji=False)
+
+
+@functools.cache
+def _out() -> Console:
+    from rich.console import Console
+
+    return Console(soft_wrap=True, emoji=False)
+
+
+def say(text: str) -> None:
+    """One line on stdout, with no rich markup: paths and run ids print as they are."""
+    _out().print(text, markup=False, highlight=False)
+
+
+def warn(text: str) -> None:
+    _err().print(f"[yellow]warning:[/] {_escape(text)}")
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: control characters and undecodable bytes (from argv) escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _now_ms() -> int:
@@ -51,7 +77,9 @@ def _now_ms() -> int:
 
 @contextmanager
 def _progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
-    quiet = not err.is_terminal
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    err = _err()
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -59,13 +87,15 @@ def _progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
         TimeRemainingColumn(),
         console=err,
         transient=True,
-        disable=quiet,
+        disable=not err.is_terminal,
     ) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
 
 
 def _trust(paths: Sequence[str] | None) -> TrustedKeys | None:
+    from protocol.keys import TrustedKeys, load_public_key
+
     if not paths:
         return None
     return TrustedKeys(frozenset(load_public_key(p) for p in paths))
@@ -75,14 +105,19 @@ def _trust(paths: Sequence[str] | None) -> TrustedKeys | None:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    from protocol.keys import SigningKey
+
+    for p in (args.output, f"{args.output}.pub"):
+        if os.path.lexists(p):  # checked for both before either is written: never half a key pair
+            raise UserError(f"{p} already exists; refusing to overwrite a key")
     key = SigningKey.generate()
     try:
         key.save(args.output)
     except FileExistsError:
         raise UserError(f"{args.output} already exists; refusing to overwrite a key") from None
-    out.print(f"wrote {args.output} and {args.output}.pub (key id {key.key_id.hex()[:16]})")
+    say(f"wrote {args.output} and {args.output}.pub (key id {key.key_id.hex()[:16]})")
     if args.root:
-        out.print(
+        say(
             f"this is a ROOT key: keep {args.output} offline; install {args.output}.pub on every host "
             "(trust root) and use the private key only to certify, revoke and rotate"
         )
@@ -90,6 +125,10 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from protocol.keys import SigningKey
+    from protocol.patchfile import build_version, write_file
+    from protocol.safetensors_io import load_safetensors
+
     base = load_safetensors(args.base)
     target = load_safetensors(args.target)
     key = SigningKey.load(args.key) if args.key else None
@@ -99,7 +138,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             target,
             run_id=args.run_id,
             version=args.version,
-            base_version=args.base_version if args.base_version is not None else args.version - 1,
+            base_version=args.base_version,
             now_ms=_now_ms(),
             key=key,
             chunk_size=args.chunk_size,
@@ -110,7 +149,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     enc = v.encoded
     assert enc is not None
     size = v.manifest.payload_size
-    out.print(
+    say(
         f"{args.output}: version {v.manifest.version}, {enc.changed:,} of {enc.numel:,} elements changed "
         f"({100 * enc.changed / max(enc.numel, 1):.3f}%), {size:,} bytes "
         f"({100 * size / max(target.nbytes, 1):.3f}% of {target.nbytes:,}), {len(v.manifest.chunks)} chunks"
@@ -120,22 +159,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    from protocol.patchfile import apply_version, open_file
+    from protocol.safetensors_io import load_safetensors, save_safetensors
+
     policy = _trust(args.trust)
     data = Path(args.patch).read_bytes()
     v = open_file(data, policy, now_ms=_now_ms())
-    if policy is None:
-        err.print("[yellow]warning:[/] no --trust given: signature not checked (integrity still is)")
     base = load_safetensors(args.base)
     model, _ = apply_version(base, v.manifest, v.payload)
     save_safetensors(model, args.output)
-    out.print(f"{args.output}: version {v.manifest.version} verified (root {v.manifest.target_root.hex()[:16]})")
+    if policy is None:  # after the work: an error stays the only line of a failed run
+        warn("no --trust given: signature not checked (integrity still is)")
+    say(f"{args.output}: version {v.manifest.version} verified (root {v.manifest.target_root.hex()[:16]})")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from protocol.codec import read_header
+    from protocol.patchfile import open_file
+
     v = open_file(Path(args.patch).read_bytes(), _trust(args.trust), now_ms=_now_ms())
     read_header(v.payload, list(v.manifest.specs))
-    out.print(
+    say(
         f"OK: version {v.manifest.version} of run {v.manifest.run_id!r}, signed by {v.signed.key_id.hex()[:16]}, "
         f"{len(v.manifest.chunks)} chunks verified"
     )
@@ -143,6 +188,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def inspect_data(path: str) -> dict[str, Any]:
+    from protocol.codec import read_header
+    from protocol.patchfile import open_file
+
     v = open_file(Path(path).read_bytes(), None, verify_chunks=True)
     m = v.manifest
     header = read_header(v.payload, list(m.specs))
@@ -182,16 +230,21 @@ def inspect_data(path: str) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.table import Table
+
     info = inspect_data(args.patch)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    out = _out()
     out.print(
-        f"[bold]version {info['version']}[/] ({info['kind']}, run {info['run_id']!r}"
+        f"[bold]version {info['version']}[/] ({info['kind']}, run {_escape(repr(info['run_id']))}"
         + (f", base {info['base_version']}" if info["base_version"] is not None else "")
         + f"), {info['changed']:,} of {info['elements']:,} elements changed ({100 * info['changed_fraction']:.3f}%)"
     )
-    out.print(
+    say(
         f"encoded {info['encoded_bytes']:,} bytes for {info['served_bytes']:,} served "
         f"({100 * info['encoded_bytes'] / max(info['served_bytes'], 1):.3f}%), "
         f"{info['chunk_count']} chunks of {info['chunk_size']:,}; "
@@ -200,12 +253,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     table = Table("tensor", "dtype", "shape", "encoding", "changed")
     for t in info["tensors"]:
-        table.add_row(t["name"], t["dtype"], "x".join(map(str, t["shape"])), t["encoding"], f"{t['changed']:,}")
+        # Names come from the file: escaped, never read as markup.
+        table.add_row(
+            _escape(t["name"]), t["dtype"], "x".join(map(str, t["shape"])), t["encoding"], f"{t['changed']:,}"
+        )
     out.print(table)
     return 0
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
+    from daemon.board import Board, write_atomic
+    from protocol.keys import SigningKey, load_public_key
+    from protocol.trust import Certificate
+
     root = SigningKey.load(args.root)
     now = _now_ms()
     cert = Certificate(load_public_key(args.key), args.run_id, now, now + int(args.days * 86_400_000))
@@ -214,7 +274,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         write_atomic(Path(args.output), env)
     if args.board:
         Board(args.board).put_certificate(cert.key, env)
-    out.print(
+    say(
         f"certified key {cert.key.hex()[:16]} for run {args.run_id!r} until "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(cert.not_after_ms / 1000))}"
     )
@@ -222,6 +282,9 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
 
 def _next_root(board: Board, root: SigningKey) -> RootDocument:
+    from daemon.board import Board
+    from protocol.trust import RootDocument, TrustState
+
     state = TrustState(root.key_id)
     for v in board.root_versions():
         data = board.read(Board.root_rel(v))
@@ -231,27 +294,38 @@ def _next_root(board: Board, root: SigningKey) -> RootDocument:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
+    from daemon.board import Board
+    from protocol.keys import SigningKey, load_public_key
+    from protocol.trust import RootDocument
+
     board = Board(args.board)
     root = SigningKey.load(args.root)
     cur = _next_root(board, root)
     revoked = load_public_key(args.key)
     doc = RootDocument(cur.version + 1, cur.keys, tuple(sorted({*cur.revoked, revoked})))
     board.put_root(doc.version, doc.sign(root).to_bytes())
-    out.print(f"root document {doc.version}: key {revoked.hex()[:16]} revoked")
+    say(f"root document {doc.version}: key {revoked.hex()[:16]} revoked")
     return 0
 
 
 def cmd_rotate_root(args: argparse.Namespace) -> int:
+    from daemon.board import Board
+    from protocol.keys import SigningKey, load_public_key
+    from protocol.trust import RootDocument
+
     board = Board(args.board)
     root = SigningKey.load(args.root)
     cur = _next_root(board, root)
     doc = RootDocument(cur.version + 1, (load_public_key(args.new_root),), cur.revoked)
     board.put_root(doc.version, doc.sign(root).to_bytes())
-    out.print(f"root document {doc.version}: root key is now {doc.keys[0].hex()[:16]}")
+    say(f"root document {doc.version}: root key is now {doc.keys[0].hex()[:16]}")
     return 0
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from daemon.publisher import PublishInfo
+    from protocol.safetensors_io import load_safetensors
+
     model = load_safetensors(args.model)
     cert = Path(args.cert).read_bytes() if args.cert else None
     try:
@@ -262,7 +336,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     info = pub.publish(tensors, anchor=args.anchor)
     pub.close()
     assert isinstance(info, PublishInfo)
-    out.print(
+    say(
         f"published version {info.version} of run {args.run_id!r}: {100 * info.changed_fraction:.3f}% changed, "
         f"patch {info.patch_bytes:,} bytes" + (f", anchor {info.anchor_bytes:,} bytes" if info.anchor_bytes else "")
     )
@@ -270,6 +344,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
+    from daemon.publisher import Publisher
+    from daemon.served_format import ServedFormat
+    from protocol.keys import SigningKey
+
     return Publisher(
         args.board,
         SigningKey.load(args.key),
@@ -287,10 +365,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
     from daemon.seed import board_app, parse_listen
     from swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
-    try:
-        host, port = parse_listen(args.listen)
-    except ValueError as e:
-        raise UserError(f"--listen: {e}") from None
+    host, port = parse_listen(args.listen)
     if not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
     if args.key and not args.run:
@@ -307,18 +382,26 @@ def cmd_seed(args: argparse.Namespace) -> int:
             return run_seed(args)
         except SwarmCliError as e:
             raise UserError(str(e)) from None
-    err.print(f"serving board {args.board} on http://{host}:{port}/")
     from daemon.config import ListenError, bind_errors
 
+    ready = f"serving board {args.board} on http://{host}:{port}/"
     try:
         with bind_errors("--listen", args.listen):
-            run_app(board_app(args.board), host, port, limits)
+            run_app(
+                board_app(args.board),
+                host,
+                port,
+                limits,
+                on_ready=lambda: _err().print(ready, markup=False, highlight=False),
+            )
     except ListenError as e:
         raise UserError(str(e)) from None
     return 0
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
+    import asyncio
+
     from daemon.config import ConfigError, load_config
     from daemon.logs import setup_logging
     from daemon.rollout import DaemonError, run_daemon
@@ -364,16 +447,26 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def _run_from(url: str, run: str | None) -> tuple[str, str]:
+    """The board and run of ``pull``; ArgumentTypeError when the run is neither given nor in the URL."""
     if run:
         return url, run
     base, sep, tail = url.rstrip("/").rpartition("/runs/")
-    if sep and tail and "/" not in tail:
-        return base, tail
-    raise UserError("name the run with --run (or give the URL as BOARD/runs/RUN)")
+    if sep and tail:
+        return base, cli_args.run_id(tail)
+    raise argparse.ArgumentTypeError("name the run with --run (or give the URL as BOARD/runs/RUN)")
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    url, run = _run_from(args.source, args.run)
+    import asyncio
+
+    from daemon.pull import Held, Puller
+    from daemon.pull_state import PullState
+    from daemon.sources import source_for
+    from protocol.keys import load_public_key
+    from protocol.safetensors_io import load_safetensors, save_safetensors
+    from protocol.trust import TrustState
+
+    url, run = args.source, args.run
     trust = TrustState(load_public_key(args.trust))
     state = PullState.load(Path(args.state), run) if args.state else None
     if state:
@@ -387,7 +480,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
             head = await puller.fetch_head()
             held = await puller.identify(head, have) if have is not None else None
             if have is not None and held is None:
-                err.print("[yellow]note:[/] --have matches no retained version; starting from an anchor")
+                _err().print("[yellow]note:[/] --have matches no retained version; starting from an anchor")
             return await puller.catch_up(held, head, in_place=True), puller
         finally:
             await src.close()
@@ -398,143 +491,251 @@ def cmd_pull(args: argparse.Namespace) -> int:
         PullState(puller.tracker).save(Path(args.state), trust)
     steps = ", ".join(f"{e.kind.value} {e.version}" for e in puller.stats.steps) or "nothing (already current)"
     fetched = puller.stats.bytes_fetched
-    out.print(f"{args.to}: version {held.version} of run {run!r} verified; fetched {fetched:,} bytes via {steps}")
+    say(f"{args.to}: version {held.version} of run {run!r} verified; fetched {fetched:,} bytes via {steps}")
     return 0
 
 
 # ---------------------------------------------------------------- parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (exit 2): the argument, why, and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def package_version() -> str:
+    """The installed distribution's version; the source tree's pyproject.toml when not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("patchswarm")
+    except metadata.PackageNotFoundError:
+        pass
+    import tomllib
+
+    try:
+        with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as fh:
+            return str(tomllib.load(fh)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kw.get("help"))
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any, **__: Any) -> None:
+        print(f"patchswarm {package_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="patchswarm", description="Lossless weight patches for RL post-training.")
+    p = _Parser(prog="patchswarm", description="Lossless weight patches for RL post-training.")
+    p.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
+    path, out = cli_args.path, cli_args.output_path
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key (KEY and KEY.pub)")
-    k.add_argument("-o", "--output", required=True, metavar="KEY")
+    k.add_argument("-o", "--output", type=out, required=True, metavar="KEY")
     k.add_argument("--root", action="store_true", help="a root key (kept offline; certifies trainer keys)")
     k.set_defaults(func=cmd_keygen)
 
     c = sub.add_parser("certify", help="root key certifies a trainer key for a run, with an expiry")
-    c.add_argument("--root", required=True, metavar="ROOT.key")
-    c.add_argument("--key", required=True, metavar="TRAINER.key.pub")
-    c.add_argument("--run-id", required=True)
-    c.add_argument("--days", type=float, default=30.0, help="validity in days (default 30)")
-    c.add_argument("-o", "--output", metavar="CERT", help="write the certificate here")
-    c.add_argument("--board", metavar="DIR", help="and/or place it on this board")
-    c.set_defaults(func=cmd_certify)
+    c.add_argument("--root", type=path, required=True, metavar="ROOT.key")
+    c.add_argument("--key", type=path, required=True, metavar="TRAINER.key.pub")
+    c.add_argument("--run-id", type=cli_args.run_id, required=True)
+    c.add_argument(
+        "--days",
+        type=cli_args.days,
+        default=30.0,
+        help=f"validity in days (default 30, at most {cli_args.MAX_CERT_DAYS:g})",
+    )
+    c.add_argument("-o", "--output", type=out, metavar="CERT", help="write the certificate here")
+    c.add_argument("--board", type=cli_args.board, metavar="DIR", help="and/or place it on this board")
+    c.set_defaults(func=cmd_certify, check=_check_certify)
 
     r = sub.add_parser("revoke", help="publish the next root document, revoking a trainer key")
-    r.add_argument("--root", required=True, metavar="ROOT.key")
-    r.add_argument("--board", required=True, metavar="DIR")
-    r.add_argument("key", metavar="TRAINER.key.pub")
+    r.add_argument("--root", type=path, required=True, metavar="ROOT.key")
+    r.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    r.add_argument("key", type=path, metavar="TRAINER.key.pub")
     r.set_defaults(func=cmd_revoke)
 
     rr = sub.add_parser("rotate-root", help="publish the next root document, handing over to a new root key")
-    rr.add_argument("--root", required=True, metavar="ROOT.key")
-    rr.add_argument("--board", required=True, metavar="DIR")
-    rr.add_argument("--new-root", required=True, metavar="NEW_ROOT.key.pub")
+    rr.add_argument("--root", type=path, required=True, metavar="ROOT.key")
+    rr.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    rr.add_argument("--new-root", type=path, required=True, metavar="NEW_ROOT.key.pub")
     rr.set_defaults(func=cmd_rotate_root)
 
     pb = sub.add_parser("publish", help="publish a served version from a safetensors file onto a board")
-    pb.add_argument("model", metavar="MODEL.safetensors")
-    pb.add_argument("--board", required=True, metavar="DIR")
-    pb.add_argument("--key", required=True, metavar="KEY")
-    pb.add_argument("--run-id", required=True)
-    pb.add_argument("--cert", metavar="CERT", help="certificate of KEY to place on the board")
+    pb.add_argument("model", type=path, metavar="MODEL.safetensors")
+    pb.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    pb.add_argument("--key", type=path, required=True, metavar="KEY")
+    pb.add_argument("--run-id", type=cli_args.run_id, required=True)
+    pb.add_argument("--cert", type=path, metavar="CERT", help="certificate of KEY to place on the board")
     pb.add_argument("--anchor", action="store_true", help="also publish this version as a full anchor")
-    pb.add_argument("--anchor-every", type=int, default=10)
-    pb.add_argument("--chunk-size", type=int, default=1 << 20)
+    pb.add_argument("--anchor-every", type=cli_args.anchor_every, default=10, metavar="N")
+    pb.add_argument("--chunk-size", type=cli_args.chunk_size, default=1 << 20, metavar="BYTES")
     add_head_ttl_arg(pb)
     pb.set_defaults(func=cmd_publish)
 
     sd = sub.add_parser("seed", help="serve a board over HTTP")
-    sd.add_argument("--board", required=True, metavar="DIR")
-    sd.add_argument("--listen", default="127.0.0.1:8700", metavar="HOST:PORT")
-    sd.add_argument("--run", help="also join the swarm of this run as a peer that holds everything")
+    sd.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    sd.add_argument("--listen", type=cli_args.listen, default="127.0.0.1:8700", metavar="HOST:PORT")
+    sd.add_argument(
+        "--run", type=cli_args.run_id, help="also join the swarm of this run as a peer that holds everything"
+    )
     add_swarm_args(sd)
     add_seed_args(sd)
     sd.set_defaults(func=cmd_seed)
 
     dm = sub.add_parser("daemon", help="run the rollout-host daemon (see docs/daemon.md)")
-    dm.add_argument("--config", required=True, metavar="daemon.toml")
+    dm.add_argument("--config", type=path, required=True, metavar="daemon.toml")
     dm.set_defaults(func=cmd_daemon)
 
     st = sub.add_parser("status", help="show the local daemon's state (from its unix socket)")
     st.add_argument(
-        "--socket", metavar="PATH", help="API socket (default: from --config, else /run/patchswarm/api.sock)"
+        "--socket", type=path, metavar="PATH", help="API socket (default: from --config, else /run/patchswarm/api.sock)"
     )
-    st.add_argument("--config", metavar="daemon.toml")
+    st.add_argument("--config", type=path, metavar="daemon.toml")
     st.add_argument("--json", action="store_true")
     st.add_argument("--watch", action="store_true", help="live view")
     st.set_defaults(func=cmd_status)
 
     nd = sub.add_parser("node", help="follow a run through the swarm, holding the newest version in memory")
-    nd.add_argument("--listen", required=True, metavar="HOST:PORT")
-    nd.add_argument("--run", required=True)
-    nd.add_argument("--trust", required=True, metavar="ROOT.pub")
-    nd.add_argument("--seed-url", action="append", metavar="URL", help="board URL polled for the head")
+    nd.add_argument("--listen", type=cli_args.listen, required=True, metavar="HOST:PORT")
+    nd.add_argument("--run", type=cli_args.run_id, required=True)
+    nd.add_argument("--trust", type=path, required=True, metavar="ROOT.pub")
+    nd.add_argument(
+        "--seed-url", type=cli_args.url, action="append", metavar="URL", help="board URL polled for the head"
+    )
     nd.add_argument("--print-root", action="store_true", help="print each version's state root")
     add_swarm_args(nd)
     nd.set_defaults(func=cmd_node)
 
     pl = sub.add_parser("pull", help="fetch, verify and write the head version of a run")
-    pl.add_argument("--from", dest="source", required=True, metavar="URL", help="board URL or directory")
-    pl.add_argument("--run", metavar="RUN", help="run id (or give --from as BOARD/runs/RUN)")
-    pl.add_argument("--trust", required=True, metavar="ROOT.pub")
-    pl.add_argument("--to", required=True, metavar="OUT.safetensors")
-    pl.add_argument("--have", metavar="OLD.safetensors", help="a version already held (patches from it)")
-    pl.add_argument("--state", metavar="FILE", help="persist the high-water mark here (refuses rewinds)")
-    pl.set_defaults(func=cmd_pull)
+    pl.add_argument("--from", dest="source", type=path, required=True, metavar="URL", help="board URL or directory")
+    pl.add_argument("--run", type=cli_args.run_id, metavar="RUN", help="run id (or give --from as BOARD/runs/RUN)")
+    pl.add_argument("--trust", type=path, required=True, metavar="ROOT.pub")
+    pl.add_argument("--to", type=out, required=True, metavar="OUT.safetensors")
+    pl.add_argument("--have", type=path, metavar="OLD.safetensors", help="a version already held (patches from it)")
+    pl.add_argument("--state", type=out, metavar="FILE", help="persist the high-water mark here (refuses rewinds)")
+    pl.set_defaults(func=cmd_pull, check=_check_pull)
 
     d = sub.add_parser("diff", help="encode TARGET against BASE into a self-contained patch file")
-    d.add_argument("base", metavar="BASE.safetensors")
-    d.add_argument("target", metavar="TARGET.safetensors")
-    d.add_argument("-o", "--output", required=True, metavar="PATCH")
-    d.add_argument("--key", metavar="KEY", help="sign the manifest with this key")
-    d.add_argument("--run-id", default="local")
-    d.add_argument("--version", type=int, default=1, help="version number of TARGET (default 1)")
-    d.add_argument("--base-version", type=int, help="version number of BASE (default VERSION-1)")
-    d.add_argument("--chunk-size", type=int, default=1 << 20)
-    d.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
-    d.set_defaults(func=cmd_diff)
+    d.add_argument("base", type=path, metavar="BASE.safetensors")
+    d.add_argument("target", type=path, metavar="TARGET.safetensors")
+    d.add_argument("-o", "--output", type=out, required=True, metavar="PATCH")
+    d.add_argument("--key", type=path, metavar="KEY", help="sign the manifest with this key")
+    d.add_argument("--run-id", type=cli_args.run_id, default="local")
+    d.add_argument("--version", type=cli_args.version, default=1, help="version number of TARGET (default 1)")
+    d.add_argument("--base-version", type=cli_args.base_version, help="version number of BASE (default VERSION-1)")
+    d.add_argument("--chunk-size", type=cli_args.chunk_size, default=1 << 20, metavar="BYTES")
+    d.add_argument("--level", type=cli_args.zstd_level, default=3, help="zstd level (default 3)")
+    d.set_defaults(func=cmd_diff, check=_check_diff)
 
     a = sub.add_parser("apply", help="apply PATCH to BASE and write the verified result to OUT")
-    a.add_argument("base", metavar="BASE.safetensors")
-    a.add_argument("patch", metavar="PATCH")
-    a.add_argument("-o", "--output", required=True, metavar="OUT.safetensors")
-    a.add_argument("--trust", action="append", metavar="KEY.pub", help="accept only patches signed by this key")
+    a.add_argument("base", type=path, metavar="BASE.safetensors")
+    a.add_argument("patch", type=path, metavar="PATCH")
+    a.add_argument("-o", "--output", type=out, required=True, metavar="OUT.safetensors")
+    a.add_argument(
+        "--trust", type=path, action="append", metavar="KEY.pub", help="accept only patches signed by this key"
+    )
     a.set_defaults(func=cmd_apply)
 
     i = sub.add_parser("inspect", help="describe a patch file")
-    i.add_argument("patch", metavar="PATCH")
+    i.add_argument("patch", type=path, metavar="PATCH")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="check a patch's signature, manifest and chunks")
-    v.add_argument("patch", metavar="PATCH")
-    v.add_argument("--trust", action="append", required=True, metavar="KEY.pub")
+    v.add_argument("patch", type=path, metavar="PATCH")
+    v.add_argument("--trust", type=path, action="append", required=True, metavar="KEY.pub")
     v.set_defaults(func=cmd_verify)
 
     add_simulate_parser(sub)
     add_head_parser(sub)
+    for sp in sub.choices.values():  # each subcommand knows its parser, for checks across arguments
+        sp.set_defaults(subparser=sp)
     return p
 
 
+# Checks across arguments, after parsing: each returns the usage error, or None.
+
+
+def _check_diff(args: argparse.Namespace) -> str | None:
+    if args.base_version is None:
+        args.base_version = args.version - 1
+    elif args.base_version >= args.version:
+        return f"argument --base-version: {args.base_version} is not older than --version {args.version}"
+    return None
+
+
+def _check_certify(args: argparse.Namespace) -> str | None:
+    if not args.output and not args.board:
+        return "give --output CERT, --board DIR or both: the certificate must go somewhere"
+    return None
+
+
+def _check_pull(args: argparse.Namespace) -> str | None:
+    try:
+        args.source, args.run = _run_from(args.source, args.run)
+    except argparse.ArgumentTypeError as e:
+        return f"argument --from: {e}"
+    return None
+
+
+def _tolerant_stdout() -> None:
+    # A path or run id with bytes that are not UTF-8 (argv keeps them as surrogates) prints
+    # escaped instead of failing after the work is done.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _tolerant_stdout()
     args = build_parser().parse_args(argv)
+    check: Callable[[argparse.Namespace], str | None] | None = getattr(args, "check", None)
+    problem = check(args) if check else None
+    if problem:
+        args.subparser.error(problem)
+
+    def fail(text: str) -> None:
+        _err().print(one_line(f"patchswarm {args.command}: error: {text}"), markup=False, highlight=False)
+
     try:
         rc: int = args.func(args)
         return rc
-    except (UserError, HeadCliError, PatchswarmError) as e:
-        err.print(f"patchswarm {args.command}: error: {e}", markup=False, highlight=False)
+    except (UserError, HeadCliError) as e:
+        fail(str(e))
     except FileNotFoundError as e:
-        err.print(f"patchswarm {args.command}: error: no such file: {e.filename}", markup=False, highlight=False)
+        fail(f"no such file: {e.filename}" if e.filename else str(e))
     except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        err.print(f"patchswarm {args.command}: error: {where}{e.strerror or e}", markup=False, highlight=False)
+        fail(f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}")
     except KeyboardInterrupt:
-        err.print(f"patchswarm {args.command}: interrupted")
+        _err().print(f"patchswarm {args.command}: interrupted", markup=False, highlight=False)
         return 130
+    except Exception as e:
+        from protocol.errors import PatchswarmError
+
+        if isinstance(e, PatchswarmError):
+            fail(str(e))
+        elif os.environ.get("PATCHSWARM_DEBUG"):
+            raise
+        else:  # a defect, not the user's doing: still one line, the traceback on request
+            tb = e.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            where = f" at {Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}" if tb else ""
+            fail(f"internal error ({type(e).__name__}: {e}){where}; PATCHSWARM_DEBUG=1 shows the traceback")
     return 1
 
 

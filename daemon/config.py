@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from daemon.run_rules import check_run_id
 from swarm.node import NodeConfig
 
 
@@ -168,6 +169,10 @@ def parse_name(v: Any) -> str:
     return s
 
 
+def parse_run_id(v: Any) -> str:
+    return check_run_id(parse_str(v), "run id")
+
+
 def parse_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
@@ -239,7 +244,7 @@ SCHEMA: list[Key] = [
     Key("node", "advertise", parse_url, None, "URL peers use to reach this node (default: from listen)."),
     Key("node", "region", parse_str, "", "Region label; peers in the same region are preferred."),
     Key("node", "zone", parse_str, "", "Zone label; peers in the same zone are preferred first."),
-    Key("swarm", "run_id", parse_name, None, "The training run whose versions this host follows.", required=True),
+    Key("swarm", "run_id", parse_run_id, None, "The training run whose versions this host follows.", required=True),
     Key("swarm", "bootstrap", parse_urls, [], "Swarm URLs of peers or the seed to join through."),
     Key("swarm", "seed_urls", parse_urls, [], "Board URLs (the trainer seed, nginx, a CDN) polled for the head."),
     Key(

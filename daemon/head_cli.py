@@ -13,20 +13,16 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from daemon.board import Board
-from daemon.head_refresh import (
-    DEFAULT_HEAD_TTL_S,
-    MAX_DOC_BYTES,
-    MAX_HEAD_TTL_S,
-    MIN_HEAD_TTL_S,
-    RUN_ID,
-    check_head_ttl,
-    refresh_board_head,
-)
-from protocol.errors import PatchswarmError
-from protocol.files import read_file
-from protocol.keys import SigningKey
+from daemon import cli_args
+from daemon.run_rules import DEFAULT_HEAD_TTL_S, MAX_HEAD_TTL_S, MIN_HEAD_TTL_S, check_head_ttl
+
+# The board, keys and the refresher load torch and cryptography: only inside the commands, so that
+# ``patchswarm --help`` stays light (daemon/cli.py).
+if TYPE_CHECKING:
+    from daemon.board import Board
+    from protocol.keys import SigningKey
 
 log = logging.getLogger("patchswarm.head")
 
@@ -45,12 +41,6 @@ def head_ttl_arg(text: str) -> float:
         ) from None
 
 
-def run_id_arg(text: str) -> str:
-    if not RUN_ID.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"not a run id (letters, digits and . _ : -, at most 128): {text!r}")
-    return text
-
-
 def add_head_ttl_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--head-ttl",
@@ -67,19 +57,24 @@ def add_seed_refresh_args(p: argparse.ArgumentParser) -> None:
     add_head_ttl_arg(p)
 
 
-def add_head_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_head_parser(sub: Any) -> None:
     h = sub.add_parser("head", help="manage a run's signed head on a board")
     hsub = h.add_subparsers(dest="head_command", required=True)
     r = hsub.add_parser("refresh", help="re-sign a run's head with a fresh expiry (once; for cron)")
-    r.add_argument("--board", required=True, metavar="DIR")
+    r.add_argument("--board", required=True, type=cli_args.path, metavar="DIR")
     r.add_argument("--key", required=True, metavar="KEY", help="a key certified for the run (or the one it began with)")
-    r.add_argument("--run-id", required=True, type=run_id_arg)
+    r.add_argument("--run-id", required=True, type=cli_args.run_id)
     r.add_argument("--cert", metavar="CERT", help="certificate of KEY to place on the board")
     add_head_ttl_arg(r)
     r.set_defaults(func=cmd_head_refresh)
 
 
 def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[Board, SigningKey, bytes | None]:
+    from daemon.board import Board
+    from daemon.head_refresh import MAX_DOC_BYTES
+    from protocol.files import read_file
+    from protocol.keys import SigningKey
+
     if not Path(board_dir).is_dir():
         raise HeadCliError(f"{board_dir} is not a directory")
     key = SigningKey.load(key_path)
@@ -88,6 +83,8 @@ def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[Board
 
 
 def cmd_head_refresh(args: argparse.Namespace) -> int:
+    from daemon.head_refresh import refresh_board_head
+
     board, key, cert = _signer(args.board, args.key, args.cert)
     head = refresh_board_head(board, key, args.run_id, head_ttl=args.head_ttl, certificate=cert)
     assert head is not None  # not only_after: always re-signed
@@ -100,6 +97,9 @@ def seed_refresher(args: argparse.Namespace, on_refresh: Callable[[], None]) -> 
     """The seed's refresher (``--key`` given), to start inside its event loop; None without a key."""
     if not getattr(args, "key", None):
         return None
+    from daemon.head_refresh import refresh_board_head
+    from protocol.errors import PatchswarmError
+
     try:
         board, key, cert = _signer(args.board, args.key, args.cert)
     except (OSError, PatchswarmError) as e:

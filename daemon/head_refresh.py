@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
 from daemon.board import Board
+from daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl
 from protocol.errors import ExpiredError, PatchswarmError, UntrustedKeyError
 from protocol.files import read_file
 from protocol.head import HEAD_TAG, Head, verify_head
@@ -34,24 +34,10 @@ from protocol.trust import CERT_TAG, TrustState
 
 MAX_HEAD_BYTES = 16 << 20
 MAX_DOC_BYTES = 1 << 16
-MIN_HEAD_TTL_S = 1.0
-MAX_HEAD_TTL_S = 30 * 86_400.0  # a head that outlives a month hides a frozen board for that long
-DEFAULT_HEAD_TTL_S = 120.0
-# What hosts accept as swarm.run_id (daemon/config.py parse_name): a run id they could not follow is refused.
-RUN_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}")
 
 
 class HeadWriteError(PatchswarmError):
     """The board's head cannot be re-signed by this signer (none yet, another history, untrusted)."""
-
-
-def check_head_ttl(value: float, name: str = "head_ttl") -> float:
-    """``value`` seconds as a head lifetime, or ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not MIN_HEAD_TTL_S <= value <= MAX_HEAD_TTL_S:  # also refuses NaN
-        raise ValueError(f"{name} must be between {MIN_HEAD_TTL_S:.0f} and {MAX_HEAD_TTL_S:.0f} seconds, not {value!r}")
-    return float(value)
 
 
 @contextmanager

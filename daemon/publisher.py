@@ -50,10 +50,7 @@ import torch
 
 from daemon.board import Board
 from daemon.head_refresh import (
-    DEFAULT_HEAD_TTL_S,
-    RUN_ID,
     board_head,
-    check_head_ttl,
     check_own_key,
     head_lock,
     signer_policy,
@@ -68,6 +65,7 @@ from daemon.publish_work import (
     state_dict_of,
 )
 from daemon.pull import Held, Puller
+from daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl, check_run_id
 from daemon.served_format import ServedFormat
 from daemon.sources import DirSource
 from protocol.catalog import CatalogEntry
@@ -135,10 +133,7 @@ class Publisher:
     ) -> None:
         if not isinstance(signing_key, SigningKey):
             raise ValueError(f"signing_key must be a SigningKey, not {type(signing_key).__name__}")
-        if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
-            raise ValueError(
-                f"run_id must be 1 to 128 letters, digits and . _ : - (not starting with .), not {run_id!r}"
-            )
+        check_run_id(run_id)
         _check_int("anchor_every", anchor_every, 1, MAX_ANCHOR_EVERY)
         _check_int("keep_anchors", keep_anchors, 1, MAX_KEEP_ANCHORS)
         _check_int("chunk_size", chunk_size, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)

@@ -12,23 +12,32 @@ import argparse
 import shlex
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
+from daemon import cli_args
 
 
 def add_simulate_parser(sub: Any) -> None:
     sm = sub.add_parser(
         "simulate", help="bandwidth study: swarm vs central seed vs full checkpoint on a simulated network"
     )
-    sm.add_argument("scenario", metavar="SCENARIO.toml", help="see simulations/scenarios/ and docs/bandwidth-study.md")
-    sm.add_argument("--out", required=True, metavar="DIR", help="results.csv, summary.json, *.png, report.md go here")
-    sm.add_argument("--seed", type=int, metavar="S", help="RNG seed (overrides run.seed)")
+    sm.add_argument(
+        "scenario",
+        type=cli_args.path,
+        metavar="SCENARIO.toml",
+        help="see simulations/scenarios/ and docs/bandwidth-study.md",
+    )
+    sm.add_argument(
+        "--out",
+        type=cli_args.path,
+        required=True,
+        metavar="DIR",
+        help="results.csv, summary.json, *.png, report.md go here",
+    )
+    sm.add_argument(
+        "--seed", type=cli_args.scenario_value("run.seed"), metavar="S", help="RNG seed (overrides run.seed)"
+    )
     sm.add_argument(
         "--partitions",
-        type=int,
+        type=cli_args.scenario_value("run.partitions"),
         metavar="P",
         help="run the swarm's nodes in P processes, for wall time on P cores (overrides run.partitions)",
     )
@@ -43,9 +52,15 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
     from daemon.cli import UserError
     from simulations.plots import PlotsUnavailable
     from simulations.study import run_study  # the simulator loads only for this command
+
+    err = Console(stderr=True, soft_wrap=True, emoji=False)
+    out = Console(soft_wrap=True, emoji=False)
 
     words = ["patchswarm", "simulate", args.scenario, "--out", args.out]
     words += ["--seed", str(args.seed)] if args.seed is not None else []

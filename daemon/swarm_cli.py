@@ -12,23 +12,30 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING
 
-from daemon.board import Board
-from daemon.config import ListenError, bind_errors, parse_rate
+from daemon import cli_args
 from daemon.head_cli import add_seed_refresh_args, seed_refresher
-from daemon.pull import Held
-from daemon.seed import parse_listen
-from protocol.keys import TrustedKeys, load_public_key
-from protocol.trust import TrustState
-from swarm.node import NodeConfig
-from swarm.server import RunningNode, start_http_node
+
+if TYPE_CHECKING:
+    from daemon.pull import Held
+    from swarm.node import NodeConfig
+    from swarm.server import RunningNode
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
-_NODE = NodeConfig("", "", b"")
-N = TypeVar("N", int, float)
+# NodeConfig's defaults, for the help text only (swarm.node loads torch: --help must not);
+# tests/test_cli_validation.py checks they match.
+HELP_DEFAULTS = {
+    "max_uploads": 4,
+    "seed_max_uploads": 6,
+    "upload_queue": 2,
+    "seed_upload_queue": 4,
+    "seed_copy_window": 2.0,
+    "seed_object_copies": 32,
+}
+_NODE = argparse.Namespace(**HELP_DEFAULTS)
 
 
 class SwarmCliError(Exception):
@@ -43,31 +50,52 @@ def cluster_secret(path: str | None) -> bytes:
 
 
 def add_swarm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--secret-file", metavar="FILE", help=f"cluster secret for gossip (or ${SECRET_ENV})")
-    p.add_argument("--name", help="node id (default: the listen address)")
-    p.add_argument("--zone", default="")
-    p.add_argument("--region", default="")
-    p.add_argument("--advertise", metavar="URL", help="address peers use to reach this node")
+    p.add_argument(
+        "--secret-file", type=cli_args.path, metavar="FILE", help=f"cluster secret for gossip (or ${SECRET_ENV})"
+    )
+    p.add_argument("--name", type=cli_args.node_name, help="node id (default: the listen address)")
+    p.add_argument("--zone", type=cli_args.label, default="")
+    p.add_argument("--region", type=cli_args.label, default="")
+    p.add_argument("--advertise", type=cli_args.url, metavar="URL", help="address peers use to reach this node")
     # The same meaning as swarm.upload_rate in the daemon's config: 0 (the default) = unlimited.
-    p.add_argument("--upload-rate", type=_rate, default="0", metavar="RATE", help="bytes/s ('100MB'); 0 = unlimited")
-    p.add_argument("--download-rate", type=_rate, default="0", metavar="RATE", help="bytes/s ('100MB'); 0 = unlimited")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="URL", help="a peer or seed to join through")
+    p.add_argument(
+        "--upload-rate",
+        type=cli_args.rate,
+        default=float("inf"),
+        metavar="RATE",
+        help="bytes/s ('100MB'); 0 = unlimited",
+    )
+    p.add_argument(
+        "--download-rate",
+        type=cli_args.rate,
+        default=float("inf"),
+        metavar="RATE",
+        help="bytes/s ('100MB'); 0 = unlimited",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=cli_args.url,
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a peer or seed to join through",
+    )
     p.add_argument(
         "--max-uploads",
-        type=_count,
+        type=cli_args.count,
         metavar="N",
         help=f"chunk uploads served at once (default {_NODE.max_uploads}; a seed: {_NODE.seed_max_uploads})",
     )
     p.add_argument(
         "--upload-queue",
-        type=_count,
+        type=cli_args.count,
         metavar="N",
         help=f"requests waiting for an upload slot before refusals (default {_NODE.upload_queue}; "
         f"a seed: {_NODE.seed_upload_queue})",
     )
     p.add_argument(
         "--tree-fanout",
-        type=_fanout,
+        type=cli_args.fanout,
         metavar="K",
         help="stripe trees of this fan-out (default 0: off; a seed: serve every tree's root at once)",
     )
@@ -77,49 +105,22 @@ def add_seed_args(p: argparse.ArgumentParser) -> None:
     add_seed_refresh_args(p)
     p.add_argument(
         "--copy-window",
-        type=_seconds,
+        type=cli_args.seconds,
         metavar="SECONDS",
         help=f"the seed hands out each chunk once per this window (default {_NODE.seed_copy_window})",
     )
     p.add_argument(
         "--object-copies",
-        type=_copies,
+        type=cli_args.copies,
         metavar="N",
         help="requesters the seed hands each manifest to before it names them to the rest "
         f"(default {_NODE.seed_object_copies}; 0: serve everyone)",
     )
 
 
-def _bounded(convert: Callable[[str], N], what: str, low: N, high: N) -> Callable[[str], N]:
-    """An argparse type: ``convert`` the text, refusing it (with why) outside ``low..high``."""
-
-    def parse(text: str) -> N:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
-        return value
-
-    return parse
-
-
-def _rate(text: str) -> float:
-    """An argparse type: a rate as the config takes it ('100MB', 0 = unlimited -> inf)."""
-    try:
-        return parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-_count = _bounded(int, "a whole number", 0, 1024)
-_seconds = _bounded(float, "a number of seconds", 0.0, 3600.0)
-_copies = _bounded(int, "a whole number", 0, 1 << 20)
-_fanout = _bounded(int, "a whole number", 0, 64)
-
-
 def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConfig:
+    from swarm.node import NodeConfig
+
     # The seed's own slots, line and copy window are separate fields (a trainer seed is tuned apart
     # from the rollout hosts); flags left out keep NodeConfig's defaults.
     prefix = "seed_" if is_seed else ""
@@ -154,6 +155,8 @@ async def _serve_until_signalled() -> None:
 
 
 def _listen(listen: str) -> tuple[str, int]:
+    from daemon.seed import parse_listen
+
     try:
         return parse_listen(listen)
     except ValueError as e:
@@ -161,6 +164,8 @@ def _listen(listen: str) -> tuple[str, int]:
 
 
 def _run(main: Coroutine[None, None, None]) -> None:
+    from daemon.config import ListenError
+
     try:
         asyncio.run(main)
     except ListenError as e:  # "--listen = [::1]:7000: address already in use"
@@ -168,6 +173,11 @@ def _run(main: Coroutine[None, None, None]) -> None:
 
 
 def run_seed(args: argparse.Namespace) -> int:
+    from daemon.board import Board
+    from daemon.config import bind_errors
+    from protocol.keys import TrustedKeys
+    from swarm.server import start_http_node
+
     host, port = _listen(args.listen)
     board = Board(args.board)
     config = _config(args, is_seed=True, listen=args.listen)
@@ -199,6 +209,11 @@ def run_seed(args: argparse.Namespace) -> int:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    from daemon.config import bind_errors
+    from protocol.keys import load_public_key
+    from protocol.trust import TrustState
+    from swarm.server import start_http_node
+
     host, port = _listen(args.listen)
     trust = TrustState(load_public_key(args.trust))
     config = _config(args, is_seed=False, listen=args.listen)

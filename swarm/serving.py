@@ -33,7 +33,7 @@ import resource
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -345,11 +345,19 @@ async def serve_tcp(
     return runner, runner.addresses[0][1]
 
 
-def run_app(app: web.Application, host: str, port: int, limits: ServerLimits | None = None) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop)."""
+def run_app(
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: ServerLimits | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop); ``on_ready`` once bound."""
 
     async def main() -> None:
         runner, _ = await serve_tcp(app, host, port, limits)
+        if on_ready is not None:
+            on_ready()  # after the bind: a port in use gives its one error line, not a "serving" line first
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -73,3 +73,22 @@ def test_corrupt_patch_writes_nothing(work: Path) -> None:
     r = run("apply", "base.safetensors", "corrupt.psw", "-o", "bad.safetensors", cwd=work)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert not (work / "bad.safetensors").exists()
+
+
+def test_keygen_never_writes_half_a_key_pair(tmp_path: Path) -> None:
+    (tmp_path / "k.pub").write_text("someone else's public key")
+    r = run("keygen", "-o", "k", cwd=tmp_path)
+    assert r.returncode == 1 and "k.pub already exists" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.pub"]
+    assert (tmp_path / "k.pub").read_text() == "someone else's public key"
+
+
+def test_a_patch_signed_at_the_edges_of_its_arguments_applies(work: Path) -> None:
+    r = run(
+        "diff", "base.safetensors", "target.safetensors", "-o", "edge.psw", "--key", "key", "--version", "9",
+        "--base-version", "0", "--chunk-size", "1024", "--level", "19", "--run-id", "run:a.b_c-1", cwd=work,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = run("apply", "base.safetensors", "edge.psw", "-o", "edge.safetensors", "--trust", "key.pub", cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert load_safetensors(work / "edge.safetensors").bitwise_equal(load_safetensors(work / "target.safetensors"))

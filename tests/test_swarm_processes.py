@@ -143,7 +143,9 @@ def test_upload_flags_reach_the_node_config_and_bad_values_are_refused(
     assert (cfg.max_uploads, cfg.upload_queue, cfg.seed_max_uploads) == (3, 2, 6)
     for bad, why in (("-1", "outside 0..1024"), ("many", "not a whole number")):
         with pytest.raises(SystemExit) as info:
-            parser.parse_args(["node", "--listen", "x", "--run", RUN, "--trust", "t", "--max-uploads", bad])
+            parser.parse_args(["node", "--listen", "127.0.0.1:1", "--run", RUN, "--trust", "t", "--max-uploads", bad])
         assert info.value.code == 2 and why in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parser.parse_args(["node", "--listen", "x", "--run", RUN, "--trust", "t", "--copy-window", "1"])  # a seed's
+        parser.parse_args(
+            ["node", "--listen", "127.0.0.1:1", "--run", RUN, "--trust", "t", "--copy-window", "1"]
+        )  # a seed's

@@ -1,0 +1,204 @@
+"""Argument types of the ``patchswarm`` command line: every value is checked where it enters.
+
+Each is an argparse ``type=``: it returns the value or raises ArgumentTypeError saying why, so a bad
+value exits with status 2 and one line naming the argument before anything is read or written.  The
+rules are the readers' own, imported when a value is checked (``--help`` loads nothing heavy): a
+writer never produces a patch, board or certificate that ``apply``, ``pull`` or a daemon refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+from collections.abc import Callable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
+
+# What gossip (protocol/wire.py), the journal and the local API carry: a signed 64-bit integer.
+MAX_VERSION = (1 << 63) - 1
+# A certificate outliving its root key by a century is a mistake, and times past it overflow
+# the calendar a reader prints them in.
+MAX_CERT_DAYS = 36_525.0
+# Zone and region labels travel in every gossip frame.
+MAX_LABEL = 128
+
+
+def bounded(convert: Callable[[str], N], what: str, low: N, high: N) -> Callable[[str], N]:
+    """An argparse type: ``convert`` the text, refusing it (with why) outside ``low..high`` (NaN too)."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not low <= value <= high:  # False for NaN
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
+
+
+count = bounded(int, "a whole number", 0, 1024)
+copies = bounded(int, "a whole number", 0, 1 << 20)
+fanout = bounded(int, "a whole number", 0, 64)
+seconds = bounded(float, "a number of seconds", 0.0, 3600.0)
+anchor_every = bounded(int, "a whole number", 1, 1 << 20)
+version = bounded(int, "a version number", 1, MAX_VERSION)
+base_version = bounded(int, "a version number", 0, MAX_VERSION - 1)
+
+
+def run_id(text: str) -> str:
+    """A run id both the board (a directory name) and a daemon's config (``swarm.run_id``) accept."""
+    from daemon.run_rules import check_run_id
+
+    try:
+        return check_run_id(text, "run id")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def node_name(text: str) -> str:
+    """A node id, by the rule of a daemon's ``node.name``."""
+    from daemon.config import parse_name
+
+    try:
+        return parse_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a node name: {e}") from None
+
+
+def label(text: str) -> str:
+    """A zone or region: short, printable (empty is allowed: no zone)."""
+    if len(text) > MAX_LABEL or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_LABEL} printable characters, got {text!r}")
+    return text
+
+
+def chunk_size(text: str) -> int:
+    """A chunk size a manifest may carry (protocol/chunks.py's bounds)."""
+    from protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+
+    return bounded(int, "a whole number of bytes", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)(text)
+
+
+def zstd_level(text: str) -> int:
+    """A zstd level whose frames decoders accept: higher levels ask for a window past MAX_WINDOW."""
+    import zstandard
+
+    from protocol.streams import MAX_WINDOW
+
+    def fits(level: int) -> bool:
+        return bool(1 << zstandard.ZstdCompressionParameters.from_level(level).window_log <= MAX_WINDOW)
+
+    top = max(lv for lv in range(1, zstandard.MAX_COMPRESSION_LEVEL + 1) if fits(lv))
+    return bounded(int, "a zstd level", 1, top)(text)
+
+
+def days(text: str) -> float:
+    """A certificate's validity in days: positive, finite, at most MAX_CERT_DAYS."""
+    value = bounded(float, "a number of days", 0.0, MAX_CERT_DAYS)(text)
+    if value * 86_400_000 < 1:
+        raise argparse.ArgumentTypeError(f"{value} days is less than a millisecond")
+    return value
+
+
+def rate(text: str) -> float:
+    """Bytes per second ('100MB', '1GiB'), by the rule of the config's ``swarm.upload_rate``; 0 = unlimited."""
+    from daemon.config import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        why = str(e)
+    try:  # also a plain number in any float notation ('1e9'), by the same rule
+        return parse_rate(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(why) from None
+
+
+def url(text: str) -> str:
+    """An http(s) URL, by the rule of the config's URL keys."""
+    from daemon.config import parse_url
+
+    if any(not c.isprintable() or c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expected an http(s) URL, got {text!r}")
+    try:
+        return parse_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def listen(text: str) -> str:
+    """HOST:PORT, [IPV6]:PORT or :PORT (all interfaces); the text itself, for daemon.seed.parse_listen."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 0..65535, got {text!r}")
+    if host.startswith("["):
+        try:
+            if not host.endswith("]"):
+                raise ValueError(host)
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an IPv6 address: {host!r}") from None
+    elif ":" in host:
+        raise argparse.ArgumentTypeError(f"write an IPv6 address in brackets, [ADDR]:PORT, got {text!r}")
+    elif host and not _is_host(host):
+        raise argparse.ArgumentTypeError(f"not a host name or IPv4 address: {host!r}")
+    return text
+
+
+def _is_host(host: str) -> bool:
+    labels = host.removesuffix(".").split(".")
+    if all(p.isdigit() for p in labels):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and all(_HOST_LABEL.fullmatch(p) for p in labels)
+
+
+def scenario_value(key: str) -> Callable[[str], int]:
+    """An integer override of a scenario key (``run.seed``), by the scenario's own rule for it."""
+
+    def parse(text: str) -> int:
+        from simulations.scenario import ScenarioError, with_overrides
+
+        value = bounded(int, "a whole number", -(1 << 64), 1 << 64)(text)
+        try:
+            with_overrides({}, {key: value})
+        except ScenarioError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    return parse
+
+
+def path(text: str) -> str:
+    """A file name: not empty, no NUL (whether the file is usable is checked when it is read)."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
+
+
+def output_path(text: str) -> str:
+    """A file to create: a name that is not a directory, in a directory that exists."""
+    if path(text).endswith("/") or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
+    parent = os.path.dirname(text) or "."
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"no directory {parent!r} to write {os.path.basename(text)!r} in")
+    return text
+
+
+def board(text: str) -> str:
+    """A board: a directory, or a name where one will be created."""
+    if os.path.exists(path(text)) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
