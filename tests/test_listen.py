@@ -98,7 +98,8 @@ def test_a_negative_upload_rate_is_one_line_and_status_2_from_the_cli() -> None:
     r = run_cli("node", "--listen", "127.0.0.1:0", "--run", "r", "--trust", "t.pub", "--upload-rate=-5")
     assert r.returncode == 2
     assert r.stderr.splitlines()[-1] == (
-        "patchswarm node: error: argument --upload-rate: expected a rate like '100MB' (bytes per second), got '-5'"
+        "patchswarm node: error: argument --upload-rate: expected a rate like '100MB' (bytes per second), got '-5' "
+        "(see patchswarm node --help)"
     )
 
 

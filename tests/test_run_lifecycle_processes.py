@@ -37,6 +37,7 @@ from protocol.safetensors_io import save_safetensors
 from protocol.served import ServedModel
 from protocol.trust import Certificate, TrustState
 from tests.adversary import parse_metrics
+from swarm.transport import SystemClock
 from tests.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
 from tests.swarmkit import RUN, SECRET, Swarm
 
@@ -126,7 +127,7 @@ def test_cli_head_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "board").mkdir()
     cases = [
         (["head", "refresh", "--board", "board", "--key", "k", "--run-id", RUN], 1, "no head for run"),
-        (["head", "refresh", "--board", "board", "--key", "k", "--run-id", "../x"], 2, "not a run id"),
+        (["head", "refresh", "--board", "board", "--key", "k", "--run-id", "../x"], 2, "run id must be"),
         (["publish", "m", "--board", "board", "--key", "k", "--run-id", RUN, "--head-ttl", "nan"], 2, "--head-ttl"),
         (["seed", "--board", "board", "--key", "k"], 1, "--key needs --run"),
     ]
@@ -194,6 +195,14 @@ def test_seed_with_the_key_keeps_an_idle_run_fresh_beside_the_trainer(tmp_path: 
             seed.wait(timeout=30)
 
 
+class ShiftedClock(SystemClock):
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def wall(self) -> float:
+        return super().wall() + self.offset
+
+
 @pytest.mark.asyncio
 async def test_daemon_up_through_three_days_of_silence_converges_without_a_restart(tmp_path: Path) -> None:
     clock = SkewedClock(tmp_path)  # the daemon's wall clock
@@ -214,6 +223,9 @@ async def test_daemon_up_through_three_days_of_silence_converges_without_a_resta
         sw.pub.close()  # the trainer stops: nothing re-signs the head
 
         clock.set(3 * DAY)  # the host stays up; three days pass
+        # ... for the seed too: gossip frames carry their sender's wall clock (protocol/wire.py), and a host
+        # three days apart from its peers is cut off from them, as it should be.
+        seed.node.clock = ShiftedClock(3 * DAY)
         st = await wait_status(d, lambda s: s["head_expired_since"] is not None)
         head = board_head(sw.board, RUN)
         assert head is not None and st["head_expired_since"] == head.expires_ms / 1000
