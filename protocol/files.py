@@ -107,11 +107,13 @@ def confined_parts(rel: str, top_level: Collection[str]) -> list[str] | None:
     return parts
 
 
-def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[str], limit: int) -> bytes | None:
-    """A regular file at ``rel`` below ``root`` (a peer-supplied name), or None if it is not there.
+def open_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[str], limit: int) -> int | None:
+    """An open descriptor of the regular file at ``rel`` below ``root`` (a peer-supplied name), or None.
 
     None for anything that is not a regular file reached without leaving ``root``: a refused name,
-    a symlink on the way, a directory, FIFO or device.  FileTooLargeError past ``limit``.
+    a symlink on the way, a directory, FIFO or device.  FileTooLargeError past ``limit``.  The
+    caller closes the descriptor; what it reads there is the file that was checked, whatever
+    happens to the name afterwards.
     """
     parts = confined_parts(rel, top_level)
     if parts is None:
@@ -134,12 +136,34 @@ def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[
             if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EACCES):
                 return None
             raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return None
-            return _read_fd(fd, Path(root, *parts), limit)
-        finally:
-            os.close(fd)
     finally:
         os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        if st.st_size > limit:
+            raise FileTooLargeError(Path(root, *parts), f"{st.st_size} bytes, more than the {limit} allowed")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[str], limit: int) -> bytes | None:
+    """A regular file at ``rel`` below ``root`` (a peer-supplied name), or None if it is not there.
+
+    None for anything that is not a regular file reached without leaving ``root``: a refused name,
+    a symlink on the way, a directory, FIFO or device.  FileTooLargeError past ``limit``.
+    """
+    fd = open_confined(root, rel, top_level, limit)
+    if fd is None:
+        return None
+    try:
+        return _read_fd(fd, Path(root, rel), limit)
+    except OSError as e:
+        raise InputFileError(Path(root, rel), e.strerror or type(e).__name__) from None
+    finally:
+        os.close(fd)
