@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from daemon.board import Board, write_atomic
+from daemon.board import MAX_DOC_BYTES, Board, write_atomic
 from daemon.publisher import Publisher, PublishInfo
 from daemon.pull import Held, Puller
 from daemon.pull_state import PullState
@@ -31,8 +31,9 @@ from daemon.sources import source_for
 from daemon.swarm_cli import add_seed_args, add_swarm_args
 from protocol.codec import read_header
 from protocol.errors import PatchswarmError
+from protocol.files import read_file
 from protocol.keys import SigningKey, TrustedKeys, load_public_key
-from protocol.patchfile import apply_version, build_version, open_file, write_file
+from protocol.patchfile import apply_version, build_version, open_file, read_patch_file, write_file
 from protocol.safetensors_io import load_safetensors, save_safetensors
 from protocol.trust import Certificate, RootDocument, TrustState
 
@@ -120,7 +121,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     policy = _trust(args.trust)
-    data = Path(args.patch).read_bytes()
+    data = read_patch_file(args.patch)
     v = open_file(data, policy, now_ms=_now_ms())
     if policy is None:
         err.print("[yellow]warning:[/] no --trust given: signature not checked (integrity still is)")
@@ -132,7 +133,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    v = open_file(Path(args.patch).read_bytes(), _trust(args.trust), now_ms=_now_ms())
+    v = open_file(read_patch_file(args.patch), _trust(args.trust), now_ms=_now_ms())
     read_header(v.payload, list(v.manifest.specs))
     out.print(
         f"OK: version {v.manifest.version} of run {v.manifest.run_id!r}, signed by {v.signed.key_id.hex()[:16]}, "
@@ -142,7 +143,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def inspect_data(path: str) -> dict[str, Any]:
-    v = open_file(Path(path).read_bytes(), None, verify_chunks=True)
+    v = open_file(read_patch_file(path), None, verify_chunks=True)
     m = v.manifest
     header = read_header(v.payload, list(m.specs))
     tensors = [
@@ -252,7 +253,7 @@ def cmd_rotate_root(args: argparse.Namespace) -> int:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     model = load_safetensors(args.model)
-    cert = Path(args.cert).read_bytes() if args.cert else None
+    cert = read_file(args.cert, MAX_DOC_BYTES) if args.cert else None
     pub = Publisher(
         args.board,
         SigningKey.load(args.key),

@@ -13,13 +13,13 @@ import json
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 from daemon.board import Board
 from daemon.pull import Held
 from daemon.seed import parse_listen
-from protocol.keys import TrustedKeys, load_public_key
+from protocol.files import read_file
+from protocol.keys import MAX_KEY_FILE_BYTES, TrustedKeys, load_public_key
 from protocol.trust import TrustState
 from swarm.node import NodeConfig
 from swarm.server import start_http_node
@@ -34,7 +34,7 @@ class SwarmCliError(Exception):
 
 
 def cluster_secret(path: str | None) -> bytes:
-    data = Path(path).read_bytes().strip() if path else os.environ.get(SECRET_ENV, "").encode()
+    data = read_file(path, MAX_KEY_FILE_BYTES).strip() if path else os.environ.get(SECRET_ENV, "").encode()
     if len(data) < 16:
         raise SwarmCliError(f"a cluster secret of at least 16 bytes is required (--secret-file or ${SECRET_ENV})")
     return data

@@ -33,11 +33,16 @@ class InputFileError(PatchswarmError):
         self.reason = reason
 
 
+class MissingFileError(InputFileError):
+    """A named file that does not exist (a reader may treat it as "nothing yet")."""
+
+
 class FileTooLargeError(InputFileError, LimitExceededError):
     """A file larger than the bound its reader allows."""
 
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+_READ_MAX = 0x7FFFF000  # the most one read() returns on Linux
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -50,15 +55,20 @@ def _read_fd(fd: int, path: str | os.PathLike[str], limit: int) -> bytes:
     os.set_blocking(fd, True)
     parts: list[bytes] = []
     got = 0
+    # The first read asks for the whole file: one buffer, no join (for a file up to the ~2 GiB one
+    # read returns).  Then pieces until EOF or past the bound: a file that grows, a /proc file
+    # whose size says 0.
+    ask = min(st.st_size + 1, _READ_MAX)
     while got <= limit:
-        piece = os.read(fd, min(limit + 1 - got, 1 << 24) or 1)
+        piece = os.read(fd, min(limit + 1 - got, ask))
         if not piece:
             break
         parts.append(piece)
         got += len(piece)
+        ask = 1 << 24
     if got > limit:
         raise FileTooLargeError(path, f"grew past the {limit} bytes allowed while being read")
-    return b"".join(parts)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _kind(mode: int) -> str:
@@ -74,14 +84,34 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
-def read_file(path: str | os.PathLike[str], limit: int) -> bytes:
-    """The whole of a regular file of at most ``limit`` bytes; InputFileError (one line) otherwise."""
+def open_regular(path: str | os.PathLike[str], limit: int) -> int:
+    """An open, blocking descriptor of the regular file at ``path`` of at most ``limit`` bytes.
+
+    For a reader that does not take the file whole (a model it maps, a patch file it reads in
+    steps); InputFileError (one line) otherwise.  The caller closes the descriptor.
+    """
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
-        raise InputFileError(path, "no such file") from None
+        raise MissingFileError(path, "no such file") from None
     except OSError as e:
         raise InputFileError(path, e.strerror or type(e).__name__) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputFileError(path, f"not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > limit:
+            raise FileTooLargeError(path, f"{st.st_size} bytes, more than the {limit} allowed")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes; InputFileError (one line) otherwise."""
+    fd = open_regular(path, limit)
     try:
         return _read_fd(fd, path, limit)
     except OSError as e:
