@@ -168,7 +168,7 @@ def read_patch_file(path: str | os.PathLike[str], limit: int = MAX_PATCH_FILE_BY
     try:
         size = os.fstat(fd).st_size
         try:
-            mv = memoryview(_pread_exact(fd, _FILE_PREFIX.size, 0))
+            mv = memoryview(_pread_exact(fd, min(_FILE_PREFIX.size, size), 0))
             (env_len,) = read_prefix(_FILE_PREFIX, mv, FILE_MAGIC, FILE_FORMAT, "patch file")
             end = _check_envelope_length(env_len, size)
             manifest = SignedManifest.from_bytes(bytes(_pread_exact(fd, env_len, _FILE_PREFIX.size))).verify(None)
