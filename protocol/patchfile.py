@@ -34,7 +34,7 @@ from protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, 
 
 FILE_MAGIC = b"PSWPATCH"
 FILE_FORMAT = 1
-_FILE_PREFIX = struct.Struct("<8sB3xI")  # magic, file format, reserved, envelope length
+_FILE_PREFIX = struct.Struct("<8sB3sI")  # magic, file format, reserved (zero), envelope length
 DEFAULT_TTL_MS = 30 * 24 * 3600 * 1000
 MAX_PATCH_FILE_BYTES = 1 << 38  # 256 GiB: a 70B-parameter model's bf16 anchor fits; a larger file is not read
 
@@ -139,7 +139,8 @@ def sign_version(
 
 def pack_file(version: Version) -> bytes:
     envelope = version.signed.to_bytes()
-    return b"".join([_FILE_PREFIX.pack(FILE_MAGIC, FILE_FORMAT, len(envelope)), envelope, bytes(version.payload)])
+    prefix = _FILE_PREFIX.pack(FILE_MAGIC, FILE_FORMAT, bytes(3), len(envelope))
+    return b"".join([prefix, envelope, bytes(version.payload)])
 
 
 def write_file(path: str | os.PathLike[str], version: Version) -> None:
@@ -168,8 +169,7 @@ def read_patch_file(path: str | os.PathLike[str], limit: int = MAX_PATCH_FILE_BY
     try:
         size = os.fstat(fd).st_size
         try:
-            mv = memoryview(_pread_exact(fd, min(_FILE_PREFIX.size, size), 0))
-            (env_len,) = read_prefix(_FILE_PREFIX, mv, FILE_MAGIC, FILE_FORMAT, "patch file")
+            env_len = _read_file_prefix(memoryview(_pread_exact(fd, min(_FILE_PREFIX.size, size), 0)))
             end = _check_envelope_length(env_len, size)
             manifest = SignedManifest.from_bytes(bytes(_pread_exact(fd, env_len, _FILE_PREFIX.size))).verify(None)
             _check_payload_length(size - end, manifest.payload_size)
@@ -203,6 +203,14 @@ def _naming(path: str | os.PathLike[str], e: FormatError | OSError) -> Exception
     return e
 
 
+def _read_file_prefix(mv: memoryview) -> int:
+    """The envelope length, once magic, format and the reserved bytes (zero) are checked."""
+    reserved, env_len = read_prefix(_FILE_PREFIX, mv, FILE_MAGIC, FILE_FORMAT, "patch file")
+    if any(reserved):
+        raise FormatError("patch file reserved bytes are not zero")
+    return int(env_len)
+
+
 def _check_envelope_length(env_len: int, size: int) -> int:
     if env_len > MAX_MANIFEST_BYTES + 256:
         raise LimitExceededError("manifest envelope larger than allowed")
@@ -228,8 +236,7 @@ def open_file(
 ) -> Version:
     """Parse a patch file and verify it: signature (if a policy is given), manifest, every chunk."""
     mv = memoryview(data)
-    (env_len,) = read_prefix(_FILE_PREFIX, mv, FILE_MAGIC, FILE_FORMAT, "patch file")
-    end = _check_envelope_length(env_len, len(mv))
+    end = _check_envelope_length(_read_file_prefix(mv), len(mv))
     signed = SignedManifest.from_bytes(bytes(mv[_FILE_PREFIX.size : end]))
     manifest = signed.verify(policy, now_ms=now_ms)
     payload = mv[end:]

@@ -200,7 +200,9 @@ def test_a_patch_file_is_read_whole_only_once_it_is_known_to_be_one(work: Path, 
         tmp_path / "short.psw": "payload bytes",
         tmp_path / "cut.psw": "ends inside its manifest",
         tmp_path / "tiny.psw": "shorter than its fixed header",
+        tmp_path / "reserved.psw": "reserved bytes are not zero",
     }
+    (tmp_path / "reserved.psw").write_bytes(good[:9] + b"\x01" + good[10:])
     (tmp_path / "trailing.psw").write_bytes(good + b"x")
     (tmp_path / "short.psw").write_bytes(good[:-1])
     (tmp_path / "cut.psw").write_bytes(good[:40])
