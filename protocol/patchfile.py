@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
-from protocol.codec import EncodedPatch, Progress, apply_update, encode_patch, iter_updates
+from protocol.codec import EncodedPatch, Progress, anchor_header, apply_update, encode_patch, iter_updates
 from protocol.docfields import read_prefix
 from protocol.errors import (
     BaseMismatchError,
@@ -260,6 +260,7 @@ def apply_version(
     """
     specs = list(manifest.specs)
     if manifest.kind == Kind.ANCHOR:
+        anchor_header(payload, specs)  # its size backed by the payload before it is allocated
         model: ServedModel = ServedModel.zeros_like(specs)
         digests: list[bytes | None] = [None] * len(specs)
         source = None
