@@ -185,12 +185,17 @@ class Board:
             m = self.manifest(mid)
             keep_chunks.update(ref.hash for ref in m.chunks)
         removed = 0
-        for p in self.path("manifests").glob("*"):
-            if not p.name.startswith(".") and bytes.fromhex(p.name) not in keep_ids:
-                p.unlink()
-                removed += 1
-        for p in self.path("chunks").glob("*"):
-            if not p.name.startswith(".") and bytes.fromhex(p.name) not in keep_chunks:
-                p.unlink()
-                removed += 1
+        for folder, keep in (("manifests", keep_ids), ("chunks", keep_chunks)):
+            for p in self.path(folder).glob("*"):
+                name = _content_name(p.name)
+                if name is not None and name not in keep:  # a file the board did not name is not its to delete
+                    p.unlink()
+                    removed += 1
         return removed
+
+
+def _content_name(name: str) -> bytes | None:
+    """The hash a manifest or chunk file is named by (64 lowercase hex digits), or None."""
+    if len(name) != 64 or name.strip("0123456789abcdef"):
+        return None
+    return bytes.fromhex(name)

@@ -294,3 +294,17 @@ def test_read_confined_refuses_symlinks_fifos_and_devices(tmp_path: Path) -> Non
         assert open_confined(root, rel, top, 1 << 20) is None, rel
     with pytest.raises(Exception, match="more than the 3 allowed"):
         read_confined(root, "chunks/ok", top, 3)
+
+
+def test_garbage_collection_leaves_files_the_board_did_not_name(tmp_path: Path) -> None:
+    """A board's collector deletes its own manifests and chunks only: a stray name is not a crash."""
+    s = Swarm(tmp_path)
+    s.publish()
+    board = s.board.root
+    os.mkfifo(board / "chunks" / "fifo")
+    (board / "chunks" / "link").symlink_to(tmp_path / "elsewhere")
+    (board / "manifests" / "README").write_text("notes")
+    (board / "chunks" / ("AB" * 32)).write_bytes(b"upper-case hex: not a name the board writes")
+    assert s.board.collect_garbage([]) > 0
+    assert sorted(p.name for p in (board / "chunks").iterdir()) == sorted(["fifo", "link", "AB" * 32])
+    assert [p.name for p in (board / "manifests").iterdir()] == ["README"]
