@@ -1,9 +1,9 @@
 """Files named on the command line or in a config are regular files of a bounded size (issue 31).
 
 Every CLI argument that names a file to read (signing and public keys, certificates, patch
-files, models, cluster secrets, the daemon's config, a pull's state file, a local board) gets a
-FIFO with no writer, /dev/zero, a directory and a huge sparse file, in a real ``patchswarm``
-process: it ends promptly with one line on stderr naming the file, a non-zero status, no
+files, models, cluster secrets, the daemon's config, a pull's state file, a simulation's
+scenario, a local board) gets a FIFO with no writer, /dev/zero, a directory and a huge sparse
+file: the command ends promptly with one line on stderr naming the file, a non-zero status, no
 traceback, and nothing written.
 """
 
@@ -67,7 +67,7 @@ def config_with_secret(work: Path, secret: str) -> str:
 
 
 # What each command would write if it got that far.
-OUTPUTS = ("out.psw", "out.safetensors", "cert.out", "board", "state.out")
+OUTPUTS = ("out.psw", "out.safetensors", "cert.out", "board", "state.out", "sim.out")
 
 CASES: dict[str, Callable[[Path, str], list[str]]] = {
     "signing key (diff --key)": lambda w, b: (
@@ -97,6 +97,7 @@ CASES: dict[str, Callable[[Path, str], list[str]]] = {
     ),
     "secret (daemon config)": lambda w, b: ["daemon", "--config", config_with_secret(w, b)],
     "config (daemon --config)": lambda w, b: ["daemon", "--config", b],
+    "scenario (simulate)": lambda w, b: ["simulate", b, "--out", "sim.out"],
     "pull state (pull --state)": lambda w, b: (
         ["pull", "--from", "board", "--run", "r", "--trust", "key.pub"] + ["--to", "out.safetensors", "--state", b]
     ),
