@@ -25,6 +25,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from daemon.board import Board
 from protocol.files import confined_parts, open_confined, read_confined
@@ -308,3 +310,23 @@ def test_garbage_collection_leaves_files_the_board_did_not_name(tmp_path: Path) 
     assert s.board.collect_garbage([]) > 0
     assert sorted(p.name for p in (board / "chunks").iterdir()) == sorted(["fifo", "link", "AB" * 32])
     assert [p.name for p in (board / "manifests").iterdir()] == ["README"]
+
+
+PIECES = ["chunks", "runs", "r", "head", "ok", "..", ".", "", "/", "%2F", "\\", "\x00", "link", "up", "key", "é", "~"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.sampled_from(PIECES) | st.text(max_size=4), max_size=8), sep=st.sampled_from(["/", ""]))
+def test_read_confined_returns_a_file_of_the_board_or_nothing(tmp_path: Path, parts: list[str], sep: str) -> None:
+    """Whatever name a peer sends, what comes back is one of the board's own files, or None."""
+    root = tmp_path / "root"
+    if not root.exists():
+        (root / "chunks").mkdir(parents=True)
+        (root / "runs" / "r").mkdir(parents=True)
+        (root / "chunks" / "ok").write_bytes(b"chunk")
+        (root / "runs" / "r" / "head").write_bytes(b"head")
+        (tmp_path / "key").write_bytes(b"secret")
+        (root / "chunks" / "link").symlink_to(tmp_path / "key")
+        (root / "runs" / "up").symlink_to(tmp_path, target_is_directory=True)
+    got = read_confined(root, sep.join(parts), {"chunks", "runs"}, 1 << 10)
+    assert got in (None, b"chunk", b"head")
