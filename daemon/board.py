@@ -9,19 +9,46 @@ per run, laid out so that any static HTTP server (nginx, an object store, a CDN)
 
 Durability: every file is written to a temporary name, fsynced, renamed and its directory
 fsynced, and a version's chunks and manifest are durable before the head moves.
+
+Reading: the layout above is the only thing a board serves.  ``TOP_LEVEL`` and ``board_limit``
+are the path rules every server of a board (``patchswarm seed``, a seed node, its chunk store, a
+local board source) shares; ``Board.open``/``Board.read`` apply them through
+protocol/files.py's ``open_confined`` (no ``..``, absolute path, hidden name or symlink leads out
+of the board; FIFOs and devices are not files; each kind of file has its size bound).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from protocol.catalog import CatalogEntry
-from protocol.chunks import chunk_views
+from protocol.chunks import MAX_CHUNK_SIZE, chunk_views
+from protocol.files import FileTooLargeError, open_confined, read_confined
 from protocol.manifest import Manifest, SignedManifest
 from protocol.patchfile import Version
+from protocol.signed import MAX_ENVELOPE_BYTES
+
+log = logging.getLogger(__name__)
+
+TOP_LEVEL = frozenset({"runs", "manifests", "chunks", "certs", "trust"})
+MAX_HEAD_BYTES = 16 << 20  # a signed head (a catalog of up to 100,000 versions); what a host fetches at most
+MAX_DOC_BYTES = 1 << 16  # a certificate or a root document
+_LIMITS = {"manifests": MAX_ENVELOPE_BYTES, "chunks": MAX_CHUNK_SIZE, "certs": MAX_DOC_BYTES, "trust": MAX_DOC_BYTES}
+
+
+def board_limit(rel: str) -> int | None:
+    """The size bound of the board file at ``rel``, or None if the layout has no such file.
+
+    ``runs/<run>/head`` and ``<folder>/<name>`` only: nothing deeper, nothing else under runs/.
+    """
+    parts = rel.split("/")
+    if parts[0] == "runs":
+        return MAX_HEAD_BYTES if len(parts) == 3 and parts[2] == "head" else None
+    return _LIMITS.get(parts[0]) if len(parts) == 2 else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -104,16 +131,32 @@ class Board:
 
     def put_root(self, version: int, envelope_bytes: bytes) -> None:
         p = self.path(self.root_rel(version))
-        if p.exists() and p.read_bytes() != envelope_bytes:
+        if p.exists() and self.read(self.root_rel(version)) != envelope_bytes:
             raise FileExistsError(f"{p} already holds a different root document version {version}")
         write_atomic(p, envelope_bytes)
 
     # ------------------------------------------------------------ reading
 
+    def open(self, rel: str) -> int | None:
+        """An open descriptor of the board file at ``rel`` (a name a peer may have sent), or None.
+
+        None for a name outside the layout and for anything but a regular file inside the board;
+        FileTooLargeError for a file over its kind's bound.  The caller closes the descriptor.
+        """
+        limit = board_limit(rel)
+        return None if limit is None else open_confined(self.root, rel, TOP_LEVEL, limit)
+
     def read(self, rel: str) -> bytes | None:
+        """The board file at ``rel``, or None (see ``open``); FileTooLargeError over its bound."""
+        limit = board_limit(rel)
+        return None if limit is None else read_confined(self.root, rel, TOP_LEVEL, limit)
+
+    def read_served(self, rel: str) -> bytes | None:
+        """``read`` for a server: a file over its bound is not served (None), with a warning, not an error."""
         try:
-            return self.path(rel).read_bytes()
-        except FileNotFoundError:
+            return self.read(rel)
+        except FileTooLargeError as e:
+            log.warning("board: not serving %s", e)
             return None
 
     def root_versions(self) -> list[int]:
@@ -142,12 +185,17 @@ class Board:
             m = self.manifest(mid)
             keep_chunks.update(ref.hash for ref in m.chunks)
         removed = 0
-        for p in self.path("manifests").glob("*"):
-            if not p.name.startswith(".") and bytes.fromhex(p.name) not in keep_ids:
-                p.unlink()
-                removed += 1
-        for p in self.path("chunks").glob("*"):
-            if not p.name.startswith(".") and bytes.fromhex(p.name) not in keep_chunks:
-                p.unlink()
-                removed += 1
+        for folder, keep in (("manifests", keep_ids), ("chunks", keep_chunks)):
+            for p in self.path(folder).glob("*"):
+                name = _content_name(p.name)
+                if name is not None and name not in keep:  # a file the board did not name is not its to delete
+                    p.unlink()
+                    removed += 1
         return removed
+
+
+def _content_name(name: str) -> bytes | None:
+    """The hash a manifest or chunk file is named by (64 lowercase hex digits), or None."""
+    if len(name) != 64 or name.strip("0123456789abcdef"):
+        return None
+    return bytes.fromhex(name)

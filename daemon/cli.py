@@ -159,11 +159,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from protocol.patchfile import apply_version, open_file
+    from protocol.patchfile import apply_version, open_file, read_patch_file
     from protocol.safetensors_io import load_safetensors, save_safetensors
 
     policy = _trust(args.trust)
-    data = Path(args.patch).read_bytes()
+    data = read_patch_file(args.patch)
     v = open_file(data, policy, now_ms=_now_ms())
     base = load_safetensors(args.base)
     model, _ = apply_version(base, v.manifest, v.payload)
@@ -176,9 +176,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from protocol.codec import read_header
-    from protocol.patchfile import open_file
+    from protocol.patchfile import open_file, read_patch_file
 
-    v = open_file(Path(args.patch).read_bytes(), _trust(args.trust), now_ms=_now_ms())
+    v = open_file(read_patch_file(args.patch), _trust(args.trust), now_ms=_now_ms())
     read_header(v.payload, list(v.manifest.specs))
     say(
         f"OK: version {v.manifest.version} of run {v.manifest.run_id!r}, signed by {v.signed.key_id.hex()[:16]}, "
@@ -189,9 +189,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def inspect_data(path: str) -> dict[str, Any]:
     from protocol.codec import read_header
-    from protocol.patchfile import open_file
+    from protocol.patchfile import open_file, read_patch_file
 
-    v = open_file(Path(path).read_bytes(), None, verify_chunks=True)
+    v = open_file(read_patch_file(path), None, verify_chunks=True)
     m = v.manifest
     header = read_header(v.payload, list(m.specs))
     tensors = [
@@ -327,7 +327,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from protocol.safetensors_io import load_safetensors
 
     model = load_safetensors(args.model)
-    cert = Path(args.cert).read_bytes() if args.cert else None
+    from daemon.board import MAX_DOC_BYTES
+    from protocol.files import read_file
+
+    cert = read_file(args.cert, MAX_DOC_BYTES) if args.cert else None
     try:
         pub = _publisher(args, cert)
     except ValueError as e:

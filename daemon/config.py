@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.run_rules import check_run_id
+from protocol.files import InputFileError, MissingFileError, read_file
+from protocol.keys import MAX_KEY_FILE_BYTES
 from swarm.node import NodeConfig
 
 
@@ -434,9 +436,9 @@ class DaemonConfig:
     def cluster_secret(self) -> bytes:
         path = Path(self.values["swarm.cluster_secret_file"])
         try:
-            secret = path.read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"swarm.cluster_secret_file: cannot read {path}: {e.strerror}") from None
+            secret = read_file(path, MAX_KEY_FILE_BYTES).strip()
+        except InputFileError as e:
+            raise ConfigError(f"swarm.cluster_secret_file: cannot read {path}: {e.reason}") from None
         if len(secret) < 16:
             raise ConfigError(f"swarm.cluster_secret_file: {path} holds {len(secret)} bytes; at least 16 are needed")
         return secret
@@ -448,9 +450,11 @@ def load_config(path: str | os.PathLike[str] | None, env: Mapping[str, str] | No
     if path is not None:
         source = str(path)
         try:
-            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
+            raw = tomllib.loads(read_file(path, 1 << 20).decode("utf-8"))
+        except MissingFileError:
             raise ConfigError(f"{path}: no such configuration file") from None
+        except InputFileError as e:
+            raise ConfigError(str(e)) from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except RecursionError:  # tomllib recurses once per nesting level of arrays and inline tables

@@ -38,6 +38,8 @@ from daemon.weightstore import (
     TensorUpdate,
     WeightStore,
 )
+from protocol.files import InputFileError, MissingFileError, read_file
+from protocol.patchfile import MAX_PATCH_FILE_BYTES
 
 JOURNAL_NAME = "activation.journal"
 MAGIC = b"PSWJRNL1"
@@ -137,11 +139,11 @@ def read_journal(journal_dir: Path) -> Journal | None:
     """The journal, if one exists; TornJournalError if it is truncated or corrupt."""
     path = journal_path(journal_dir)
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        data = read_file(path, _MAX_HEADER + MAX_PATCH_FILE_BYTES)
+    except MissingFileError:
         return None
-    except OSError as e:
-        raise JournalError(f"cannot read {path}: {e}") from e
+    except InputFileError as e:
+        raise JournalError(f"cannot read {e}") from e
     if len(data) < _PREFIX.size + 32:
         raise TornJournalError(f"{path}: truncated")
     body_end = len(data) - 32

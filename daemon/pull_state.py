@@ -17,10 +17,12 @@ import msgpack
 
 from daemon.board import write_atomic
 from protocol.errors import EquivocationError, FormatError
+from protocol.files import read_file
 from protocol.head import HeadTracker
 from protocol.trust import RootDocument, TrustState
 
 log = logging.getLogger("patchswarm.daemon")
+MAX_STATE_BYTES = 64 << 20  # a head tracker and root documents; equivocation proofs: two heads
 
 
 @dataclass(slots=True)
@@ -34,7 +36,7 @@ class PullState:
         evidence = evidence_dir(path)
         for f in sorted(evidence.glob(f"{run_id}.*.msgpack")):
             try:
-                proof = msgpack.unpackb(f.read_bytes(), raw=False)
+                proof = msgpack.unpackb(read_file(f, MAX_STATE_BYTES), raw=False)
                 state.tracker.evidence.append((bytes(proof["first"]), bytes(proof["second"])))
                 state.tracker.halted = str(proof["what"])
             except (ValueError, TypeError, KeyError, msgpack.UnpackException):
@@ -47,7 +49,7 @@ class PullState:
         if not path.exists():
             return cls(HeadTracker(run_id), {})
         try:
-            obj: dict[str, Any] = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+            obj: dict[str, Any] = msgpack.unpackb(read_file(path, MAX_STATE_BYTES), raw=False, strict_map_key=False)
             tracker = HeadTracker.restore(obj["head"])
             roots = {int(k): bytes(v) for k, v in obj["roots"].items()}
         except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:

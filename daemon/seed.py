@@ -2,50 +2,64 @@
 
 Immutable files (chunks, manifests, certificates, root documents) are cacheable forever; the
 head is never cached without revalidation.  Range requests, ETag and If-None-Match come from
-aiohttp's FileResponse.  Paths are confined to the board's five top-level folders.
+aiohttp's FileResponse.
+
+Paths follow the board's layout (daemon/board.py ``board_limit``) and files are opened through
+``Board.open`` (protocol/files.py ``open_confined``): no name leaves the board, and only a regular
+file within its kind's size bound is served.  FileResponse is handed that open file (by its
+/proc/self/fd name, the very inode checked), never the requested name, so a name swapped for a
+FIFO, a device or a symlink after the check serves nothing new.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 from aiohttp import web
 
+from daemon.board import Board
 from daemon.config import split_listen as parse_listen  # one parser for every listen address
+from protocol.files import FileTooLargeError
+
+log = logging.getLogger(__name__)
 
 IMMUTABLE = "public, max-age=31536000, immutable"
 MUTABLE = "no-cache"
-TOP_LEVEL = frozenset({"runs", "manifests", "chunks", "certs", "trust"})
-BOARD_KEY: web.AppKey[Path] = web.AppKey("board", Path)
+BOARD_KEY: web.AppKey[Board] = web.AppKey("board", Board)
+_FD_DIR = Path("/proc/self/fd")
 
 
-def _resolve(board: Path, rel: str) -> Path | None:
-    parts = rel.split("/")
-    if (
-        not parts
-        or parts[0] not in TOP_LEVEL
-        or any(p in ("", ".", "..") or p.startswith(".") or len(p.encode()) > 255 for p in parts)  # (ENAMETOOLONG)
-    ):
+def _open(board: Board, rel: str) -> int | None:
+    try:
+        return board.open(rel)
+    except FileTooLargeError as e:
+        log.warning("seed: not serving %s", e)
         return None
-    path = board.joinpath(*parts)
-    return path if path.is_file() else None
 
 
 async def _serve(request: web.Request) -> web.StreamResponse:
     rel = request.match_info["path"]
-    path = _resolve(request.app[BOARD_KEY], rel)
-    if path is None:
-        raise web.HTTPNotFound(text=f"not on this board: {rel}\n")
-    mutable = rel.startswith("runs/") and rel.endswith("/head")
-    return web.FileResponse(
-        path,
-        headers={"Cache-Control": MUTABLE if mutable else IMMUTABLE, "Content-Type": "application/octet-stream"},
-    )
+    fd = _open(request.app[BOARD_KEY], rel)
+    if fd is None:
+        raise web.HTTPNotFound(text="not on this board\n")
+    try:
+        mutable = rel.startswith("runs/")
+        resp = web.FileResponse(
+            _FD_DIR / str(fd),
+            headers={"Cache-Control": MUTABLE if mutable else IMMUTABLE, "Content-Type": "application/octet-stream"},
+        )
+        # Prepared (the file opened and sent) while ``fd`` keeps the checked inode's name valid.
+        await resp.prepare(request)
+        return resp
+    finally:
+        os.close(fd)
 
 
 def board_app(board: str | Path) -> web.Application:
     app = web.Application()
-    app[BOARD_KEY] = Path(board).resolve()
+    app[BOARD_KEY] = Board(Path(board).resolve())
     app.router.add_get("/{path:.+}", _serve)
     return app
 

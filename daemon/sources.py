@@ -11,7 +11,9 @@ from typing import Protocol
 
 import aiohttp
 
+from daemon.board import TOP_LEVEL, board_limit
 from protocol.errors import LimitExceededError, PatchswarmError
+from protocol.files import FileTooLargeError, read_confined
 from swarm.client_errors import describe
 from swarm.http import read_bounded
 
@@ -29,19 +31,18 @@ class BoardSource(Protocol):
 
 
 class DirSource:
+    """A board in a local directory, read with the board's path rules (daemon/board.py): a name
+    outside its layout, a symlink out of it, a FIFO or a device is a missing file, never a wait."""
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
     async def get(self, rel: str, limit: int) -> bytes | None:
-        path = self.root / rel
         try:
-            with path.open("rb") as fh:
-                data = fh.read(limit + 1)
-        except FileNotFoundError:
-            return None
-        if len(data) > limit:
-            raise LimitExceededError(f"{rel}: larger than the {limit} bytes expected")
-        return data
+            bound = board_limit(rel)
+            return None if bound is None else read_confined(self.root, rel, TOP_LEVEL, min(bound, limit))
+        except FileTooLargeError:
+            raise LimitExceededError(f"{rel}: larger than the {limit} bytes expected") from None
 
     async def close(self) -> None:
         return None

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from daemon import cli_args
@@ -43,7 +42,10 @@ class SwarmCliError(Exception):
 
 
 def cluster_secret(path: str | None) -> bytes:
-    data = Path(path).read_bytes().strip() if path else os.environ.get(SECRET_ENV, "").encode()
+    from protocol.files import read_file
+    from protocol.keys import MAX_KEY_FILE_BYTES
+
+    data = read_file(path, MAX_KEY_FILE_BYTES).strip() if path else os.environ.get(SECRET_ENV, "").encode()
     if len(data) < 16:
         raise SwarmCliError(f"a cluster secret of at least 16 bytes is required (--secret-file or ${SECRET_ENV})")
     return data

@@ -47,6 +47,7 @@ from protocol.docfields import read_prefix
 from protocol.errors import FormatError, LimitExceededError, TruncatedError
 from protocol.served import ServedModel, TensorSpec, word_view
 from protocol.streams import (
+    MAX_EXPANSION,
     MAX_WINDOW,
     Fields,
     Piece,
@@ -448,7 +449,46 @@ def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHe
         raise FormatError(f"{len(body) - offset} unexpected bytes after the last stream")
     if total_raw > bound:
         raise LimitExceededError(f"patch declares {total_raw} stream bytes; its records allow at most {bound}")
+    for name, raw_len, comp in streams:
+        if raw_len > MAX_EXPANSION * len(comp):
+            raise LimitExceededError(f"stream {name!r} declares {raw_len} bytes; {len(comp)} zstd bytes hold fewer")
+    _check_dense_streams(specs, records, streams)
     return PatchHeader(records, streams)
+
+
+def _check_dense_streams(
+    specs: list[TensorSpec], records: list[tuple[Encoding, int]], streams: list[tuple[str, int, memoryview]]
+) -> None:
+    """Dense records (FULL, XOR) read every word of their tensor: the byte planes they read must
+    declare exactly that many bytes (what ``StreamReader.finish`` would find at the end, known now)."""
+    need: dict[tuple[str, int], int] = {}
+    for spec, (enc, _) in zip(specs, records, strict=True):
+        if enc in (Encoding.FULL, Encoding.XOR):
+            key = ("full" if enc == Encoding.FULL else "xor", spec.dt.width)
+            need[key] = need.get(key, 0) + spec.numel
+    declared = {name: raw_len for name, raw_len, _ in streams}
+    for (prefix, width), n in need.items():
+        for p in range(width):
+            name = f"{prefix}.{width}.{p}"
+            got = declared.get(name)
+            if got is None and n:
+                raise FormatError(f"patch needs stream {name!r}, which it does not contain")
+            if got is not None and got != n:
+                raise FormatError(f"stream {name!r} declares {got} bytes; its records read exactly {n}")
+
+
+def anchor_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHeader:
+    """The header of an anchor's payload, checked before the model it builds is allocated.
+
+    Every record must be FULL (docs/format.md section 2): then the model's size is exactly what
+    the payload's ``full`` streams declare, at most MAX_EXPANSION times the payload's length, so
+    a forged manifest cannot make a reader allocate more than its payload can fill.
+    """
+    header = read_header(payload, specs)
+    for spec, (enc, _) in zip(specs, header.records, strict=True):
+        if enc != Encoding.FULL:
+            raise FormatError(f"{spec.name}: a {enc.name} record needs a base version (an anchor's are all FULL)")
+    return header
 
 
 @dataclass(frozen=True, slots=True)
@@ -635,6 +675,8 @@ def apply_patch(base: ServedModel | None, payload: bytes | memoryview, specs: li
         from protocol.errors import LayoutMismatchError
 
         raise LayoutMismatchError("patch layout differs from the base's layout")
+    if base is None:
+        anchor_header(payload, specs)  # before allocating what the (maybe unsigned) layout declares
     model = base if base is not None else ServedModel.zeros_like(specs)
     # Sparse float updates of CPU tensors go to a thread pool, in slices, while the next
     # tensors are decoded (at most APPLY_INFLIGHT changes ahead, which bounds the memory of

@@ -33,11 +33,16 @@ class InputFileError(PatchswarmError):
         self.reason = reason
 
 
+class MissingFileError(InputFileError):
+    """A named file that does not exist (a reader may treat it as "nothing yet")."""
+
+
 class FileTooLargeError(InputFileError, LimitExceededError):
     """A file larger than the bound its reader allows."""
 
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+_READ_MAX = 0x7FFFF000  # the most one read() returns on Linux
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -50,15 +55,20 @@ def _read_fd(fd: int, path: str | os.PathLike[str], limit: int) -> bytes:
     os.set_blocking(fd, True)
     parts: list[bytes] = []
     got = 0
+    # The first read asks for the whole file: one buffer, no join (for a file up to the ~2 GiB one
+    # read returns).  Then pieces until EOF or past the bound: a file that grows, a /proc file
+    # whose size says 0.
+    ask = min(st.st_size + 1, _READ_MAX)
     while got <= limit:
-        piece = os.read(fd, min(limit + 1 - got, 1 << 24) or 1)
+        piece = os.read(fd, min(limit + 1 - got, ask))
         if not piece:
             break
         parts.append(piece)
         got += len(piece)
+        ask = 1 << 24
     if got > limit:
         raise FileTooLargeError(path, f"grew past the {limit} bytes allowed while being read")
-    return b"".join(parts)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _kind(mode: int) -> str:
@@ -74,14 +84,34 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
-def read_file(path: str | os.PathLike[str], limit: int) -> bytes:
-    """The whole of a regular file of at most ``limit`` bytes; InputFileError (one line) otherwise."""
+def open_regular(path: str | os.PathLike[str], limit: int) -> int:
+    """An open, blocking descriptor of the regular file at ``path`` of at most ``limit`` bytes.
+
+    For a reader that does not take the file whole (a model it maps, a patch file it reads in
+    steps); InputFileError (one line) otherwise.  The caller closes the descriptor.
+    """
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
-        raise InputFileError(path, "no such file") from None
+        raise MissingFileError(path, "no such file") from None
     except OSError as e:
         raise InputFileError(path, e.strerror or type(e).__name__) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputFileError(path, f"not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > limit:
+            raise FileTooLargeError(path, f"{st.st_size} bytes, more than the {limit} allowed")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes; InputFileError (one line) otherwise."""
+    fd = open_regular(path, limit)
     try:
         return _read_fd(fd, path, limit)
     except OSError as e:
@@ -94,7 +124,8 @@ def confined_parts(rel: str, top_level: Collection[str]) -> list[str] | None:
     """The components of a peer-named relative path, or None if it could leave the allowed folders.
 
     Refused: empty components, ``.``/``..``, hidden names, backslashes, NUL and other control
-    characters, and a first component outside ``top_level``.
+    characters, names longer than a file name may be (255 bytes), and a first component outside
+    ``top_level``.
     """
     if not rel or len(rel) > 1024:
         return None
@@ -102,16 +133,20 @@ def confined_parts(rel: str, top_level: Collection[str]) -> list[str] | None:
     for p in parts:
         if p in ("", ".", "..") or p.startswith(".") or "\\" in p or any(ord(c) < 0x20 or ord(c) == 0x7F for c in p):
             return None
+        if len(p.encode("utf-8", "surrogateescape")) > 255:  # ENAMETOOLONG
+            return None
     if parts[0] not in top_level or len(parts) < 2:
         return None
     return parts
 
 
-def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[str], limit: int) -> bytes | None:
-    """A regular file at ``rel`` below ``root`` (a peer-supplied name), or None if it is not there.
+def open_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[str], limit: int) -> int | None:
+    """An open descriptor of the regular file at ``rel`` below ``root`` (a peer-supplied name), or None.
 
     None for anything that is not a regular file reached without leaving ``root``: a refused name,
-    a symlink on the way, a directory, FIFO or device.  FileTooLargeError past ``limit``.
+    a symlink on the way, a directory, FIFO or device.  FileTooLargeError past ``limit``.  The
+    caller closes the descriptor; what it reads there is the file that was checked, whatever
+    happens to the name afterwards.
     """
     parts = confined_parts(rel, top_level)
     if parts is None:
@@ -131,15 +166,45 @@ def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[
         try:
             fd = os.open(parts[-1], _OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=dfd)
         except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EACCES):
+            if e.errno in (
+                errno.ENOENT,
+                errno.ELOOP,
+                errno.ENOTDIR,
+                errno.EISDIR,
+                errno.ENXIO,
+                errno.EACCES,
+                errno.ENAMETOOLONG,
+            ):
                 return None
             raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return None
-            return _read_fd(fd, Path(root, *parts), limit)
-        finally:
-            os.close(fd)
     finally:
         os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        if st.st_size > limit:
+            raise FileTooLargeError(Path(root, *parts), f"{st.st_size} bytes, more than the {limit} allowed")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[str], limit: int) -> bytes | None:
+    """A regular file at ``rel`` below ``root`` (a peer-supplied name), or None if it is not there.
+
+    None for anything that is not a regular file reached without leaving ``root``: a refused name,
+    a symlink on the way, a directory, FIFO or device.  FileTooLargeError past ``limit``.
+    """
+    fd = open_confined(root, rel, top_level, limit)
+    if fd is None:
+        return None
+    try:
+        return _read_fd(fd, Path(root, rel), limit)
+    except OSError as e:
+        raise InputFileError(Path(root, rel), e.strerror or type(e).__name__) from None
+    finally:
+        os.close(fd)

@@ -12,9 +12,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from protocol.errors import FormatError, SignatureError, UntrustedKeyError
+from protocol.files import read_file
 
 PUBLIC_KEY_SIZE = 32
 SIGNATURE_SIZE = 64
+MAX_KEY_FILE_BYTES = 1 << 16  # an Ed25519 PEM is ~120 bytes; anything this large is not a key file
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,7 @@ class SigningKey:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SigningKey:
         try:
-            key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+            key = serialization.load_pem_private_key(read_file(path, MAX_KEY_FILE_BYTES), password=None)
         except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # UnsupportedAlgorithm: an unknown OID
             raise FormatError(f"{path}: not an unencrypted PEM private key ({e})") from None
         except InternalError:  # a known OID with a key of the wrong size (X448's with 32 bytes)
@@ -63,7 +65,7 @@ class SigningKey:
 def load_public_key(path: str | os.PathLike[str]) -> bytes:
     """Raw 32-byte Ed25519 public key from a PEM file."""
     try:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
+        key = serialization.load_pem_public_key(read_file(path, MAX_KEY_FILE_BYTES))
     except (ValueError, TypeError, UnsupportedAlgorithm) as e:
         raise FormatError(f"{path}: not a PEM public key ({e})") from None
     except InternalError:

@@ -26,6 +26,7 @@ from protocol.errors import (
 from protocol.keys import KeyPolicy, SigningKey
 from protocol.served import TensorSpec, layout_hash, state_root
 from protocol.signed import Envelope
+from protocol.streams import MAX_EXPANSION
 
 FORMAT_VERSION = 1
 ENVELOPE_TAG = "patchswarm/manifest"
@@ -191,6 +192,10 @@ class Manifest:
                 raise FormatError(f"chunk {i} has size {c.size}; every chunk but the last must be {self.chunk_size}")
         if self.raw_size > self.raw_bound():
             raise LimitExceededError(f"raw size {self.raw_size} exceeds what the layout allows")
+        if self.kind == Kind.ANCHOR and self.nbytes > MAX_EXPANSION * self.payload_size:
+            # An anchor's payload holds every byte of its tensors, compressed: a layout this much
+            # larger than its payload is a lie that would make a reader allocate it for nothing.
+            raise LimitExceededError(f"an anchor of {self.nbytes} bytes cannot fit a {self.payload_size}-byte payload")
         if self.expires_ms < self.created_ms:
             raise FormatError("manifest expires before it was created")
 

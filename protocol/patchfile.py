@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
-from protocol.codec import EncodedPatch, Progress, apply_update, encode_patch, iter_updates
+from protocol.codec import EncodedPatch, Progress, anchor_header, apply_update, encode_patch, iter_updates
 from protocol.docfields import read_prefix
 from protocol.errors import (
     BaseMismatchError,
@@ -25,15 +25,18 @@ from protocol.errors import (
     LimitExceededError,
     TargetMismatchError,
     TruncatedError,
+    UnsupportedFormatError,
 )
+from protocol.files import open_regular
 from protocol.keys import KeyPolicy, SigningKey
 from protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
 from protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, state_root
 
 FILE_MAGIC = b"PSWPATCH"
 FILE_FORMAT = 1
-_FILE_PREFIX = struct.Struct("<8sB3xI")  # magic, file format, reserved, envelope length
+_FILE_PREFIX = struct.Struct("<8sB3sI")  # magic, file format, reserved (zero), envelope length
 DEFAULT_TTL_MS = 30 * 24 * 3600 * 1000
+MAX_PATCH_FILE_BYTES = 1 << 38  # 256 GiB: a 70B-parameter model's bf16 anchor fits; a larger file is not read
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +139,8 @@ def sign_version(
 
 def pack_file(version: Version) -> bytes:
     envelope = version.signed.to_bytes()
-    return b"".join([_FILE_PREFIX.pack(FILE_MAGIC, FILE_FORMAT, len(envelope)), envelope, bytes(version.payload)])
+    prefix = _FILE_PREFIX.pack(FILE_MAGIC, FILE_FORMAT, bytes(3), len(envelope))
+    return b"".join([prefix, envelope, bytes(version.payload)])
 
 
 def write_file(path: str | os.PathLike[str], version: Version) -> None:
@@ -154,6 +158,75 @@ def write_file(path: str | os.PathLike[str], version: Version) -> None:
         raise
 
 
+def read_patch_file(path: str | os.PathLike[str], limit: int = MAX_PATCH_FILE_BYTES) -> memoryview:
+    """The bytes of the patch file at ``path``, for :func:`open_file`.
+
+    A regular file of at most ``limit`` bytes, read whole only once its prefix and manifest say it
+    is a patch file of exactly its size: a stray file, a huge sparse one or a truncated copy is
+    refused after a few bytes, with an error naming it; a FIFO or a device is never read.
+    """
+    fd = open_regular(path, limit)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            env_len = _read_file_prefix(memoryview(_pread_exact(fd, min(_FILE_PREFIX.size, size), 0)))
+            end = _check_envelope_length(env_len, size)
+            manifest = SignedManifest.from_bytes(bytes(_pread_exact(fd, env_len, _FILE_PREFIX.size))).verify(None)
+            _check_payload_length(size - end, manifest.payload_size)
+            data = _pread_exact(fd, size, 0)
+        except (FormatError, OSError) as e:
+            raise _naming(path, e) from None
+    finally:
+        os.close(fd)
+    return memoryview(data)
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytearray:
+    """``n`` bytes at ``offset``, in one buffer (pread returns at most ~2 GiB per call)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = os.preadv(fd, [view[got : got + (1 << 30)]], offset + got)
+        if k == 0:
+            raise TruncatedError("patch file shrank while it was read")
+        got += k
+    return buf
+
+
+def _naming(path: str | os.PathLike[str], e: FormatError | OSError) -> Exception:
+    """The same error, its message naming the file (where its class takes a message alone)."""
+    if isinstance(e, OSError):
+        return FormatError(f"{os.fspath(path)}: {e.strerror or type(e).__name__}")
+    if type(e) in (FormatError, UnsupportedFormatError, TruncatedError, LimitExceededError):
+        return type(e)(f"{os.fspath(path)}: {e}")
+    return e
+
+
+def _read_file_prefix(mv: memoryview) -> int:
+    """The envelope length, once magic, format and the reserved bytes (zero) are checked."""
+    reserved, env_len = read_prefix(_FILE_PREFIX, mv, FILE_MAGIC, FILE_FORMAT, "patch file")
+    if any(reserved):
+        raise FormatError("patch file reserved bytes are not zero")
+    return int(env_len)
+
+
+def _check_envelope_length(env_len: int, size: int) -> int:
+    if env_len > MAX_MANIFEST_BYTES + 256:
+        raise LimitExceededError("manifest envelope larger than allowed")
+    end = _FILE_PREFIX.size + env_len
+    if end > size:
+        raise TruncatedError("patch file ends inside its manifest")
+    return end
+
+
+def _check_payload_length(have: int, declared: int) -> None:
+    if have < declared:
+        raise TruncatedError(f"patch file holds {have} of {declared} payload bytes")
+    if have > declared:
+        raise FormatError(f"patch file has {have - declared} bytes past its payload")
+
+
 def open_file(
     data: bytes | memoryview,
     policy: KeyPolicy | None,
@@ -163,19 +236,11 @@ def open_file(
 ) -> Version:
     """Parse a patch file and verify it: signature (if a policy is given), manifest, every chunk."""
     mv = memoryview(data)
-    (env_len,) = read_prefix(_FILE_PREFIX, mv, FILE_MAGIC, FILE_FORMAT, "patch file")
-    if env_len > MAX_MANIFEST_BYTES + 256:
-        raise LimitExceededError("manifest envelope larger than allowed")
-    end = _FILE_PREFIX.size + env_len
-    if end > len(mv):
-        raise TruncatedError("patch file ends inside its manifest")
+    end = _check_envelope_length(_read_file_prefix(mv), len(mv))
     signed = SignedManifest.from_bytes(bytes(mv[_FILE_PREFIX.size : end]))
     manifest = signed.verify(policy, now_ms=now_ms)
     payload = mv[end:]
-    if len(payload) < manifest.payload_size:
-        raise TruncatedError(f"patch file holds {len(payload)} of {manifest.payload_size} payload bytes")
-    if len(payload) > manifest.payload_size:
-        raise FormatError(f"patch file has {len(payload) - manifest.payload_size} bytes past its payload")
+    _check_payload_length(len(payload), manifest.payload_size)
     if verify_chunks:
         verify_payload(payload, manifest.chunks)
     return Version(signed, manifest, payload)
@@ -195,6 +260,7 @@ def apply_version(
     """
     specs = list(manifest.specs)
     if manifest.kind == Kind.ANCHOR:
+        anchor_header(payload, specs)  # its size backed by the payload before it is allocated
         model: ServedModel = ServedModel.zeros_like(specs)
         digests: list[bytes | None] = [None] * len(specs)
         source = None

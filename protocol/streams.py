@@ -25,6 +25,9 @@ from protocol.errors import FormatError, LimitExceededError, TruncatedError
 
 # Decoders refuse frames that ask for a larger window: bounds memory per stream.
 MAX_WINDOW = 1 << 23
+# The most bytes a zstd frame can decompress to per byte of it: a block decodes to at most 128 KiB
+# and takes at least 4 bytes (an RLE block).  A stream (or a payload) declaring more is a lie.
+MAX_EXPANSION = 1 << 15
 _LE_INT = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 # Widest fixed-width bit field: a field shifted by up to 7 bits must fit 64 bits.
 MAX_FIELD_BITS = 57

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import PatchswarmError
+from protocol.files import read_file
 from simulations.network import Backbone, Host, Region
 from swarm.node import NodeConfig
 
@@ -480,7 +481,7 @@ def parse_text(text: str) -> Scenario:
 def load(path: str | Path) -> Scenario:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_file(p, 1 << 20).decode("utf-8")  # a regular file of at most 1 MiB (protocol/files.py)
     except UnicodeDecodeError:
         raise ScenarioError("", f"{p}: not UTF-8 text") from None
     try:

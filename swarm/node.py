@@ -1039,7 +1039,7 @@ class SwarmNode:
         anchor manifest is ~1 MB) before the chunks only it holds could go out."""
         if self.board is None:
             return self.objects.get(path)
-        data = self.board.read(path)
+        data = self.board.read_served(path)  # confined to the board's layout, bounded (daemon/board.py)
         copies = self.config.seed_object_copies
         if data is None or not self.config.is_seed or insist or copies <= 0 or not path.startswith("manifests/"):
             return data

@@ -6,9 +6,13 @@ node only ever re-serves bytes it checked.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
+
+from daemon.board import Board
+from protocol.files import FileTooLargeError
 
 
 class ChunkStore(Protocol):
@@ -62,22 +66,30 @@ class MemoryChunkStore:
 
 
 class BoardChunkStore:
-    """The seed's chunks: the board's own files (verified when they were published)."""
+    """The seed's chunks: the board's own files (verified when they were published), read through
+    the board's confinement (daemon/board.py): a regular file within the chunk size bound, or nothing."""
 
     def __init__(self, board_root: str | Path) -> None:
-        self.root = Path(board_root)
+        self.board = Board(board_root)
 
-    def _path(self, chunk_hash: bytes) -> Path:
-        return self.root / "chunks" / chunk_hash.hex()
+    @property
+    def root(self) -> Path:
+        return self.board.root
 
     def get(self, chunk_hash: bytes) -> bytes | None:
-        try:
-            return self._path(chunk_hash).read_bytes()
-        except FileNotFoundError:
-            return None
+        return self.board.read_served(Board.chunk_rel(chunk_hash))
 
     def put(self, chunk_hash: bytes, data: bytes) -> None:
         raise PermissionError("the seed's chunks come from its board only")
 
     def __contains__(self, chunk_hash: object) -> bool:
-        return isinstance(chunk_hash, bytes) and self._path(chunk_hash).is_file()
+        if not isinstance(chunk_hash, bytes):
+            return False
+        try:
+            fd = self.board.open(Board.chunk_rel(chunk_hash))
+        except FileTooLargeError:
+            return False
+        if fd is None:
+            return False
+        os.close(fd)
+        return True

@@ -15,6 +15,7 @@ apart payloads the encoder wrote: the tests do not depend on how tensors code th
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import time
 from collections import Counter
@@ -37,7 +38,10 @@ from protocol.errors import (
     PatchswarmError,
     UnsupportedFormatError,
 )
-from protocol.served import ServedModel, TensorSpec
+from protocol.manifest import Kind, Manifest
+from protocol.patchfile import sign_version
+from protocol.served import ServedModel, TensorSpec, layout_hash, state_root
+from protocol.streams import MAX_EXPANSION
 from tests.conftest import model_from_words, mutate, patch_cases, random_words
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -521,3 +525,88 @@ def test_structurally_mutated_payloads_never_crash(case: tuple[ServedModel, Serv
         return
     event("decoded")
     assert out.specs == target.specs
+
+
+# ---------------------------------------------------------------- sizes declared before anything is verified
+
+
+def test_the_most_compressible_anchor_is_within_the_expansion_bound() -> None:
+    """The bound is sound: an all-zero anchor whose planes are RLE blocks (zstd's best ratio) decodes."""
+    specs = [TensorSpec("w", "U8", (16 << 17,))]  # 16 RLE blocks of 128 KiB
+    zeros = ServedModel.zeros_like(specs)
+    parts = Parts.of(encode_patch(None, zeros).payload)
+    parts.set_comp(0, _rle_frame(16))
+    payload = parts.payload()
+    assert zeros.nbytes > 4000 * len(payload)
+    assert apply_patch(None, payload, specs).bitwise_equal(zeros)
+
+
+def test_a_stream_declaring_more_than_zstd_can_expand_to_is_refused() -> None:
+    _, target, _, anchor = _case()
+    parts = Parts.of(anchor)
+    parts.table[-1][1] = MAX_EXPANSION * len(parts.comps[-1]) + 1
+    with pytest.raises(LimitExceededError):
+        read_header(parts.payload(), target.specs)
+
+
+@pytest.mark.parametrize("anchor", [False, True], ids=["patch", "anchor"])
+def test_dense_planes_must_declare_exactly_what_their_records_read(anchor: bool) -> None:
+    """Refused by the header alone, before a byte of any stream is decoded."""
+    _, target, payload, anchor_payload = _case()
+    parts = Parts.of(anchor_payload if anchor else payload)
+    dense = [i for i, (name, _, _) in enumerate(parts.table) if name.startswith(("full.", "xor."))]
+    assert dense
+    for i in dense:
+        for delta in (-1, 1):
+            forged = Parts.of(parts.payload())
+            forged.table[i][1] += delta
+            with pytest.raises(FormatError, match=r"its records (read exactly|allow at most)"):
+                read_header(forged.payload(), target.specs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(numel=st.integers(1 << 16, 1 << 46), dtype=st.sampled_from(["U8", "BF16", "F32"]), extra=st.booleans())
+def test_an_anchor_layout_its_payload_cannot_fill_is_refused_before_allocation(
+    numel: int, dtype: str, extra: bool
+) -> None:
+    """A payload claimed for a far larger layout (an unsigned manifest's lie): refused before the
+    model is allocated, so the error is a PatchswarmError, not the allocator's (or the OOM killer)."""
+    _, target, _, anchor = _case()
+    specs = list(target.specs)
+    if extra:
+        specs.append(TensorSpec("zz.huge", dtype, (numel,)))
+    else:
+        specs[0] = TensorSpec(specs[0].name, dtype, (numel,))
+    with pytest.raises(PatchswarmError):
+        apply_patch(None, anchor, specs)
+
+
+def test_anchor_records_are_all_full() -> None:
+    _, target, _, anchor = _case()
+    parts = Parts.of(anchor)
+    e_same = [s.name for s in target.specs].index("e.same")
+    parts.records[e_same] = [int(Encoding.SAME), 0]
+    for i, (name, _, _) in enumerate(parts.table):
+        if name.startswith("full.2."):  # e.same's 10 words end the 2-byte planes (a.ulp's come first)
+            parts.set_data(i, parts.data(i)[:-10])
+    with pytest.raises(FormatError, match="needs a base version"):
+        apply_patch(None, parts.payload(), target.specs)
+
+
+def test_an_anchor_manifest_larger_than_its_payload_can_hold_is_refused() -> None:
+    _, target, _, _ = _case()
+    v = sign_version(encode_patch(None, target), target.specs, target.digests(), run_id="r", version=1, now_ms=0)
+    assert v.manifest.kind == Kind.ANCHOR
+    v.manifest.check()
+    specs = (TensorSpec("w", "U8", (MAX_EXPANSION * v.manifest.payload_size + 1,)),)
+    lie = dataclasses.replace(
+        v.manifest,
+        specs=specs,
+        digests=(bytes(32),),
+        layout_hash=layout_hash(list(specs)),
+        target_root=state_root(list(specs), [bytes(32)]),
+    )
+    with pytest.raises(LimitExceededError, match="cannot fit"):
+        lie.check()
+    with pytest.raises(LimitExceededError, match="cannot fit"):
+        Manifest.from_bytes(lie.to_bytes())

@@ -36,8 +36,8 @@ from protocol.keys import SigningKey
 from protocol.safetensors_io import save_safetensors
 from protocol.served import ServedModel
 from protocol.trust import Certificate, TrustState
-from tests.adversary import parse_metrics
 from swarm.transport import SystemClock
+from tests.adversary import parse_metrics
 from tests.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
 from tests.swarmkit import RUN, SECRET, Swarm
 

@@ -337,6 +337,13 @@ def patchfile_cases() -> None:
         good[:8] + b"\x02" + good[9:],
     )
     c("truncated-prefix", "TruncatedError", "shorter than its fixed header", "eleven bytes", good[:11])
+    c(
+        "file-reserved-bytes",
+        "FormatError",
+        "patch file reserved bytes are not zero",
+        "reserved byte 10 of the file prefix set",
+        good[:10] + b"\x01" + good[11:],
+    )
     huge_env = bytearray(good)
     huge_env[12:16] = (2**32 - 1).to_bytes(4, "little")
     c(
