@@ -262,6 +262,9 @@ class RolloutDaemon:
         except StoreError as e:
             self.status.update(phase=Phase.ERROR, reason=str(e))
             raise
+        except Exception as e:  # (EMFILE, ...): reported while the swarm node retries, with backoff
+            self.status.update(phase=Phase.ERROR, reason=f"{type(e).__name__}: {e}")
+            raise
         self.shadow = held
         self._persist_state()
         if not applied:  # the version waits in the shadow until the engine registers a buffer
