@@ -31,6 +31,7 @@ from daemon import systemd
 from daemon.api import make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig
 from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST
+from daemon.instance_lock import InstanceLock, InstanceLockedError
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
@@ -117,10 +118,20 @@ class RolloutDaemon:
         self.device_uuid: str | None = None  # the GPU a CUDA buffer must be on (None: any)
         self._loading: asyncio.Task[None] | None = None
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
+        self.lock = InstanceLock(cfg.data_dir)
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
 
     # ------------------------------------------------------------ start-up
+
+    def _lock_data_dir(self) -> None:
+        """One daemon per data.dir, before the store, the journal or the socket is touched."""
+        try:
+            self.lock.acquire()
+        except InstanceLockedError as e:
+            raise DaemonError(str(e)) from None
+        except OSError as e:
+            raise DaemonError(f"data.dir: cannot lock {self.lock.path}: {e.strerror}") from None
 
     def _prepare_data_dir(self) -> None:
         d = self.cfg.data_dir
@@ -192,6 +203,7 @@ class RolloutDaemon:
         self.status.update(version=header.version, root=root.hex())
 
     async def start(self) -> None:
+        self._lock_data_dir()
         self._prepare_data_dir()
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
         state.restore_into(self.trust)
@@ -521,6 +533,8 @@ class RolloutDaemon:
             await self.shutdown()
 
     async def shutdown(self) -> None:
+        if not self.lock.held:
+            return  # another daemon holds data.dir: its socket and store are not this process's to touch
         systemd.notify("STOPPING=1")
         self.status.update(phase=Phase.STOPPING)
         if self._loading is not None:
@@ -537,6 +551,7 @@ class RolloutDaemon:
                 Path(self.cfg["api.socket"]).unlink()
             if self.store is not None:
                 self.store.close()
+        self.lock.release()
 
 
 async def run_daemon(cfg: DaemonConfig) -> None:
