@@ -30,7 +30,7 @@ import aiohttp
 from daemon import systemd
 from daemon.api import make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig
-from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST
+from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR
 from daemon.instance_lock import InstanceLock, InstanceLockedError
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics
@@ -245,7 +245,24 @@ class RolloutDaemon:
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
             self.status.update(phase=Phase.IDLE, **({"reason": AWAITING_ENGINE} if self._awaiting_engine() else {}))
+        self._log_started()
         systemd.notify("READY=1", f"STATUS=serving version {self.status.version}")
+
+    def _log_started(self) -> None:
+        """One line with where everything listens, the store and the version held (fields as extras)."""
+        fields: dict[str, Any] = {
+            "listen": _bound(self.node.runner) if self.node is not None else None,
+            "advertise": self.node.url if self.node is not None else None,
+            "api_socket": self.cfg["api.socket"],
+            "sidecar": self._servers[0].url if self._servers else "off",
+            "metrics": self.cfg["metrics.listen"] or "off",
+            "store_kind": self.cfg["store.kind"],
+            "store": str(self.store.segment.path) if self.store is not None else f"{SHM_DIR}/{self.cfg.store_name}",
+            "store_bytes": self.store.layout.nbytes if self.store is not None else int(self.cfg["store.size"]) or None,
+            "data_dir": str(self.cfg.data_dir),
+        }
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.info("started: %s version=%s", text, self.status.version, extra={**fields, "version": self.status.version})
 
     async def _start_sidecar(self) -> None:
         from daemon.sidecar import VersionGate, start_sidecar
@@ -519,7 +536,7 @@ class RolloutDaemon:
             self.gate.set_target(head_version)
         self.metrics.sync(n.metrics, self.status.version, head_version, swarm=n)
 
-    async def run_until(self, stop: asyncio.Event) -> None:
+    async def run_until(self, stop: asyncio.Event, why: list[str] | None = None) -> None:
         interval = systemd.watchdog_interval()
         watchdog = asyncio.create_task(systemd.watchdog_loop(interval)) if interval else None
         try:
@@ -530,9 +547,9 @@ class RolloutDaemon:
         finally:
             if watchdog:
                 watchdog.cancel()
-            await self.shutdown()
+            await self.shutdown(why[-1] if why else "stopped")
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, reason: str = "stopped") -> None:
         if not self.lock.held:
             return  # another daemon holds data.dir: its socket and store are not this process's to touch
         systemd.notify("STOPPING=1")
@@ -551,18 +568,38 @@ class RolloutDaemon:
                 Path(self.cfg["api.socket"]).unlink()
             if self.store is not None:
                 self.store.close()
+        version = self.shadow.version if self.shadow is not None else None
+        log.info("stopped: reason=%s version=%s", reason, version, extra={"reason": reason, "version": version})
         self.lock.release()
 
 
 async def run_daemon(cfg: DaemonConfig) -> None:
     daemon = RolloutDaemon(cfg)
     stop = asyncio.Event()
+    why: list[str] = []  # the signal that stopped it, for the last log line
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        why.append(sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await daemon.start()
-    except (DaemonError, ConfigError, StoreError, OSError):
-        await daemon.shutdown()
+    except (DaemonError, ConfigError, StoreError, OSError) as e:
+        await daemon.shutdown(f"start-up failed: {e}")
         raise
-    await daemon.run_until(stop)
+    await daemon.run_until(stop, why)
+
+
+def _bound(runner: Any) -> str:
+    """The addresses a runner's sites are bound to (the real port when the config said :0)."""
+    out = []
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            host, port = addr[0], addr[1]
+            out.append(f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}")
+        else:
+            out.append(str(addr))
+    return ",".join(out)
