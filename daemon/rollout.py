@@ -456,7 +456,7 @@ class RolloutDaemon:
                     return 422, {"error": "BadHandle", "message": f"cannot map the engine's buffer: {e}"}
                 recover(store, self.journal_dir)  # a journal for an earlier buffer is void now
                 self.status.update(version=None, root=None)
-                log.info("engine %s registered buffer %x (%s)", engine, handle["buffer_id"], handle["kind"])
+                log.info("engine %r registered buffer %x (%s)", engine, handle["buffer_id"], handle["kind"])
             hdr = store.header()
             loading = hdr.state != StoreState.READY and self.shadow is not None
             if loading:
