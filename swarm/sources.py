@@ -147,7 +147,7 @@ class SwarmSource:
     async def get(self, rel: str, limit: int, prefer: str | None = None) -> bytes | None:
         node = self.node
         held = node.objects.get(rel)
-        if held is not None and not rel.endswith("/head"):
+        if held and not rel.endswith("/head"):  # (only verified bytes are held: never empty)
             return held
         if rel.startswith("trust/"):
             return await self._get_root(rel, limit)
