@@ -45,9 +45,10 @@ class InstanceLock:
                 f"data.dir: {self.path.parent} is in use by another daemon ({who}); "
                 "stop it, or give this one its own data.dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        with contextlib.suppress(OSError):  # (a full disk: the lock holds all the same, the pid goes unnamed)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd is not None:
