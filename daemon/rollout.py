@@ -117,6 +117,7 @@ class RolloutDaemon:
         self.engine_kind = cfg["store.kind"] in ENGINE_BUFFER_KINDS
         self.device_uuid: str | None = None  # the GPU a CUDA buffer must be on (None: any)
         self._loading: asyncio.Task[None] | None = None
+        self._failed_because: str | None = None  # why the last activation failed (None after one succeeds)
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
         self.lock = InstanceLock(cfg.data_dir)
         self.state_path = cfg.data_dir / "pull-state.msgpack"
@@ -285,15 +286,14 @@ class RolloutDaemon:
         """Make the engine serve ``held`` (the caller holds the activation lock)."""
         try:
             applied = await self._activate(held)
-        except StoreTooSmallError as e:
-            self.status.update(phase=Phase.ERROR, reason=f"store.size: {e}")
+        except Exception as e:  # reported until a version activates (the swarm node retries, with backoff)
+            if isinstance(e, StoreTooSmallError):
+                self._failed_because = f"store.size: {e}"
+            else:
+                self._failed_because = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            self.status.update(phase=Phase.ERROR, reason=self._failed_because)
             raise
-        except StoreError as e:
-            self.status.update(phase=Phase.ERROR, reason=str(e))
-            raise
-        except Exception as e:  # (EMFILE, ...): reported while the swarm node retries, with backoff
-            self.status.update(phase=Phase.ERROR, reason=f"{type(e).__name__}: {e}")
-            raise
+        self._failed_because = None
         self.shadow = held
         self._persist_state()
         if not applied:  # the version waits in the shadow until the engine registers a buffer
@@ -522,7 +522,9 @@ class RolloutDaemon:
             elif n.phase == "idle" and self.status.phase == Phase.FETCHING:
                 changes["phase"] = Phase.IDLE
         if n.error and self.status.phase == Phase.IDLE and head_version != self.status.version:
-            changes["reason"] = n.error
+            changes["reason"] = n.error + _retrying(n.failures)
+        elif self.status.phase == Phase.ERROR and self._failed_because and n.failures:
+            changes["reason"] = self._failed_because + _retrying(n.failures)  # (the node retries, with backoff)
         if n.head_error and self.status.phase == Phase.IDLE:
             changes["reason"] = f"{HEAD_REFUSED}: {n.head_error}"
         elif "reason" not in changes and (self.status.reason or "").startswith(HEAD_REFUSED):
@@ -591,6 +593,10 @@ async def run_daemon(cfg: DaemonConfig) -> None:
         await daemon.shutdown(f"start-up failed: {e}")
         raise
     await daemon.run_until(stop, why)
+
+
+def _retrying(failures: int) -> str:
+    return f" (retrying: {failures} failed in a row)" if failures else ""
 
 
 def _bound(runner: Any) -> str:

@@ -117,6 +117,8 @@ async def test_journal_directory_briefly_unwritable(tmp_path: Path) -> None:
             st = await wait_status(d, lambda s: s["state"] == "error" and "journal" in (s["reason"] or ""))
             assert st["version"] == 1 and st["target"] == v2
             await until_logged(d, "activation journal", 3)  # retried, failing for the same cause
+            st = await wait_status(d, lambda s: "retrying: " in (s["reason"] or ""))  # and it says so
+            assert st["state"] == "error" and "activation journal" in st["reason"], st
             assert view.read_version() == (1, sw.served[1].root())  # the engine still serves version 1
             journal.unlink()
             journal.with_name("journal.away").rename(journal)
