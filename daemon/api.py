@@ -118,11 +118,9 @@ async def ack(request: web.Request) -> web.Response:
     # Exactly a non-negative integer: not a bool, float, string or infinity dressed as a version.
     if type(engine) is not str or type(ver) is not int or not 0 <= ver < 1 << 63:
         return _bad('body must be {"engine": <name>, "version": <int>}')
-    if not engine or len(engine) > 128:
-        return _bad("engine name must be 1 to 128 characters")
-    acks = dict(s.acks)
-    acks[engine] = ver
-    s.update(acks=acks)
+    if not engine or len(engine) > 128 or not engine.isprintable():
+        return _bad("engine name must be 1 to 128 printable characters")
+    s.ack(engine, ver)  # (a bounded table: any client of the socket may name engines)
     return _json({"engine": engine, "version": ver, "applied": s.version})
 
 

@@ -38,8 +38,7 @@ from daemon.weightstore import (
     TensorUpdate,
     WeightStore,
 )
-from protocol.files import InputFileError, MissingFileError, read_file
-from protocol.patchfile import MAX_PATCH_FILE_BYTES
+from protocol.files import FileTooLargeError, InputFileError, read_file
 
 JOURNAL_NAME = "activation.journal"
 MAGIC = b"PSWJRNL1"
@@ -135,15 +134,26 @@ def write_journal(
     return size
 
 
-def read_journal(journal_dir: Path) -> Journal | None:
-    """The journal, if one exists; TornJournalError if it is truncated or corrupt."""
+def journal_limit(nbytes: int) -> int:
+    """The largest journal a store of ``nbytes`` can have: per element at most an 8-byte position
+    and its old and new words (so 10 bytes per data byte), plus the header and framing."""
+    return 10 * nbytes + _PREFIX.size + _MAX_HEADER + 32
+
+
+def read_journal(journal_dir: Path, limit: int = 1 << 62) -> Journal | None:
+    """The journal, if one exists; TornJournalError if it is truncated, corrupt, larger than
+    ``limit`` or not a regular file (read through protocol.files: bounded, no FIFO or device)."""
     path = journal_path(journal_dir)
     try:
-        data = read_file(path, _MAX_HEADER + MAX_PATCH_FILE_BYTES)
-    except MissingFileError:
-        return None
+        data = read_file(path, limit)
+    except FileTooLargeError:
+        raise TornJournalError(f"{path}: larger than any journal of this store") from None
     except InputFileError as e:
-        raise JournalError(f"cannot read {e}") from e
+        if e.reason == "no such file":
+            return None
+        if e.reason.startswith("not a regular file"):
+            raise TornJournalError(f"{path}: {e.reason}") from None
+        raise JournalError(f"cannot read {path}: {e.reason}") from None
     if len(data) < _PREFIX.size + 32:
         raise TornJournalError(f"{path}: truncated")
     body_end = len(data) - 32
@@ -232,7 +242,7 @@ def recover(store: WeightStore, journal_dir: Path | str, *, verify: bool = True)
         return Recovery(Action.NEEDS_LOAD, None, None)
     ready = hdr.state == StoreState.READY and hdr.stable
     try:
-        j = read_journal(journal_dir)
+        j = read_journal(journal_dir, journal_limit(store.layout.nbytes))
     except TornJournalError:
         # Renamed only once complete and fsynced, a torn journal means the disk lost it: memory
         # was not touched if the fence is closed; otherwise the contents are unknown.

@@ -179,6 +179,11 @@ class Puller:
         return True
 
     async def fetch_manifest(self, entry: CatalogEntry) -> Manifest:
+        return (await self.fetch_signed_manifest(entry))[0]
+
+    async def fetch_signed_manifest(self, entry: CatalogEntry) -> tuple[Manifest, bytes]:
+        """The manifest the head names, verified, with the exact bytes that verified (what a node
+        may re-serve: nothing else it fetched or cached is served in their place)."""
         data = await self.source.get(Board.manifest_rel(entry.manifest_id), MAX_ENVELOPE_BYTES)
         if data is None:
             raise MissingError(f"manifest of version {entry.version} is not on the board")
@@ -191,7 +196,7 @@ class Puller:
         if m.run_id != self.run_id or m.version != entry.version or m.kind != entry.kind:
             raise FormatError(f"manifest says run {m.run_id!r} version {m.version}, the head said otherwise")
         self.stats.bytes_fetched += len(data)
-        return m
+        return m, data
 
     async def fetch_payload(self, manifest: Manifest) -> bytes:
         sem = asyncio.Semaphore(self.concurrency)

@@ -17,12 +17,14 @@ import msgpack
 
 from daemon.board import write_atomic
 from protocol.errors import EquivocationError, FormatError
-from protocol.files import read_file
+from protocol.files import InputFileError, read_file
 from protocol.head import HeadTracker
 from protocol.trust import RootDocument, TrustState
 
 log = logging.getLogger("patchswarm.daemon")
-MAX_STATE_BYTES = 64 << 20  # a head tracker and root documents; equivocation proofs: two heads
+# A state file or a proof holds at most a couple of signed heads (each at most 16 MiB) and the root
+# documents: anything larger is not one.
+MAX_STATE_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -39,7 +41,7 @@ class PullState:
                 proof = msgpack.unpackb(read_file(f, MAX_STATE_BYTES), raw=False)
                 state.tracker.evidence.append((bytes(proof["first"]), bytes(proof["second"])))
                 state.tracker.halted = str(proof["what"])
-            except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+            except (ValueError, TypeError, KeyError, msgpack.UnpackException, InputFileError):
                 raise FormatError(f"{f}: equivocation proof is corrupt; inspect it before removing it") from None
         state.tracker.on_equivocation = lambda err: write_evidence(evidence, run_id, err)
         return state
@@ -49,7 +51,11 @@ class PullState:
         if not path.exists():
             return cls(HeadTracker(run_id), {})
         try:
-            obj: dict[str, Any] = msgpack.unpackb(read_file(path, MAX_STATE_BYTES), raw=False, strict_map_key=False)
+            data = read_file(path, MAX_STATE_BYTES)
+        except InputFileError as e:
+            raise FormatError(f"{path}: state file cannot be read ({e.reason}); move it away to start over") from None
+        try:
+            obj: dict[str, Any] = msgpack.unpackb(data, raw=False, strict_map_key=False)
             tracker = HeadTracker.restore(obj["head"])
             roots = {int(k): bytes(v) for k, v in obj["roots"].items()}
         except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:

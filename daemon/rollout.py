@@ -30,7 +30,8 @@ import aiohttp
 from daemon import systemd
 from daemon.api import make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig, bind_errors
-from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST
+from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR
+from daemon.instance_lock import InstanceLock, InstanceLockedError
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics, serve_metrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
@@ -118,11 +119,22 @@ class RolloutDaemon:
         self.engine_kind = cfg["store.kind"] in ENGINE_BUFFER_KINDS
         self.device_uuid: str | None = None  # the GPU a CUDA buffer must be on (None: any)
         self._loading: asyncio.Task[None] | None = None
+        self._failed_because: str | None = None  # why the last activation failed (None after one succeeds)
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
+        self.lock = InstanceLock(cfg.data_dir)
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
 
     # ------------------------------------------------------------ start-up
+
+    def _lock_data_dir(self) -> None:
+        """One daemon per data.dir, before the store, the journal or the socket is touched."""
+        try:
+            self.lock.acquire()
+        except InstanceLockedError as e:
+            raise DaemonError(str(e)) from None
+        except OSError as e:
+            raise DaemonError(f"data.dir: cannot lock {self.lock.path}: {e.strerror}") from None
 
     def _prepare_data_dir(self) -> None:
         d = self.cfg.data_dir
@@ -194,6 +206,7 @@ class RolloutDaemon:
         self.status.update(version=header.version, root=root.hex())
 
     async def start(self) -> None:
+        self._lock_data_dir()
         for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
             log.warning(warning)
         self._prepare_data_dir()
@@ -240,7 +253,24 @@ class RolloutDaemon:
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
             self.status.update(phase=Phase.IDLE, **({"reason": AWAITING_ENGINE} if self._awaiting_engine() else {}))
+        self._log_started()
         systemd.notify("READY=1", f"STATUS=serving version {self.status.version}")
+
+    def _log_started(self) -> None:
+        """One line with where everything listens, the store and the version held (fields as extras)."""
+        fields: dict[str, Any] = {
+            "listen": _bound(self.node.runner) if self.node is not None else None,
+            "advertise": self.node.url if self.node is not None else None,
+            "api_socket": self.cfg["api.socket"],
+            "sidecar": self._servers[0].url if self._servers else "off",
+            "metrics": self.cfg["metrics.listen"] or "off",
+            "store_kind": self.cfg["store.kind"],
+            "store": str(self.store.segment.path) if self.store is not None else f"{SHM_DIR}/{self.cfg.store_name}",
+            "store_bytes": self.store.layout.nbytes if self.store is not None else int(self.cfg["store.size"]) or None,
+            "data_dir": str(self.cfg.data_dir),
+        }
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.info("started: %s version=%s", text, self.status.version, extra={**fields, "version": self.status.version})
 
     async def _start_sidecar(self) -> None:
         from daemon.sidecar import VersionGate, start_sidecar
@@ -264,12 +294,14 @@ class RolloutDaemon:
         """Make the engine serve ``held`` (the caller holds the activation lock)."""
         try:
             applied = await self._activate(held)
-        except StoreTooSmallError as e:
-            self.status.update(phase=Phase.ERROR, reason=f"store.size: {e}")
+        except Exception as e:  # reported until a version activates (the swarm node retries, with backoff)
+            if isinstance(e, StoreTooSmallError):
+                self._failed_because = f"store.size: {e}"
+            else:
+                self._failed_because = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            self.status.update(phase=Phase.ERROR, reason=self._failed_because)
             raise
-        except StoreError as e:
-            self.status.update(phase=Phase.ERROR, reason=str(e))
-            raise
+        self._failed_because = None
         self.shadow = held
         self._persist_state()
         if not applied:  # the version waits in the shadow until the engine registers a buffer
@@ -436,7 +468,7 @@ class RolloutDaemon:
                     return 422, {"error": "BadHandle", "message": f"cannot map the engine's buffer: {e}"}
                 recover(store, self.journal_dir)  # a journal for an earlier buffer is void now
                 self.status.update(version=None, root=None)
-                log.info("engine %s registered buffer %x (%s)", engine, handle["buffer_id"], handle["kind"])
+                log.info("engine %r registered buffer %x (%s)", engine, handle["buffer_id"], handle["kind"])
             hdr = store.header()
             loading = hdr.state != StoreState.READY and self.shadow is not None
             if loading:
@@ -502,7 +534,9 @@ class RolloutDaemon:
             elif n.phase == "idle" and self.status.phase == Phase.FETCHING:
                 changes["phase"] = Phase.IDLE
         if n.error and self.status.phase == Phase.IDLE and head_version != self.status.version:
-            changes["reason"] = n.error
+            changes["reason"] = n.error + _retrying(n.failures)
+        elif self.status.phase == Phase.ERROR and self._failed_because and n.failures:
+            changes["reason"] = self._failed_because + _retrying(n.failures)  # (the node retries, with backoff)
         frozen_ms = n.puller.stats.frozen_since_ms if n.head_error else None
         changes["head_expired_since"] = None if frozen_ms is None else frozen_ms / 1000
         if frozen_ms is not None and self.status.phase == Phase.IDLE:
@@ -521,7 +555,7 @@ class RolloutDaemon:
             self.gate.set_target(head_version)
         self.metrics.sync(n.metrics, self.status.version, head_version, swarm=n)
 
-    async def run_until(self, stop: asyncio.Event) -> None:
+    async def run_until(self, stop: asyncio.Event, why: list[str] | None = None) -> None:
         interval = systemd.watchdog_interval()
         watchdog = asyncio.create_task(systemd.watchdog_loop(interval)) if interval else None
         try:
@@ -532,9 +566,11 @@ class RolloutDaemon:
         finally:
             if watchdog:
                 watchdog.cancel()
-            await self.shutdown()
+            await self.shutdown(why[-1] if why else "stopped")
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, reason: str = "stopped") -> None:
+        if not self.lock.held:
+            return  # another daemon holds data.dir: its socket and store are not this process's to touch
         systemd.notify("STOPPING=1")
         self.status.update(phase=Phase.STOPPING)
         if self._loading is not None:
@@ -551,17 +587,42 @@ class RolloutDaemon:
                 Path(self.cfg["api.socket"]).unlink()
             if self.store is not None:
                 self.store.close()
+        version = self.shadow.version if self.shadow is not None else None
+        log.info("stopped: reason=%s version=%s", reason, version, extra={"reason": reason, "version": version})
+        self.lock.release()
 
 
 async def run_daemon(cfg: DaemonConfig) -> None:
     daemon = RolloutDaemon(cfg)
     stop = asyncio.Event()
+    why: list[str] = []  # the signal that stopped it, for the last log line
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        why.append(sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await daemon.start()
-    except (DaemonError, ConfigError, StoreError, OSError):
-        await daemon.shutdown()
+    except (DaemonError, ConfigError, StoreError, OSError) as e:
+        await daemon.shutdown(f"start-up failed: {e}")
         raise
-    await daemon.run_until(stop)
+    await daemon.run_until(stop, why)
+
+
+def _retrying(failures: int) -> str:
+    return f" (retrying: {failures} failed in a row)" if failures else ""
+
+
+def _bound(runner: Any) -> str:
+    """The addresses a runner's sites are bound to (the real port when the config said :0)."""
+    out = []
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            host, port = addr[0], addr[1]
+            out.append(f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}")
+        else:
+            out.append(str(addr))
+    return ",".join(out)

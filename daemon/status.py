@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+# Engines whose acknowledged version is kept (any client of the socket may name one): the oldest
+# heard from goes first, so the table stays bounded and the engines that keep acking stay in it.
+MAX_ACKS = 64
+MAX_REASON = 1024
+
 
 class Phase(StrEnum):
     STARTING = "starting"
@@ -77,6 +82,8 @@ class Status:
         for k, v in changes.items():
             if k == "phase":
                 v = Phase(v)
+            elif k == "reason" and isinstance(v, str) and len(v) > MAX_REASON:
+                v = v[: MAX_REASON - 1] + "…"  # (errors may quote what a peer or server sent)
             setattr(self, k, v)
         if changes.get("phase") not in (None, Phase.ERROR) and "reason" not in changes:
             self.reason = None
@@ -93,6 +100,15 @@ class Status:
             else:
                 q.put_nowait(event)
         asyncio.get_running_loop().create_task(self._notify())
+
+    def ack(self, engine: str, version: int) -> None:
+        """An engine's acknowledged version (the table is capped at MAX_ACKS, oldest heard dropped)."""
+        acks = dict(self.acks)
+        acks.pop(engine, None)  # (re-inserted last: most recently heard)
+        acks[engine] = version
+        for stale in list(acks)[: max(0, len(acks) - MAX_ACKS)]:
+            del acks[stale]
+        self.update(acks=acks)
 
     async def _notify(self) -> None:
         async with self.changed:

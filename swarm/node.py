@@ -140,6 +140,11 @@ class NodeConfig:
     # serves everyone): on a cold start every host asks it at once (see handle_object).
     seed_object_copies: int = 32
     head_poll_interval: float = 2.0
+    # A failed catch-up is retried after retry_backoff, doubling per failure up to retry_backoff_max,
+    # each wait drawn between half and all of that (the node's RNG: hosts that failed together, say
+    # on a seed's restart, do not retry in step).  A new head cuts a wait short.
+    retry_backoff: float = 0.5
+    retry_backoff_max: float = 8.0
     announce_interval: float = 0.01  # a 4 MiB chunk takes 3.4 ms at 10 Gbit/s: news of it should not wait much longer
     # News of a chunk at most this many peers are known to hold goes out at once, not at the next tick:
     # a new chunk spreads in hops, and each hop waiting for the tick adds up to announce_interval.  0:
@@ -174,6 +179,8 @@ class NodeConfig:
             raise ValueError("upload_stall_rest must be >= 0 and at most upload_stall_max_rest (finite)")
         if self.uploads_per_requester < 0:
             raise ValueError("uploads_per_requester must be >= 0")
+        if not 0 < self.retry_backoff <= self.retry_backoff_max < math.inf:
+            raise ValueError("retry_backoff must be > 0 and <= retry_backoff_max, which must be finite")
 
 
 @dataclass(init=False)
@@ -311,7 +318,9 @@ class SwarmNode:
         # (what, version, clock time) of each step of the latest catch-ups: "head" accepted, "manifest"
         # fetched, "chunk" (the first one verified), "chunks" (all), "applied"; for studies of where time goes.
         self.marks: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=64)
-        self.error: str | None = None
+        self.error: str | None = None  # why the last catch-up failed (None once one succeeds)
+        self.failures = 0  # catch-ups failed in a row (the retry backoff grows with it)
+        self.retry_at: float | None = None  # clock time of the next try, while a failed one waits
         self.head_error: str | None = None  # why the last head this node checked was refused
         self._head_warned: dict[str, float] = {}  # refusal message -> clock time of its last warning
 
@@ -1180,21 +1189,36 @@ class SwarmNode:
                 await self._catch_up(head)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # any failure: report it, keep the node alive, retry
+            except Exception as e:  # any failure: report it, keep the node alive, retry from a clean state
                 self.phase = "idle"
                 self.error = f"{type(e).__name__}: {e}" if not isinstance(e, PatchswarmError) else str(e)
                 self.metrics.apply_failures += 1
-                log.warning("%s: catch-up failed: %s", self.info.node_id, self.error)
-                await self.clock.sleep(0.5)
+                self.failures += 1
+                delay = self.retry_delay()
+                log.warning("%s: catch-up failed: %s (retry in %.1f s)", self.info.node_id, self.error, delay)
+                self.retry_at = self.clock.now() + delay
+                self._wake.clear()  # (set by the head this try followed: only a newer one cuts the wait)
+                await self._wait(self._wake, delay)
+                self.retry_at = None
+            else:
+                self.error, self.failures = None, 0
+
+    def retry_delay(self) -> float:
+        """How long to wait after ``failures`` failed catch-ups in a row: bounded, with jitter."""
+        cfg = self.config
+        step = min(cfg.retry_backoff_max, cfg.retry_backoff * 2.0 ** min(self.failures - 1, 32))
+        return step / 2 + self.rng.uniform(0.0, step / 2)
 
     async def _catch_up(self, head: Head) -> None:
         steps = plan(head.catalog, self.held.version if self.held else None, head.version)
         for entry in steps:
             self.phase = "fetching"
-            manifest = await self.puller.fetch_manifest(entry)
+            manifest, signed = await self.puller.fetch_signed_manifest(entry)
             log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
             self.marks.append(("manifest", entry.version, self.clock.now()))
-            self.objects[Board.manifest_rel(entry.manifest_id)] = self.source.take_manifest(entry.manifest_id)
+            rel = Board.manifest_rel(entry.manifest_id)
+            self.objects[rel] = signed  # the bytes that verified, and only those, are served
+            self.source.forget(rel)
             self._keep_trusted()  # the manifest signer's certificate
             prepare = getattr(self.apply, "prepare", None)  # e.g. swarm.staging.StagedApply
             if prepare is not None:
@@ -1286,6 +1310,8 @@ class SwarmNode:
             if data is None:
                 raise ChunkError(-1, "a verified chunk was evicted before assembly")
             parts.append(data)
+        if mid in self.complete:  # (a retry after a failed activation: downloaded before)
+            self.complete.remove(mid)
         self.complete.append(mid)
         self.complete = self.complete[-16:]
         return parts

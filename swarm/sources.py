@@ -6,8 +6,10 @@ board (``seed_urls``) and then a seed first: the usual question is whether root 
 only a board can say it does not (a peer's "not here" settles nothing, so asking peers first cost
 every head a round trip per peer).
 Manifests are named by the hash of their body, so a peer's wrong answer is discarded here and
-the next source is tried; everything else is verified by the caller (signatures) before the
-node keeps it to re-serve (``take_manifest``, ``take_trusted``).
+the next source is tried; everything else is verified by the caller (signatures).  What is fetched
+here is never served: the node re-serves only the bytes that verified (a manifest as the puller
+returns it, ``take_trusted`` for what the trust state accepted), so a retried or raced fetch can
+never put other bytes (an empty or stale answer) in their place.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from typing import TYPE_CHECKING
 
 import blake3
 
-from daemon.board import Board
 from daemon.sources import HttpSource, SourceError
 from protocol import draws
 from protocol.errors import LimitExceededError, PatchswarmError
 from protocol.signed import Envelope
-from protocol.trust import TrustState
+from protocol.trust import ROOT_TAG, TrustState
 from swarm.transport import Missing, TransportError
 
 if TYPE_CHECKING:
@@ -43,6 +44,18 @@ class _Unreachable(enum.Enum):
 _UNREACHABLE = _Unreachable.UNREACHABLE
 
 
+def _accepted(trust: TrustState, rel: str, data: bytes) -> bool:
+    """Whether ``data`` is the document ``trust`` accepted under the name ``rel``."""
+    try:
+        if rel.startswith("certs/"):
+            cert, signer = trust.read_certificate(data)
+            return (cert, signer) in trust.certificates.get(cert.key, [])
+        version = int(rel.removeprefix("trust/root."))
+        return Envelope.from_bytes(data, ROOT_TAG).body == trust.root_bodies.get(version)
+    except (PatchswarmError, ValueError):
+        return False
+
+
 class SwarmSource:
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
@@ -53,25 +66,29 @@ class SwarmSource:
         self._head_from: str | None = None
         self._boards = [HttpSource(url) for url in node.config.seed_urls]
 
-    def take_manifest(self, manifest_id: bytes) -> bytes:
-        """The bytes of a manifest fetched and since verified (no longer kept here: the node serves them)."""
-        return self.fetched.pop(Board.manifest_rel(manifest_id), b"")
+    def forget(self, rel: str) -> None:
+        """Drop the fetched copy of an object the caller verified (and now holds itself)."""
+        self.fetched.pop(rel, None)
 
     def take_trusted(self, trust: TrustState) -> dict[str, bytes]:
         """The certificates and root documents fetched that ``trust`` has since accepted, to re-serve.
 
-        A certificate is accepted once its key is certified (it is fetched only while not), a root
-        document once the trusted root version reached it (each is fetched until accepted)."""
+        Only the very document accepted counts: a certificate the trust state holds for its key, a
+        root document whose body is the one trusted at its version.  Anything else fetched under the
+        same name (another answer to a concurrent fetch) is dropped once its name is settled."""
         out: dict[str, bytes] = {}
         for rel in list(self.fetched):
             if rel.startswith("certs/"):
-                accepted = bytes.fromhex(rel.removeprefix("certs/")) in trust.certificates
+                settled = bytes.fromhex(rel.removeprefix("certs/")) in trust.certificates
             elif rel.startswith("trust/root."):
-                accepted = int(rel.removeprefix("trust/root.")) <= trust.root_version
+                settled = int(rel.removeprefix("trust/root.")) <= trust.root_version
             else:
                 continue
-            if accepted:
-                out[rel] = self.fetched.pop(rel)
+            if not settled:
+                continue
+            data = self.fetched.pop(rel)
+            if _accepted(trust, rel, data):
+                out[rel] = data
         return out
 
     def _candidates(self, rel: str, prefer: str | None) -> list[str]:
@@ -130,7 +147,7 @@ class SwarmSource:
     async def get(self, rel: str, limit: int, prefer: str | None = None) -> bytes | None:
         node = self.node
         held = node.objects.get(rel)
-        if held is not None and not rel.endswith("/head"):
+        if held and not rel.endswith("/head"):  # (only verified bytes are held: never empty)
             return held
         if rel.startswith("trust/"):
             return await self._get_root(rel, limit)

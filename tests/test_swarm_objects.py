@@ -178,9 +178,14 @@ def test_only_accepted_trust_documents_are_taken_and_unverified_ones_are_bounded
         "manifests/00": b"m",
     }
     assert src.take_trusted(trust) == {Board.cert_rel(trainer.key_id): good}
-    trust.update_root(RootDocument(1, (root.key_id,)).sign(root).to_bytes())
-    assert src.take_trusted(trust) == {ROOT_1: b"never accepted"}  # (the version is what counts: it was accepted)
+    root_1 = RootDocument(1, (root.key_id,)).sign(root).to_bytes()
+    trust.update_root(root_1)
+    # Only the document accepted is re-served: other bytes under its name (a lying peer's answer to a
+    # concurrent fetch) are dropped, never served in its place.
+    assert src.take_trusted(trust) == {}
     assert set(src.fetched) == {Board.cert_rel(other.key_id), "manifests/00"}
+    src.fetched[ROOT_1] = root_1
+    assert src.take_trusted(trust) == {ROOT_1: root_1}
     for i in range(sources.UNCLAIMED + 10):
         src._hold(f"certs/{i:064x}", b"junk")
     assert len(src.fetched) == sources.UNCLAIMED
