@@ -26,6 +26,7 @@ from daemon.run_rules import check_run_id
 from protocol.files import InputFileError, MissingFileError, read_file
 from protocol.keys import MAX_KEY_FILE_BYTES
 from swarm.node import NodeConfig
+from swarm.serving import ServerLimits
 
 
 class ConfigError(Exception):
@@ -95,6 +96,13 @@ def parse_duration(v: Any) -> float:
     if not m:
         raise ValueError(f"expected a duration like '500ms', '5s' or '2m', got {v!r}")
     return _finite(float(m.group(1)) * _DURATION[m.group(2)], v)
+
+
+def parse_positive_duration(v: Any) -> float:
+    d = parse_duration(v)
+    if d <= 0:
+        raise ValueError(f"expected a duration above zero, got {v!r}")
+    return d
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -348,6 +356,24 @@ SCHEMA: list[Key] = [
     ),
     Key("api", "socket", parse_str, "/run/patchswarm/api.sock", "Unix socket of the local HTTP API."),
     Key("api", "group", parse_str, "", "Group owning the socket (mode 0660); empty = the daemon's group."),
+    Key(
+        "http",
+        "max_connections",
+        count_in(1, 1 << 20),
+        1024,
+        "Connections each server (peer, sidecar, API socket, metrics) holds at once; one more is answered 503 and "
+        "closed. Keep it well under the open-files limit (the unit sets LimitNOFILE=65536).",
+    ),
+    Key("http", "header_timeout", parse_positive_duration, 10.0, "From connect until a request's headers are in."),
+    Key("http", "idle_timeout", parse_positive_duration, 60.0, "An idle keep-alive connection is closed after this."),
+    Key("http", "body_timeout", parse_positive_duration, 60.0, "A request's whole body must arrive within this."),
+    Key(
+        "http",
+        "send_timeout",
+        parse_positive_duration,
+        60.0,
+        "A client that reads nothing of a response for this long is cut off.",
+    ),
     Key("sidecar", "enabled", parse_bool, False, "Run the version-aware reverse proxy in front of the engine."),
     Key("sidecar", "listen", parse_listen, "127.0.0.1:8081", "Where the sidecar listens."),
     Key("sidecar", "upstream", parse_url, "http://127.0.0.1:8080", "The engine's HTTP API."),
@@ -384,6 +410,7 @@ SECTIONS = sorted({k.section for k in SCHEMA})
 OTHER_ENV = frozenset(
     {
         "PATCHSWARM_CLUSTER_SECRET",
+        "PATCHSWARM_DEBUG",
         "PATCHSWARM_FAULT_AT",
         "PATCHSWARM_FAULT_KILLS",
         "PATCHSWARM_CRASH_KILLS",
@@ -416,6 +443,16 @@ class DaemonConfig:
 
     def __getitem__(self, path: str) -> Any:
         return self.values[path]
+
+    def server_limits(self) -> ServerLimits:
+        """The connection cap and deadlines every server of the daemon runs under (``http.*``)."""
+        return ServerLimits(
+            max_connections=self.values["http.max_connections"],
+            header_timeout_s=self.values["http.header_timeout"],
+            idle_timeout_s=self.values["http.idle_timeout"],
+            body_timeout_s=self.values["http.body_timeout"],
+            send_timeout_s=self.values["http.send_timeout"],
+        )
 
     def listen(self, path: str) -> tuple[str, int]:
         """A listen key's (host, port), IPv6 unbracketed."""

@@ -24,6 +24,7 @@ from prometheus_client import (
 from daemon.config import bind_errors, split_listen
 from swarm.node import Metrics as NodeMetrics
 from swarm.node import SwarmNode
+from swarm.serving import ServerLimits, serve_tcp
 
 # Head seen -> version active: a catch-up of a few steps over a slow link takes minutes.
 ACTIVATION_BUCKETS = (0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -168,8 +169,11 @@ class DaemonMetrics:
         return out
 
 
-async def serve_metrics(render: Callable[[], bytes], listen: str, key: str = "metrics.listen") -> web.AppRunner:
-    """Serve ``GET /metrics`` (``render()``) over TCP at ``listen`` (HOST:PORT, IPv6 as [::1]:PORT).
+async def serve_metrics(
+    render: Callable[[], bytes], listen: str, key: str = "metrics.listen", limits: ServerLimits | None = None
+) -> web.AppRunner:
+    """Serve ``GET /metrics`` (``render()``) over TCP at ``listen`` (HOST:PORT, IPv6 as [::1]:PORT), under the
+    same connection cap and deadlines as the daemon's other servers (swarm/serving.py).
 
     A failure to bind raises ListenError (a ConfigError) naming ``key``; the caller cleans the runner up at shutdown.
     """
@@ -179,13 +183,7 @@ async def serve_metrics(render: Callable[[], bytes], listen: str, key: str = "me
 
     app = web.Application(client_max_size=1024)  # GET only: no request body is ever read
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
     host, port = split_listen(listen)
-    try:
-        with bind_errors(key, listen):
-            await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
+    with bind_errors(key, listen):
+        runner, _ = await serve_tcp(app, host, port, limits)
     return runner

@@ -58,6 +58,7 @@ from protocol.trust import TrustState
 from swarm.client_errors import describe
 from swarm.node import NodeConfig, apply_chunks_off_loop
 from swarm.server import RunningNode, start_http_node
+from swarm.serving import ServerLimits, raise_nofile_limit
 
 T = TypeVar("T")
 
@@ -207,6 +208,8 @@ class RolloutDaemon:
 
     async def start(self) -> None:
         self._lock_data_dir()
+        raise_nofile_limit()  # soft to hard: the servers' connection caps assume the unit's LimitNOFILE
+        limits = self.cfg.server_limits()
         for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
             log.warning(warning)
         self._prepare_data_dir()
@@ -215,13 +218,13 @@ class RolloutDaemon:
         self._open_store()
         api = make_api_app(self.status, self._layout_info, self._metrics_text, register_store=self._register_store)
         try:
-            self._runners.append(await serve_unix(api, self.cfg["api.socket"], self.cfg["api.group"]))
+            self._runners.append(await serve_unix(api, self.cfg["api.socket"], self.cfg["api.group"], limits))
         except PermissionError as e:
             raise DaemonError(str(e)) from None
         if self.cfg["sidecar.enabled"]:
-            await self._start_sidecar()
+            await self._start_sidecar(limits)
         if self.cfg["metrics.listen"]:
-            self._runners.append(await serve_metrics(self._metrics_text, self.cfg["metrics.listen"]))
+            self._runners.append(await serve_metrics(self._metrics_text, self.cfg["metrics.listen"], limits=limits))
         host, port = self.cfg.listen("node.listen")
         advertise = self.cfg["node.advertise"]
         if advertise is None and host in ("0.0.0.0", "::"):
@@ -249,6 +252,7 @@ class RolloutDaemon:
                 rng=random.Random(),
                 on_version=self._on_version,
                 apply=apply_chunks_off_loop,  # the API and the sidecar keep answering while a version stages
+                limits=limits,
             )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
@@ -272,13 +276,13 @@ class RolloutDaemon:
         text = " ".join(f"{k}={v}" for k, v in fields.items())
         log.info("started: %s version=%s", text, self.status.version, extra={**fields, "version": self.status.version})
 
-    async def _start_sidecar(self) -> None:
+    async def _start_sidecar(self, limits: ServerLimits) -> None:
         from daemon.sidecar import VersionGate, start_sidecar
 
         self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
         host, port = self.cfg.listen("sidecar.listen")
         with bind_errors("sidecar.listen", self.cfg["sidecar.listen"]):
-            server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=port)
+            server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=port, limits=limits)
         self._servers.append(server)
 
     # ------------------------------------------------------------ activation

@@ -167,7 +167,9 @@ def _listen(listen: str) -> tuple[str, int]:
 
 def _run(main: Coroutine[None, None, None]) -> None:
     from daemon.config import ListenError
+    from swarm.serving import raise_nofile_limit
 
+    raise_nofile_limit()  # a node or seed serving many peers needs more than the default 1024 descriptors
     try:
         asyncio.run(main)
     except ListenError as e:  # "--listen = [::1]:7000: address already in use"
