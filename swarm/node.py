@@ -1046,9 +1046,12 @@ class SwarmNode:
         On a cold start every host asks the seed for the same manifest within a millisecond: 10,000
         simulated hosts took 41 ms of its uplink that way (51 MB of a 6 KB manifest; a 70B model's
         anchor manifest is ~1 MB) before the chunks only it holds could go out."""
+        if path.startswith("chunks/"):
+            return None  # chunks go out through handle_chunk only, under the upload slots and the rate limit
         if self.board is None:
             return self.objects.get(path)
-        data = self.board.read_served(path)  # confined to the board's layout, bounded (daemon/board.py)
+        # Confined to the board's layout, bounded (daemon/board.py); a manifest may be 64 MiB: off the loop.
+        data = await asyncio.to_thread(self.board.read_served, path)
         copies = self.config.seed_object_copies
         if data is None or not self.config.is_seed or insist or copies <= 0 or not path.startswith("manifests/"):
             return data
