@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
 from daemon.board import Board
 from daemon.config import split_listen as parse_listen  # one parser for every listen address
@@ -29,6 +30,16 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 MUTABLE = "no-cache"
 BOARD_KEY: web.AppKey[Board] = web.AppKey("board", Board)
 _FD_DIR = Path("/proc/self/fd")
+
+
+class _OpenFileResponse(web.FileResponse):
+    """A FileResponse prepared once: aiohttp prepares a handler's response again after it returns,
+    and FileResponse would open its path anew then, by which time the fd behind it is closed."""
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if self.prepared:
+            return None
+        return await super().prepare(request)
 
 
 def _open(board: Board, rel: str) -> int | None:
@@ -46,7 +57,7 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         raise web.HTTPNotFound(text="not on this board\n")
     try:
         mutable = rel.startswith("runs/")
-        resp = web.FileResponse(
+        resp = _OpenFileResponse(
             _FD_DIR / str(fd),
             headers={"Cache-Control": MUTABLE if mutable else IMMUTABLE, "Content-Type": "application/octet-stream"},
         )
