@@ -111,7 +111,7 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             resp.content_length = len(shared.data)
             await resp.prepare(request)
-            view = memoryview(shared.data)
+            view = memoryview(shared.data) if request.method != "HEAD" else memoryview(b"")
             for at in range(0, len(view), PIECE):
                 await resp.write(view[at : at + PIECE])
             await resp.write_eof()
