@@ -364,6 +364,14 @@ SCHEMA: list[Key] = [
         "Connections each server (peer, sidecar, API socket, metrics) holds at once; one more is answered 503 and "
         "closed. Keep it well under the open-files limit (the unit sets LimitNOFILE=65536).",
     ),
+    Key(
+        "http",
+        "max_connections_per_address",
+        count_in(1, 1 << 20),
+        64,
+        "Of those, connections one client address holds at once (IPv6: one /64); one more is answered 503 and "
+        "closed. Loopback clients (this machine's processes) are not counted.",
+    ),
     Key("http", "header_timeout", parse_positive_duration, 10.0, "From connect until a request's headers are in."),
     Key("http", "idle_timeout", parse_positive_duration, 60.0, "An idle keep-alive connection is closed after this."),
     Key("http", "body_timeout", parse_positive_duration, 60.0, "A request's whole body must arrive within this."),
@@ -412,6 +420,7 @@ OTHER_ENV = frozenset(
         "PATCHSWARM_CLUSTER_SECRET",
         "PATCHSWARM_DEBUG",
         "PATCHSWARM_FAULT_AT",
+        "PATCHSWARM_HTTP_EXEMPT_LOOPBACK",  # tests: count loopback clients too (swarm/serving.py)
         "PATCHSWARM_FAULT_KILLS",
         "PATCHSWARM_CRASH_KILLS",
         "PATCHSWARM_BENCH_CONFIG",
@@ -448,6 +457,7 @@ class DaemonConfig:
         """The connection cap and deadlines every server of the daemon runs under (``http.*``)."""
         return ServerLimits(
             max_connections=self.values["http.max_connections"],
+            max_connections_per_address=self.values["http.max_connections_per_address"],
             header_timeout_s=self.values["http.header_timeout"],
             idle_timeout_s=self.values["http.idle_timeout"],
             body_timeout_s=self.values["http.body_timeout"],

@@ -3,13 +3,14 @@
 POST /swarm/v1/gossip            one authenticated gossip datagram (msgpack), answered 204
 GET  /swarm/v1/chunks/<hash>     a chunk by its BLAKE3 hash; 503 + Retry-After when busy; 404 if absent
 GET  /swarm/v1/board/<path>      a board object the node holds (head, manifest, certificate, root); 404 if
-                                 absent, or with X-Patchswarm-Holders when a seed withholds a manifest
+                                 absent, or with X-Patchswarm-Holders when a seed withholds a manifest.
+                                 Never a chunk: chunks go out only through /chunks, under the upload slots,
+                                 the per-requester share and the rate limit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 
 import aiohttp
@@ -17,7 +18,7 @@ from aiohttp import web
 
 from protocol.errors import LimitExceededError
 from swarm.client_errors import describe
-from swarm.serving import read_body
+from swarm.serving import address_key, is_loopback, read_body
 from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ HOLDERS_HEADER = "X-Patchswarm-Holders"
 HELD_HEADER = "X-Patchswarm-Held"  # chunks of the version the requester holds (a seed serves one near its end)
 INSIST_HEADER = "X-Patchswarm-Insist"  # "1": the holders a seed named for this object did not have it
 MAX_HOLDERS = 16
+BOARD_READS = 4  # board objects read at once (a manifest is up to 64 MiB: bounded, off the event loop)
+PIECE = 1 << 16  # a board object goes out this much at a time, each once the socket has taken the last
 
 
 def add_routes(app: web.Application, handlers: Handlers) -> None:
@@ -77,13 +80,17 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             raise web.HTTPInternalServerError(text="chunk handler sent nothing\n")
         return resp
 
-    async def board_object(request: web.Request) -> web.Response:
+    reads = asyncio.Semaphore(BOARD_READS)
+    sending: dict[str, _Sending] = {}  # the objects being sent now, by path
+
+    async def board_object(request: web.Request) -> web.StreamResponse:
         insist = request.headers.get(INSIST_HEADER) == "1"
         path = request.match_info["path"]  # (percent-decoded: %2F is a "/" here, %2E%2E a "..")
         if not _board_path(path):
             raise web.HTTPNotFound()
         try:
-            data = await handlers.object(path, _requester(request), insist)
+            async with reads:
+                data = await handlers.object(path, _requester(request), insist)
         except (IsADirectoryError, NotADirectoryError, PermissionError):
             raise web.HTTPNotFound() from None  # a folder, or nothing a peer may have
         except OSError as e:  # out of descriptors, a disk error: the peer may come back
@@ -93,11 +100,38 @@ def add_routes(app: web.Application, handlers: Handlers) -> None:
             raise web.HTTPNotFound(headers={HOLDERS_HEADER: ",".join(data.holders)} if data.holders else None)
         if data is None:
             raise web.HTTPNotFound()
-        return web.Response(body=data, content_type="application/octet-stream")
+        # Every reply of the same bytes sends the one copy (a cold start asks for one manifest from every
+        # host at once), a piece at a time: a client that reads nothing holds a socket buffer, no copy.
+        shared = sending.get(path)
+        if shared is None or shared.data != data:
+            shared = sending[path] = _Sending(data)
+        shared.replies += 1
+        del data
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = len(shared.data)
+            await resp.prepare(request)
+            view = memoryview(shared.data) if request.method != "HEAD" else memoryview(b"")
+            for at in range(0, len(view), PIECE):
+                await resp.write(view[at : at + PIECE])
+            await resp.write_eof()
+            return resp
+        finally:
+            shared.replies -= 1
+            if shared.replies == 0 and sending.get(path) is shared:
+                del sending[path]
 
     app.router.add_post(f"{PREFIX}/gossip", gossip)
     app.router.add_get(PREFIX + "/chunks/{hash:[0-9a-fA-F]+}", chunk)
     app.router.add_get(PREFIX + "/board/{path:.+}", board_object)
+
+
+class _Sending:
+    __slots__ = ("data", "replies")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.replies = 0
 
 
 class HttpTransport:
@@ -226,7 +260,10 @@ async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> byte
     return data
 
 
-BOARD_FOLDERS = frozenset({"runs", "manifests", "chunks", "certs", "trust"})
+# No "chunks": a chunk read whole per request, past the upload slots and the rate limit, let clients that
+# never read a reply hold a chunk each in memory (/swarm/v1/chunks serves them; the plain board server's
+# /chunks/<hash> sends the file with sendfile).
+BOARD_FOLDERS = frozenset({"runs", "manifests", "certs", "trust"})
 
 
 def _board_path(path: str) -> bool:
@@ -252,13 +289,10 @@ def _requester(request: web.Request) -> str:
 def _origin(request: web.Request) -> str:
     """Who a request counts against for per-requester upload limits: the address it came from (the node
     id it sends is unverified, and costs nothing to change).  Loopback peers are this machine's own
-    processes (a test swarm, or a proxy in front of the port), told apart by the node id they send."""
-    ip = request.remote or ""
-    try:
-        loopback = ipaddress.ip_address(ip).is_loopback
-    except ValueError:
-        loopback = False  # not an IP address (a unix socket): counted as one
-    return f"{ip} {_requester(request)}" if loopback else ip
+    processes (a test swarm, or a proxy in front of the port), told apart by the node id they send.
+    An IPv6 requester counts by its /64 (:func:`swarm.serving.address_key`): one host, one share."""
+    key = address_key(request.remote or "")  # (not an IP address, a unix socket: counted as one)
+    return f"{key} {_requester(request)}" if is_loopback(key) else key
 
 
 def _held(request: web.Request) -> int:

@@ -1037,7 +1037,9 @@ class SwarmNode:
             return
         self.upload_slots.release()
 
-    async def handle_object(self, path: str, requester: str = "", insist: bool = False) -> bytes | Missing | None:
+    async def handle_object(
+        self, path: str, requester: str = "", insist: bool = False, *, off_loop: bool = False
+    ) -> bytes | Missing | None:
         """A board object this node holds (a seed: its board's); None if it has not got it.
 
         A seed hands each manifest to ``seed_object_copies`` requesters, then answers the others with
@@ -1045,10 +1047,16 @@ class SwarmNode:
         are served), counting afresh every ``SEED_HOLD_WINDOWS`` copy windows (8 s).
         On a cold start every host asks the seed for the same manifest within a millisecond: 10,000
         simulated hosts took 41 ms of its uplink that way (51 MB of a 6 KB manifest; a 70B model's
-        anchor manifest is ~1 MB) before the chunks only it holds could go out."""
+        anchor manifest is ~1 MB) before the chunks only it holds could go out.
+        ``off_loop``: read the board file in a thread (a real server: a manifest may be 64 MiB; a
+        simulation keeps its reads on its virtual clock)."""
+        if path.startswith("chunks/"):
+            return None  # chunks go out through handle_chunk only, under the upload slots and the rate limit
         if self.board is None:
             return self.objects.get(path)
-        data = self.board.read_served(path)  # confined to the board's layout, bounded (daemon/board.py)
+        # Confined to the board's layout, bounded (daemon/board.py).
+        read = self.board.read_served
+        data = await asyncio.to_thread(read, path) if off_loop else read(path)
         copies = self.config.seed_object_copies
         if data is None or not self.config.is_seed or insist or copies <= 0 or not path.startswith("manifests/"):
             return data

@@ -58,7 +58,7 @@ async def start_http_node(
         return await box[0].handle_chunk(h, requester, held, send, origin)
 
     async def obj(path: str, requester: str, insist: bool) -> bytes | Missing | None:
-        return await box[0].handle_object(path, requester, insist)
+        return await box[0].handle_object(path, requester, insist, off_loop=True)
 
     app = board_app(board.root) if board is not None else web.Application()
     add_routes(app, Handlers(gossip, chunk, obj, chunk_from=chunk))  # chunk_from: per-requester upload limits

@@ -6,8 +6,10 @@ headers (a client sending a byte a second holds a connection forever), no cap on
 deadline on a response the client never reads, and it logs a traceback for every malformed request.
 :class:`HardenedRunner` adds them at the protocol level:
 
-- at most ``max_connections`` connections: one past the cap is answered 503 and closed at once,
-  established ones are untouched;
+- at most ``max_connections`` connections, and at most ``max_connections_per_address`` from one
+  address (:func:`address_key`: an IPv6 client counts by its /64; loopback exempt unless
+  ``exempt_loopback`` is off): one past either cap is answered 503 and closed at once, established
+  ones are untouched;
 - a connection's first request must complete its request line and headers within
   ``header_timeout_s`` of connecting (half-open connections and slowloris); between requests a
   connection may stay idle ``idle_timeout_s``, and the next request's headers must complete in that
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import resource
@@ -53,6 +56,10 @@ _REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Lengt
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     max_connections: int = 1024  # well under the daemon's LimitNOFILE (65536)
+    # One client's share of them (by address_key): one host cannot lock every honest peer out.
+    max_connections_per_address: int = 64
+    # This machine's own processes (a sidecar's rollout clients, a test swarm) share 127.0.0.1.
+    exempt_loopback: bool = True
     header_timeout_s: float = 10.0  # connect -> the first request's headers complete
     idle_timeout_s: float = 60.0  # keep-alive: the end of a response -> the next request's headers
     body_timeout_s: float = 60.0  # the request line -> its whole body read (read_body)
@@ -65,7 +72,7 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not value > 0:
+            if f.type != "bool" and not value > 0:
                 raise ValueError(f"{ENV_PREFIX}{f.name.removesuffix('_s').upper()}: must be positive, got {value}")
 
     @classmethod
@@ -79,12 +86,43 @@ class ServerLimits:
             text = env.get(name)
             if text is None:
                 continue
+            if f.type == "bool":
+                if text.strip().lower() not in _BOOLS:
+                    raise ValueError(f"{name}: expected 1 or 0, got {text!r}")
+                values[f.name] = _BOOLS[text.strip().lower()]
+                continue
             convert = int if f.type == "int" else float
             try:
                 values[f.name] = convert(text)
             except ValueError:
                 raise ValueError(f"{name}: expected a positive {convert.__name__}, got {text!r}") from None
         return cls(**values)
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def address_key(ip: str) -> str:
+    """Who a connection or request from ``ip`` counts as, for per-address limits: an IPv4 address as
+    itself (also when IPv4-mapped in IPv6), an IPv6 address by its /64 (a host is handed a whole /64,
+    so one attacker cannot multiply itself by its addresses); anything else (a unix socket) as is."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return f"{ipaddress.IPv6Address(int(addr) >> 64 << 64)}/64"  # (int: drops a %scope too)
+    return str(addr)
+
+
+def is_loopback(key: str) -> bool:
+    """Whether an :func:`address_key` is this machine's (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(key).is_loopback
+    except ValueError:
+        return key == "::/64"  # (::1's /64; no real client has another address in it)
 
 
 class _LineLimiter:
@@ -136,6 +174,7 @@ class _GuardedServer(web.Server):
         )
         self.limits = limits
         self.open = 0
+        self.by_address: dict[str, int] = {}  # open connections per address_key (loopback left out when exempt)
         self.lines = _LineLimiter(limits.log_interval_s)
 
     def __call__(self) -> _GuardedHandler:
@@ -143,7 +182,7 @@ class _GuardedServer(web.Server):
 
 
 class _GuardedHandler(web.RequestHandler):
-    __slots__ = ("_counted", "_guard", "_header_timer", "_send_timer")
+    __slots__ = ("_address", "_counted", "_guard", "_header_timer", "_send_timer")
 
     def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -151,6 +190,7 @@ class _GuardedHandler(web.RequestHandler):
         self._header_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._counted = False
+        self._address: str | None = None  # the address_key counted against its cap, if any
 
     @property
     def limits(self) -> ServerLimits:
@@ -158,21 +198,38 @@ class _GuardedHandler(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
+        address = _counted_address(transport, guard.limits)
         if guard.open >= guard.limits.max_connections:
-            # Refused before aiohttp sees it: no handler task, no parser state, the established
-            # connections untouched.  The short answer tells an honest client to come back.
-            self._manager = None  # (connection_lost then does nothing)
-            self._force_close = True
             guard.lines.log(logging.WARNING, "cap", "HTTP connection cap (%d) reached: refusing", guard.open)
-            if isinstance(transport, asyncio.WriteTransport):
-                transport.write(_REFUSAL)
-            transport.close()
+            self._refuse(transport)
+            return
+        if address is not None and guard.by_address.get(address, 0) >= guard.limits.max_connections_per_address:
+            guard.lines.log(
+                logging.WARNING,
+                "address-cap",
+                "HTTP connections from %s past its cap (%d): refusing",
+                address,
+                guard.limits.max_connections_per_address,
+            )
+            self._refuse(transport)
             return
         guard.open += 1
         self._counted = True
+        if address is not None:
+            guard.by_address[address] = guard.by_address.get(address, 0) + 1
+            self._address = address
         _set_user_timeout(transport, guard.limits.send_timeout_s)
         self._header_timer = self._loop.call_later(guard.limits.header_timeout_s, self._headers_late)
         super().connection_made(transport)
+
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
+        # Refused before aiohttp sees it: no handler task, no parser state, the established
+        # connections untouched.  The short answer tells an honest client to come back.
+        self._manager = None  # (connection_lost then does nothing)
+        self._force_close = True
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.write(_REFUSAL)
+        transport.close()
 
     def _headers_late(self) -> None:
         self._header_timer = None
@@ -211,6 +268,12 @@ class _GuardedHandler(web.RequestHandler):
         if self._counted:
             self._counted = False
             self._guard.open -= 1
+        if self._address is not None:
+            by_address = self._guard.by_address
+            left = by_address.pop(self._address) - 1
+            if left > 0:
+                by_address[self._address] = left
+            self._address = None
         super().connection_lost(exc)
 
     def handle_error(
@@ -231,6 +294,17 @@ class _GuardedHandler(web.RequestHandler):
         else:
             # A handler's own failure (a 500): a bug, worth its traceback, but not once per request.
             self._guard.lines.log(logging.ERROR, "bug", "HTTP handler failed", exc_info=exc)
+
+
+def _counted_address(transport: asyncio.BaseTransport, limits: ServerLimits) -> str | None:
+    """The address_key a TCP connection counts against, or None (a unix socket; exempt loopback)."""
+    peer = transport.get_extra_info("peername")
+    if not isinstance(peer, tuple) or not peer or not isinstance(peer[0], str):
+        return None
+    key = address_key(peer[0])
+    if limits.exempt_loopback and is_loopback(key):
+        return None
+    return key
 
 
 def _set_user_timeout(transport: asyncio.BaseTransport, seconds: float) -> None:

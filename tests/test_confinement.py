@@ -205,21 +205,26 @@ def assert_confined(seed: SeedProc, prefix: str) -> None:
         assert KEY_MARK not in body, prefix + rel
 
 
-def honest_files(board: Board) -> list[str]:
-    """The head and a few chunks: regular files of the board's layout, none of them a trap."""
-    chunks = [
-        f"chunks/{p.name}"
-        for p in sorted((board.root / "chunks").iterdir())
+def honest_files(board: Board, folder: str = "chunks") -> list[str]:
+    """The head and a few of ``folder``'s files: regular files of the board's layout, none of them a trap."""
+    files = [
+        f"{folder}/{p.name}"
+        for p in sorted((board.root / folder).iterdir())
         if p.is_file() and not p.is_symlink() and p.stat().st_size < SPARSE
     ]
-    return [Board.head_rel(RUN), *chunks[:3]]
+    return [Board.head_rel(RUN), *files[:3]]
 
 
 def assert_honest(seed: SeedProc, prefix: str) -> None:
-    for rel in honest_files(seed.board):
+    # The swarm's board route serves no chunks (/swarm/v1/chunks does, under the upload limits).
+    swarm = prefix.startswith("/swarm/")
+    for rel in honest_files(seed.board, "manifests" if swarm else "chunks"):
         status, body = raw_get(seed.port, prefix + rel)
         assert status == 200, (prefix + rel, status)
         assert body == (seed.board.root / rel).read_bytes()
+    if swarm:
+        for rel in honest_files(seed.board)[1:]:
+            assert raw_get(seed.port, prefix + rel)[0] == 404, prefix + rel
 
 
 @pytest.mark.parametrize("prefix", ["/"])

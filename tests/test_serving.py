@@ -17,7 +17,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from swarm.http import MAX_GOSSIP_BYTES, PREFIX, add_routes
-from swarm.serving import ServerLimits, raise_nofile_limit, read_body, serve_tcp
+from swarm.serving import ServerLimits, address_key, is_loopback, raise_nofile_limit, read_body, serve_tcp
 from swarm.transport import Handlers
 
 LIMITS = ServerLimits(max_connections=4, header_timeout_s=5, idle_timeout_s=5, body_timeout_s=1, send_timeout_s=5)
@@ -128,6 +128,31 @@ async def test_connections_past_the_cap_are_refused_and_the_others_kept(server: 
                 break
     else:
         raise AssertionError("still refused after the held connections closed")
+
+
+def test_address_key_counts_one_host_once() -> None:
+    assert address_key("203.0.113.7") == "203.0.113.7"
+    assert address_key("::ffff:203.0.113.7") == "203.0.113.7"  # IPv4-mapped: the same IPv4 host
+    # IPv6: one /64 (a host is handed a whole /64), whatever the interface id, scope or spelling.
+    v6 = {address_key(a) for a in ("2001:db8:1:2::1", "2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:0db8:1:2:0::9")}
+    assert v6 == {"2001:db8:1:2::/64"}
+    assert address_key("2001:db8:1:3::1") == "2001:db8:1:3::/64"
+    assert address_key("fe80::1%eth0") == "fe80::/64"
+    assert address_key("") == "" and address_key("/run/x.sock") == "/run/x.sock"  # not an IP: as is
+    assert all(is_loopback(address_key(a)) for a in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1"))
+    assert not any(is_loopback(address_key(a)) for a in ("203.0.113.7", "2001:db8::1", "", "/run/x.sock"))
+
+
+def test_per_address_limits_from_environment() -> None:
+    limits = ServerLimits.from_env(
+        {"PATCHSWARM_HTTP_MAX_CONNECTIONS_PER_ADDRESS": "3", "PATCHSWARM_HTTP_EXEMPT_LOOPBACK": "0"}
+    )
+    assert (limits.max_connections_per_address, limits.exempt_loopback) == (3, False)
+    assert ServerLimits().exempt_loopback and ServerLimits().max_connections_per_address == 64
+    with pytest.raises(ValueError, match="PATCHSWARM_HTTP_EXEMPT_LOOPBACK"):
+        ServerLimits.from_env({"PATCHSWARM_HTTP_EXEMPT_LOOPBACK": "maybe"})
+    with pytest.raises(ValueError, match="PATCHSWARM_HTTP_MAX_CONNECTIONS_PER_ADDRESS"):
+        ServerLimits.from_env({"PATCHSWARM_HTTP_MAX_CONNECTIONS_PER_ADDRESS": "0"})
 
 
 def test_open_files_limit_raised_to_the_hard_limit() -> None:

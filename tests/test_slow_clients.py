@@ -9,6 +9,7 @@ bounded wait, no timing asserted), that its memory stays bounded and that its lo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import select
@@ -148,7 +149,8 @@ def test_idle_keepalive_connections_beyond_the_cap(server: Server) -> None:
         extra = [server.connect() for _ in range(16)]
         held += extra
         for s in extra:
-            s.sendall(server.request(server.honest_path, keep_alive=True))
+            with contextlib.suppress(OSError):  # (refused and closed before it sent: a broken pipe)
+                s.sendall(server.request(server.honest_path, keep_alive=True))
             reply = read_until_closed(s, timeout=10)
             assert status_of(reply) in (0, 503), reply[:200]  # refused, and closed
         for s in served:  # the established connections are untouched
@@ -191,6 +193,57 @@ def test_limits_from_environment_are_checked(tmp_path: Path) -> None:
         ServerLimits.from_env({"PATCHSWARM_HTTP_MAX_CONNECTIONS": "many"})
     with pytest.raises(ValueError, match="PATCHSWARM_HTTP_IDLE_TIMEOUT"):
         ServerLimits.from_env({"PATCHSWARM_HTTP_IDLE_TIMEOUT": "0"})
+
+
+def test_one_address_cannot_take_every_connection(tmp_path: Path) -> None:
+    """The plain board server, loopback not exempt, 4 connections per address: a fifth idle one from
+    127.0.0.1 is answered 503 and closed, the four are untouched, a client on 127.0.0.2 is served,
+    and once the four are gone 127.0.0.1 is served again."""
+    (tmp_path / "board" / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "board" / "runs" / "r" / "head").write_bytes(b"head")
+    port = free_port()
+    log = tmp_path / "board.log"
+    env = {
+        **os.environ,
+        **FAST_LIMITS,
+        "PATCHSWARM_HTTP_IDLE_TIMEOUT": "30",  # (the held connections stay for the whole test)
+        "PATCHSWARM_HTTP_HEADER_TIMEOUT": "30",
+        "PATCHSWARM_HTTP_MAX_CONNECTIONS_PER_ADDRESS": "4",
+        "PATCHSWARM_HTTP_EXEMPT_LOOPBACK": "0",
+    }
+    args = ["-m", "daemon.cli", "seed", "--board", str(tmp_path / "board"), "--listen", f"127.0.0.1:{port}"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server("board", proc, log, port=port, honest_path="/runs/r/head")
+    held: list[socket.socket] = []
+    try:
+        server.honest(deadline_s=60)
+        for _ in range(4):  # idle: connected, nothing sent
+            held.append(server.connect())
+        s = server.connect()
+        held.append(s)
+        reply = read_until_closed(s, timeout=10)
+        assert status_of(reply) == 503 and b"Retry-After" in reply, reply[:200]
+        for s in held[:4]:  # the four are still open, and served
+            s.sendall(server.request(server.honest_path, keep_alive=True))
+            assert status_of(_first_reply(s)) == 200
+        other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        other.bind(("127.0.0.2", 0))
+        other.settimeout(10)
+        other.connect(("127.0.0.1", port))
+        held.append(other)
+        other.sendall(server.request(server.honest_path))
+        assert status_of(read_until_closed(other, timeout=10)) == 200
+        for s in held[:4]:
+            s.close()
+        assert server.honest(deadline_s=30) == 200  # (retried until the server has seen them go)
+        assert "HTTP connections from 127.0.0.1 past its cap (4): refusing" in log.read_text()
+        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        proc.wait(15)
 
 
 def _cpu_s(pid: int) -> float:

@@ -11,10 +11,12 @@ import math
 import random
 import socket
 import time
+from unittest import mock
 
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from protocol.membership import MembershipConfig, NodeInfo
 from protocol.requesters import RequesterLimits
@@ -22,7 +24,7 @@ from protocol.trust import TrustState
 from simulations.clock import SimClock, run_virtual
 from simulations.network import Host, Network, Region
 from simulations.transport import SimNet
-from swarm.http import HELD_HEADER, PREFIX, HttpTransport, add_routes
+from swarm.http import HELD_HEADER, NODE_HEADER, PREFIX, HttpTransport, _origin, add_routes
 from swarm.node import NodeConfig, SwarmNode
 from swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
 from tests.node_worker_client import NodeWorker
@@ -797,3 +799,19 @@ def test_a_slow_simulated_requester_is_cut_at_the_deadline_and_its_flow_stopped(
         net.close()
 
     run_virtual(main())
+
+
+def test_requesters_are_counted_by_address_key() -> None:
+    """Where the address enters (swarm/http.py), an IPv6 requester is its /64 and an IPv4-mapped one
+    its IPv4 address: a host cannot take a share of the slots per address it owns."""
+
+    def origin(ip: str, node: str = "") -> str:
+        transport = mock.Mock()
+        transport.get_extra_info.side_effect = lambda name, default=None: (ip, 4321) if name == "peername" else default
+        headers = {NODE_HEADER: node} if node else {}
+        return _origin(make_mocked_request("GET", "/", headers=headers, transport=transport))
+
+    assert origin("2001:db8:1:2::1", "a") == origin("2001:db8:1:2:ab::9", "b") == "2001:db8:1:2::/64"
+    assert origin("2001:db8:1:3::1") != origin("2001:db8:1:2::1")
+    assert origin("::ffff:203.0.113.9", "a") == origin("203.0.113.9", "b") == "203.0.113.9"
+    assert origin("127.0.0.1", "a") != origin("127.0.0.1", "b")  # this machine's processes: by node id
