@@ -385,6 +385,14 @@ SCHEMA: list[Key] = [
         "quiesce: drain every request before activating; in_place: drain only requests pinned to an exact "
         "version and pause the engine (POST upstream /pause_generation, then /continue_generation) while writing.",
     ),
+    Key(
+        "sidecar",
+        "drain_timeout",
+        parse_positive_duration,
+        30.0,
+        "How long an activation waits for in-flight requests to finish (admission closed meanwhile); past it, "
+        "admission reopens on the old version and the activation is retried with backoff.",
+    ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
     Key(
         "metrics",

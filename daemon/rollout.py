@@ -37,6 +37,7 @@ from daemon.metrics import DaemonMetrics, serve_metrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from daemon.pull import Held
 from daemon.pull_state import PullState
+from daemon.sidecar import DrainTimeoutError
 from daemon.status import Phase, Status
 from daemon.weightstore import (
     ENGINE_BUFFER_KINDS,
@@ -120,6 +121,8 @@ class RolloutDaemon:
         self.engine_kind = cfg["store.kind"] in ENGINE_BUFFER_KINDS
         self.device_uuid: str | None = None  # the GPU a CUDA buffer must be on (None: any)
         self._loading: asyncio.Task[None] | None = None
+        self._drain: asyncio.Future[None] | None = None  # the sidecar drain an activation waits on
+        self._stopping = False
         self._failed_because: str | None = None  # why the last activation failed (None after one succeeds)
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
         self.lock = InstanceLock(cfg.data_dir)
@@ -299,6 +302,8 @@ class RolloutDaemon:
         try:
             applied = await self._activate(held)
         except Exception as e:  # reported until a version activates (the swarm node retries, with backoff)
+            if self._stopping:
+                raise
             if isinstance(e, StoreTooSmallError):
                 self._failed_because = f"store.size: {e}"
             else:
@@ -341,7 +346,7 @@ class RolloutDaemon:
                 )
             start = time.perf_counter()
             if self.gate is not None:
-                await self.gate.begin_activation("quiesce", held.version)
+                await self._drain_sidecar("quiesce", held.version)
             try:
                 await off_loop(self.store.load, held.model, held.version, root)
             finally:
@@ -355,7 +360,7 @@ class RolloutDaemon:
         self._arm_fault_injection(self.store)
         in_place = self.gate is not None and self.cfg["sidecar.commit_mode"] == "in_place"
         if self.gate is not None:
-            await self.gate.begin_activation(self.cfg["sidecar.commit_mode"], held.version)
+            await self._drain_sidecar(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
         paused = False
         try:
@@ -377,6 +382,32 @@ class RolloutDaemon:
         self.status.update(last_activation_pause_s=stats.pause_s)
         log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
         return True
+
+    async def _drain_sidecar(self, mode: str, version: int) -> None:
+        """Close the sidecar's admission and wait for the requests in flight, for at most
+        ``sidecar.drain_timeout``: one long generation must not hold admission closed (every other
+        request 503) and the version back forever.  Past the deadline, or at shutdown, admission
+        reopens on the old version and StoreError is raised before the store is touched; the swarm
+        node retries the activation, with backoff."""
+        if self._stopping:
+            raise StoreError("activation abandoned: the daemon is stopping")
+        old = self.gate.applied
+        drain = asyncio.ensure_future(
+            self.gate.begin_activation(mode, version, timeout_s=self.cfg["sidecar.drain_timeout"])
+        )
+        self._drain = drain  # (shutdown cancels it: SIGTERM never waits on a drain)
+        try:
+            await drain
+        except DrainTimeoutError as e:
+            log.warning("activation of version %s put off: %s", version, e, extra={"version": version})
+            raise StoreError(f"{e}; version {old} kept") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if drain.cancelled() and self._stopping and (task is None or not task.cancelling()):
+                raise StoreError("activation abandoned: the daemon is stopping") from None
+            raise
+        finally:
+            self._drain = None
 
     async def _engine_call(self, req: EngineRequest) -> None:
         """One control call to the engine behind the sidecar (``sidecar.upstream``); StoreError if it fails."""
@@ -577,8 +608,11 @@ class RolloutDaemon:
             return  # another daemon holds data.dir: its socket and store are not this process's to touch
         systemd.notify("STOPPING=1")
         self.status.update(phase=Phase.STOPPING)
+        self._stopping = True
         if self._loading is not None:
             self._loading.cancel()  # a load into a just-registered buffer not begun yet: the next start does it
+        if self._drain is not None:
+            self._drain.cancel()  # a drain may wait on a request that never ends: admission reopens, nothing written
         async with self._activating:  # an activation in progress finishes first; staging is abandoned
             if self.node is not None:
                 await self.node.stop()
