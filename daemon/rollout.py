@@ -6,8 +6,9 @@ difference is journaled, then written in place inside the store's version fence.
 API reports state and lets engines attach; an optional sidecar admits requests by version.
 
 Start-up order: recover the store from its journal -> verify the store's contents -> serve the API
--> join the swarm -> READY=1 (systemd).  SIGTERM: an activation in progress finishes (it is short),
-staging is abandoned, the store is left valid and the high-water marks are persisted.
+-> join the swarm -> READY=1 (systemd).  SIGTERM: a sidecar drain is cancelled (nothing written),
+an activation in progress finishes (it is short), staging is abandoned, the store is left valid and
+the high-water marks are persisted.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from typing import Any, TypeVar
 import aiohttp
 
 from daemon import systemd
-from daemon.api import make_api_app, serve_unix
+from daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig, bind_errors
-from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR
-from daemon.instance_lock import InstanceLock, InstanceLockedError
+from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR, store_lock_path
+from daemon.instance_lock import InstanceLock, InstanceLockedError, StoreLock
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics, serve_metrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
@@ -126,6 +127,8 @@ class RolloutDaemon:
         self._failed_because: str | None = None  # why the last activation failed (None after one succeeds)
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
         self.lock = InstanceLock(cfg.data_dir)
+        self.store_lock: StoreLock | None = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the API socket this process bound
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
 
@@ -139,6 +142,21 @@ class RolloutDaemon:
             raise DaemonError(str(e)) from None
         except OSError as e:
             raise DaemonError(f"data.dir: cannot lock {self.lock.path}: {e.strerror}") from None
+
+    def _lock_store(self) -> None:
+        """One daemon per store: a second one writing it (with its own journal) would corrupt what the
+        engine serves.  Taken before the store is opened or created."""
+        name = self.cfg.store_name
+        try:
+            self.store_lock = StoreLock(name, store_lock_path(name))
+        except ValueError as e:
+            raise DaemonError(f"store.name: {e}") from None
+        try:
+            self.store_lock.acquire()
+        except InstanceLockedError as e:
+            raise DaemonError(str(e)) from None
+        except OSError as e:
+            raise DaemonError(f"store.name: cannot lock {self.store_lock.path}: {e.strerror}") from None
 
     def _prepare_data_dir(self) -> None:
         d = self.cfg.data_dir
@@ -218,12 +236,14 @@ class RolloutDaemon:
         self._prepare_data_dir()
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
         state.restore_into(self.trust)
+        self._lock_store()
         self._open_store()
         api = make_api_app(self.status, self._layout_info, self._metrics_text, register_store=self._register_store)
         try:
             self._runners.append(await serve_unix(api, self.cfg["api.socket"], self.cfg["api.group"], limits))
-        except PermissionError as e:
+        except (PermissionError, SocketInUseError) as e:
             raise DaemonError(str(e)) from None
+        self._socket_id = file_id(self.cfg["api.socket"])  # (no await since the bind: still ours)
         if self.cfg["sidecar.enabled"]:
             await self._start_sidecar(limits)
         if self.cfg["metrics.listen"]:
@@ -621,12 +641,17 @@ class RolloutDaemon:
                 await srv.close()
             for r in self._runners:
                 await r.cleanup()
-            with contextlib.suppress(OSError):
-                Path(self.cfg["api.socket"]).unlink()
+            sock = Path(self.cfg["api.socket"])
+            if self._socket_id is not None and file_id(sock) == self._socket_id:
+                # Only the socket this process bound: one a later daemon bound in its place is not ours.
+                with contextlib.suppress(OSError):
+                    sock.unlink()
             if self.store is not None:
                 self.store.close()
         version = self.shadow.version if self.shadow is not None else None
         log.info("stopped: reason=%s version=%s", reason, version, extra={"reason": reason, "version": version})
+        if self.store_lock is not None:
+            self.store_lock.release()
         self.lock.release()
 
 
