@@ -389,9 +389,10 @@ SCHEMA: list[Key] = [
         "sidecar",
         "drain_timeout",
         parse_positive_duration,
-        30.0,
+        20.0,
         "How long an activation waits for in-flight requests to finish (admission closed meanwhile); past it, "
-        "admission reopens on the old version and the activation is retried with backoff.",
+        "admission reopens on the old version and the activation is retried with backoff. Keep it under the "
+        "sidecar's 30 s admission wait, so requests held during a drain run when it gives up (not 503).",
     ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
     Key(

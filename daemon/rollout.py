@@ -106,6 +106,10 @@ class DaemonError(Exception):
     """A start-up problem worth one line to the operator (bad data dir, unusable store, ...)."""
 
 
+class DrainTimedOut(StoreError):
+    """An activation given up because the sidecar's drain outlasted sidecar.drain_timeout (retried)."""
+
+
 class RolloutDaemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
@@ -420,7 +424,7 @@ class RolloutDaemon:
             await drain
         except DrainTimeoutError as e:
             log.warning("activation of version %s put off: %s", version, e, extra={"version": version})
-            raise StoreError(f"{e}; version {old} kept") from None
+            raise DrainTimedOut(f"{e}; version {old} kept") from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if drain.cancelled() and self._stopping and (task is None or not task.cancelling()):
@@ -538,16 +542,24 @@ class RolloutDaemon:
         }
 
     async def _load_registered(self) -> None:
-        """Load the version the daemon holds into a newly registered engine buffer."""
-        async with self._activating:
-            held = self.shadow
-            if held is None or self.store is None or self.store.header().state == StoreState.READY:
-                return
-            self.status.update(phase=Phase.ACTIVATING, target=max(held.version, self.status.target or 0))
-            try:
-                await self._serve(held)
-            except StoreError as e:
-                log.error("loading version %s into the engine's buffer failed: %s", held.version, e)
+        """Load the version the daemon holds into a newly registered engine buffer; a load whose
+        sidecar drain timed out is retried with the swarm's backoff (0.5 s doubling to 8 s)."""
+        delay = 0.5
+        while True:
+            async with self._activating:
+                held = self.shadow
+                if held is None or self.store is None or self.store.header().state == StoreState.READY:
+                    return
+                self.status.update(phase=Phase.ACTIVATING, target=max(held.version, self.status.target or 0))
+                try:
+                    await self._serve(held)
+                    return
+                except StoreError as e:
+                    log.error("loading version %s into the engine's buffer failed: %s", held.version, e)
+                    if not isinstance(e, DrainTimedOut) or self._stopping:
+                        return
+            await asyncio.sleep(delay)  # (outside the lock: a new version or shutdown may go first)
+            delay = min(delay * 2, 8.0)
 
     # ------------------------------------------------------------ reporting
 
