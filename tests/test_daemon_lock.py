@@ -6,14 +6,18 @@ naming what is taken (and the running daemon's pid where known), and touches not
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
+from daemon.api import SocketInUseError, make_api_app, serve_unix
 from daemon.engine import attach
 from daemon.instance_lock import InstanceLock, InstanceLockedError
+from daemon.status import Status
 from tests.daemonkit import ROOT, Daemon, make_daemon
 from tests.swarmkit import Swarm
 
@@ -153,3 +157,37 @@ async def test_a_daemon_stopping_leaves_a_socket_it_did_not_bind(tmp_path: Path)
         first.cleanup()
         second.cleanup()
         await sw.close()
+
+
+def api_app() -> aiohttp.web.Application:
+    return make_api_app(Status("host", "run"), lambda: None, lambda: b"")
+
+
+async def answers(path: Path) -> bool:
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as s,
+        s.get("http://d/v1/status", timeout=aiohttp.ClientTimeout(total=10)) as r,
+    ):
+        return r.status == 200
+
+
+@pytest.mark.asyncio
+async def test_only_a_stale_socket_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "api.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))  # bound, never listening: what a killed daemon leaves (connection refused)
+    dead.close()
+    runner = await serve_unix(api_app(), path)
+    try:
+        assert await answers(path)
+        inode = os.stat(path).st_ino
+        with pytest.raises(SocketInUseError, match=rf"api.socket: {path} is in use"):
+            await serve_unix(api_app(), path)
+        assert os.stat(path).st_ino == inode and await answers(path)
+    finally:
+        await runner.cleanup()
+    other = tmp_path / "notes.txt"  # api.socket pointed at a file by mistake: kept
+    other.write_text("keep")
+    with pytest.raises(SocketInUseError, match="not a socket"):
+        await serve_unix(api_app(), other)
+    assert other.read_text() == "keep"
