@@ -20,6 +20,8 @@ import contextlib
 import grp
 import json
 import os
+import socket
+import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,13 @@ from swarm.serving import HardenedRunner, ServerLimits, read_body
 
 MAX_WAIT_S = 300.0
 MAX_BODY_BYTES = 1 << 16
+PROBE_TIMEOUT_S = 2.0  # a live server accepts at once (the kernel queues the connection)
+
+
+class SocketInUseError(Exception):
+    """Something live answers on the configured socket path (another daemon, most likely)."""
+
+
 STATUS_KEY: web.AppKey[Status] = web.AppKey("status", Status)
 LAYOUT_KEY: web.AppKey[Callable[[], dict[str, Any] | None]] = web.AppKey("layout", object)  # type: ignore[arg-type]
 METRICS_KEY: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics", object)  # type: ignore[arg-type]
@@ -166,8 +175,10 @@ def make_api_app(
 async def serve_unix(
     app: web.Application, path: str | Path, group: str = "", limits: ServerLimits | None = None
 ) -> web.AppRunner:
-    """Serve on a unix socket with mode 0660 (and the group, if given); replaces a stale socket file.
-    ``limits``: the connection cap and deadlines (default: ServerLimits.from_env())."""
+    """Serve on a unix socket with mode 0660 (and the group, if given); replaces a stale socket file,
+    refuses (SocketInUseError) one something still answers on (a second daemon given the same
+    api.socket must not take the first one's API).  ``limits``: the connection cap and deadlines
+    (default: ServerLimits.from_env())."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,8 +186,7 @@ async def serve_unix(
         raise PermissionError(f"api.socket: cannot create {path.parent}: {e.strerror}") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise PermissionError(f"api.socket: no permission to create a socket in {path.parent}")
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+    _replace_stale(path)
     runner = HardenedRunner(app, limits)
     await runner.setup()
     site = web.UnixSite(runner, str(path))
@@ -189,3 +199,42 @@ async def serve_unix(
             await runner.cleanup()
             raise PermissionError(f"api.group: no such group {group!r}") from None
     return runner
+
+
+def _replace_stale(path: Path) -> None:
+    """Remove what a dead daemon left at ``path``; a live socket or anything but a socket stays."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketInUseError(f"api.socket: {path} exists and is not a socket; remove it or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT_S)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # nobody listens: a stale socket
+    except OSError as e:  # (a timeout: a live server with a full backlog)
+        why = "does not answer in time" if isinstance(e, TimeoutError) else e.strerror
+        raise SocketInUseError(
+            f"api.socket: {path} is in use or unusable ({why}); stop its daemon or choose another path"
+        ) from None
+    else:
+        raise SocketInUseError(
+            f"api.socket: {path} is in use by a running daemon; stop it, or give this one its own api.socket"
+        )
+    finally:
+        probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def file_id(path: str | Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``path`` itself, None if it is gone: tells the socket this process bound from
+    one bound later in its place."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

@@ -393,6 +393,15 @@ SCHEMA: list[Key] = [
         "quiesce: drain every request before activating; in_place: drain only requests pinned to an exact "
         "version and pause the engine (POST upstream /pause_generation, then /continue_generation) while writing.",
     ),
+    Key(
+        "sidecar",
+        "drain_timeout",
+        parse_positive_duration,
+        20.0,
+        "How long an activation waits for in-flight requests to finish (admission closed meanwhile); past it, "
+        "admission reopens on the old version and the activation is retried with backoff. Keep it under the "
+        "sidecar's 30 s admission wait, so requests held during a drain run when it gives up (not 503).",
+    ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
     Key(
         "metrics",

@@ -296,6 +296,12 @@ def _group_id(group: str | int) -> int:
         raise StoreError(f"api.group: no such group {group!r}") from None
 
 
+def store_lock_path(name: str, shm_dir: Path | str = SHM_DIR) -> Path:
+    """The file a daemon flocks to own store ``name`` (daemon.instance_lock.StoreLock; engines never
+    lock it).  ValueError for a name that is not a shared-memory name."""
+    return SharedSegment._path(name, shm_dir).with_name(f"{name}.lock")
+
+
 class SharedSegment:
     """A named POSIX shared-memory segment mapped read-write; it stays until ``unlink``."""
 

@@ -6,8 +6,9 @@ difference is journaled, then written in place inside the store's version fence.
 API reports state and lets engines attach; an optional sidecar admits requests by version.
 
 Start-up order: recover the store from its journal -> verify the store's contents -> serve the API
--> join the swarm -> READY=1 (systemd).  SIGTERM: an activation in progress finishes (it is short),
-staging is abandoned, the store is left valid and the high-water marks are persisted.
+-> join the swarm -> READY=1 (systemd).  SIGTERM: a sidecar drain is cancelled (nothing written),
+an activation in progress finishes (it is short), staging is abandoned, the store is left valid and
+the high-water marks are persisted.
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ from typing import Any, TypeVar
 import aiohttp
 
 from daemon import systemd
-from daemon.api import make_api_app, serve_unix
+from daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig, bind_errors
-from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR
-from daemon.instance_lock import InstanceLock, InstanceLockedError
+from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR, store_lock_path
+from daemon.instance_lock import InstanceLock, InstanceLockedError, StoreLock
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics, serve_metrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from daemon.pull import Held
 from daemon.pull_state import PullState
+from daemon.sidecar import DrainTimeoutError
 from daemon.status import Phase, Status
 from daemon.weightstore import (
     ENGINE_BUFFER_KINDS,
@@ -104,6 +106,10 @@ class DaemonError(Exception):
     """A start-up problem worth one line to the operator (bad data dir, unusable store, ...)."""
 
 
+class DrainTimedOut(StoreError):
+    """An activation given up because the sidecar's drain outlasted sidecar.drain_timeout (retried)."""
+
+
 class RolloutDaemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
@@ -120,9 +126,13 @@ class RolloutDaemon:
         self.engine_kind = cfg["store.kind"] in ENGINE_BUFFER_KINDS
         self.device_uuid: str | None = None  # the GPU a CUDA buffer must be on (None: any)
         self._loading: asyncio.Task[None] | None = None
+        self._drain: asyncio.Future[None] | None = None  # the sidecar drain an activation waits on
+        self._stopping = False
         self._failed_because: str | None = None  # why the last activation failed (None after one succeeds)
         self.trust = TrustState(load_public_key(cfg["trust.root"]), skew_ms=int(cfg["trust.clock_skew"] * 1000))
         self.lock = InstanceLock(cfg.data_dir)
+        self.store_lock: StoreLock | None = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the API socket this process bound
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
 
@@ -136,6 +146,21 @@ class RolloutDaemon:
             raise DaemonError(str(e)) from None
         except OSError as e:
             raise DaemonError(f"data.dir: cannot lock {self.lock.path}: {e.strerror}") from None
+
+    def _lock_store(self) -> None:
+        """One daemon per store: a second one writing it (with its own journal) would corrupt what the
+        engine serves.  Taken before the store is opened or created."""
+        name = self.cfg.store_name
+        try:
+            self.store_lock = StoreLock(name, store_lock_path(name))
+        except ValueError as e:
+            raise DaemonError(f"store.name: {e}") from None
+        try:
+            self.store_lock.acquire()
+        except InstanceLockedError as e:
+            raise DaemonError(str(e)) from None
+        except OSError as e:
+            raise DaemonError(f"store.name: cannot lock {self.store_lock.path}: {e.strerror}") from None
 
     def _prepare_data_dir(self) -> None:
         d = self.cfg.data_dir
@@ -215,12 +240,14 @@ class RolloutDaemon:
         self._prepare_data_dir()
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
         state.restore_into(self.trust)
+        self._lock_store()
         self._open_store()
         api = make_api_app(self.status, self._layout_info, self._metrics_text, register_store=self._register_store)
         try:
             self._runners.append(await serve_unix(api, self.cfg["api.socket"], self.cfg["api.group"], limits))
-        except PermissionError as e:
+        except (PermissionError, SocketInUseError) as e:
             raise DaemonError(str(e)) from None
+        self._socket_id = file_id(self.cfg["api.socket"])  # (no await since the bind: still ours)
         if self.cfg["sidecar.enabled"]:
             await self._start_sidecar(limits)
         if self.cfg["metrics.listen"]:
@@ -299,6 +326,8 @@ class RolloutDaemon:
         try:
             applied = await self._activate(held)
         except Exception as e:  # reported until a version activates (the swarm node retries, with backoff)
+            if self._stopping:
+                raise
             if isinstance(e, StoreTooSmallError):
                 self._failed_because = f"store.size: {e}"
             else:
@@ -341,7 +370,7 @@ class RolloutDaemon:
                 )
             start = time.perf_counter()
             if self.gate is not None:
-                await self.gate.begin_activation("quiesce", held.version)
+                await self._drain_sidecar("quiesce", held.version)
             try:
                 await off_loop(self.store.load, held.model, held.version, root)
             finally:
@@ -355,7 +384,7 @@ class RolloutDaemon:
         self._arm_fault_injection(self.store)
         in_place = self.gate is not None and self.cfg["sidecar.commit_mode"] == "in_place"
         if self.gate is not None:
-            await self.gate.begin_activation(self.cfg["sidecar.commit_mode"], held.version)
+            await self._drain_sidecar(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
         paused = False
         try:
@@ -377,6 +406,32 @@ class RolloutDaemon:
         self.status.update(last_activation_pause_s=stats.pause_s)
         log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
         return True
+
+    async def _drain_sidecar(self, mode: str, version: int) -> None:
+        """Close the sidecar's admission and wait for the requests in flight, for at most
+        ``sidecar.drain_timeout``: one long generation must not hold admission closed (every other
+        request 503) and the version back forever.  Past the deadline, or at shutdown, admission
+        reopens on the old version and StoreError is raised before the store is touched; the swarm
+        node retries the activation, with backoff."""
+        if self._stopping:
+            raise StoreError("activation abandoned: the daemon is stopping")
+        old = self.gate.applied
+        drain = asyncio.ensure_future(
+            self.gate.begin_activation(mode, version, timeout_s=self.cfg["sidecar.drain_timeout"])
+        )
+        self._drain = drain  # (shutdown cancels it: SIGTERM never waits on a drain)
+        try:
+            await drain
+        except DrainTimeoutError as e:
+            log.warning("activation of version %s put off: %s", version, e, extra={"version": version})
+            raise DrainTimedOut(f"{e}; version {old} kept") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if drain.cancelled() and self._stopping and (task is None or not task.cancelling()):
+                raise StoreError("activation abandoned: the daemon is stopping") from None
+            raise
+        finally:
+            self._drain = None
 
     async def _engine_call(self, req: EngineRequest) -> None:
         """One control call to the engine behind the sidecar (``sidecar.upstream``); StoreError if it fails."""
@@ -487,16 +542,24 @@ class RolloutDaemon:
         }
 
     async def _load_registered(self) -> None:
-        """Load the version the daemon holds into a newly registered engine buffer."""
-        async with self._activating:
-            held = self.shadow
-            if held is None or self.store is None or self.store.header().state == StoreState.READY:
-                return
-            self.status.update(phase=Phase.ACTIVATING, target=max(held.version, self.status.target or 0))
-            try:
-                await self._serve(held)
-            except StoreError as e:
-                log.error("loading version %s into the engine's buffer failed: %s", held.version, e)
+        """Load the version the daemon holds into a newly registered engine buffer; a load whose
+        sidecar drain timed out is retried with the swarm's backoff (0.5 s doubling to 8 s)."""
+        delay = 0.5
+        while True:
+            async with self._activating:
+                held = self.shadow
+                if held is None or self.store is None or self.store.header().state == StoreState.READY:
+                    return
+                self.status.update(phase=Phase.ACTIVATING, target=max(held.version, self.status.target or 0))
+                try:
+                    await self._serve(held)
+                    return
+                except StoreError as e:
+                    log.error("loading version %s into the engine's buffer failed: %s", held.version, e)
+                    if not isinstance(e, DrainTimedOut) or self._stopping:
+                        return
+            await asyncio.sleep(delay)  # (outside the lock: a new version or shutdown may go first)
+            delay = min(delay * 2, 8.0)
 
     # ------------------------------------------------------------ reporting
 
@@ -577,8 +640,11 @@ class RolloutDaemon:
             return  # another daemon holds data.dir: its socket and store are not this process's to touch
         systemd.notify("STOPPING=1")
         self.status.update(phase=Phase.STOPPING)
+        self._stopping = True
         if self._loading is not None:
             self._loading.cancel()  # a load into a just-registered buffer not begun yet: the next start does it
+        if self._drain is not None:
+            self._drain.cancel()  # a drain may wait on a request that never ends: admission reopens, nothing written
         async with self._activating:  # an activation in progress finishes first; staging is abandoned
             if self.node is not None:
                 await self.node.stop()
@@ -587,12 +653,17 @@ class RolloutDaemon:
                 await srv.close()
             for r in self._runners:
                 await r.cleanup()
-            with contextlib.suppress(OSError):
-                Path(self.cfg["api.socket"]).unlink()
+            sock = Path(self.cfg["api.socket"])
+            if self._socket_id is not None and file_id(sock) == self._socket_id:
+                # Only the socket this process bound: one a later daemon bound in its place is not ours.
+                with contextlib.suppress(OSError):
+                    sock.unlink()
             if self.store is not None:
                 self.store.close()
         version = self.shadow.version if self.shadow is not None else None
         log.info("stopped: reason=%s version=%s", reason, version, extra={"reason": reason, "version": version})
+        if self.store_lock is not None:
+            self.store_lock.release()
         self.lock.release()
 
 

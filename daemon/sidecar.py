@@ -61,6 +61,9 @@ CommitMode = Literal["quiesce", "in_place"]
 COMMIT_MODES: tuple[CommitMode, ...] = ("quiesce", "in_place")
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+# At shutdown the requests in flight get this long to finish, then are cut: a generation that
+# never ends must not hold SIGTERM past the service manager's stop timeout (systemd: 90 s).
+SHUTDOWN_GRACE_S = 10.0
 DEFAULT_MAX_BUFFERED_RESPONSE_BYTES = 16 << 20
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _VERSION_RE = re.compile(r"[0-9]{1,18}")
@@ -83,6 +86,14 @@ class ConstraintError(ValueError):
 
 class ActivationError(RuntimeError):
     """The activation API was misused (overlapping activations, a version that rewinds)."""
+
+
+class DrainTimeoutError(TimeoutError):
+    """The drain before a switch outlasted its deadline; admission is open again, nothing switched."""
+
+    def __init__(self, timeout_s: float, blocking: int) -> None:
+        self.timeout_s, self.blocking = timeout_s, blocking
+        super().__init__(f"sidecar drain timed out after {timeout_s:g} s with {blocking} requests in flight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +346,8 @@ class VersionGate:
 
         ``quiesce``: wait until no request is in flight.  ``in_place``: wait until no exact-pinned
         request is in flight; the caller then pauses the engine, and unpinned requests continue
-        across the switch.  On timeout or cancellation admission reopens and the error propagates.
+        across the switch.  On timeout (:class:`DrainTimeoutError`, naming the requests still in
+        flight) or cancellation admission reopens and the error propagates.
         """
         if mode not in COMMIT_MODES:
             raise ValueError(f"unknown commit mode {mode!r} (one of {', '.join(COMMIT_MODES)})")
@@ -352,6 +364,10 @@ class VersionGate:
         try:
             async with asyncio.timeout(timeout_s):
                 await self.wait_until(drained)
+        except TimeoutError:
+            blocking = self.in_flight if mode == "quiesce" else self.pinned_in_flight
+            self._reopen()
+            raise DrainTimeoutError(timeout_s or 0.0, blocking) from None
         except BaseException:
             self._reopen()
             raise
@@ -706,10 +722,15 @@ class RunningServer:
 
 
 async def serve_app(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: ServerLimits | None = None,
+    shutdown_grace_s: float = 60.0,
 ) -> RunningServer:
     """Serve ``app`` on ``host:port`` (port 0: any free port, reported in the result) under ``limits``
-    (the connection cap and deadlines; default: ServerLimits.from_env())."""
+    (the connection cap and deadlines; default: ServerLimits.from_env()).  ``close()`` gives the
+    requests in flight ``shutdown_grace_s`` to finish, then cuts them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -720,7 +741,7 @@ async def serve_app(
     except OSError:
         sock.close()
         raise
-    runner = HardenedRunner(app, limits)
+    runner = HardenedRunner(app, limits, shutdown_timeout=shutdown_grace_s)
     await runner.setup()
     try:
         await web.SockSite(runner, sock).start()
@@ -740,4 +761,5 @@ async def start_sidecar(
     **options: Any,
 ) -> RunningServer:
     """Run the sidecar on a TCP port (``options``: keyword arguments of :func:`make_sidecar_app`)."""
-    return await serve_app(make_sidecar_app(upstream_url, gate, **options), host, port, limits)
+    app = make_sidecar_app(upstream_url, gate, **options)
+    return await serve_app(app, host, port, limits, shutdown_grace_s=SHUTDOWN_GRACE_S)

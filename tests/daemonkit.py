@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,6 +109,8 @@ class Daemon:
             WeightStore.open(self.store).destroy()
         except (StoreError, OSError):
             pass
+        with contextlib.suppress(OSError):  # the daemon's store lock (no daemon holds it any more)
+            os.unlink(f"/dev/shm/{self.store}.lock")
 
 
 def make_daemon(sw: Swarm, name: str, tmp: Path, extra: str = "", **overrides: str) -> Daemon:
