@@ -32,7 +32,7 @@ from daemon import systemd
 from daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
 from daemon.config import ConfigError, DaemonConfig, bind_errors
 from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR, store_lock_path
-from daemon.instance_lock import InstanceLock, InstanceLockedError, StoreLock
+from daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
 from daemon.journal import recover
 from daemon.metrics import DaemonMetrics, serve_metrics
 from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
@@ -140,12 +140,7 @@ class RolloutDaemon:
 
     def _lock_data_dir(self) -> None:
         """One daemon per data.dir, before the store, the journal or the socket is touched."""
-        try:
-            self.lock.acquire()
-        except InstanceLockedError as e:
-            raise DaemonError(str(e)) from None
-        except OSError as e:
-            raise DaemonError(f"data.dir: cannot lock {self.lock.path}: {e.strerror}") from None
+        _acquire(self.lock, "data.dir")
 
     def _lock_store(self) -> None:
         """One daemon per store: a second one writing it (with its own journal) would corrupt what the
@@ -155,12 +150,7 @@ class RolloutDaemon:
             self.store_lock = StoreLock(name, store_lock_path(name))
         except ValueError as e:
             raise DaemonError(f"store.name: {e}") from None
-        try:
-            self.store_lock.acquire()
-        except InstanceLockedError as e:
-            raise DaemonError(str(e)) from None
-        except OSError as e:
-            raise DaemonError(f"store.name: cannot lock {self.store_lock.path}: {e.strerror}") from None
+        _acquire(self.store_lock, "store.name")
 
     def _prepare_data_dir(self) -> None:
         d = self.cfg.data_dir
@@ -685,6 +675,16 @@ async def run_daemon(cfg: DaemonConfig) -> None:
         await daemon.shutdown(f"start-up failed: {e}")
         raise
     await daemon.run_until(stop, why)
+
+
+def _acquire(lock: FileLock, key: str) -> None:
+    """Take one of the daemon's exclusive locks, or DaemonError naming the config key it guards."""
+    try:
+        lock.acquire()
+    except InstanceLockedError as e:
+        raise DaemonError(str(e)) from None
+    except OSError as e:
+        raise DaemonError(f"{key}: cannot lock {lock.path}: {e.strerror}") from None
 
 
 def _retrying(failures: int) -> str:

@@ -46,13 +46,19 @@ _READ_MAX = 0x7FFFF000  # the most one read() returns on Linux
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
-def _read_fd(fd: int, path: str | os.PathLike[str], limit: int) -> bytes:
+def _check_fd(fd: int, path: str | os.PathLike[str], limit: int) -> os.stat_result:
+    """The descriptor's stat, once it is known to be a regular file of at most ``limit`` bytes (now blocking)."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InputFileError(path, f"not a regular file ({_kind(st.st_mode)})")
     if st.st_size > limit:
         raise FileTooLargeError(path, f"{st.st_size} bytes, more than the {limit} allowed")
     os.set_blocking(fd, True)
+    return st
+
+
+def _read_fd(fd: int, path: str | os.PathLike[str], limit: int) -> bytes:
+    st = _check_fd(fd, path, limit)
     parts: list[bytes] = []
     got = 0
     # The first read asks for the whole file: one buffer, no join (for a file up to the ~2 GiB one
@@ -97,12 +103,7 @@ def open_regular(path: str | os.PathLike[str], limit: int) -> int:
     except OSError as e:
         raise InputFileError(path, e.strerror or type(e).__name__) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputFileError(path, f"not a regular file ({_kind(st.st_mode)})")
-        if st.st_size > limit:
-            raise FileTooLargeError(path, f"{st.st_size} bytes, more than the {limit} allowed")
-        os.set_blocking(fd, True)
+        _check_fd(fd, path, limit)
     except BaseException:
         os.close(fd)
         raise
