@@ -544,7 +544,7 @@ class RolloutDaemon:
                 try:
                     await self._serve(held)
                     return
-                except StoreError as e:
+                except Exception as e:  # a task nobody awaits: say why here (status has it too), never lose it
                     log.error("loading version %s into the engine's buffer failed: %s", held.version, e)
                     if not isinstance(e, DrainTimedOut) or self._stopping:
                         return
