@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from protocol.catalog import CatalogEntry
 from protocol.chunks import MAX_CHUNK_SIZE, chunk_views
-from protocol.files import FileTooLargeError, open_confined, read_confined
+from protocol.files import FileTooLargeError, fsync_dir, open_confined, read_confined, write_atomic
 from protocol.manifest import Manifest, SignedManifest
 from protocol.patchfile import Version
 from protocol.signed import MAX_ENVELOPE_BYTES
@@ -49,31 +48,6 @@ def board_limit(rel: str) -> int | None:
     if parts[0] == "runs":
         return MAX_HEAD_BYTES if len(parts) == 3 and parts[2] == "head" else None
     return _LIMITS.get(parts[0]) if len(parts) == 2 else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes | memoryview, *, sync_dir: bool = True) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if sync_dir:
-        _fsync_dir(path.parent)
 
 
 class Board:
@@ -118,7 +92,7 @@ class Board:
                 write_atomic(p, data, sync_dir=False)
                 dirs.add(p.parent)
         for d in dirs:
-            _fsync_dir(d)
+            fsync_dir(d)
         mid = version.manifest.manifest_id
         write_atomic(self.path(self.manifest_rel(mid)), version.signed.to_bytes())
         return mid

@@ -262,7 +262,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
-    from daemon.board import Board, write_atomic
+    from daemon.board import Board
+    from protocol.files import write_atomic
     from protocol.keys import SigningKey, load_public_key
     from protocol.trust import Certificate
 

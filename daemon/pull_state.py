@@ -15,9 +15,8 @@ from typing import Any
 import blake3
 import msgpack
 
-from daemon.board import write_atomic
 from protocol.errors import EquivocationError, FormatError
-from protocol.files import InputFileError, read_file
+from protocol.files import InputFileError, read_file, write_atomic
 from protocol.head import HeadTracker
 from protocol.trust import RootDocument, TrustState
 

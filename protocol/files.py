@@ -1,4 +1,5 @@
-"""The one way a local file enters patchswarm: bounded, regular files only, confined where a peer names it.
+"""The one way a local file enters patchswarm (bounded, regular files only, confined where a peer names
+it) and the one way one leaves it (``write_atomic``: whole or not at all).
 
 Every file a server serves and every file named on a command line or in a config goes through
 ``read_file`` (or ``read_confined`` when the name came from the network).  The checks happen on the
@@ -11,6 +12,11 @@ open descriptor, not on the name, so a name swapped between check and read chang
 - a name from a peer (``read_confined``) must be a relative path of plain components under one of
   the allowed top-level folders, and is opened component by component with O_NOFOLLOW below the
   root (openat), so no ``..``, absolute path, percent-decoded ``/`` or symlink leads outside it.
+
+Every file patchswarm writes for others to read (board objects, patch files, models, state) goes
+through ``write_atomic``: a temporary name in the same directory, fsynced, renamed over the target,
+and the directory fsynced, so a reader (or a restart after a crash) sees the old file or the whole
+new one, never a partial one.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Collection
+import tempfile
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from protocol.errors import LimitExceededError, PatchswarmError
@@ -209,3 +216,49 @@ def read_confined(root: str | os.PathLike[str], rel: str, top_level: Collection[
         raise InputFileError(Path(root, rel), e.strerror or type(e).__name__) from None
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or unlink in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(
+    path: str | os.PathLike[str],
+    data: bytes | memoryview | None = None,
+    *,
+    fill: Callable[[str], None] | None = None,
+    mode: int = 0o644,
+    sync_dir: bool = True,
+) -> None:
+    """Replace ``path`` with ``data`` (or with what ``fill(tmp_path)`` writes at a temporary path) whole
+    or not at all; the parent directory is created if missing.  ``sync_dir=False`` leaves the
+    directory's fsync to a caller writing many files into it (then it calls ``fsync_dir`` once)."""
+    if (data is None) == (fill is None):
+        raise TypeError("write_atomic takes data or fill, not both or neither")
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        if data is not None:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        else:
+            os.close(fd)
+            assert fill is not None
+            fill(tmp)
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if sync_dir:
+        fsync_dir(target.parent)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
 from protocol.codec import EncodedPatch, Progress, anchor_header, apply_update, encode_patch, iter_updates
@@ -27,7 +25,7 @@ from protocol.errors import (
     TruncatedError,
     UnsupportedFormatError,
 )
-from protocol.files import open_regular
+from protocol.files import open_regular, write_atomic
 from protocol.keys import KeyPolicy, SigningKey
 from protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
 from protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, state_root
@@ -145,17 +143,7 @@ def pack_file(version: Version) -> bytes:
 
 def write_file(path: str | os.PathLike[str], version: Version) -> None:
     """Atomic write: the path holds the old file or the complete new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(pack_file(version))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, pack_file(version))
 
 
 def read_patch_file(path: str | os.PathLike[str], limit: int = MAX_PATCH_FILE_BYTES) -> memoryview:

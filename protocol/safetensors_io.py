@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
 from pathlib import Path
 
 import safetensors
@@ -12,7 +11,7 @@ import safetensors.torch
 import torch
 
 from protocol.errors import FormatError, UnsupportedDtypeError
-from protocol.files import MissingFileError, open_regular
+from protocol.files import MissingFileError, open_regular, write_atomic
 from protocol.served import ServedModel, typed_view
 
 MAX_MODEL_FILE_BYTES = 1 << 42  # 4 TiB: any model; the bound is for a file that is not one
@@ -47,13 +46,4 @@ def save_safetensors(model: ServedModel, path: str | os.PathLike[str]) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for spec, data in model:
         tensors[spec.name] = typed_view(data.cpu(), spec)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
-    try:
-        safetensors.torch.save_file(tensors, tmp, metadata=model.metadata or None)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, fill=lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata=model.metadata or None))

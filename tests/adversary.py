@@ -34,7 +34,8 @@ import msgpack
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.board import Board, write_atomic
+from daemon.board import Board
+from protocol.files import write_atomic
 from protocol.keys import KeyPolicy, SigningKey
 from protocol.membership import NodeInfo, Ping
 from protocol.trust import Certificate
