@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from daemon.status import Status
+from daemon.status import MAX_SUBSCRIBERS, Status
 from swarm.serving import HardenedRunner, ServerLimits, read_body
 
 MAX_WAIT_S = 300.0
@@ -48,8 +48,8 @@ StoreRegistrar = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
 REGISTER_KEY: web.AppKey[StoreRegistrar | None] = web.AppKey("register", object)  # type: ignore[arg-type]
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(data, status=status, dumps=lambda o: json.dumps(o, separators=(",", ":")))
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(data, status=status, headers=headers, dumps=lambda o: json.dumps(o, separators=(",", ":")))
 
 
 def _bad(message: str) -> web.Response:
@@ -80,10 +80,13 @@ async def wait(request: web.Request) -> web.Response:
 
 async def events(request: web.Request) -> web.StreamResponse:
     s = request.app[STATUS_KEY]
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     q = s.subscribe()
+    if q is None:
+        msg = f"{MAX_SUBSCRIBERS} event streams are open already; poll /v1/status or retry"
+        return _json({"error": "TooManyStreams", "message": msg}, 503, headers={"Retry-After": "5"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
+        await resp.prepare(request)
         snap = s.snapshot()
         first = {"event": "state", **{k: snap[k] for k in ("state", "reason", "version", "target", "progress")}}
         await resp.write(f"event: state\ndata: {json.dumps(first)}\n\n".encode())
@@ -92,6 +95,8 @@ async def events(request: web.Request) -> web.StreamResponse:
                 ev = await asyncio.wait_for(q.get(), timeout=15)
                 await resp.write(f"event: {ev['event']}\ndata: {json.dumps(ev)}\n\n".encode())
             except TimeoutError:
+                if not s.subscribed(q):
+                    break  # dropped for not reading: end the stream so the client reconnects, not a silent one
                 await resp.write(b": keep-alive\n\n")
     except (ConnectionResetError, asyncio.CancelledError):
         pass

@@ -513,7 +513,7 @@ class RolloutDaemon:
                     store.attach_buffer(handle)  # a new buffer: EMPTY until loaded
                 except StoreTooSmallError as e:
                     return 422, {"error": "BufferTooSmall", "message": f"the engine's buffer: {e}"}
-                except StoreError as e:
+                except (StoreError, ValueError, OSError) as e:  # a name or file that is no buffer: one line, no 500
                     return 422, {"error": "BadHandle", "message": f"cannot map the engine's buffer: {e}"}
                 recover(store, self.journal_dir)  # a journal for an earlier buffer is void now
                 self.status.update(version=None, root=None)

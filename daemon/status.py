@@ -15,6 +15,7 @@ from typing import Any
 # Engines whose acknowledged version is kept (any client of the socket may name one): the oldest
 # heard from goes first, so the table stays bounded and the engines that keep acking stay in it.
 MAX_ACKS = 64
+MAX_SUBSCRIBERS = 64  # open /v1/events streams
 MAX_REASON = 1024
 
 
@@ -114,10 +115,18 @@ class Status:
         async with self.changed:
             self.changed.notify_all()
 
-    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]] | None:
+        """A queue of state events, or None when MAX_SUBSCRIBERS streams are open already (long-lived
+        streams must not take the connections short requests need)."""
+        if len(self._subscribers) >= MAX_SUBSCRIBERS:
+            return None
         q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1024)
         self._subscribers.add(q)
         return q
+
+    def subscribed(self, q: asyncio.Queue[dict[str, Any]]) -> bool:
+        """False once a reader that stopped reading was dropped: its stream should end, not go quiet."""
+        return q in self._subscribers
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
         self._subscribers.discard(q)

@@ -175,6 +175,9 @@ class MembershipConfig:
     suspicion_confirmations: int = 3  # Lifeguard K: independent suspectors expected
     nack_fraction: float = 0.8  # a helper nacks after this share of (probe_interval - probe_timeout)
     max_members: int = 0  # >0: a bounded view of at most this many other members (see the module docstring)
+    # Full membership (max_members = 0) still stops admitting strangers past this many: a peer holding the
+    # cluster secret could otherwise name members without end (memory, and a probe for each address).
+    max_full_members: int = 65_536
     # Gossip frames older than frame_window (by their sender's clock, beyond frame_skew) or more than
     # frame_skew ahead are refused, as are repeats: a captured frame cannot be replayed (protocol/wire.py).
     # The skew is the daemon's trust.clock_skew default: a host its heads tolerate is heard too.
@@ -196,6 +199,8 @@ class MembershipConfig:
             raise ValueError("need 0 < nack_fraction < 1")
         if self.max_members < 0:
             raise ValueError("max_members must be >= 0 (0: every member)")
+        if self.max_full_members < 1:
+            raise ValueError("max_full_members must be >= 1")
         if not (0 <= self.frame_window < math.inf and 0 <= self.frame_skew < math.inf):
             raise ValueError("frame_window and frame_skew must be finite and >= 0")
 
@@ -714,10 +719,10 @@ class Membership:
     def _admit(self, info: NodeInfo) -> int | None:
         """The rank a stranger joins the view with (0 under full membership), or None if it does not: it
         joins while there is room, and a full bounded view when it ranks below the worst member, which
-        then leaves (silently: it is alive)."""
+        then leaves (silently: it is alive).  Full membership admits no one past ``max_full_members``."""
         k = self._cfg.max_members
         if not k:
-            return 0
+            return 0 if len(self._members) < self._cfg.max_full_members else None
         rank = self._rank(info)
         if len(self._members) < k:
             return rank

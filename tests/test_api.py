@@ -17,7 +17,7 @@ import pytest_asyncio
 import yaml
 
 from daemon.api import make_api_app, serve_unix
-from daemon.status import Phase, Status
+from daemon.status import MAX_SUBSCRIBERS, Phase, Status
 
 SPEC = yaml.safe_load((Path(__file__).parent.parent / "docs/api/openapi.yaml").read_text())
 
@@ -129,6 +129,33 @@ async def test_events_stream_state_changes(api: tuple[aiohttp.ClientSession, Sta
         check("/v1/events", "get", 200, ev, "text/event-stream")
     assert [e["state"] for e in events] == ["starting", "fetching", "error"]
     assert events[2]["reason"] == "disk full"
+
+
+@pytest.mark.asyncio
+async def test_event_streams_are_capped_and_short_requests_still_answered(
+    api: tuple[aiohttp.ClientSession, Status],
+) -> None:
+    """Long-lived streams must not take the connections short requests need (outside review: 1,100
+    /v1/events clients locked out /v1/version, acks and status)."""
+    s, _ = api
+    streams = [await s.get("http://d/v1/events") for _ in range(MAX_SUBSCRIBERS)]
+    try:
+        assert all(r.status == 200 for r in streams)
+        async with s.get("http://d/v1/events") as extra:
+            body = await extra.json()
+            check("/v1/events", "get", extra.status, body)
+            assert (extra.status, body["error"]) == (503, "TooManyStreams") and extra.headers["Retry-After"]
+        async with s.get("http://d/v1/version") as r:
+            assert r.status == 200
+    finally:
+        for r in streams:
+            r.close()
+    for _ in range(100):  # the closed streams free their places once the server sees them gone
+        async with s.get("http://d/v1/events") as again:
+            if again.status == 200:
+                break
+        await asyncio.sleep(0.1)
+    assert again.status == 200
 
 
 def test_spec_paths_match_the_routes() -> None:

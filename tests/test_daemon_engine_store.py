@@ -292,6 +292,15 @@ async def test_bad_registrations_get_a_clear_4xx_and_lose_nothing(device: str, t
                           "BadHandle", "no shared memory")  # fmt: skip
             outside = fake_handle(d.store, nbytes, name="some-other-segment")
             await refused({"engine": "e", "layout_hash": lay_hash, "buffer": outside}, 422, "BadHandle", ".buf.<id>")
+            # Names that climb out of /dev/shm, or name a directory there: 422, never a 500 (outside review).
+            escaping = fake_handle(d.store, nbytes, name=f"{d.store}.buf./../etc")
+            await refused({"engine": "e", "layout_hash": lay_hash, "buffer": escaping}, 422, "BadHandle", "")
+            os.mkdir(f"/dev/shm/{d.store}.buf.dir")
+            try:
+                a_dir = fake_handle(d.store, nbytes, name=f"{d.store}.buf.dir")
+                await refused({"engine": "e", "layout_hash": lay_hash, "buffer": a_dir}, 422, "BadHandle", "")
+            finally:
+                os.rmdir(f"/dev/shm/{d.store}.buf.dir")
             cuda_like = {"kind": "cuda_ipc", "args": {}, "device_uuid": "x", "nbytes": nbytes, "buffer_id": 3}
             await refused({"engine": "e", "layout_hash": lay_hash, "buffer": cuda_like}, 422, "KindMismatch",
                           "register a shm_buffer")  # fmt: skip

@@ -516,3 +516,18 @@ def test_settle_drops_pending_broadcasts_but_keeps_members_and_events() -> None:
     assert m.alive_count() == 5
     assert {info.node_id for info, state in m.drain_events() if state is ALIVE} == {f"p{i}" for i in range(5)}
     assert not any(isinstance(s.message, Gossip) for s in m.tick(CFG.gossip_interval))  # nothing queued to gossip
+
+
+def test_full_membership_admits_no_stranger_past_its_ceiling() -> None:
+    """A peer holding the cluster secret names members without end (a Sync of thousands of made-up
+    hosts, again and again): full membership stops at ``max_full_members``, and members it already
+    has stay."""
+    me = NodeInfo("me", "sim://me")
+    m = Membership(me, MembershipConfig(max_full_members=10), random.Random(0), 0.0)
+    for burst in range(3):
+        fake = tuple(Update(NodeInfo(f"f{burst}-{i}", f"sim://f{burst}-{i}"), 0, ALIVE, "evil") for i in range(50))
+        m.receive(float(burst), fake[0].info, Sync(fake, reply=False))
+        assert len(m.members()) <= 10
+    assert m.alive_count() == 10
+    with pytest.raises(ValueError):
+        MembershipConfig(max_full_members=0)
