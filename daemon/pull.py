@@ -87,6 +87,10 @@ class Puller:
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
 
+    def is_fresh(self, head: Head) -> bool:
+        """``head`` has not expired (beyond the trust's clock skew), by this puller's clock."""
+        return not head_expired(head, now_ms=self._now_ms(), skew_ms=self._skew_ms)
+
     async def refresh_trust(self) -> None:
         if not isinstance(self.trust, TrustState):
             return

@@ -71,7 +71,14 @@ class UntrustedKeyError(SignatureError):
 
 
 class ExpiredError(PatchswarmError):
-    """A signed document past its expiry (beyond the allowed clock skew)."""
+    """A signed document past its expiry (beyond the allowed clock skew), or not yet valid.
+
+    ``document`` names the kind that expired ("head" for a signed head) where the caller must tell
+    a stale head from a certificate outside its validity."""
+
+    def __init__(self, message: str, document: str = "") -> None:
+        super().__init__(message)
+        self.document = document
 
 
 class RollbackError(PatchswarmError):

@@ -132,7 +132,8 @@ def verify_head(
     if not allow_expired and head_expired(head, now_ms=now_ms, skew_ms=skew_ms):
         raise ExpiredError(
             f"head of run {head.run_id!r} (counter {head.counter}) expired at {utc_text(head.expires_ms)}: "
-            "the board may be frozen"
+            "the board may be frozen",
+            document="head",
         )
     return head, env
 

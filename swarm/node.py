@@ -27,7 +27,7 @@ from protocol import draws
 from protocol.bitfield import Bitfield
 from protocol.catalog import CatalogEntry, plan
 from protocol.chunks import ChunkRef, verify_chunk
-from protocol.errors import ChunkError, PatchswarmError
+from protocol.errors import ChunkError, ExpiredError, PatchswarmError
 from protocol.head import Head
 from protocol.keys import KeyPolicy
 from protocol.manifest import Manifest
@@ -1137,8 +1137,12 @@ class SwarmNode:
             accepted = await self.puller.accept_head(data, newer_than=self.head_counter)
         except (PatchswarmError, TransportError) as e:
             self._warn_head_refused(e)
-            if isinstance(e, PatchswarmError):
-                self.head_error = str(e)  # e.g. expired beyond the clock skew: the host reports it
+            # e.g. expired beyond the clock skew: the host reports it; but a source still serving an
+            # expired head does not mark the board frozen while the head this node holds is fresh
+            # (a concurrent fetch may have just accepted a newer one).
+            stale = isinstance(e, ExpiredError) and e.document == "head" and self._head_is_fresh()
+            if isinstance(e, PatchswarmError) and not stale:
+                self.head_error = str(e)
             return
         finally:
             self._keep_trusted()
@@ -1154,6 +1158,10 @@ class SwarmNode:
         self._availability_changed()
         self._wake.set()
         self._push_head()
+
+    def _head_is_fresh(self) -> bool:
+        """The head this node holds has not expired (beyond the trust's clock skew)."""
+        return self.head is not None and self.puller.is_fresh(self.head)
 
     def _warn_head_refused(self, e: Exception) -> None:
         # A frozen board (or any refusal that repeats at every poll) is one warning a minute, not one

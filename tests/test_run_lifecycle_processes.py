@@ -245,8 +245,10 @@ async def test_daemon_up_through_three_days_of_silence_converges_without_a_resta
 
         sw.pub = Publisher(sw.board, sw.trainer, run_id=RUN, chunk_size=16 << 10, clock=later, refresh=False)
         v2 = sw.publish(scale=3e-4)
-        st = await d.wait_version(v2)
-        assert st["head_expired_since"] is None and st["reason"] is None and engine_sees(view, sw.served) == v2
+        await d.wait_version(v2)
+        # The frozen-board report clears with the fresh head (the status is refreshed a few times a second).
+        st = await wait_status(d, lambda s: s["head_expired_since"] is None and s["reason"] is None)
+        assert st["version"] == v2 and engine_sees(view, sw.served) == v2
 
         # And hands over to a newly certified key: the host follows with no change to its config.
         key_b = SigningKey.generate()
