@@ -70,8 +70,7 @@ def add_head_parser(sub: Any) -> None:
 
 
 def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[Board, SigningKey, bytes | None]:
-    from daemon.board import Board
-    from daemon.head_refresh import MAX_DOC_BYTES
+    from daemon.board import MAX_DOC_BYTES, Board
     from protocol.files import read_file
     from protocol.keys import SigningKey
 

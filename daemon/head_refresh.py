@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from daemon.board import Board
+from daemon.board import MAX_DOC_BYTES, MAX_HEAD_BYTES, Board
 from daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl
 from protocol.errors import ExpiredError, PatchswarmError, UntrustedKeyError
 from protocol.files import read_file
@@ -31,9 +31,6 @@ from protocol.head import HEAD_TAG, Head, verify_head
 from protocol.keys import KeyPolicy, SigningKey, TrustedKeys
 from protocol.signed import Envelope
 from protocol.trust import CERT_TAG, TrustState
-
-MAX_HEAD_BYTES = 16 << 20
-MAX_DOC_BYTES = 1 << 16
 
 
 class HeadWriteError(PatchswarmError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from daemon.board import Board
+from daemon.board import MAX_DOC_BYTES, MAX_HEAD_BYTES, Board
 from daemon.sources import BoardSource
 from protocol.catalog import CatalogEntry, plan
 from protocol.chunks import verify_chunk
@@ -31,9 +31,6 @@ from protocol.signed import MAX_ENVELOPE_BYTES, Envelope
 from protocol.trust import DEFAULT_SKEW_MS, TrustState
 
 log = logging.getLogger("patchswarm.pull")
-
-MAX_HEAD_BYTES = 16 << 20
-MAX_DOC_BYTES = 1 << 16
 
 
 @dataclass(slots=True)

@@ -60,20 +60,10 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--region", type=cli_args.label, default="")
     p.add_argument("--advertise", type=cli_args.url, metavar="URL", help="address peers use to reach this node")
     # The same meaning as swarm.upload_rate in the daemon's config: 0 (the default) = unlimited.
-    p.add_argument(
-        "--upload-rate",
-        type=cli_args.rate,
-        default=float("inf"),
-        metavar="RATE",
-        help="bytes/s ('100MB'); 0 = unlimited",
-    )
-    p.add_argument(
-        "--download-rate",
-        type=cli_args.rate,
-        default=float("inf"),
-        metavar="RATE",
-        help="bytes/s ('100MB'); 0 = unlimited",
-    )
+    for flag in ("--upload-rate", "--download-rate"):
+        p.add_argument(
+            flag, type=cli_args.rate, default=float("inf"), metavar="RATE", help="bytes/s ('100MB'); 0 = unlimited"
+        )
     p.add_argument(
         "--bootstrap",
         type=cli_args.url,
