@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints-test.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m daemon.demo
+	$(PY) -m patchswarm.daemon.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -39,7 +39,7 @@ NATIVE_SRC := pyproject.toml $(wildcard protocol/*.py swarm/*.py simulations/*.p
 native: $(NATIVE)/.built
 
 $(NATIVE)/.built: $(STAMP) $(NATIVE_SRC)
-	$(PY) -m simulations.build $(NATIVE)
+	$(PY) -m patchswarm.simulations.build $(NATIVE)
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .pytest_cache .ruff_cache

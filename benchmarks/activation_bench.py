@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from daemon.weightstore import StoreLayout, WeightStore, _sync, diff_updates
-from protocol.served import ServedModel, TensorSpec
+from patchswarm.daemon.weightstore import StoreLayout, WeightStore, _sync, diff_updates
+from patchswarm.protocol.served import ServedModel, TensorSpec
 
 COLS = 4096
 

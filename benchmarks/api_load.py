@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.engine import attach  # noqa: E402
-from daemon.publisher import Publisher  # noqa: E402
-from daemon.refengine import StoreViewSource, start_engine  # noqa: E402
-from daemon.trajectory import generate  # noqa: E402
-from protocol.files import write_atomic  # noqa: E402
-from protocol.trust import Certificate  # noqa: E402
+from patchswarm.daemon.engine import attach  # noqa: E402
+from patchswarm.daemon.publisher import Publisher  # noqa: E402
+from patchswarm.daemon.refengine import StoreViewSource, start_engine  # noqa: E402
+from patchswarm.daemon.trajectory import generate  # noqa: E402
+from patchswarm.protocol.files import write_atomic  # noqa: E402
+from patchswarm.protocol.trust import Certificate  # noqa: E402
 from tests.boards import free_port  # noqa: E402
 from tests.faultkit import SeedProc, fleet_daemon  # noqa: E402
 from tests.loadkit import LoadResult, Pin, api_load, sidecar_load  # noqa: E402

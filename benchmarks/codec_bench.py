@@ -41,10 +41,10 @@ import numpy as np
 import torch
 import zstandard
 
-from protocol import ordered
-from protocol.codec import apply_patch, encode_patch
-from protocol.diffscan import scan
-from protocol.served import ServedModel, word_view
+from patchswarm.protocol import ordered
+from patchswarm.protocol.codec import apply_patch, encode_patch
+from patchswarm.protocol.diffscan import scan
+from patchswarm.protocol.served import ServedModel, word_view
 
 LN2 = math.log(2.0)
 
@@ -413,7 +413,7 @@ def hashing(mb: int) -> None:
 
 
 def load_dir(path: Path, kind: str) -> list[ServedModel]:
-    from protocol.safetensors_io import load_safetensors
+    from patchswarm.protocol.safetensors_io import load_safetensors
 
     return [load_safetensors(p) for p in sorted((path / kind).glob("v*.safetensors"))]
 
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             exports = {kind: load_dir(args.from_dir, kind) for kind in ("bf16", "fp8")}
             print(f"trajectory: versions read from {args.from_dir}")
         else:
-            from daemon.trajectory import generate, param_count
+            from patchswarm.daemon.trajectory import generate, param_count
 
             traj = generate(args.preset, args.steps, args.lr, args.seed, threads=args.threads or None)
             exports = {kind: traj.served(kind) for kind in ("bf16", "fp8")}

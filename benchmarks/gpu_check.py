@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from daemon.device_blake3 import device_digests
-from protocol.codec import apply_patch, encode_patch
-from protocol.served import ServedModel, TensorSpec, bytes_digest
+from patchswarm.daemon.device_blake3 import device_digests
+from patchswarm.protocol.codec import apply_patch, encode_patch
+from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest
 
 COLS = 4096
 

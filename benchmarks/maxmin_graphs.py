@@ -23,7 +23,7 @@ import random
 import statistics
 from collections.abc import Callable
 
-from simulations.network import Host, Network, Region
+from patchswarm.simulations.network import Host, Network, Region
 
 Graph = list[tuple[int, int]]
 

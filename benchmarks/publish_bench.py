@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_check import device_copy_s
-from daemon import publish_work
-from daemon.publisher import STAGES, Publisher
-from protocol.keys import SigningKey
+from patchswarm.daemon import publish_work
+from patchswarm.daemon.publisher import STAGES, Publisher
+from patchswarm.protocol.keys import SigningKey
 
 
 def rss_gb() -> float:

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.build import build_label
-from simulations.network import Flow, Host, Network, Region
+from patchswarm.simulations.build import build_label
+from patchswarm.simulations.network import Flow, Host, Network, Region
 
 # Placeholder runs above this many hosts use a bounded membership view of this size (docs/simulation.md
 # section 6, item 10) unless --member max_members=... says otherwise (0: full membership).
@@ -109,7 +109,7 @@ def network_bench(
 
 
 def swarm_bench(peers: int, seed: int) -> None:
-    from simulations.runner import SwarmSetup, simulate_swarm
+    from patchswarm.simulations.runner import SwarmSetup, simulate_swarm
     from tests.swarmkit import RUN, SECRET, Swarm
 
     s = Swarm(Path(tempfile.mkdtemp()))
@@ -195,10 +195,10 @@ def placeholder_bench(
     """Real nodes, placeholder payloads: ``hosts`` peers and a seed, at ``rate`` both ways unless
     ``down_rate`` (the peers' downlinks) or ``seed_rate`` (the seed's uplink) say otherwise.
     ``cold``: the first version is published as the nodes join (no warm membership)."""
-    from protocol.membership import MembershipConfig
-    from simulations.placeholder import placeholder_held
-    from simulations.runner import simulate_stream
-    from simulations.synthetic import synthetic_setup
+    from patchswarm.protocol.membership import MembershipConfig
+    from patchswarm.simulations.placeholder import placeholder_held
+    from patchswarm.simulations.runner import simulate_stream
+    from patchswarm.simulations.synthetic import synthetic_setup
 
     run = synthetic_setup(patch_bytes=int(patch_mb * 1e6), chunk_bytes=int(chunk_mib * (1 << 20)), versions=versions)
     down = rate if down_rate is None else down_rate
@@ -297,7 +297,7 @@ def run(a: argparse.Namespace) -> None:
     elif a.hosts:
         options: dict[str, Any] = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.node)}
         if a.sched:
-            from protocol.scheduler import SchedulerConfig
+            from patchswarm.protocol.scheduler import SchedulerConfig
 
             options["scheduler"] = SchedulerConfig(**{k: json.loads(v) for k, v in (o.split("=", 1) for o in a.sched)})
         member = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.member)}

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.scheduler import ChunkScheduler
+from patchswarm.protocol.scheduler import ChunkScheduler
 
 BIN = 0.01  # seconds per row of the timeline
 

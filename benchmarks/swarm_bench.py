@@ -215,13 +215,13 @@ def worker_swarm(role: str, argv: list[str]) -> int:
     """
     import asyncio
 
-    from daemon.board import Board
-    from daemon.cli import build_parser
-    from daemon.seed import parse_listen
-    from daemon.swarm_cli import _config
-    from protocol.keys import TrustedKeys, load_public_key
-    from protocol.trust import TrustState
-    from swarm.server import start_http_node
+    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.cli import build_parser
+    from patchswarm.daemon.seed import parse_listen
+    from patchswarm.daemon.swarm_cli import _config
+    from patchswarm.protocol.keys import TrustedKeys, load_public_key
+    from patchswarm.protocol.trust import TrustState
+    from patchswarm.swarm.server import start_http_node
 
     args = build_parser().parse_args(argv)
     overrides = load_overrides(None).get(role, {})
@@ -295,9 +295,9 @@ def worker_swarm(role: str, argv: list[str]) -> int:
 
 def trace_apply() -> None:
     """Print the wall and CPU time of each apply_version (a diagnostic, with --trace)."""
-    import swarm.node
+    import patchswarm.swarm.node
 
-    inner = getattr(swarm.node, "apply_version")  # noqa: B009 - patched below
+    inner = getattr(patchswarm.swarm.node, "apply_version")  # noqa: B009 - patched below
 
     def timed(*a: Any, **kw: Any) -> Any:
         t, c = time.monotonic(), time.process_time()
@@ -307,12 +307,12 @@ def trace_apply() -> None:
             rec = {"event": "apply", "start": t, "wall": time.monotonic() - t, "cpu": time.process_time() - c}
             print(json.dumps(rec), flush=True)
 
-    setattr(swarm.node, "apply_version", timed)  # noqa: B010 - a diagnostic wrapper
+    setattr(patchswarm.swarm.node, "apply_version", timed)  # noqa: B010 - a diagnostic wrapper
 
     # Count gossip frames sent and received (the HTTP transport's POSTs).
-    import swarm.http
+    import patchswarm.swarm.http
 
-    send, handle = swarm.http.HttpTransport.send, swarm.node.SwarmNode.handle_gossip
+    send, handle = patchswarm.swarm.http.HttpTransport.send, patchswarm.swarm.node.SwarmNode.handle_gossip
 
     async def counted_send(self: Any, addr: str, data: bytes) -> None:
         GOSSIP["sent"] += 1
@@ -323,8 +323,8 @@ def trace_apply() -> None:
         GOSSIP["received"] += 1
         await handle(self, data)
 
-    swarm.http.HttpTransport.send = counted_send  # type: ignore[method-assign]
-    swarm.node.SwarmNode.handle_gossip = counted_handle  # type: ignore[method-assign]
+    patchswarm.swarm.http.HttpTransport.send = counted_send  # type: ignore[method-assign]
+    patchswarm.swarm.node.SwarmNode.handle_gossip = counted_handle  # type: ignore[method-assign]
 
 
 GOSSIP = {"sent": 0, "sent_bytes": 0, "received": 0}
@@ -513,9 +513,9 @@ def build_board(args: argparse.Namespace, tmp: Path) -> Board:
     """Keys, certificate and a board holding version 1 (a tiny anchor); version 2 is built, not published."""
     import torch
 
-    from daemon.publisher import Publisher
-    from protocol.keys import SigningKey
-    from protocol.trust import Certificate
+    from patchswarm.daemon.publisher import Publisher
+    from patchswarm.protocol.keys import SigningKey
+    from patchswarm.protocol.trust import Certificate
 
     nbytes = int(args.size_mb * 1e6)
     work = tmp / "patchswarm"
@@ -561,7 +561,7 @@ def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
             if overrides.get("node") or args.trace:
                 argv = [*me, "--role", "node", *node_args]
             else:
-                argv = [sys.executable, "-m", "daemon.cli", *node_args]
+                argv = [sys.executable, "-m", "patchswarm.daemon.cli", *node_args]
             procs.append(Proc(f"n{i}", argv, work, env=env))
         nodes = procs[1:]
         for p in nodes:
@@ -715,9 +715,9 @@ def run_libtorrent(args: argparse.Namespace, tmp: Path, payload: Path) -> Result
 
 def write_payload(tmp: Path) -> Path:
     """The v2 patch payload, reassembled from the board's chunks (the file the torrent carries)."""
-    from daemon.board import Board
-    from protocol.head import Head
-    from protocol.signed import Envelope
+    from patchswarm.daemon.board import Board
+    from patchswarm.protocol.head import Head
+    from patchswarm.protocol.signed import Envelope
 
     board = Board(tmp / "patchswarm" / "board")
     head = Head.from_bytes(Envelope.from_bytes(board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)

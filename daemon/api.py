@@ -28,8 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
-from daemon.status import MAX_SUBSCRIBERS, Status
-from swarm.serving import HardenedRunner, ServerLimits, read_body
+from patchswarm.daemon.status import MAX_SUBSCRIBERS, Status
+from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
 
 MAX_WAIT_S = 300.0
 MAX_BODY_BYTES = 1 << 16

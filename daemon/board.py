@@ -24,12 +24,12 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from protocol.catalog import CatalogEntry
-from protocol.chunks import MAX_CHUNK_SIZE, chunk_views
-from protocol.files import FileTooLargeError, fsync_dir, open_confined, read_confined, write_atomic
-from protocol.manifest import Manifest, SignedManifest
-from protocol.patchfile import Version
-from protocol.signed import MAX_ENVELOPE_BYTES
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, chunk_views
+from patchswarm.protocol.files import FileTooLargeError, fsync_dir, open_confined, read_confined, write_atomic
+from patchswarm.protocol.manifest import Manifest, SignedManifest
+from patchswarm.protocol.patchfile import Version
+from patchswarm.protocol.signed import MAX_ENVELOPE_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -17,20 +17,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from daemon import cli_args
-from daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
-from daemon.simulate_cli import add_simulate_parser
-from daemon.swarm_cli import add_seed_args, add_swarm_args
+from patchswarm.daemon import cli_args
+from patchswarm.daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
+from patchswarm.daemon.simulate_cli import add_simulate_parser
+from patchswarm.daemon.swarm_cli import add_seed_args, add_swarm_args
 
 # Everything heavy (torch, numpy, aiohttp, rich) loads inside the command that needs it, so that
 # ``--help``, ``--version`` and a usage error answer at once.
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from daemon.board import Board
-    from daemon.publisher import Publisher
-    from protocol.keys import SigningKey, TrustedKeys
-    from protocol.trust import RootDocument
+    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.publisher import Publisher
+    from patchswarm.protocol.keys import SigningKey, TrustedKeys
+    from patchswarm.protocol.trust import RootDocument
 
 
 class UserError(Exception):
@@ -94,7 +94,7 @@ def _progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
 
 
 def _trust(paths: Sequence[str] | None) -> TrustedKeys | None:
-    from protocol.keys import TrustedKeys, load_public_key
+    from patchswarm.protocol.keys import TrustedKeys, load_public_key
 
     if not paths:
         return None
@@ -105,7 +105,7 @@ def _trust(paths: Sequence[str] | None) -> TrustedKeys | None:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from protocol.keys import SigningKey
+    from patchswarm.protocol.keys import SigningKey
 
     for p in (args.output, f"{args.output}.pub"):
         if os.path.lexists(p):  # checked for both before either is written: never half a key pair
@@ -125,9 +125,9 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from protocol.keys import SigningKey
-    from protocol.patchfile import build_version, write_file
-    from protocol.safetensors_io import load_safetensors
+    from patchswarm.protocol.keys import SigningKey
+    from patchswarm.protocol.patchfile import build_version, write_file
+    from patchswarm.protocol.safetensors_io import load_safetensors
 
     base = load_safetensors(args.base)
     target = load_safetensors(args.target)
@@ -159,8 +159,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from protocol.patchfile import apply_version, open_file, read_patch_file
-    from protocol.safetensors_io import load_safetensors, save_safetensors
+    from patchswarm.protocol.patchfile import apply_version, open_file, read_patch_file
+    from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 
     policy = _trust(args.trust)
     data = read_patch_file(args.patch)
@@ -175,8 +175,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from protocol.codec import read_header
-    from protocol.patchfile import open_file, read_patch_file
+    from patchswarm.protocol.codec import read_header
+    from patchswarm.protocol.patchfile import open_file, read_patch_file
 
     v = open_file(read_patch_file(args.patch), _trust(args.trust), now_ms=_now_ms())
     read_header(v.payload, list(v.manifest.specs))
@@ -188,8 +188,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def inspect_data(path: str) -> dict[str, Any]:
-    from protocol.codec import read_header
-    from protocol.patchfile import open_file, read_patch_file
+    from patchswarm.protocol.codec import read_header
+    from patchswarm.protocol.patchfile import open_file, read_patch_file
 
     v = open_file(read_patch_file(path), None, verify_chunks=True)
     m = v.manifest
@@ -262,10 +262,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
-    from daemon.board import Board
-    from protocol.files import write_atomic
-    from protocol.keys import SigningKey, load_public_key
-    from protocol.trust import Certificate
+    from patchswarm.daemon.board import Board
+    from patchswarm.protocol.files import write_atomic
+    from patchswarm.protocol.keys import SigningKey, load_public_key
+    from patchswarm.protocol.trust import Certificate
 
     root = SigningKey.load(args.root)
     now = _now_ms()
@@ -283,8 +283,8 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
 
 def _next_root(board: Board, root: SigningKey) -> RootDocument:
-    from daemon.board import Board
-    from protocol.trust import RootDocument, TrustState
+    from patchswarm.daemon.board import Board
+    from patchswarm.protocol.trust import RootDocument, TrustState
 
     state = TrustState(root.key_id)
     for v in board.root_versions():
@@ -295,9 +295,9 @@ def _next_root(board: Board, root: SigningKey) -> RootDocument:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    from daemon.board import Board
-    from protocol.keys import SigningKey, load_public_key
-    from protocol.trust import RootDocument
+    from patchswarm.daemon.board import Board
+    from patchswarm.protocol.keys import SigningKey, load_public_key
+    from patchswarm.protocol.trust import RootDocument
 
     board = Board(args.board)
     root = SigningKey.load(args.root)
@@ -310,9 +310,9 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_rotate_root(args: argparse.Namespace) -> int:
-    from daemon.board import Board
-    from protocol.keys import SigningKey, load_public_key
-    from protocol.trust import RootDocument
+    from patchswarm.daemon.board import Board
+    from patchswarm.protocol.keys import SigningKey, load_public_key
+    from patchswarm.protocol.trust import RootDocument
 
     board = Board(args.board)
     root = SigningKey.load(args.root)
@@ -324,12 +324,12 @@ def cmd_rotate_root(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from daemon.publisher import PublishInfo
-    from protocol.safetensors_io import load_safetensors
+    from patchswarm.daemon.publisher import PublishInfo
+    from patchswarm.protocol.safetensors_io import load_safetensors
 
     model = load_safetensors(args.model)
-    from daemon.board import MAX_DOC_BYTES
-    from protocol.files import read_file
+    from patchswarm.daemon.board import MAX_DOC_BYTES
+    from patchswarm.protocol.files import read_file
 
     cert = read_file(args.cert, MAX_DOC_BYTES) if args.cert else None
     try:
@@ -348,9 +348,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
-    from daemon.publisher import Publisher
-    from daemon.served_format import ServedFormat
-    from protocol.keys import SigningKey
+    from patchswarm.daemon.publisher import Publisher
+    from patchswarm.daemon.served_format import ServedFormat
+    from patchswarm.protocol.keys import SigningKey
 
     return Publisher(
         args.board,
@@ -366,8 +366,8 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
 
 
 def cmd_seed(args: argparse.Namespace) -> int:
-    from daemon.seed import board_app, parse_listen
-    from swarm.serving import ServerLimits, raise_nofile_limit, run_app
+    from patchswarm.daemon.seed import board_app, parse_listen
+    from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
     host, port = parse_listen(args.listen)
     if not Path(args.board).is_dir():
@@ -380,13 +380,13 @@ def cmd_seed(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     raise_nofile_limit()
     if args.run:
-        from daemon.swarm_cli import SwarmCliError, run_seed
+        from patchswarm.daemon.swarm_cli import SwarmCliError, run_seed
 
         try:
             return run_seed(args)
         except SwarmCliError as e:
             raise UserError(str(e)) from None
-    from daemon.config import ListenError, bind_errors
+    from patchswarm.daemon.config import ListenError, bind_errors
 
     ready = f"serving board {args.board} on http://{host}:{port}/"
     try:
@@ -406,10 +406,10 @@ def cmd_seed(args: argparse.Namespace) -> int:
 def cmd_daemon(args: argparse.Namespace) -> int:
     import asyncio
 
-    from daemon.config import ConfigError, load_config
-    from daemon.logs import setup_logging
-    from daemon.rollout import DaemonError, run_daemon
-    from daemon.weightstore import StoreError
+    from patchswarm.daemon.config import ConfigError, load_config
+    from patchswarm.daemon.logs import setup_logging
+    from patchswarm.daemon.rollout import DaemonError, run_daemon
+    from patchswarm.daemon.weightstore import StoreError
 
     try:
         cfg = load_config(args.config)
@@ -425,11 +425,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from daemon.status_cli import StatusError, run_status
+    from patchswarm.daemon.status_cli import StatusError, run_status
 
     socket_path = args.socket
     if socket_path is None and args.config:
-        from daemon.config import ConfigError, load_config
+        from patchswarm.daemon.config import ConfigError, load_config
 
         try:
             socket_path = load_config(args.config)["api.socket"]
@@ -442,7 +442,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from daemon.swarm_cli import SwarmCliError, run_node
+    from patchswarm.daemon.swarm_cli import SwarmCliError, run_node
 
     try:
         return run_node(args)
@@ -463,12 +463,12 @@ def _run_from(url: str, run: str | None) -> tuple[str, str]:
 def cmd_pull(args: argparse.Namespace) -> int:
     import asyncio
 
-    from daemon.pull import Held, Puller
-    from daemon.pull_state import PullState
-    from daemon.sources import source_for
-    from protocol.keys import load_public_key
-    from protocol.safetensors_io import load_safetensors, save_safetensors
-    from protocol.trust import TrustState
+    from patchswarm.daemon.pull import Held, Puller
+    from patchswarm.daemon.pull_state import PullState
+    from patchswarm.daemon.sources import source_for
+    from patchswarm.protocol.keys import load_public_key
+    from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
+    from patchswarm.protocol.trust import TrustState
 
     url, run = args.source, args.run
     trust = TrustState(load_public_key(args.trust))
@@ -728,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err().print(f"patchswarm {args.command}: interrupted", markup=False, highlight=False)
         return 130
     except Exception as e:
-        from protocol.errors import PatchswarmError
+        from patchswarm.protocol.errors import PatchswarmError
 
         if isinstance(e, PatchswarmError):
             fail(str(e))

@@ -52,7 +52,7 @@ base_version = bounded(int, "a version number", 0, MAX_VERSION - 1)
 
 def run_id(text: str) -> str:
     """A run id both the board (a directory name) and a daemon's config (``swarm.run_id``) accept."""
-    from daemon.run_rules import check_run_id
+    from patchswarm.daemon.run_rules import check_run_id
 
     try:
         return check_run_id(text, "run id")
@@ -62,7 +62,7 @@ def run_id(text: str) -> str:
 
 def node_name(text: str) -> str:
     """A node id, by the rule of a daemon's ``node.name``."""
-    from daemon.config import parse_name
+    from patchswarm.daemon.config import parse_name
 
     try:
         return parse_name(text)
@@ -79,7 +79,7 @@ def label(text: str) -> str:
 
 def chunk_size(text: str) -> int:
     """A chunk size a manifest may carry (protocol/chunks.py's bounds)."""
-    from protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+    from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
     return bounded(int, "a whole number of bytes", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)(text)
 
@@ -88,7 +88,7 @@ def zstd_level(text: str) -> int:
     """A zstd level whose frames decoders accept: higher levels ask for a window past MAX_WINDOW."""
     import zstandard
 
-    from protocol.streams import MAX_WINDOW
+    from patchswarm.protocol.streams import MAX_WINDOW
 
     def fits(level: int) -> bool:
         return bool(1 << zstandard.ZstdCompressionParameters.from_level(level).window_log <= MAX_WINDOW)
@@ -107,7 +107,7 @@ def days(text: str) -> float:
 
 def rate(text: str) -> float:
     """Bytes per second ('100MB', '1GiB'), by the rule of the config's ``swarm.upload_rate``; 0 = unlimited."""
-    from daemon.config import parse_rate
+    from patchswarm.daemon.config import parse_rate
 
     try:
         return parse_rate(text)
@@ -121,7 +121,7 @@ def rate(text: str) -> float:
 
 def url(text: str) -> str:
     """An http(s) URL, by the rule of the config's URL keys."""
-    from daemon.config import parse_url
+    from patchswarm.daemon.config import parse_url
 
     if any(not c.isprintable() or c.isspace() for c in text):
         raise argparse.ArgumentTypeError(f"expected an http(s) URL, got {text!r}")
@@ -168,7 +168,7 @@ def scenario_value(key: str) -> Callable[[str], int]:
     """An integer override of a scenario key (``run.seed``), by the scenario's own rule for it."""
 
     def parse(text: str) -> int:
-        from simulations.scenario import ScenarioError, with_overrides
+        from patchswarm.simulations.scenario import ScenarioError, with_overrides
 
         value = bounded(int, "a whole number", -(1 << 64), 1 << 64)(text)
         try:

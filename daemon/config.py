@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.run_rules import check_run_id
-from protocol.files import InputFileError, MissingFileError, read_file
-from protocol.keys import MAX_KEY_FILE_BYTES
-from swarm.node import NodeConfig
-from swarm.serving import ServerLimits
+from patchswarm.daemon.run_rules import check_run_id
+from patchswarm.protocol.files import InputFileError, MissingFileError, read_file
+from patchswarm.protocol.keys import MAX_KEY_FILE_BYTES
+from patchswarm.swarm.node import NodeConfig
+from patchswarm.swarm.serving import ServerLimits
 
 
 class ConfigError(Exception):

@@ -31,14 +31,14 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from daemon.board import Board
-from daemon.engine import attach
-from daemon.publisher import Publisher, PublishInfo
-from daemon.refengine import StoreViewSource, start_engine
-from daemon.trajectory import generate
-from protocol.keys import SigningKey
-from protocol.served import ServedModel
-from protocol.trust import Certificate
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.publisher import Publisher, PublishInfo
+from patchswarm.daemon.refengine import StoreViewSource, start_engine
+from patchswarm.daemon.trajectory import generate
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.trust import Certificate
 
 RUN = "demo-run"
 SECRET = os.urandom(32).hex().encode()
@@ -106,7 +106,9 @@ class Demo:
 
     def spawn(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         with open(log, "ab") as fh:
-            p = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], stdout=fh, stderr=subprocess.STDOUT)
+            p = subprocess.Popen(
+                [sys.executable, "-m", "patchswarm.daemon.cli", *args], stdout=fh, stderr=subprocess.STDOUT
+            )
         self.procs.append(p)
         return p
 
@@ -298,7 +300,7 @@ class Demo:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
-        from daemon.weightstore import StoreError, WeightStore
+        from patchswarm.daemon.weightstore import StoreError, WeightStore
 
         for h in self.hosts:
             with contextlib.suppress(StoreError, OSError):

@@ -34,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from protocol.dtypes import dtype as dtype_of
-from protocol.errors import LayoutMismatchError, PatchswarmError, UnsupportedDtypeError
-from protocol.served import TensorSpec, layout_hash, typed_view, word_view
+from patchswarm.protocol.dtypes import dtype as dtype_of
+from patchswarm.protocol.errors import LayoutMismatchError, PatchswarmError, UnsupportedDtypeError
+from patchswarm.protocol.served import TensorSpec, layout_hash, typed_view, word_view
 
 T = TypeVar("T")
 

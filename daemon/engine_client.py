@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from daemon.engine import EngineView, StoreError, allocate, attach
+from patchswarm.daemon.engine import EngineView, StoreError, allocate, attach
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

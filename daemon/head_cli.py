@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon import cli_args
-from daemon.run_rules import DEFAULT_HEAD_TTL_S, MAX_HEAD_TTL_S, MIN_HEAD_TTL_S, check_head_ttl
+from patchswarm.daemon import cli_args
+from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, MAX_HEAD_TTL_S, MIN_HEAD_TTL_S, check_head_ttl
 
 # The board, keys and the refresher load torch and cryptography: only inside the commands, so that
 # ``patchswarm --help`` stays light (daemon/cli.py).
 if TYPE_CHECKING:
-    from daemon.board import Board
-    from protocol.keys import SigningKey
+    from patchswarm.daemon.board import Board
+    from patchswarm.protocol.keys import SigningKey
 
 log = logging.getLogger("patchswarm.head")
 
@@ -70,9 +70,9 @@ def add_head_parser(sub: Any) -> None:
 
 
 def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[Board, SigningKey, bytes | None]:
-    from daemon.board import MAX_DOC_BYTES, Board
-    from protocol.files import read_file
-    from protocol.keys import SigningKey
+    from patchswarm.daemon.board import MAX_DOC_BYTES, Board
+    from patchswarm.protocol.files import read_file
+    from patchswarm.protocol.keys import SigningKey
 
     if not Path(board_dir).is_dir():
         raise HeadCliError(f"{board_dir} is not a directory")
@@ -82,7 +82,7 @@ def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[Board
 
 
 def cmd_head_refresh(args: argparse.Namespace) -> int:
-    from daemon.head_refresh import refresh_board_head
+    from patchswarm.daemon.head_refresh import refresh_board_head
 
     board, key, cert = _signer(args.board, args.key, args.cert)
     head = refresh_board_head(board, key, args.run_id, head_ttl=args.head_ttl, certificate=cert)
@@ -96,8 +96,8 @@ def seed_refresher(args: argparse.Namespace, on_refresh: Callable[[], None]) -> 
     """The seed's refresher (``--key`` given), to start inside its event loop; None without a key."""
     if not getattr(args, "key", None):
         return None
-    from daemon.head_refresh import refresh_board_head
-    from protocol.errors import PatchswarmError
+    from patchswarm.daemon.head_refresh import refresh_board_head
+    from patchswarm.protocol.errors import PatchswarmError
 
     try:
         board, key, cert = _signer(args.board, args.key, args.cert)

@@ -23,14 +23,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from daemon.board import MAX_DOC_BYTES, MAX_HEAD_BYTES, Board
-from daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl
-from protocol.errors import ExpiredError, PatchswarmError, UntrustedKeyError
-from protocol.files import read_file
-from protocol.head import HEAD_TAG, Head, verify_head
-from protocol.keys import KeyPolicy, SigningKey, TrustedKeys
-from protocol.signed import Envelope
-from protocol.trust import CERT_TAG, TrustState
+from patchswarm.daemon.board import MAX_DOC_BYTES, MAX_HEAD_BYTES, Board
+from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl
+from patchswarm.protocol.errors import ExpiredError, PatchswarmError, UntrustedKeyError
+from patchswarm.protocol.files import read_file
+from patchswarm.protocol.head import HEAD_TAG, Head, verify_head
+from patchswarm.protocol.keys import KeyPolicy, SigningKey, TrustedKeys
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import CERT_TAG, TrustState
 
 
 class HeadWriteError(PatchswarmError):

@@ -29,7 +29,7 @@ import msgpack
 import numpy as np
 import torch
 
-from daemon.weightstore import (
+from patchswarm.daemon.weightstore import (
     JournalError,
     StoreError,
     StoreLayoutMismatch,
@@ -38,8 +38,8 @@ from daemon.weightstore import (
     TensorUpdate,
     WeightStore,
 )
-from protocol.files import FileTooLargeError, InputFileError, read_file
-from protocol.files import fsync_dir as _fsync_dir  # (a name the fault tests patch)
+from patchswarm.protocol.files import FileTooLargeError, InputFileError, read_file
+from patchswarm.protocol.files import fsync_dir as _fsync_dir  # (a name the fault tests patch)
 
 JOURNAL_NAME = "activation.journal"
 MAGIC = b"PSWJRNL1"

@@ -21,10 +21,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from daemon.config import bind_errors, split_listen
-from swarm.node import Metrics as NodeMetrics
-from swarm.node import SwarmNode
-from swarm.serving import ServerLimits, serve_tcp
+from patchswarm.daemon.config import bind_errors, split_listen
+from patchswarm.swarm.node import Metrics as NodeMetrics
+from patchswarm.swarm.node import SwarmNode
+from patchswarm.swarm.serving import ServerLimits, serve_tcp
 
 # Head seen -> version active: a catch-up of a few steps over a slow link takes minutes.
 ACTIVATION_BUCKETS = (0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)

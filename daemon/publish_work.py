@@ -20,10 +20,10 @@ import blake3
 import numpy as np
 import torch
 
-from daemon.served_format import ServedFormat
-from protocol.codec import TensorDelta, diff_tensor
-from protocol.diffscan import Changes
-from protocol.served import ServedModel, TensorSpec, bytes_digest, word_view
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.codec import TensorDelta, diff_tensor
+from patchswarm.protocol.diffscan import Changes
+from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, word_view
 
 
 def state_dict_of(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

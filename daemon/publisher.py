@@ -48,14 +48,14 @@ from pathlib import Path
 
 import torch
 
-from daemon.board import Board
-from daemon.head_refresh import (
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.head_refresh import (
     board_head,
     check_own_key,
     head_lock,
     signer_policy,
 )
-from daemon.publish_work import (
+from patchswarm.daemon.publish_work import (
     Buffers,
     Prepared,
     Served,
@@ -64,19 +64,19 @@ from daemon.publish_work import (
     prepare,
     state_dict_of,
 )
-from daemon.pull import Held, Puller
-from daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl, check_run_id
-from daemon.served_format import ServedFormat
-from daemon.sources import DirSource
-from protocol.catalog import CatalogEntry
-from protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from protocol.codec import TensorDelta, assemble, diff_tensor
-from protocol.errors import PublisherBehindError
-from protocol.head import Head
-from protocol.keys import KeyPolicy, SigningKey
-from protocol.manifest import Kind
-from protocol.patchfile import Version, sign_version
-from protocol.served import ServedModel, TensorSpec, state_root
+from patchswarm.daemon.pull import Held, Puller
+from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl, check_run_id
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from patchswarm.protocol.codec import TensorDelta, assemble, diff_tensor
+from patchswarm.protocol.errors import PublisherBehindError
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.keys import KeyPolicy, SigningKey
+from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.patchfile import Version, sign_version
+from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
 
 log = logging.getLogger("patchswarm.publisher")
 

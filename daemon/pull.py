@@ -17,18 +17,25 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from daemon.board import MAX_DOC_BYTES, MAX_HEAD_BYTES, Board
-from daemon.sources import BoardSource
-from protocol.catalog import CatalogEntry, plan
-from protocol.chunks import verify_chunk
-from protocol.errors import ChunkError, ExpiredError, FormatError, MissingError, PatchswarmError, UntrustedKeyError
-from protocol.head import HEAD_TAG, Head, HeadTracker, head_expired, verify_head
-from protocol.keys import KeyPolicy
-from protocol.manifest import Manifest, SignedManifest
-from protocol.patchfile import apply_version
-from protocol.served import ServedModel, state_root
-from protocol.signed import MAX_ENVELOPE_BYTES, Envelope
-from protocol.trust import DEFAULT_SKEW_MS, TrustState
+from patchswarm.daemon.board import MAX_DOC_BYTES, MAX_HEAD_BYTES, Board
+from patchswarm.daemon.sources import BoardSource
+from patchswarm.protocol.catalog import CatalogEntry, plan
+from patchswarm.protocol.chunks import verify_chunk
+from patchswarm.protocol.errors import (
+    ChunkError,
+    ExpiredError,
+    FormatError,
+    MissingError,
+    PatchswarmError,
+    UntrustedKeyError,
+)
+from patchswarm.protocol.head import HEAD_TAG, Head, HeadTracker, head_expired, verify_head
+from patchswarm.protocol.keys import KeyPolicy
+from patchswarm.protocol.manifest import Manifest, SignedManifest
+from patchswarm.protocol.patchfile import apply_version
+from patchswarm.protocol.served import ServedModel, state_root
+from patchswarm.protocol.signed import MAX_ENVELOPE_BYTES, Envelope
+from patchswarm.protocol.trust import DEFAULT_SKEW_MS, TrustState
 
 log = logging.getLogger("patchswarm.pull")
 

@@ -15,10 +15,10 @@ from typing import Any
 import blake3
 import msgpack
 
-from protocol.errors import EquivocationError, FormatError
-from protocol.files import InputFileError, read_file, write_atomic
-from protocol.head import HeadTracker
-from protocol.trust import RootDocument, TrustState
+from patchswarm.protocol.errors import EquivocationError, FormatError
+from patchswarm.protocol.files import InputFileError, read_file, write_atomic
+from patchswarm.protocol.head import HeadTracker
+from patchswarm.protocol.trust import RootDocument, TrustState
 
 log = logging.getLogger("patchswarm.daemon")
 # A state file or a proof holds at most a couple of signed heads (each at most 16 MiB) and the root

@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from aiohttp import web
 
-from daemon.sidecar import RunningServer, serve_app
-from daemon.trajectory import PRESETS
+from patchswarm.daemon.sidecar import RunningServer, serve_app
+from patchswarm.daemon.trajectory import PRESETS
 
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
@@ -445,7 +445,7 @@ async def start_engine(
 
 
 def _source_from_file(path: Path, version: int | None) -> StaticSource:
-    from protocol.safetensors_io import load_safetensors
+    from patchswarm.protocol.safetensors_io import load_safetensors
 
     model = load_safetensors(path)
     tensors = {spec.name: model.typed(i) for i, spec in enumerate(model.specs)}
@@ -458,7 +458,7 @@ async def _follow_daemon(client: Any, view: Any, engine: str, every_s: float = 0
     """Acknowledge each version the engine now serves (POST /v1/ack); for an engine-allocated buffer,
     register it again when the daemon's store shows none or another one (a store re-created, a
     registration lost; a restarted daemon re-imports the buffer by itself, so this is the fallback)."""
-    from daemon.engine import StoreError
+    from patchswarm.daemon.engine import StoreError
 
     loop = asyncio.get_running_loop()
     acked, acked_at = None, 0.0
@@ -485,7 +485,7 @@ def _source_from_daemon(socket_path: str, device: str, engine: str, wait_s: floa
     """Open the daemon's store and wait (up to ``wait_s``) for a version in it."""
     import time
 
-    from daemon.engine_client import DaemonClient
+    from patchswarm.daemon.engine_client import DaemonClient
 
     client = DaemonClient(socket_path)
     view = client.open_store(device, engine, wait_s)

@@ -28,19 +28,19 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from daemon import systemd
-from daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
-from daemon.config import ConfigError, DaemonConfig, bind_errors
-from daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR, store_lock_path
-from daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
-from daemon.journal import recover
-from daemon.metrics import DaemonMetrics, serve_metrics
-from daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
-from daemon.pull import Held
-from daemon.pull_state import PullState
-from daemon.sidecar import DrainTimeoutError
-from daemon.status import Phase, Status
-from daemon.weightstore import (
+from patchswarm.daemon import systemd
+from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
+from patchswarm.daemon.config import ConfigError, DaemonConfig, bind_errors
+from patchswarm.daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR, store_lock_path
+from patchswarm.daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
+from patchswarm.daemon.journal import recover
+from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
+from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
+from patchswarm.daemon.pull import Held
+from patchswarm.daemon.pull_state import PullState
+from patchswarm.daemon.sidecar import DrainTimeoutError
+from patchswarm.daemon.status import Phase, Status
+from patchswarm.daemon.weightstore import (
     ENGINE_BUFFER_KINDS,
     RegistrationError,
     StoreError,
@@ -52,15 +52,15 @@ from daemon.weightstore import (
     check_registration,
     diff_updates,
 )
-from protocol.head import utc_text
-from protocol.keys import load_public_key
-from protocol.scheduler import SchedulerConfig
-from protocol.served import state_root
-from protocol.trust import TrustState
-from swarm.client_errors import describe
-from swarm.node import NodeConfig, apply_chunks_off_loop
-from swarm.server import RunningNode, start_http_node
-from swarm.serving import ServerLimits, raise_nofile_limit
+from patchswarm.protocol.head import utc_text
+from patchswarm.protocol.keys import load_public_key
+from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.protocol.served import state_root
+from patchswarm.protocol.trust import TrustState
+from patchswarm.swarm.client_errors import describe
+from patchswarm.swarm.node import NodeConfig, apply_chunks_off_loop
+from patchswarm.swarm.server import RunningNode, start_http_node
+from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
 
 T = TypeVar("T")
 
@@ -294,7 +294,7 @@ class RolloutDaemon:
         log.info("started: %s version=%s", text, self.status.version, extra={**fields, "version": self.status.version})
 
     async def _start_sidecar(self, limits: ServerLimits) -> None:
-        from daemon.sidecar import VersionGate, start_sidecar
+        from patchswarm.daemon.sidecar import VersionGate, start_sidecar
 
         self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
         host, port = self.cfg.listen("sidecar.listen")

@@ -20,9 +20,9 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from daemon.board import Board
-from daemon.config import split_listen as parse_listen  # one parser for every listen address
-from protocol.files import FileTooLargeError
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.config import split_listen as parse_listen  # one parser for every listen address
+from patchswarm.protocol.files import FileTooLargeError
 
 log = logging.getLogger(__name__)
 

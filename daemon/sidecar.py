@@ -44,8 +44,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from swarm.client_errors import describe
-from swarm.serving import HardenedRunner, ServerLimits, read_body
+from patchswarm.swarm.client_errors import describe
+from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import argparse
 import shlex
 from typing import Any
 
-from daemon import cli_args
+from patchswarm.daemon import cli_args
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -55,9 +55,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    from daemon.cli import UserError
-    from simulations.plots import PlotsUnavailable
-    from simulations.study import run_study  # the simulator loads only for this command
+    from patchswarm.daemon.cli import UserError
+    from patchswarm.simulations.plots import PlotsUnavailable
+    from patchswarm.simulations.study import run_study  # the simulator loads only for this command
 
     err = Console(stderr=True, soft_wrap=True, emoji=False)
     out = Console(soft_wrap=True, emoji=False)

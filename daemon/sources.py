@@ -11,11 +11,11 @@ from typing import Protocol
 
 import aiohttp
 
-from daemon.board import TOP_LEVEL, board_limit
-from protocol.errors import LimitExceededError, PatchswarmError
-from protocol.files import FileTooLargeError, read_confined
-from swarm.client_errors import describe
-from swarm.http import read_bounded
+from patchswarm.daemon.board import TOP_LEVEL, board_limit
+from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
+from patchswarm.protocol.files import FileTooLargeError, read_confined
+from patchswarm.swarm.client_errors import describe
+from patchswarm.swarm.http import read_bounded
 
 DEFAULT_TIMEOUT_S = 30.0
 

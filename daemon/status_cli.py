@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from swarm.client_errors import reason
+from patchswarm.swarm.client_errors import reason
 
 DEFAULT_SOCKET = "/run/patchswarm/api.sock"
 MAX_STATUS_BYTES = 4 << 20  # a status is a few KB; anything far larger is not one

@@ -15,13 +15,13 @@ import signal
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING
 
-from daemon import cli_args
-from daemon.head_cli import add_seed_refresh_args, seed_refresher
+from patchswarm.daemon import cli_args
+from patchswarm.daemon.head_cli import add_seed_refresh_args, seed_refresher
 
 if TYPE_CHECKING:
-    from daemon.pull import Held
-    from swarm.node import NodeConfig
-    from swarm.server import RunningNode
+    from patchswarm.daemon.pull import Held
+    from patchswarm.swarm.node import NodeConfig
+    from patchswarm.swarm.server import RunningNode
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
 # NodeConfig's defaults, for the help text only (swarm.node loads torch: --help must not);
@@ -42,8 +42,8 @@ class SwarmCliError(Exception):
 
 
 def cluster_secret(path: str | None) -> bytes:
-    from protocol.files import read_file
-    from protocol.keys import MAX_KEY_FILE_BYTES
+    from patchswarm.protocol.files import read_file
+    from patchswarm.protocol.keys import MAX_KEY_FILE_BYTES
 
     data = read_file(path, MAX_KEY_FILE_BYTES).strip() if path else os.environ.get(SECRET_ENV, "").encode()
     if len(data) < 16:
@@ -111,7 +111,7 @@ def add_seed_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConfig:
-    from swarm.node import NodeConfig
+    from patchswarm.swarm.node import NodeConfig
 
     # The seed's own slots, line and copy window are separate fields (a trainer seed is tuned apart
     # from the rollout hosts); flags left out keep NodeConfig's defaults.
@@ -147,7 +147,7 @@ async def _serve_until_signalled() -> None:
 
 
 def _listen(listen: str) -> tuple[str, int]:
-    from daemon.seed import parse_listen
+    from patchswarm.daemon.seed import parse_listen
 
     try:
         return parse_listen(listen)
@@ -156,8 +156,8 @@ def _listen(listen: str) -> tuple[str, int]:
 
 
 def _run(main: Coroutine[None, None, None]) -> None:
-    from daemon.config import ListenError
-    from swarm.serving import raise_nofile_limit
+    from patchswarm.daemon.config import ListenError
+    from patchswarm.swarm.serving import raise_nofile_limit
 
     raise_nofile_limit()  # a node or seed serving many peers needs more than the default 1024 descriptors
     try:
@@ -167,10 +167,10 @@ def _run(main: Coroutine[None, None, None]) -> None:
 
 
 def run_seed(args: argparse.Namespace) -> int:
-    from daemon.board import Board
-    from daemon.config import bind_errors
-    from protocol.keys import TrustedKeys
-    from swarm.server import start_http_node
+    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.config import bind_errors
+    from patchswarm.protocol.keys import TrustedKeys
+    from patchswarm.swarm.server import start_http_node
 
     host, port = _listen(args.listen)
     board = Board(args.board)
@@ -203,10 +203,10 @@ def run_seed(args: argparse.Namespace) -> int:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from daemon.config import bind_errors
-    from protocol.keys import load_public_key
-    from protocol.trust import TrustState
-    from swarm.server import start_http_node
+    from patchswarm.daemon.config import bind_errors
+    from patchswarm.protocol.keys import load_public_key
+    from patchswarm.protocol.trust import TrustState
+    from patchswarm.swarm.server import start_http_node
 
     host, port = _listen(args.listen)
     trust = TrustState(load_public_key(args.trust))

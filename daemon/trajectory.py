@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protocol.safetensors_io import save_safetensors
-from protocol.served import ServedModel
+from patchswarm.protocol.safetensors_io import save_safetensors
+from patchswarm.protocol.served import ServedModel
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Token ids: 0 padding (unused), 1 separator, 2.. task markers, then the data symbols.

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from daemon.device_blake3 import device_digests
-from daemon.engine import (
+from patchswarm.daemon.device_blake3 import device_digests
+from patchswarm.daemon.engine import (
     _HANDLE_CAP,
     _OFF_DATA,
     _OFF_HANDLE,
@@ -54,9 +54,9 @@ from daemon.engine import (
     StoreTooSmallError,
     import_buffer,
 )
-from protocol.diffscan import scan
-from protocol.errors import DigestMismatchError
-from protocol.served import ServedModel, bytes_digest, state_root, word_view
+from patchswarm.protocol.diffscan import scan
+from patchswarm.protocol.errors import DigestMismatchError
+from patchswarm.protocol.served import ServedModel, bytes_digest, state_root, word_view
 
 __all__ = [
     "ActivationStats",
@@ -515,7 +515,7 @@ class WeightStore:
         seq even -> journal removed.  The caller has verified ``root`` on its shadow copy.  After
         any other error, call ``daemon.journal.recover``.
         """
-        from daemon import journal  # (journal imports this module)
+        from patchswarm.daemon import journal  # (journal imports this module)
 
         hdr = self.control.raw()
         if hdr.state != StoreState.READY or not hdr.stable:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from protocol.errors import FormatError
+from patchswarm.protocol.errors import FormatError
 
 _NOT_FULL = re.compile(rb"[^\xff]")
 _NOT_EMPTY = re.compile(rb"[^\x00]")

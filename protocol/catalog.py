@@ -12,8 +12,8 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from protocol.errors import NoPathError
-from protocol.manifest import Kind
+from patchswarm.protocol.errors import NoPathError
+from patchswarm.protocol.manifest import Kind
 
 NOTHING = -1
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from protocol.errors import ChunkError
+from patchswarm.protocol.errors import ChunkError
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 1 << 10

@@ -41,12 +41,12 @@ import numpy as np
 import torch
 import zstandard
 
-from protocol import ordered
-from protocol.diffscan import Changes, scan
-from protocol.docfields import read_prefix
-from protocol.errors import FormatError, LimitExceededError, TruncatedError
-from protocol.served import ServedModel, TensorSpec, word_view
-from protocol.streams import (
+from patchswarm.protocol import ordered
+from patchswarm.protocol.diffscan import Changes, scan
+from patchswarm.protocol.docfields import read_prefix
+from patchswarm.protocol.errors import FormatError, LimitExceededError, TruncatedError
+from patchswarm.protocol.served import ServedModel, TensorSpec, word_view
+from patchswarm.protocol.streams import (
     MAX_EXPANSION,
     MAX_WINDOW,
     Fields,
@@ -672,7 +672,7 @@ def apply_patch(base: ServedModel | None, payload: bytes | memoryview, specs: li
     before, the target digest after; a failed check means the model must be discarded.
     """
     if base is not None and base.specs != specs:
-        from protocol.errors import LayoutMismatchError
+        from patchswarm.protocol.errors import LayoutMismatchError
 
         raise LayoutMismatchError("patch layout differs from the base's layout")
     if base is None:

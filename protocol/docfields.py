@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from protocol.errors import FormatError, TruncatedError, UnsupportedFormatError
+from patchswarm.protocol.errors import FormatError, TruncatedError, UnsupportedFormatError
 
 DIGEST_SIZE = 32
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.errors import UnsupportedDtypeError
+from patchswarm.protocol.errors import UnsupportedDtypeError
 
 
 @dataclass(frozen=True, slots=True)

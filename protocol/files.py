@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from protocol.errors import LimitExceededError, PatchswarmError
+from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
 
 
 class InputFileError(PatchswarmError):

@@ -16,19 +16,19 @@ from typing import Any
 
 import msgpack
 
-from protocol.catalog import CatalogEntry
-from protocol.docfields import as_digest, as_list, as_map, as_str, as_uint
-from protocol.docfields import field as get
-from protocol.errors import (
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.docfields import as_digest, as_list, as_map, as_str, as_uint
+from patchswarm.protocol.docfields import field as get
+from patchswarm.protocol.errors import (
     EquivocationError,
     ExpiredError,
     FormatError,
     RollbackError,
     UnsupportedFormatError,
 )
-from protocol.keys import KeyPolicy, SigningKey
-from protocol.manifest import Kind
-from protocol.signed import Envelope
+from patchswarm.protocol.keys import KeyPolicy, SigningKey
+from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.signed import Envelope
 
 HEAD_TAG = "patchswarm/head"
 FORMAT = 1

@@ -11,8 +11,8 @@ from cryptography.exceptions import InternalError, InvalidSignature, Unsupported
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from protocol.errors import FormatError, SignatureError, UntrustedKeyError
-from protocol.files import read_file
+from patchswarm.protocol.errors import FormatError, SignatureError, UntrustedKeyError
+from patchswarm.protocol.files import read_file
 
 PUBLIC_KEY_SIZE = 32
 SIGNATURE_SIZE = 64

@@ -14,19 +14,19 @@ from typing import Any
 import blake3
 import msgpack
 
-from protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
-from protocol.docfields import as_digest, as_list, as_map, as_str, as_uint, is_uint
-from protocol.dtypes import BY_NAME
-from protocol.errors import (
+from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
+from patchswarm.protocol.docfields import as_digest, as_list, as_map, as_str, as_uint, is_uint
+from patchswarm.protocol.dtypes import BY_NAME
+from patchswarm.protocol.errors import (
     ExpiredError,
     FormatError,
     LimitExceededError,
     UnsupportedFormatError,
 )
-from protocol.keys import KeyPolicy, SigningKey
-from protocol.served import TensorSpec, layout_hash, state_root
-from protocol.signed import Envelope
-from protocol.streams import MAX_EXPANSION
+from patchswarm.protocol.keys import KeyPolicy, SigningKey
+from patchswarm.protocol.served import TensorSpec, layout_hash, state_root
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.streams import MAX_EXPANSION
 
 FORMAT_VERSION = 1
 ENVELOPE_TAG = "patchswarm/manifest"

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from protocol import draws
+from patchswarm.protocol import draws
 
 
 @dataclass(frozen=True, slots=True, init=False)

@@ -13,10 +13,10 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
-from protocol.codec import EncodedPatch, Progress, anchor_header, apply_update, encode_patch, iter_updates
-from protocol.docfields import read_prefix
-from protocol.errors import (
+from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
+from patchswarm.protocol.codec import EncodedPatch, Progress, anchor_header, apply_update, encode_patch, iter_updates
+from patchswarm.protocol.docfields import read_prefix
+from patchswarm.protocol.errors import (
     BaseMismatchError,
     FormatError,
     LayoutMismatchError,
@@ -25,10 +25,10 @@ from protocol.errors import (
     TruncatedError,
     UnsupportedFormatError,
 )
-from protocol.files import open_regular, write_atomic
-from protocol.keys import KeyPolicy, SigningKey
-from protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
-from protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, state_root
+from patchswarm.protocol.files import open_regular, write_atomic
+from patchswarm.protocol.keys import KeyPolicy, SigningKey
+from patchswarm.protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
+from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, state_root
 
 FILE_MAGIC = b"PSWPATCH"
 FILE_FORMAT = 1

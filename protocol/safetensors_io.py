@@ -10,9 +10,9 @@ import safetensors
 import safetensors.torch
 import torch
 
-from protocol.errors import FormatError, UnsupportedDtypeError
-from protocol.files import MissingFileError, open_regular, write_atomic
-from protocol.served import ServedModel, typed_view
+from patchswarm.protocol.errors import FormatError, UnsupportedDtypeError
+from patchswarm.protocol.files import MissingFileError, open_regular, write_atomic
+from patchswarm.protocol.served import ServedModel, typed_view
 
 MAX_MODEL_FILE_BYTES = 1 << 42  # 4 TiB: any model; the bound is for a file that is not one
 _FD_DIR = Path("/proc/self/fd")

@@ -75,8 +75,8 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from protocol import draws
-from protocol.bitfield import Bitfield
+from patchswarm.protocol import draws
+from patchswarm.protocol.bitfield import Bitfield
 
 _MIN_ELAPSED = 1e-6  # seconds: a zero elapsed time would be an infinite rate
 _ALL = -1  # a peer's chunks as an int when it holds every chunk: every bit set, whatever the count

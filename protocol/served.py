@@ -15,8 +15,8 @@ import blake3
 import msgpack
 import torch
 
-from protocol.dtypes import DType, dtype, from_torch
-from protocol.errors import LayoutMismatchError
+from patchswarm.protocol.dtypes import DType, dtype, from_torch
+from patchswarm.protocol.errors import LayoutMismatchError
 
 DIGEST_SIZE = 32
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from protocol.errors import FormatError, LimitExceededError, SignatureError
-from protocol.keys import SigningKey, verify_signature
+from patchswarm.protocol.errors import FormatError, LimitExceededError, SignatureError
+from patchswarm.protocol.keys import SigningKey, verify_signature
 
 MAX_ENVELOPE_BYTES = (64 << 20) + 256
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from protocol.errors import FormatError, LimitExceededError, TruncatedError
+from patchswarm.protocol.errors import FormatError, LimitExceededError, TruncatedError
 
 # Decoders refuse frames that ask for a larger window: bounds memory per stream.
 MAX_WINDOW = 1 << 23

@@ -22,9 +22,9 @@ from typing import Any
 
 import msgpack
 
-from protocol.docfields import as_digest, as_list, as_map, as_str, as_uint
-from protocol.docfields import field as get
-from protocol.errors import (
+from patchswarm.protocol.docfields import as_digest, as_list, as_map, as_str, as_uint
+from patchswarm.protocol.docfields import field as get
+from patchswarm.protocol.errors import (
     EquivocationError,
     ExpiredError,
     FormatError,
@@ -32,8 +32,8 @@ from protocol.errors import (
     UnsupportedFormatError,
     UntrustedKeyError,
 )
-from protocol.keys import SigningKey
-from protocol.signed import Envelope
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.signed import Envelope
 
 ROOT_TAG = "patchswarm/root"
 CERT_TAG = "patchswarm/cert"

@@ -23,8 +23,8 @@ from typing import Any
 
 import msgpack
 
-from protocol.errors import FormatError
-from protocol.membership import (
+from patchswarm.protocol.errors import FormatError
+from patchswarm.protocol.membership import (
     MAX_SYNC_MEMBERS,
     Ack,
     Gossip,

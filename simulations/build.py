@@ -1,6 +1,6 @@
 """The native build: the modules that carry a simulation's per-event work, compiled by mypyc.
 
-``python -m simulations.build [DIR]`` (``make native``) copies the four packages into ``DIR``
+``python -m patchswarm.simulations.build [DIR]`` (``make native``) copies the package into ``DIR``
 (default ``build/native``) and compiles ``NATIVE_MODULES`` there as C extensions (one shared
 library, so calls between them stay C calls), from the same source, typed to ``mypy --strict``.
 A command runs on it with ``PYTHONPATH=build/native`` and Python's ``-P`` (so the source tree in
@@ -30,23 +30,23 @@ PACKAGES = ("protocol", "swarm", "simulations", "daemon")
 # (simulations/clock.py itself cannot be: its loop subclasses asyncio's classes; its per-callback work
 # is in loop_core.py).
 NATIVE_MODULES = (
-    "protocol/bitfield.py",
-    "protocol/draws.py",
-    "protocol/membership.py",
-    "protocol/ordered.py",
-    "protocol/ratelimit.py",
-    "protocol/scheduler.py",
-    "protocol/wire.py",
-    "swarm/futures.py",
-    "swarm/node.py",
-    "swarm/sources.py",
-    "swarm/staging.py",
-    "swarm/stores.py",
-    "simulations/loop_core.py",
-    "simulations/network.py",
-    "simulations/network_share.py",
-    "simulations/partitioned.py",
-    "simulations/transport.py",
+    "patchswarm/protocol/bitfield.py",
+    "patchswarm/protocol/draws.py",
+    "patchswarm/protocol/membership.py",
+    "patchswarm/protocol/ordered.py",
+    "patchswarm/protocol/ratelimit.py",
+    "patchswarm/protocol/scheduler.py",
+    "patchswarm/protocol/wire.py",
+    "patchswarm/swarm/futures.py",
+    "patchswarm/swarm/node.py",
+    "patchswarm/swarm/sources.py",
+    "patchswarm/swarm/staging.py",
+    "patchswarm/swarm/stores.py",
+    "patchswarm/simulations/loop_core.py",
+    "patchswarm/simulations/network.py",
+    "patchswarm/simulations/network_share.py",
+    "patchswarm/simulations/partitioned.py",
+    "patchswarm/simulations/transport.py",
 )
 
 
@@ -56,7 +56,7 @@ def compiled_modules() -> list[str]:
     return sorted(
         name
         for name, module in list(sys.modules.items())
-        if name.partition(".")[0] in PACKAGES and str(getattr(module, "__file__", None) or "").endswith(suffixes)
+        if name.startswith("patchswarm.") and str(getattr(module, "__file__", None) or "").endswith(suffixes)
     )
 
 
@@ -82,8 +82,11 @@ def build(dest: Path) -> None:
     if dest.exists():  # a whole new copy: a file deleted from the source must not linger in it
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    for package in PACKAGES:
-        shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    (dest / "patchswarm").mkdir()
+    shutil.copy2(ROOT / "patchswarm" / "__init__.py", dest / "patchswarm" / "__init__.py")
+    for package in PACKAGES:  # the folders themselves, not the links in patchswarm/ to them
+        shutil.copytree(ROOT / package, dest / "patchswarm" / package, ignore=ignore)
     mypyc = Path(sys.executable).with_name("mypyc")
     if not mypyc.exists():
         raise SystemExit(f"no {mypyc}: the native build needs the dev extras (pip install -e '.[dev]')")
@@ -103,7 +106,7 @@ def build(dest: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m simulations.build", description="compile the simulator's hot modules with mypyc"
+        prog="python -m patchswarm.simulations.build", description="compile the simulator's hot modules with mypyc"
     )
     ap.add_argument("dest", nargs="?", default=str(ROOT / "build" / "native"), help="default: build/native")
     args = ap.parse_args(argv)

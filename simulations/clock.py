@@ -35,7 +35,7 @@ from asyncio import events
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar, TypeVarTuple
 
-from simulations.loop_core import LoopCore, SimClock
+from patchswarm.simulations.loop_core import LoopCore, SimClock
 
 __all__ = ["SimClock", "VirtualTimeDeadlock", "VirtualTimeLoop", "long_lived", "run_virtual"]
 

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from simulations.network_share import TOLERANCE, Flow, Resource, Sharer, has_bottleneck, progressive_filling
+from patchswarm.simulations.network_share import TOLERANCE, Flow, Resource, Sharer, has_bottleneck, progressive_filling
 
 __all__ = [
     "DEFAULT_WINDOW",

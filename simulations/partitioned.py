@@ -47,11 +47,11 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from simulations.network import Flow, Network
-from simulations.transport import MessageStats, SimNet, is_placeholder, placeholder_bytes
-from swarm.futures import fail, settle
-from swarm.node import SwarmNode
-from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
+from patchswarm.simulations.network import Flow, Network
+from patchswarm.simulations.transport import MessageStats, SimNet, is_placeholder, placeholder_bytes
+from patchswarm.swarm.futures import fail, settle
+from patchswarm.swarm.node import SwarmNode
+from patchswarm.swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 # Event kinds on the wire between processes (one letter: there are millions of them).
 _GOSSIP = "g"  # (addr, data): a datagram reaches its node

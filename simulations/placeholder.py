@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from daemon.pull import Held
-from protocol.chunks import ChunkRef
-from protocol.errors import ChunkError
-from protocol.manifest import Manifest
-from protocol.served import ServedModel
-from simulations.transport import placeholder_bytes
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.chunks import ChunkRef
+from patchswarm.protocol.errors import ChunkError
+from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.served import ServedModel
+from patchswarm.simulations.transport import placeholder_bytes
 
 
 def empty_model() -> ServedModel:

@@ -21,21 +21,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from daemon.board import Board
-from daemon.pull import Held
-from protocol.catalog import plan
-from protocol.head import Head
-from protocol.keys import KeyPolicy
-from protocol.membership import MembershipConfig, Sync
-from protocol.served import state_root
-from protocol.signed import Envelope
-from simulations import partitioned
-from simulations.bounds import kumar_ross
-from simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
-from simulations.network import Backbone, Host, Network, Region
-from simulations.transport import MessageStats, SimNet
-from swarm.node import ApplyVersion, NodeConfig, SwarmNode, VerifyChunk
-from swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.catalog import plan
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.keys import KeyPolicy
+from patchswarm.protocol.membership import MembershipConfig, Sync
+from patchswarm.protocol.served import state_root
+from patchswarm.protocol.signed import Envelope
+from patchswarm.simulations import partitioned
+from patchswarm.simulations.bounds import kumar_ross
+from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
+from patchswarm.simulations.network import Backbone, Host, Network, Region
+from patchswarm.simulations.transport import MessageStats, SimNet
+from patchswarm.swarm.node import ApplyVersion, NodeConfig, SwarmNode, VerifyChunk
+from patchswarm.swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import PatchswarmError
-from protocol.files import read_file
-from simulations.network import Backbone, Host, Region
-from swarm.node import NodeConfig
+from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.files import read_file
+from patchswarm.simulations.network import Backbone, Host, Region
+from patchswarm.swarm.node import NodeConfig
 
 MAX_HOSTS = 10_000
 MAX_REGIONS = 4

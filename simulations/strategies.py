@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.membership import MembershipConfig
-from protocol.scheduler import SchedulerConfig
-from simulations.bounds import kumar_ross
-from simulations.network import Flow, Network
-from simulations.placeholder import placeholder_held
-from simulations.runner import Churn, simulate_stream
-from simulations.scenario import ChurnEvent, Layout, Scenario
-from simulations.synthetic import synthetic_setup
+from patchswarm.protocol.membership import MembershipConfig
+from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.simulations.bounds import kumar_ross
+from patchswarm.simulations.network import Flow, Network
+from patchswarm.simulations.placeholder import placeholder_held
+from patchswarm.simulations.runner import Churn, simulate_stream
+from patchswarm.simulations.scenario import ChurnEvent, Layout, Scenario
+from patchswarm.simulations.synthetic import synthetic_setup
 
 
 @dataclass(frozen=True)

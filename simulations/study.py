@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from simulations.build import build_label
-from simulations.scenario import (
+from patchswarm.simulations.build import build_label
+from patchswarm.simulations.scenario import (
     Layout,
     Scenario,
     ScenarioError,
@@ -29,8 +29,8 @@ from simulations.scenario import (
     value_of,
     with_overrides,
 )
-from simulations.scenario import load as load_scenario
-from simulations.strategies import StrategyRun, bound, central, swarm
+from patchswarm.simulations.scenario import load as load_scenario
+from patchswarm.simulations.strategies import StrategyRun, bound, central, swarm
 
 # (point index, strategy, fraction of that strategy done) -> None
 Progress = Callable[[int, str, float], None]
@@ -225,7 +225,7 @@ def run_study(
     on_points: Callable[[int], None] | None = None,
 ) -> list[Point]:
     """Run the study and write its outputs into ``out`` (created if needed); returns the points."""
-    from simulations import plots  # matplotlib only when writing
+    from patchswarm.simulations import plots  # matplotlib only when writing
 
     base = load_scenario(scenario_path)
     grid = expand(base.raw, [parse_sweep(t) for t in sweeps], seed, partitions)

@@ -20,17 +20,17 @@ from dataclasses import dataclass
 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from daemon.board import Board
-from protocol.catalog import CatalogEntry
-from protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
-from protocol.head import Head
-from protocol.keys import SigningKey
-from protocol.manifest import Kind, Manifest, SignedManifest
-from protocol.served import TensorSpec, layout_hash, state_root
-from protocol.signed import Envelope
-from protocol.trust import Certificate, TrustState
-from simulations.placeholder import PlaceholderChunkStore, apply_nothing, verify_size
-from simulations.runner import SwarmSetup
+from patchswarm.daemon.board import Board
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.manifest import Kind, Manifest, SignedManifest
+from patchswarm.protocol.served import TensorSpec, layout_hash, state_root
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import Certificate, TrustState
+from patchswarm.simulations.placeholder import PlaceholderChunkStore, apply_nothing, verify_size
+from patchswarm.simulations.runner import SwarmSetup
 
 SYNTHETIC_EPOCH = 1_700_000_000.0  # the Unix time virtual 0 stands for (fixed: reproducible signatures' checks)
 VALIDITY_S = 365 * 86_400.0  # certificates, manifests and heads stay valid this long after the epoch

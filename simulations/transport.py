@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from simulations.network import Flow, Network
-from swarm.futures import drain, fail, settle
-from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
+from patchswarm.simulations.network import Flow, Network
+from patchswarm.swarm.futures import drain, fail, settle
+from patchswarm.swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 T = TypeVar("T")
 

@@ -16,10 +16,10 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from protocol.errors import LimitExceededError
-from swarm.client_errors import describe
-from swarm.serving import address_key, is_loopback, read_body
-from swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
+from patchswarm.protocol.errors import LimitExceededError
+from patchswarm.swarm.client_errors import describe
+from patchswarm.swarm.serving import address_key, is_loopback, read_body
+from patchswarm.swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 log = logging.getLogger(__name__)
 

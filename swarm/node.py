@@ -21,25 +21,25 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.board import Board
-from daemon.pull import Held, Puller
-from protocol import draws
-from protocol.bitfield import Bitfield
-from protocol.catalog import CatalogEntry, plan
-from protocol.chunks import ChunkRef, verify_chunk
-from protocol.errors import ChunkError, ExpiredError, PatchswarmError
-from protocol.head import Head
-from protocol.keys import KeyPolicy
-from protocol.manifest import Manifest
-from protocol.membership import Membership, MembershipConfig, MemberState, Message, NodeInfo, Send
-from protocol.patchfile import apply_version
-from protocol.ratelimit import TokenBucket, UploadSlots
-from protocol.requesters import RequesterLimits
-from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
-from protocol.signed import Envelope
-from protocol.trees import StripeTrees
-from protocol.trust import TrustState
-from protocol.wire import (
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.pull import Held, Puller
+from patchswarm.protocol import draws
+from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.catalog import CatalogEntry, plan
+from patchswarm.protocol.chunks import ChunkRef, verify_chunk
+from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.keys import KeyPolicy
+from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.membership import Membership, MembershipConfig, MemberState, Message, NodeInfo, Send
+from patchswarm.protocol.patchfile import apply_version
+from patchswarm.protocol.ratelimit import TokenBucket, UploadSlots
+from patchswarm.protocol.requesters import RequesterLimits
+from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trees import StripeTrees
+from patchswarm.protocol.trust import TrustState
+from patchswarm.protocol.wire import (
     SEQ_PER_MS,
     STALE,
     Announcement,
@@ -49,10 +49,10 @@ from protocol.wire import (
     decode_frame,
     encode_frame,
 )
-from swarm.futures import drain, settle
-from swarm.sources import SwarmSource
-from swarm.stores import ChunkStore, MemoryChunkStore
-from swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
+from patchswarm.swarm.futures import drain, settle
+from patchswarm.swarm.sources import SwarmSource
+from patchswarm.swarm.stores import ChunkStore, MemoryChunkStore
+from patchswarm.swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
 
 log = logging.getLogger("patchswarm.swarm")
 

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from daemon.board import Board
-from daemon.pull import Held
-from daemon.seed import board_app
-from protocol.keys import KeyPolicy
-from swarm.http import HttpTransport, add_routes
-from swarm.node import ApplyVersion, NodeConfig, SwarmNode
-from swarm.serving import HardenedRunner, ServerLimits, serve_tcp
-from swarm.staging import StagedApply
-from swarm.stores import BoardChunkStore
-from swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.pull import Held
+from patchswarm.daemon.seed import board_app
+from patchswarm.protocol.keys import KeyPolicy
+from patchswarm.swarm.http import HttpTransport, add_routes
+from patchswarm.swarm.node import ApplyVersion, NodeConfig, SwarmNode
+from patchswarm.swarm.serving import HardenedRunner, ServerLimits, serve_tcp
+from patchswarm.swarm.staging import StagedApply
+from patchswarm.swarm.stores import BoardChunkStore
+from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
 
 
 @dataclass

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 
 import blake3
 
-from daemon.sources import HttpSource, SourceError
-from protocol import draws
-from protocol.errors import LimitExceededError, PatchswarmError
-from protocol.signed import Envelope
-from protocol.trust import ROOT_TAG, TrustState
-from swarm.transport import Missing, TransportError
+from patchswarm.daemon.sources import HttpSource, SourceError
+from patchswarm.protocol import draws
+from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import ROOT_TAG, TrustState
+from patchswarm.swarm.transport import Missing, TransportError
 
 if TYPE_CHECKING:
-    from swarm.node import SwarmNode
+    from patchswarm.swarm.node import SwarmNode
 
 PEER_TRIES = 3
 NAMED_TRIES = 4  # holders a seed names for a manifest it withholds, asked before insisting

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from daemon.pull import Held
-from protocol.manifest import Manifest
-from protocol.patchfile import apply_version
-from protocol.served import ServedModel
-from swarm.node import apply_chunks
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.patchfile import apply_version
+from patchswarm.protocol.served import ServedModel
+from patchswarm.swarm.node import apply_chunks
 
 PAGE = 4096
 

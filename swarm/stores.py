@@ -11,8 +11,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
-from daemon.board import Board
-from protocol.files import FileTooLargeError
+from patchswarm.daemon.board import Board
+from patchswarm.protocol.files import FileTooLargeError
 
 
 class ChunkStore(Protocol):

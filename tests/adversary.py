@@ -34,17 +34,17 @@ import msgpack
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.board import Board
-from protocol.files import write_atomic
-from protocol.keys import KeyPolicy, SigningKey
-from protocol.membership import NodeInfo, Ping
-from protocol.trust import Certificate
-from protocol.wire import Announcement, GossipFrame, encode_frame
-from swarm.http import HttpTransport
-from swarm.node import NodeConfig, SwarmNode
-from swarm.server import RunningNode, start_http_node
-from swarm.stores import BoardChunkStore
-from swarm.transport import SystemClock
+from patchswarm.daemon.board import Board
+from patchswarm.protocol.files import write_atomic
+from patchswarm.protocol.keys import KeyPolicy, SigningKey
+from patchswarm.protocol.membership import NodeInfo, Ping
+from patchswarm.protocol.trust import Certificate
+from patchswarm.protocol.wire import Announcement, GossipFrame, encode_frame
+from patchswarm.swarm.http import HttpTransport
+from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.server import RunningNode, start_http_node
+from patchswarm.swarm.stores import BoardChunkStore
+from patchswarm.swarm.transport import SystemClock
 from tests.daemonkit import Daemon, make_daemon
 from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 
@@ -232,7 +232,7 @@ def foreign_run(tmp: Path, root: SigningKey, run_id: str = "other-run") -> tuple
     """Another run under the same trust root (its own certified key, another model layout)."""
     import torch
 
-    from daemon.publisher import Publisher
+    from patchswarm.daemon.publisher import Publisher
 
     key = SigningKey.generate()
     now = int(time.time() * 1000)

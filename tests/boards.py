@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from daemon.board import Board
-from daemon.publisher import Publisher
-from daemon.served_format import ServedFormat
-from protocol.keys import SigningKey
-from protocol.served import ServedModel
-from protocol.trust import Certificate
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.trust import Certificate
 
 DAY_MS = 86_400_000
 

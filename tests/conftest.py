@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from protocol.dtypes import BY_NAME
-from protocol.served import ServedModel, TensorSpec
+from patchswarm.protocol.dtypes import BY_NAME
+from patchswarm.protocol.served import ServedModel, TensorSpec
 
 settings.register_profile(
     "ci",

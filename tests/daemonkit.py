@@ -40,7 +40,7 @@ class Daemon:
         overrides, PATCHSWARM_FAULT_AT, faketime)."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(self.config)],
+                [sys.executable, "-m", "patchswarm.daemon.cli", "daemon", "--config", str(self.config)],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -103,7 +103,7 @@ class Daemon:
         self.destroy_store()
 
     def destroy_store(self) -> None:
-        from daemon.weightstore import StoreError, WeightStore
+        from patchswarm.daemon.weightstore import StoreError, WeightStore
 
         try:
             WeightStore.open(self.store).destroy()

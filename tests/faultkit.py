@@ -23,8 +23,8 @@ from typing import Any
 
 import blake3
 
-from daemon.engine import EngineView
-from protocol.served import ServedModel, state_root
+from patchswarm.daemon.engine import EngineView
+from patchswarm.protocol.served import ServedModel, state_root
 from tests.boards import free_port
 from tests.daemonkit import ROOT, Daemon, make_daemon
 from tests.swarmkit import RUN, SECRET, Swarm
@@ -62,7 +62,9 @@ class SeedProc:
         if self.advertise:
             args += ["--advertise", self.advertise]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], cwd=ROOT, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "patchswarm.daemon.cli", *args], cwd=ROOT, stdout=log, stderr=log
+            )
         deadline = time.monotonic() + timeout
         while '"listening"' not in self.log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -390,7 +392,7 @@ class CrashLoop:
         self.watcher: FenceWatcher | None = None
 
     async def __aenter__(self) -> CrashLoop:
-        from daemon.engine import attach
+        from patchswarm.daemon.engine import attach
 
         self.sw.publish()
         seed = await self.sw.start_seed()

@@ -36,24 +36,30 @@ import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from multidict import CIMultiDict
 
-from daemon.config import SCHEMA, ConfigError, load_config
-from daemon.sidecar import HEADER_EXACT, HEADER_MIN, ConstraintError, constraint_from_headers, split_body_constraint
-from protocol.bitfield import Bitfield
-from protocol.catalog import CatalogEntry
-from protocol.chunks import ChunkRef, verify_chunk
-from protocol.codec import apply_patch
-from protocol.dtypes import BY_NAME
-from protocol.errors import PatchswarmError
-from protocol.head import HEAD_TAG, Head, HeadTracker, verify_head
-from protocol.keys import SigningKey, load_public_key
-from protocol.manifest import ENVELOPE_TAG, Kind, SignedManifest
-from protocol.membership import Ack, Gossip, MemberState, NodeInfo, Ping, PingReq, Sync, Update
-from protocol.patchfile import Version, apply_version, build_version, open_file, pack_file
-from protocol.safetensors_io import load_safetensors, save_safetensors
-from protocol.served import ServedModel, TensorSpec
-from protocol.signed import Envelope
-from protocol.trust import CERT_TAG, ROOT_TAG, Certificate, RootDocument, TrustState
-from protocol.wire import FRAME_TAG, Announcement, GossipFrame, decode_frame, encode_frame, mac
+from patchswarm.daemon.config import SCHEMA, ConfigError, load_config
+from patchswarm.daemon.sidecar import (
+    HEADER_EXACT,
+    HEADER_MIN,
+    ConstraintError,
+    constraint_from_headers,
+    split_body_constraint,
+)
+from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.chunks import ChunkRef, verify_chunk
+from patchswarm.protocol.codec import apply_patch
+from patchswarm.protocol.dtypes import BY_NAME
+from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.head import HEAD_TAG, Head, HeadTracker, verify_head
+from patchswarm.protocol.keys import SigningKey, load_public_key
+from patchswarm.protocol.manifest import ENVELOPE_TAG, Kind, SignedManifest
+from patchswarm.protocol.membership import Ack, Gossip, MemberState, NodeInfo, Ping, PingReq, Sync, Update
+from patchswarm.protocol.patchfile import Version, apply_version, build_version, open_file, pack_file
+from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
+from patchswarm.protocol.served import ServedModel, TensorSpec
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import CERT_TAG, ROOT_TAG, Certificate, RootDocument, TrustState
+from patchswarm.protocol.wire import FRAME_TAG, Announcement, GossipFrame, decode_frame, encode_frame, mac
 
 RUN = "run-fuzz"
 CREATED_MS = 1_000_000

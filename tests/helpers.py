@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from protocol.served import ServedModel
+from patchswarm.protocol.served import ServedModel
 
 
 def adam_like_pair(seed: int = 0, rows: int = 300, lr: float = 1e-6) -> tuple[ServedModel, ServedModel]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from daemon.sidecar import HEADER_END, HEADER_START
+from patchswarm.daemon.sidecar import HEADER_END, HEADER_START
 
 
 @dataclass

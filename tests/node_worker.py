@@ -17,10 +17,10 @@ import json
 import random
 import sys
 
-from protocol.membership import MembershipConfig
-from protocol.trust import TrustState
-from swarm.node import NodeConfig
-from swarm.server import start_http_node
+from patchswarm.protocol.membership import MembershipConfig
+from patchswarm.protocol.trust import TrustState
+from patchswarm.swarm.node import NodeConfig
+from patchswarm.swarm.server import start_http_node
 from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET
 
 CHUNK_HASH = bytes(range(32))

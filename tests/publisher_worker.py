@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from daemon.publisher import Publisher
-from protocol.keys import SigningKey
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.protocol.keys import SigningKey
 
 
 def main() -> None:

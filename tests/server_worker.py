@@ -18,9 +18,9 @@ import sys
 
 from aiohttp import web
 
-from daemon.api import make_api_app, serve_unix
-from daemon.sidecar import VersionGate, start_sidecar
-from daemon.status import Phase, Status
+from patchswarm.daemon.api import make_api_app, serve_unix
+from patchswarm.daemon.sidecar import VersionGate, start_sidecar
+from patchswarm.daemon.status import Phase, Status
 
 BIG_BYTES = 8 << 20
 

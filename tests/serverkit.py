@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from daemon.board import Board
-from daemon.publisher import Publisher
-from protocol.keys import SigningKey
-from protocol.trust import RootDocument
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.trust import RootDocument
 from tests.boards import Keys, free_port
 
 ROOT = Path(__file__).parent.parent
@@ -205,7 +205,7 @@ def running_servers(tmp: Path, env: dict[str, str] | None = None) -> Iterator[li
     env = dict(FAST_LIMITS if env is None else env)
     board, chunks = make_board(tmp)
     (tmp / "secret").write_bytes(SECRET)
-    cli = ["-m", "daemon.cli", "seed", "--board", str(board)]
+    cli = ["-m", "patchswarm.daemon.cli", "seed", "--board", str(board)]
     seed_port, board_port, sidecar_port = free_port(), free_port(), free_port()
     head = f"runs/{RUN}/head"
     logs = {name: tmp / f"{name}.log" for name in ("seed", "board", "sidecar", "api")}

@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from daemon.engine import EngineView, allocate, attach
-from daemon.journal import recover
-from daemon.weightstore import WeightStore, diff_updates
-from protocol.served import ServedModel, TensorSpec, bytes_digest, state_root
+from patchswarm.daemon.engine import EngineView, allocate, attach
+from patchswarm.daemon.journal import recover
+from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, state_root
 
 SPECS = [
     TensorSpec("a.weight", "BF16", (256, 384)),

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from daemon.board import Board
-from daemon.publisher import Publisher
-from daemon.served_format import ServedFormat
-from protocol.keys import SigningKey
-from protocol.membership import MembershipConfig
-from protocol.served import ServedModel
-from protocol.trust import Certificate, TrustState
-from swarm.node import NodeConfig
-from swarm.server import RunningNode, start_http_node
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.membership import MembershipConfig
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.trust import Certificate, TrustState
+from patchswarm.swarm.node import NodeConfig
+from patchswarm.swarm.server import RunningNode, start_http_node
 
 SECRET = b"test-cluster-secret-0123456789ab"
 RUN = "swarm-run"
@@ -59,8 +59,8 @@ class Swarm:
         return v
 
     def patch_bytes(self, version: int) -> int:
-        from protocol.head import Head
-        from protocol.signed import Envelope
+        from patchswarm.protocol.head import Head
+        from patchswarm.protocol.signed import Envelope
 
         head = Head.from_bytes(Envelope.from_bytes(self.board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
         return next(e.size for e in head.catalog if e.version == version and e.kind.value == "patch")

@@ -16,8 +16,8 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from daemon.api import make_api_app, serve_unix
-from daemon.status import MAX_SUBSCRIBERS, Phase, Status
+from patchswarm.daemon.api import make_api_app, serve_unix
+from patchswarm.daemon.status import MAX_SUBSCRIBERS, Phase, Status
 
 SPEC = yaml.safe_load((Path(__file__).parent.parent / "docs/api/openapi.yaml").read_text())
 

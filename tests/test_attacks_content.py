@@ -17,10 +17,10 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from daemon.board import Board
-from protocol.head import Head
-from protocol.membership import NodeInfo
-from protocol.signed import Envelope
+from patchswarm.daemon.board import Board
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.membership import NodeInfo
+from patchswarm.protocol.signed import Envelope
 from tests.adversary import AttackWorld, foreign_run, inject_gossip, mirror
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -19,16 +19,16 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from daemon.board import Board
-from daemon.served_format import ServedFormat
-from protocol.catalog import CatalogEntry
-from protocol.head import HEAD_TAG, Head
-from protocol.keys import SigningKey
-from protocol.manifest import Kind
-from protocol.patchfile import build_version
-from protocol.served import ServedModel
-from protocol.signed import Envelope
-from protocol.trust import Certificate, RootDocument
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.head import HEAD_TAG, Head
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.patchfile import build_version
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import Certificate, RootDocument
 from tests.adversary import AttackWorld, foreign_run, mirror
 from tests.swarmkit import RUN
 

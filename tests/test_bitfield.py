@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.bitfield import Bitfield, BitfieldError
-from protocol.errors import FormatError
+from patchswarm.protocol.bitfield import Bitfield, BitfieldError
+from patchswarm.protocol.errors import FormatError
 
 
 @st.composite

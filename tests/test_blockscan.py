@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.publish_work import BlockScan
-from protocol.diffscan import scan
-from protocol.served import ServedModel, word_view
+from patchswarm.daemon.publish_work import BlockScan
+from patchswarm.protocol.diffscan import scan
+from patchswarm.protocol.served import ServedModel, word_view
 
 DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.float64, torch.int16]
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.board import Board
-from daemon.publisher import Publisher
-from protocol.keys import SigningKey
-from protocol.trust import RootDocument
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.trust import RootDocument
 from tests.boards import Keys, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,9 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seed]:
     args = ["seed", "--board", str(board.root), "--listen", f"127.0.0.1:{port}", "--run", RUN]
     args += ["--secret-file", str(tmp / "secret"), "--name", "seed"]
     with open(log, "wb") as out:  # (environment inherited: PYTHONPATH names this worktree)
-        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], cwd=ROOT, stdout=out, stderr=out)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "patchswarm.daemon.cli", *args], cwd=ROOT, stdout=out, stderr=out
+        )
     deadline = time.monotonic() + 60
     while True:
         try:

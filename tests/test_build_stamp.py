@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from simulations import build
+from patchswarm.simulations import build
 
 
 def test_the_stamp_is_dated_when_the_copy_began(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.catalog import CatalogEntry, plan
-from protocol.manifest import Kind
+from patchswarm.protocol.catalog import CatalogEntry, plan
+from patchswarm.protocol.manifest import Kind
 
 
 def entries(sizes: list[int], anchors: dict[int, int]) -> list[CatalogEntry]:

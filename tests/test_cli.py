@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from protocol.safetensors_io import load_safetensors, save_safetensors
+from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 from tests.helpers import adam_like_pair
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "patchswarm.daemon.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
     )
 
 

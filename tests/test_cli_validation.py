@@ -17,16 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon import cli_args
-from daemon.board import Board
-from daemon.cli import build_parser, main
-from daemon.config import parse_name
-from daemon.seed import parse_listen
-from daemon.swarm_cli import HELP_DEFAULTS
-from protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from protocol.patchfile import open_file
-from protocol.safetensors_io import save_safetensors
-from swarm.node import NodeConfig
+from patchswarm.daemon import cli_args
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.cli import build_parser, main
+from patchswarm.daemon.config import parse_name
+from patchswarm.daemon.seed import parse_listen
+from patchswarm.daemon.swarm_cli import HELP_DEFAULTS
+from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from patchswarm.protocol.patchfile import open_file
+from patchswarm.protocol.safetensors_io import save_safetensors
+from patchswarm.swarm.node import NodeConfig
 from tests.helpers import adam_like_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def test_an_accepted_listen_address_is_one_the_servers_take(text: str) -> None:
 def test_zstd_levels_accepted_are_exactly_those_decoders_take() -> None:
     import zstandard
 
-    from protocol.streams import MAX_WINDOW
+    from patchswarm.protocol.streams import MAX_WINDOW
 
     data = os.urandom(1 << 16) * 160  # 10 MiB: more than the 8 MiB window readers allow
     for level in (19, 20):
@@ -382,7 +382,12 @@ def _subcommands() -> set[str]:
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "patchswarm.daemon.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 
@@ -394,14 +399,14 @@ def test_version_is_the_package_version(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout.strip() == f"patchswarm {expected}", r.stderr
 
 
-HEAVY = ("torch", "numpy", "aiohttp", "matplotlib", "rich.progress", "rich.table", "zstandard", "swarm.node")
+HEAVY = ("torch", "numpy", "aiohttp", "matplotlib", "rich.progress", "rich.table", "zstandard", "patchswarm.swarm.node")
 
 
 def test_help_imports_nothing_heavy(tmp_path: Path) -> None:
     every = [["--help"], ["--version"], *([c, "--help"] for c in sorted(TEMPLATES))]
     code = (
         "import json, sys\n"
-        "from daemon.cli import main\n"
+        "from patchswarm.daemon.cli import main\n"
         f"for argv in {every!r}:\n"
         "    try:\n"
         "        main(argv)\n"
@@ -456,7 +461,7 @@ def test_a_usage_error_in_a_real_process(tmp_path: Path) -> None:
 def test_odd_bytes_in_a_path_print_escaped(tmp_path: Path) -> None:
     name = os.fsdecode(b"k\xff[bold]:smile:")
     r = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "keygen", "-o", name],
+        [sys.executable, "-m", "patchswarm.daemon.cli", "keygen", "-o", name],
         cwd=tmp_path,
         capture_output=True,
         timeout=60,
@@ -495,7 +500,7 @@ def test_names_from_a_patch_print_as_they_are(
 ) -> None:
     import torch
 
-    from protocol.safetensors_io import ServedModel
+    from patchswarm.protocol.safetensors_io import ServedModel
 
     names = ["[/]", "[bold]w", "a:smile:b"]
     base = ServedModel.from_tensors({n: torch.zeros(4, dtype=torch.bfloat16) for n in names}, {})
@@ -513,12 +518,12 @@ def test_names_from_a_patch_print_as_they_are(
 def test_a_defect_is_still_one_line_and_the_traceback_is_there_on_request(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import daemon.cli
+    import patchswarm.daemon.cli
 
     def boom(args: argparse.Namespace) -> int:
         raise ValueError("something the code did not expect")
 
-    monkeypatch.setattr(daemon.cli, "cmd_inspect", boom)
+    monkeypatch.setattr(patchswarm.daemon.cli, "cmd_inspect", boom)
     monkeypatch.delenv("PATCHSWARM_DEBUG", raising=False)
     assert main(["inspect", "p.psw"]) == 1
     err = capsys.readouterr().err.strip()

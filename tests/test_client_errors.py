@@ -8,9 +8,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.sources import HttpSource, SourceError
-from daemon.status_cli import StatusError, fetch_status
-from swarm.client_errors import describe
+from patchswarm.daemon.sources import HttpSource, SourceError
+from patchswarm.daemon.status_cli import StatusError, fetch_status
+from patchswarm.swarm.client_errors import describe
 
 pytestmark = pytest.mark.asyncio
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 
-from protocol import codec
-from protocol.codec import Encoding, apply_patch, encode_patch, iter_updates, read_header
-from protocol.errors import LayoutMismatchError
-from protocol.served import ServedModel, TensorSpec
+from patchswarm.protocol import codec
+from patchswarm.protocol.codec import Encoding, apply_patch, encode_patch, iter_updates, read_header
+from patchswarm.protocol.errors import LayoutMismatchError
+from patchswarm.protocol.served import ServedModel, TensorSpec
 from tests.conftest import (
     ALL_DTYPES,
     CHANGE_KINDS,

@@ -30,18 +30,18 @@ import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import PAYLOAD_MAGIC, Encoding, apply_patch, encode_patch, raw_bound, read_header
-from protocol.errors import (
+from patchswarm.protocol.codec import PAYLOAD_MAGIC, Encoding, apply_patch, encode_patch, raw_bound, read_header
+from patchswarm.protocol.errors import (
     FormatError,
     LayoutMismatchError,
     LimitExceededError,
     PatchswarmError,
     UnsupportedFormatError,
 )
-from protocol.manifest import Kind, Manifest
-from protocol.patchfile import sign_version
-from protocol.served import ServedModel, TensorSpec, layout_hash, state_root
-from protocol.streams import MAX_EXPANSION
+from patchswarm.protocol.manifest import Kind, Manifest
+from patchswarm.protocol.patchfile import sign_version
+from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash, state_root
+from patchswarm.protocol.streams import MAX_EXPANSION
 from tests.conftest import model_from_words, mutate, patch_cases, random_words
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

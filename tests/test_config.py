@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.config import SCHEMA, ConfigError, from_mapping, load_config, parse_size
+from patchswarm.daemon.config import SCHEMA, ConfigError, from_mapping, load_config, parse_size
 
 MINIMAL = {
     "swarm": {"run_id": "run-1", "cluster_secret_file": "/etc/patchswarm/secret"},
@@ -26,8 +26,8 @@ def test_defaults_and_units() -> None:
 
 
 def test_budgets_reach_the_node_and_default_to_the_swarms_own() -> None:
-    from daemon.rollout import swarm_budgets
-    from swarm.node import NodeConfig
+    from patchswarm.daemon.rollout import swarm_budgets
+    from patchswarm.swarm.node import NodeConfig
 
     defaults = NodeConfig("n", "run-1", b"s" * 16)
     assert NodeConfig("n", "run-1", b"s" * 16, **swarm_budgets(from_mapping(MINIMAL, {}))) == defaults

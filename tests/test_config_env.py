@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import SCHEMA, from_mapping, unknown_env
+from patchswarm.daemon.config import SCHEMA, from_mapping, unknown_env
 from tests.daemonkit import make_daemon
 from tests.swarmkit import Swarm
 

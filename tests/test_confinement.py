@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.board import Board
-from protocol.files import confined_parts, open_confined, read_confined
+from patchswarm.daemon.board import Board
+from patchswarm.protocol.files import confined_parts, open_confined, read_confined
 from tests.boards import free_port
 from tests.swarmkit import RUN, SECRET, Swarm
 
@@ -93,7 +93,7 @@ def start_seed(tmp: Path, *, run: bool) -> SeedProc:
     if run:
         args += ["--run", RUN, "--secret-file", str(tmp / "secret"), "--name", "seed"]
     log = open(tmp / "seed.log", "wb")  # noqa: SIM115 (the process writes it until the fixture ends)
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], cwd=ROOT, stdout=log, stderr=log)
+    proc = subprocess.Popen([sys.executable, "-m", "patchswarm.daemon.cli", *args], cwd=ROOT, stdout=log, stderr=log)
     log.close()
     deadline = time.monotonic() + 60
     while True:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import attach
+from patchswarm.daemon.engine import attach
 from tests.daemonkit import ROOT, make_daemon, shm_exists
 from tests.swarmkit import Swarm
 
@@ -96,7 +96,7 @@ async def test_store_smaller_than_the_model_is_a_clear_error(tmp_path: Path) -> 
 
 
 def run_cli(*args: str, cwd: Path, user: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [*(user or []), sys.executable, "-m", "daemon.cli", *args]
+    cmd = [*(user or []), sys.executable, "-m", "patchswarm.daemon.cli", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import blake3
 import pytest
 
-from daemon.engine import attach
-from daemon.rollout import FAULT_ENV
-from protocol.served import state_root
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.rollout import FAULT_ENV
+from patchswarm.protocol.served import state_root
 from tests.daemonkit import make_daemon
 from tests.swarmkit import Swarm
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import attach
+from patchswarm.daemon.engine import attach
 from tests.daemonkit import make_daemon
 from tests.swarmkit import Swarm
 

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from daemon.engine import attach
-from daemon.sidecar import STATUS_PATH
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.sidecar import STATUS_PATH
 from tests.boards import free_port
 from tests.daemonkit import Daemon, make_daemon
 from tests.swarmkit import Swarm

@@ -27,15 +27,15 @@ import aiohttp
 import pytest
 import torch
 
-from daemon.api import make_api_app, serve_unix
-from daemon.engine import EngineView, SharedSegment, StoreError, allocate, attach, export_buffer
-from daemon.engine_client import DaemonClient
-from daemon.publisher import Publisher
-from daemon.rollout import AWAITING_ENGINE, FAULT_ENV
-from daemon.status import Status
-from daemon.trajectory import generate
-from protocol.served import ServedModel, bytes_digest, state_root
-from protocol.trust import Certificate
+from patchswarm.daemon.api import make_api_app, serve_unix
+from patchswarm.daemon.engine import EngineView, SharedSegment, StoreError, allocate, attach, export_buffer
+from patchswarm.daemon.engine_client import DaemonClient
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.rollout import AWAITING_ENGINE, FAULT_ENV
+from patchswarm.daemon.status import Status
+from patchswarm.daemon.trajectory import generate
+from patchswarm.protocol.served import ServedModel, bytes_digest, state_root
+from patchswarm.protocol.trust import Certificate
 from tests.boards import free_port
 from tests.daemonkit import ROOT, Daemon, make_daemon
 from tests.store_worker import remove_segments
@@ -80,7 +80,7 @@ class EngineProc:
     def __init__(self, d: Daemon, device: str, tmp: Path) -> None:
         self.port = free_port()
         self.log = tmp / "engine.log"
-        args = [sys.executable, "-m", "daemon.refengine", "--listen", f"127.0.0.1:{self.port}",
+        args = [sys.executable, "-m", "patchswarm.daemon.refengine", "--listen", f"127.0.0.1:{self.port}",
                 "--daemon-socket", d.socket, "--device", device, "--engine-name", "e1", "--wait", "120"]  # fmt: skip
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -372,7 +372,7 @@ async def test_cuda_store_without_cuda_stops_the_daemon_with_one_line(tmp_path: 
         d = make_daemon(sw, "host", tmp_path)
         text = d.config.read_text().replace("[store]\n", '[store]\nkind = "cuda"\ndevice = "cuda:0"\n', 1)
         d.config.write_text(text)
-        cmd = [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(d.config)]
+        cmd = [sys.executable, "-m", "patchswarm.daemon.cli", "daemon", "--config", str(d.config)]
         out = await asyncio.to_thread(subprocess.run, cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 1, out.stderr
         assert "store.kind: 'cuda' needs CUDA in the daemon's process" in out.stderr

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.journal import JOURNAL_NAME, TornJournalError, read_journal
-from daemon.pull_state import PullState, evidence_dir
-from protocol.errors import FormatError
+from patchswarm.daemon.journal import JOURNAL_NAME, TornJournalError, read_journal
+from patchswarm.daemon.pull_state import PullState, evidence_dir
+from patchswarm.protocol.errors import FormatError
 
 
 def test_a_fifo_or_oversized_journal_is_torn_not_read(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_a_fifo_or_oversized_state_file_is_one_line(tmp_path: Path, monkeypatch:
     with pytest.raises(FormatError, match="state file cannot be read \\(not a regular file \\(a FIFO\\)\\)"):
         PullState.load(state, "run")
     state.unlink()
-    monkeypatch.setattr("daemon.pull_state.MAX_STATE_BYTES", 100)
+    monkeypatch.setattr("patchswarm.daemon.pull_state.MAX_STATE_BYTES", 100)
     state.write_bytes(b"\0" * 101)
     with pytest.raises(FormatError, match="more than the 100 allowed"):
         PullState.load(state, "run")

@@ -14,10 +14,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.api import SocketInUseError, make_api_app, serve_unix
-from daemon.engine import attach
-from daemon.instance_lock import InstanceLock, InstanceLockedError
-from daemon.status import Status
+from patchswarm.daemon.api import SocketInUseError, make_api_app, serve_unix
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.instance_lock import InstanceLock, InstanceLockedError
+from patchswarm.daemon.status import Status
 from tests.daemonkit import ROOT, Daemon, make_daemon
 from tests.swarmkit import Swarm
 
@@ -35,7 +35,7 @@ async def test_second_daemon_on_the_same_data_dir_leaves_the_first_alone(tmp_pat
         view = attach((await d.get("/v1/layout"))["attach"])
         socket_inode = os.stat(d.socket).st_ino
         second = subprocess.run(
-            [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(d.config)],
+            [sys.executable, "-m", "patchswarm.daemon.cli", "daemon", "--config", str(d.config)],
             cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ),
         )  # fmt: skip
         assert second.returncode != 0
@@ -77,7 +77,7 @@ def test_lock_is_released_on_close_and_names_its_holder(tmp_path: Path) -> None:
 def run_second(config: Path) -> tuple[int, list[str], str]:
     """A second daemon, run to its end: (exit code, its error lines (not its JSON log records), its stderr)."""
     r = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(config)],
+        [sys.executable, "-m", "patchswarm.daemon.cli", "daemon", "--config", str(config)],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ),
     )  # fmt: skip
     return r.returncode, [line for line in r.stderr.splitlines() if line.strip() and line[0] != "{"], r.stderr

@@ -21,11 +21,11 @@ import aiohttp
 import blake3
 import pytest
 
-from daemon.board import Board
-from daemon.engine import attach
-from protocol.head import Head
-from protocol.manifest import SignedManifest
-from protocol.signed import Envelope
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.engine import attach
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.manifest import SignedManifest
+from patchswarm.protocol.signed import Envelope
 from tests.boards import free_port
 from tests.daemonkit import Daemon, make_daemon
 from tests.faultkit import wait_status

@@ -10,11 +10,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.engine import attach
-from daemon.publisher import Publisher
-from daemon.refengine import StoreViewSource, start_engine
-from daemon.trajectory import generate
-from protocol.trust import Certificate
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.refengine import StoreViewSource, start_engine
+from patchswarm.daemon.trajectory import generate
+from patchswarm.protocol.trust import Certificate
 from tests.boards import free_port
 from tests.daemonkit import make_daemon
 from tests.swarmkit import RUN, Swarm

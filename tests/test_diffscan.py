@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import diffscan
-from protocol.diffscan import Changes, scan, scan_torch
+from patchswarm.protocol import diffscan
+from patchswarm.protocol.diffscan import Changes, scan, scan_torch
 from tests.conftest import random_words, seeds
 
 WIDTHS = [1, 2, 4, 8]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol import draws
+from patchswarm.protocol import draws
 
 seeds = st.integers(min_value=0, max_value=2**64)
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from daemon.engine import _dec, _enc, attach
-from daemon.journal import Action, recover
-from daemon.weightstore import StoreLayout, StoreLayoutMismatch, StoreState, WeightStore, diff_updates
+from patchswarm.daemon.engine import _dec, _enc, attach
+from patchswarm.daemon.journal import Action, recover
+from patchswarm.daemon.weightstore import StoreLayout, StoreLayoutMismatch, StoreState, WeightStore, diff_updates
 from tests.store_worker import SPECS, model, remove_segments, unique_name
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from daemon.pull import Puller
-from daemon.pull_state import PullState, evidence_dir
-from daemon.sources import DirSource
-from protocol.catalog import CatalogEntry
-from protocol.errors import EquivocationError, RollbackError, UntrustedKeyError
-from protocol.head import Head, HeadTracker
-from protocol.keys import SigningKey, TrustedKeys
-from protocol.manifest import Kind
-from protocol.signed import Envelope
-from protocol.trust import Certificate, RootDocument, TrustState
+from patchswarm.daemon.pull import Puller
+from patchswarm.daemon.pull_state import PullState, evidence_dir
+from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.errors import EquivocationError, RollbackError, UntrustedKeyError
+from patchswarm.protocol.head import Head, HeadTracker
+from patchswarm.protocol.keys import SigningKey, TrustedKeys
+from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
 
 KEY = SigningKey.generate()
 RUN = "r1"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import attach
+from patchswarm.daemon.engine import attach
 from tests.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
 from tests.swarmkit import Swarm
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import EngineView, attach
+from patchswarm.daemon.engine import EngineView, attach
 from tests.boards import free_port
 from tests.faultkit import (
     EnvDaemon,

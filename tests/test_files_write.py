@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.files import write_atomic
+from patchswarm.protocol.files import write_atomic
 
 
 def test_data_replaces_the_file_whole_with_its_mode(tmp_path: Path) -> None:

@@ -23,14 +23,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.config import DaemonConfig
-from daemon.sidecar import VersionConstraint, split_body_constraint
-from protocol.errors import LimitExceededError, PatchswarmError, TruncatedError
-from protocol.head import Head
-from protocol.manifest import Manifest
-from protocol.served import ServedModel
-from protocol.trust import Certificate, RootDocument
-from protocol.wire import encode_frame
+from patchswarm.daemon.config import DaemonConfig
+from patchswarm.daemon.sidecar import VersionConstraint, split_body_constraint
+from patchswarm.protocol.errors import LimitExceededError, PatchswarmError, TruncatedError
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.trust import Certificate, RootDocument
+from patchswarm.protocol.wire import encode_frame
 from tests import fuzz_targets as ft
 
 NAMES = sorted(ft.TARGETS)

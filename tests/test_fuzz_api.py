@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from daemon.api import make_api_app, serve_unix
-from daemon.status import Status
+from patchswarm.daemon.api import make_api_app, serve_unix
+from patchswarm.daemon.status import Status
 
 EXAMPLES = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]

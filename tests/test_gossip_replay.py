@@ -14,9 +14,9 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.membership import MembershipConfig, NodeInfo, Ping
-from protocol.trust import TrustState
-from protocol.wire import (
+from patchswarm.protocol.membership import MembershipConfig, NodeInfo, Ping
+from patchswarm.protocol.trust import TrustState
+from patchswarm.protocol.wire import (
     REPLAY_BITS,
     REPLAYED,
     STALE,
@@ -26,11 +26,11 @@ from protocol.wire import (
     decode_frame,
     encode_frame,
 )
-from simulations.clock import SimClock, run_virtual
-from simulations.network import Host, Network, Region
-from simulations.transport import SimNet
-from swarm.http import PREFIX
-from swarm.node import NodeConfig, SwarmNode
+from patchswarm.simulations.clock import SimClock, run_virtual
+from patchswarm.simulations.network import Host, Network, Region
+from patchswarm.simulations.transport import SimNet
+from patchswarm.swarm.http import PREFIX
+from patchswarm.swarm.node import NodeConfig, SwarmNode
 from tests.node_worker_client import NodeWorker
 from tests.swarmkit import RUN, SECRET
 

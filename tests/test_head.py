@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from protocol.catalog import CatalogEntry
-from protocol.errors import EquivocationError, ExpiredError, FormatError, RollbackError, UntrustedKeyError
-from protocol.head import Head, HeadTracker, verify_head
-from protocol.keys import SigningKey, TrustedKeys
-from protocol.manifest import Kind
+from patchswarm.protocol.catalog import CatalogEntry
+from patchswarm.protocol.errors import EquivocationError, ExpiredError, FormatError, RollbackError, UntrustedKeyError
+from patchswarm.protocol.head import Head, HeadTracker, verify_head
+from patchswarm.protocol.keys import SigningKey, TrustedKeys
+from patchswarm.protocol.manifest import Kind
 
 KEY = SigningKey.generate()
 POLICY = TrustedKeys(frozenset([KEY.key_id]))

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.errors import FormatError
-from protocol.files import FileTooLargeError
-from protocol.patchfile import read_patch_file
-from protocol.safetensors_io import save_safetensors
+from patchswarm.protocol.errors import FormatError
+from patchswarm.protocol.files import FileTooLargeError
+from patchswarm.protocol.patchfile import read_patch_file
+from patchswarm.protocol.safetensors_io import save_safetensors
 from tests.helpers import adam_like_pair
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ BAD = ("fifo", "zero", "dir", "sparse")
 
 def patchswarm(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "patchswarm.daemon.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
     )
 
 
@@ -107,7 +107,7 @@ CASES: dict[str, Callable[[Path, str], list[str]]] = {
 DRIVER = """
 import contextlib, io, json, shutil, sys, traceback
 from pathlib import Path
-from daemon.cli import main
+from patchswarm.daemon.cli import main
 out = {}
 for key, argv, outputs in json.loads(sys.stdin.read()):
     err = io.StringIO()

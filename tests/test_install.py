@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.keys import SigningKey
+from patchswarm.protocol.keys import SigningKey
 from tests.daemonkit import ROOT
 
 SCRIPT = ROOT / "packaging/install.sh"

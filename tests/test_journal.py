@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.engine import EngineView, attach
-from daemon.journal import (
+from patchswarm.daemon.engine import EngineView, attach
+from patchswarm.daemon.journal import (
     Action,
     TornJournalError,
     journal_path,
@@ -27,7 +27,7 @@ from daemon.journal import (
     recover,
     write_journal,
 )
-from daemon.weightstore import (
+from patchswarm.daemon.weightstore import (
     StoreError,
     StoreLayout,
     StoreLayoutMismatch,
@@ -158,7 +158,7 @@ def test_crash_inside_the_flip_rolls_forward(store: WeightStore, tmp_path: Path)
 
 
 def test_stale_journal_on_a_new_engine_buffer_is_dropped(name: str, tmp_path: Path) -> None:
-    from daemon.engine import allocate
+    from patchswarm.daemon.engine import allocate
 
     s = WeightStore.create(name, StoreLayout.from_specs(SPECS), engine_buffer=True)
     e1 = allocate(s.attach_info(), "cpu")

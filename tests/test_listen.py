@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.cli import build_parser
-from daemon.config import split_listen, url_host
-from daemon.swarm_cli import _config
+from patchswarm.daemon.cli import build_parser
+from patchswarm.daemon.config import split_listen, url_host
+from patchswarm.daemon.swarm_cli import _config
 from tests.daemonkit import ROOT, Daemon, make_daemon
 from tests.swarmkit import SECRET, Swarm
 
@@ -82,7 +82,11 @@ def test_upload_rate_zero_means_unlimited_as_in_the_config_file(monkeypatch: pyt
 
 def run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "patchswarm.daemon.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from daemon.logs import JsonFormatter, TextFormatter
+from patchswarm.daemon.logs import JsonFormatter, TextFormatter
 
 
 def record(msg: str = "version %s active", **extra: object) -> logging.LogRecord:

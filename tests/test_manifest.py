@@ -5,7 +5,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from protocol.errors import (
+from patchswarm.protocol.errors import (
     ChunkError,
     ExpiredError,
     FormatError,
@@ -14,9 +14,9 @@ from protocol.errors import (
     UnsupportedFormatError,
     UntrustedKeyError,
 )
-from protocol.keys import SigningKey, TrustedKeys
-from protocol.manifest import FORMAT_VERSION, Manifest, SignedManifest
-from protocol.patchfile import build_version, open_file, pack_file
+from patchswarm.protocol.keys import SigningKey, TrustedKeys
+from patchswarm.protocol.manifest import FORMAT_VERSION, Manifest, SignedManifest
+from patchswarm.protocol.patchfile import build_version, open_file, pack_file
 from tests.helpers import adam_like_pair
 
 KEY = SigningKey.generate()

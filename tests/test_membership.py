@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.membership import (
+from patchswarm.protocol.membership import (
     MAX_INCARNATION_JUMP,
     Ack,
     Gossip,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.membership import (
+from patchswarm.protocol.membership import (
     HEARD_PER_MEMBER,
     QUEUE_PER_MEMBER,
     Gossip,
@@ -161,8 +161,8 @@ def test_the_join_seeds_keep_their_place() -> None:
 
 
 def test_a_sync_of_a_huge_full_membership_fits_the_wire() -> None:
-    from protocol.membership import MAX_SYNC_MEMBERS, Sync
-    from protocol.wire import Announcement, GossipFrame, decode_frame, encode_frame
+    from patchswarm.protocol.membership import MAX_SYNC_MEMBERS, Sync
+    from patchswarm.protocol.wire import Announcement, GossipFrame, decode_frame, encode_frame
 
     m = Membership(NodeInfo("me", "sim://me"), MembershipConfig(), random.Random(0), 0.0)
     hear(m, list(range(999)))

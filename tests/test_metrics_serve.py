@@ -10,8 +10,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.config import ListenError
-from daemon.metrics import DaemonMetrics, serve_metrics
+from patchswarm.daemon.config import ListenError
+from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
 from tests.daemonkit import make_daemon
 from tests.swarmkit import Swarm
 

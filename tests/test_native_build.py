@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.build import NATIVE_MODULES, PACKAGES
+from patchswarm.simulations.build import NATIVE_MODULES, PACKAGES
 
 ROOT = Path(__file__).parent.parent
 NATIVE = ROOT / "build" / "native"
@@ -59,7 +59,7 @@ def test_the_native_build_is_compiled() -> None:
     """Every module simulations.build lists loads from a C extension on the build, and none on the source."""
     code = (
         "import importlib\n"
-        "from simulations.build import NATIVE_MODULES, compiled_modules\n"
+        "from patchswarm.simulations.build import NATIVE_MODULES, compiled_modules\n"
         "for m in NATIVE_MODULES: importlib.import_module(m.removesuffix('.py').replace('/', '.'))\n"
         "print(len(compiled_modules()))"
     )
@@ -72,7 +72,7 @@ def test_a_study_gives_the_same_results_csv(tmp_path: Path) -> None:
     files = {}
     for native in (False, True):
         out = tmp_path / ("native" if native else "source")
-        run(native, "-m", "daemon.cli", "simulate", str(SMALL), "--out", str(out), "--seed", "5")
+        run(native, "-m", "patchswarm.daemon.cli", "simulate", str(SMALL), "--out", str(out), "--seed", "5")
         files[native] = (out / "results.csv").read_bytes()
         build = (out / "summary.json").read_text()
         assert ('"build": "native (' in build) == native

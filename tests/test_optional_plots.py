@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations import plots
+from patchswarm.simulations import plots
 from tests.daemonkit import ROOT, make_daemon
 from tests.swarmkit import Swarm
 
@@ -68,5 +68,5 @@ def test_the_fake_matplotlib_would_be_noticed(tmp_path: Path) -> None:
     mark = tmp_path / "imported"
     (fake / "__init__.py").write_text(f"open({str(mark)!r}, 'w').close()\n")
     env = {"PYTHONPATH": f"{fake.parent}:{ROOT}", "PATH": "/usr/bin:/bin"}
-    subprocess.run([sys.executable, "-c", "import simulations.plots as p; p._pyplot()"], env=env, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", "import patchswarm.simulations.plots as p; p._pyplot()"], env=env, cwd=ROOT)
     assert mark.exists()

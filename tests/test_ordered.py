@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol import ordered
-from protocol.dtypes import BY_NAME
+from patchswarm.protocol import ordered
+from patchswarm.protocol.dtypes import BY_NAME
 from tests.conftest import FLOAT_DTYPES, random_words, seeds
 
 WIDTH_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.errors import BaseMismatchError, LayoutMismatchError, TargetMismatchError
-from protocol.keys import SigningKey
-from protocol.manifest import Kind
-from protocol.patchfile import apply_version, build_version
-from protocol.served import ServedModel
+from patchswarm.protocol.errors import BaseMismatchError, LayoutMismatchError, TargetMismatchError
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.patchfile import apply_version, build_version
+from patchswarm.protocol.served import ServedModel
 from tests.helpers import adam_like_pair
 
 

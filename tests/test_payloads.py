@@ -16,7 +16,7 @@ import pickle
 import pytest
 import torch
 
-from daemon import payloads as P
+from patchswarm.daemon import payloads as P
 
 # Module prefixes SGLang's SafeUnpickler admits (python/sglang/srt/utils/common.py), less those
 # a weight payload never needs.

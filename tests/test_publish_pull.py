@@ -14,13 +14,13 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from daemon.board import Board
-from daemon.publisher import Publisher
-from daemon.pull import Held, Puller
-from daemon.seed import board_app
-from daemon.sources import HttpSource, source_for
-from protocol.catalog import plan
-from protocol.errors import (
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.pull import Held, Puller
+from patchswarm.daemon.seed import board_app
+from patchswarm.daemon.sources import HttpSource, source_for
+from patchswarm.protocol.catalog import plan
+from patchswarm.protocol.errors import (
     ChunkError,
     ExpiredError,
     FormatError,
@@ -29,17 +29,17 @@ from protocol.errors import (
     RollbackError,
     UntrustedKeyError,
 )
-from protocol.head import Head, HeadTracker
-from protocol.keys import SigningKey
-from protocol.manifest import Kind
-from protocol.safetensors_io import load_safetensors, save_safetensors
-from protocol.served import ServedModel
-from protocol.signed import Envelope
-from protocol.trust import RootDocument, TrustState
+from patchswarm.protocol.head import Head, HeadTracker
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import RootDocument, TrustState
 from tests.boards import DAY_MS, Keys, board_files, nginx_serving, train_and_publish
 
 RUN = "run-1"
-PULL = [sys.executable, "-m", "daemon.cli", "pull"]
+PULL = [sys.executable, "-m", "patchswarm.daemon.cli", "pull"]
 STEPS = 20
 
 
@@ -151,7 +151,7 @@ async def test_head_signed_by_unknown_or_uncertified_key(published, keys, tmp_pa
     with pytest.raises(UntrustedKeyError, match="no certificate"):
         await pull_dir(b, trust(keys))
     # A certificate for the rogue key signed by someone other than the root does not help.
-    from protocol.trust import Certificate
+    from patchswarm.protocol.trust import Certificate
 
     b.put_certificate(rogue.key_id, Certificate(rogue.key_id, RUN, 0, 2**62).sign(rogue).to_bytes())
     with pytest.raises(UntrustedKeyError, match="not a root key"):

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.board import Board
-from daemon.publisher import Publisher, PublishInfo
-from daemon.pull import Puller
-from daemon.sources import DirSource
-from protocol.errors import PublisherBehindError
-from protocol.head import Head
-from protocol.keys import SigningKey
-from protocol.signed import Envelope
-from protocol.trust import TrustState
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher, PublishInfo
+from patchswarm.daemon.pull import Puller
+from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.errors import PublisherBehindError
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import TrustState
 from tests.boards import Keys, board_files
 
 KILLS = 8

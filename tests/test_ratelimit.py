@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.ratelimit import TokenBucket, UploadSlots
+from patchswarm.protocol.ratelimit import TokenBucket, UploadSlots
 
 rates = st.floats(1.0, 1e9)
 bursts = st.floats(0.0, 1e8)

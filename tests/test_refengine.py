@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 import torch
 
-from daemon import trajectory as tr
-from daemon.refengine import (
+from patchswarm.daemon import trajectory as tr
+from patchswarm.daemon.refengine import (
     NO_VERSION,
     LMShape,
     ModelLayoutError,

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.board import Board
-from daemon.head_refresh import HeadWriteError, board_head, refresh_board_head
-from daemon.publisher import Publisher
-from daemon.pull import Puller
-from daemon.sources import DirSource
-from protocol.errors import ExpiredError, SignatureError, UntrustedKeyError
-from protocol.head import Head, HeadTracker, verify_head
-from protocol.keys import SigningKey
-from protocol.signed import Envelope
-from protocol.trust import Certificate, RootDocument, TrustState
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.head_refresh import HeadWriteError, board_head, refresh_board_head
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.pull import Puller
+from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.errors import ExpiredError, SignatureError, UntrustedKeyError
+from patchswarm.protocol.head import Head, HeadTracker, verify_head
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
 
 RUN = "life"
 HOUR = 3600.0

@@ -24,19 +24,19 @@ import aiohttp
 import pytest
 import torch
 
-from daemon.board import Board
-from daemon.engine import attach
-from daemon.head_refresh import board_head
-from daemon.publisher import Publisher
-from daemon.pull import Puller
-from daemon.sources import DirSource
-from protocol.errors import ExpiredError
-from protocol.head import HeadTracker, verify_head
-from protocol.keys import SigningKey
-from protocol.safetensors_io import save_safetensors
-from protocol.served import ServedModel
-from protocol.trust import Certificate, TrustState
-from swarm.transport import SystemClock
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.head_refresh import board_head
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.pull import Puller
+from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.errors import ExpiredError
+from patchswarm.protocol.head import HeadTracker, verify_head
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.safetensors_io import save_safetensors
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.trust import Certificate, TrustState
+from patchswarm.swarm.transport import SystemClock
 from tests.adversary import parse_metrics
 from tests.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
 from tests.swarmkit import RUN, SECRET, Swarm
@@ -46,7 +46,7 @@ DAY = 86_400
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args],
+        [sys.executable, "-m", "patchswarm.daemon.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -133,7 +133,10 @@ def test_cli_head_errors_are_one_line(tmp_path: Path) -> None:
     ]
     procs = [  # at once: each pays the interpreter's start
         subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, "-m", "patchswarm.daemon.cli", *args],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for args, _, _ in cases
     ]
@@ -159,7 +162,18 @@ def test_seed_with_the_key_keeps_an_idle_run_fresh_beside_the_trainer(tmp_path: 
     with (
         open(tmp_path / "seed.log", "wb") as log,
         subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "seed", "--board", "board", "--run", RUN, "--listen", "127.0.0.1:0"]
+            [
+                sys.executable,
+                "-m",
+                "patchswarm.daemon.cli",
+                "seed",
+                "--board",
+                "board",
+                "--run",
+                RUN,
+                "--listen",
+                "127.0.0.1:0",
+            ]
             + ["--secret-file", "secret", "--key", "trainer.key", "--head-ttl", "2"],
             cwd=tmp_path,
             stdout=subprocess.PIPE,

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.bitfield import Bitfield
-from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig, _indices
+from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig, _indices
 
 ME = PeerInfo("me", zone="z1", region="r1")
 MB = 1_000_000

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from protocol.bitfield import Bitfield
-from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
+from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
 
 ME = PeerInfo("me", region="r1")
 SEED = PeerInfo("seed", region="r1", is_seed=True)

@@ -17,11 +17,11 @@ import pytest_asyncio
 import torch
 from aiohttp import web
 
-from daemon.board import Board
-from daemon.publisher import Publisher
-from daemon.seed import IMMUTABLE, MUTABLE, board_app
-from protocol.keys import SigningKey
-from protocol.trust import RootDocument
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.seed import IMMUTABLE, MUTABLE, board_app
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.trust import RootDocument
 from tests.boards import Keys
 
 RUN = "seed-run"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-import swarm.node
-from simulations.network import Host, Region
-from simulations.placeholder import placeholder_held
-from simulations.runner import StreamResult, simulate_stream
-from simulations.synthetic import synthetic_setup
+import patchswarm.swarm.node
+from patchswarm.simulations.network import Host, Region
+from patchswarm.simulations.placeholder import placeholder_held
+from patchswarm.simulations.runner import StreamResult, simulate_stream
+from patchswarm.simulations.synthetic import synthetic_setup
 
 
 def run(window: float, seed: int) -> StreamResult:
@@ -48,7 +48,7 @@ def test_a_short_copy_window_does_not_make_the_seed_serve_chunks_peers_announce(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     held = [egress(w) for w in WINDOWS]
-    monkeypatch.setattr(swarm.node, "SEED_HOLD_WINDOWS", 1)  # the window alone decides again
+    monkeypatch.setattr(patchswarm.swarm.node, "SEED_HOLD_WINDOWS", 1)  # the window alone decides again
     window_only = [egress(w) for w in WINDOWS]
     for w, a, b in zip(WINDOWS, held, window_only, strict=True):
         print(

@@ -15,11 +15,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol import safetensors_io
-from protocol.dtypes import BY_NAME, BY_TORCH, dtype, from_torch
-from protocol.errors import FormatError, LayoutMismatchError, UnsupportedDtypeError
-from protocol.safetensors_io import load_safetensors, save_safetensors
-from protocol.served import ServedModel, TensorSpec, layout_hash, raw_bytes, typed_view, word_view
+from patchswarm.protocol import safetensors_io
+from patchswarm.protocol.dtypes import BY_NAME, BY_TORCH, dtype, from_torch
+from patchswarm.protocol.errors import FormatError, LayoutMismatchError, UnsupportedDtypeError
+from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
+from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash, raw_bytes, typed_view, word_view
 from tests.conftest import ALL_DTYPES, model_from_words, models, random_words, seeds
 
 EXPECTED_DTYPES = {

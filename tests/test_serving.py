@@ -16,9 +16,9 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from swarm.http import MAX_GOSSIP_BYTES, PREFIX, add_routes
-from swarm.serving import ServerLimits, address_key, is_loopback, raise_nofile_limit, read_body, serve_tcp
-from swarm.transport import Handlers
+from patchswarm.swarm.http import MAX_GOSSIP_BYTES, PREFIX, add_routes
+from patchswarm.swarm.serving import ServerLimits, address_key, is_loopback, raise_nofile_limit, read_body, serve_tcp
+from patchswarm.swarm.transport import Handlers
 
 LIMITS = ServerLimits(max_connections=4, header_timeout_s=5, idle_timeout_s=5, body_timeout_s=1, send_timeout_s=5)
 

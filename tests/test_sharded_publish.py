@@ -19,16 +19,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from daemon import publish_work
-from daemon.board import Board
-from daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
-from daemon.pull import Held, Puller
-from daemon.served_format import ServedFormat
-from daemon.sources import DirSource
-from protocol.codec import Encoding, TensorDelta, assemble, diff_tensor, encode_patch
-from protocol.keys import SigningKey, TrustedKeys
-from protocol.manifest import Kind
-from protocol.served import ServedModel
+from patchswarm.daemon import publish_work
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
+from patchswarm.daemon.pull import Held, Puller
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.codec import Encoding, TensorDelta, assemble, diff_tensor, encode_patch
+from patchswarm.protocol.keys import SigningKey, TrustedKeys
+from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.served import ServedModel
 from tests.boards import board_files, small_model
 from tests.conftest import patch_cases
 

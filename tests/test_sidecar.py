@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 import torch
 
-from daemon.refengine import RefEngine, StaticSource, start_engine
-from daemon.sidecar import (
+from patchswarm.daemon.refengine import RefEngine, StaticSource, start_engine
+from patchswarm.daemon.sidecar import (
     HEADER_END,
     HEADER_EXACT,
     HEADER_MIN,

@@ -34,15 +34,15 @@ from typing import Any
 import pytest
 import torch
 
-from daemon.publisher import Publisher
-from daemon.pull import Held
-from protocol.scheduler import SchedulerConfig
-from protocol.trust import Certificate
-from simulations.bounds import kumar_ross
-from simulations.network import Host, Region
-from simulations.runner import SwarmResult, SwarmSetup, payload_bytes, simulate_swarm
-from swarm.node import NodeConfig
-from swarm.server import RunningNode, start_http_node
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.protocol.trust import Certificate
+from patchswarm.simulations.bounds import kumar_ross
+from patchswarm.simulations.network import Host, Region
+from patchswarm.simulations.runner import SwarmResult, SwarmSetup, payload_bytes, simulate_swarm
+from patchswarm.swarm.node import NodeConfig
+from patchswarm.swarm.server import RunningNode, start_http_node
 from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 
 MB = 1e6

@@ -14,8 +14,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simulations.bounds import kumar_ross, mundinger
-from simulations.network import TOLERANCE, Backbone, Flow, Host, Network, NetworkError, Region, has_bottleneck
+from patchswarm.simulations.bounds import kumar_ross, mundinger
+from patchswarm.simulations.network import (
+    TOLERANCE,
+    Backbone,
+    Flow,
+    Host,
+    Network,
+    NetworkError,
+    Region,
+    has_bottleneck,
+)
 
 MB = 1e6
 

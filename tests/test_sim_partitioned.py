@@ -6,10 +6,10 @@ import signal
 
 import pytest
 
-from simulations import partitioned
-from simulations.network import Host, Network, Region
-from simulations.runner import Churn
-from simulations.synthetic import SyntheticRun, synthetic_setup
+from patchswarm.simulations import partitioned
+from patchswarm.simulations.network import Host, Network, Region
+from patchswarm.simulations.runner import Churn
+from patchswarm.simulations.synthetic import SyntheticRun, synthetic_setup
 from tests.test_sim_swarm import stream
 
 

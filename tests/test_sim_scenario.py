@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulations.scenario import (
+from patchswarm.simulations.scenario import (
     Scenario,
     ScenarioError,
     churn_schedule,

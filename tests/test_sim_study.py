@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main
-from simulations.scenario import churn_schedule, layout, parse_text
-from simulations.strategies import bound, central
+from patchswarm.daemon.cli import main
+from patchswarm.simulations.scenario import churn_schedule, layout, parse_text
+from patchswarm.simulations.strategies import bound, central
 
 ROOT = Path(__file__).parent.parent
 SMALL = ROOT / "simulations" / "scenarios" / "small.toml"
@@ -23,7 +23,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def simulate(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "simulate", *args],
+        [sys.executable, "-m", "patchswarm.daemon.cli", "simulate", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -8,15 +8,23 @@ from typing import Any
 
 import pytest
 
-from daemon.pull import Held
-from protocol.errors import ChunkError, PatchswarmError
-from protocol.served import state_root
-from protocol.trust import TrustState
-from simulations.network import Backbone, Host, Region
-from simulations.placeholder import apply_nothing, placeholder_held, verify_size
-from simulations.runner import Churn, Outage, StreamResult, SwarmResult, SwarmSetup, simulate_stream, simulate_swarm
-from simulations.synthetic import SyntheticRun, synthetic_setup
-from simulations.transport import placeholder_bytes
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.errors import ChunkError, PatchswarmError
+from patchswarm.protocol.served import state_root
+from patchswarm.protocol.trust import TrustState
+from patchswarm.simulations.network import Backbone, Host, Region
+from patchswarm.simulations.placeholder import apply_nothing, placeholder_held, verify_size
+from patchswarm.simulations.runner import (
+    Churn,
+    Outage,
+    StreamResult,
+    SwarmResult,
+    SwarmSetup,
+    simulate_stream,
+    simulate_swarm,
+)
+from patchswarm.simulations.synthetic import SyntheticRun, synthetic_setup
+from patchswarm.simulations.transport import placeholder_bytes
 from tests.swarmkit import RUN, SECRET, Swarm
 
 MB = 1e6
@@ -133,11 +141,11 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
     import contextlib
     import random
 
-    from protocol.trust import TrustState
-    from simulations.clock import SimClock, run_virtual
-    from simulations.network import Network
-    from simulations.transport import SimNet
-    from swarm.node import NodeConfig, SwarmNode
+    from patchswarm.protocol.trust import TrustState
+    from patchswarm.simulations.clock import SimClock, run_virtual
+    from patchswarm.simulations.network import Network
+    from patchswarm.simulations.transport import SimNet
+    from patchswarm.swarm.node import NodeConfig, SwarmNode
 
     data = b"c" * 10_000
 
@@ -202,8 +210,8 @@ def synthetic() -> SyntheticRun:
 
 
 def test_synthetic_manifests_and_heads_are_real_signed_documents(synthetic: SyntheticRun) -> None:
-    from protocol.head import verify_head
-    from protocol.manifest import SignedManifest
+    from patchswarm.protocol.head import verify_head
+    from patchswarm.protocol.manifest import SignedManifest
 
     policy = synthetic.setup.policy()
     assert isinstance(policy, TrustState)
@@ -227,7 +235,7 @@ def test_synthetic_manifests_and_heads_are_real_signed_documents(synthetic: Synt
 
 
 def test_placeholder_checks_sizes_and_applies_nothing(synthetic: SyntheticRun) -> None:
-    from protocol.chunks import ChunkRef
+    from patchswarm.protocol.chunks import ChunkRef
 
     verify_size(0, placeholder_bytes(5), ChunkRef(5, b"\0" * 32))
     with pytest.raises(ChunkError):

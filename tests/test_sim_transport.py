@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from simulations.clock import SimClock, VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
-from simulations.network import Host, Network, Region
-from simulations.transport import SimNet, placeholder_bytes
-from swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, SendChunk, Transport, TransportError
+from patchswarm.simulations.clock import SimClock, VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
+from patchswarm.simulations.network import Host, Network, Region
+from patchswarm.simulations.transport import SimNet, placeholder_bytes
+from patchswarm.swarm.transport import Busy, ChunkReply, Clock, Handlers, Missing, SendChunk, Transport, TransportError
 
 
 def test_sleeping_an_hour_takes_an_hour_of_virtual_time_exactly() -> None:
@@ -146,7 +146,7 @@ def test_long_lived_state_is_frozen_for_the_run_only() -> None:
     built with the collector off) until the run ends; outside one the block changes nothing."""
     import gc
 
-    from simulations.clock import long_lived
+    from patchswarm.simulations.clock import long_lived
 
     frozen, enabled = gc.get_freeze_count(), gc.isenabled()
     with long_lived():

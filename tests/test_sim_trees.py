@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from protocol.scheduler import SchedulerConfig
-from protocol.trust import TrustState
-from simulations.clock import SimClock, run_virtual
-from simulations.network import Backbone, Host, Network, Region
-from simulations.placeholder import placeholder_held
-from simulations.runner import StreamResult, simulate_stream
-from simulations.synthetic import synthetic_setup
-from simulations.transport import SimNet
-from swarm.node import NodeConfig, SwarmNode
+from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.protocol.trust import TrustState
+from patchswarm.simulations.clock import SimClock, run_virtual
+from patchswarm.simulations.network import Backbone, Host, Network, Region
+from patchswarm.simulations.placeholder import placeholder_held
+from patchswarm.simulations.runner import StreamResult, simulate_stream
+from patchswarm.simulations.synthetic import synthetic_setup
+from patchswarm.simulations.transport import SimNet
+from patchswarm.swarm.node import NodeConfig, SwarmNode
 from tests.swarmkit import RUN, SECRET
 from tests.test_sim_swarm import stream
 

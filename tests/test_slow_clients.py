@@ -186,7 +186,7 @@ def _first_reply(s: socket.socket, timeout: float = 10) -> bytes:
 
 
 def test_limits_from_environment_are_checked(tmp_path: Path) -> None:
-    from swarm.serving import ServerLimits
+    from patchswarm.swarm.serving import ServerLimits
 
     assert ServerLimits.from_env({"PATCHSWARM_HTTP_HEADER_TIMEOUT": "2.5"}).header_timeout_s == 2.5
     with pytest.raises(ValueError, match="PATCHSWARM_HTTP_MAX_CONNECTIONS"):
@@ -211,7 +211,7 @@ def test_one_address_cannot_take_every_connection(tmp_path: Path) -> None:
         "PATCHSWARM_HTTP_MAX_CONNECTIONS_PER_ADDRESS": "4",
         "PATCHSWARM_HTTP_EXEMPT_LOOPBACK": "0",
     }
-    args = ["-m", "daemon.cli", "seed", "--board", str(tmp_path / "board"), "--listen", f"127.0.0.1:{port}"]
+    args = ["-m", "patchswarm.daemon.cli", "seed", "--board", str(tmp_path / "board"), "--listen", f"127.0.0.1:{port}"]
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server("board", proc, log, port=port, honest_path="/runs/r/head")
@@ -265,7 +265,7 @@ def test_out_of_descriptors_the_server_neither_spins_nor_dies(tmp_path: Path) ->
             [
                 sys.executable,
                 "-m",
-                "daemon.cli",
+                "patchswarm.daemon.cli",
                 "seed",
                 "--board",
                 str(tmp_path / "board"),

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from daemon.status import MAX_ACKS, MAX_REASON, Status
-from daemon.status_cli import MAX_SHOWN, plain, render
+from patchswarm.daemon.status import MAX_ACKS, MAX_REASON, Status
+from patchswarm.daemon.status_cli import MAX_SHOWN, plain, render
 from tests.daemonkit import ROOT, Daemon, make_daemon
 from tests.swarmkit import Swarm
 
@@ -86,7 +86,7 @@ async def post_ack(d: Daemon, engine: str, version: int) -> tuple[int, Any]:
 
 def patchswarm_status(d: Daemon, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "status", "--socket", d.socket, *flags],
+        [sys.executable, "-m", "patchswarm.daemon.cli", "status", "--socket", d.socket, *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import StoreError
-from daemon.weightstore import StoreLayout, WeightStore
-from protocol.served import TensorSpec
+from patchswarm.daemon.engine import StoreError
+from patchswarm.daemon.weightstore import StoreLayout, WeightStore
+from patchswarm.protocol.served import TensorSpec
 from tests.daemonkit import make_daemon
 from tests.swarmkit import Swarm
 

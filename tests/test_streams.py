@@ -10,8 +10,8 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.errors import FormatError, LimitExceededError, PatchswarmError, TruncatedError
-from protocol.streams import (
+from patchswarm.protocol.errors import FormatError, LimitExceededError, PatchswarmError, TruncatedError
+from patchswarm.protocol.streams import (
     MAX_FIELD_BITS,
     MAX_WINDOW,
     StreamReader,

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from daemon.board import Board
-from daemon.pull import Held
-from protocol.catalog import plan
-from protocol.head import Head
-from protocol.membership import MemberState
-from protocol.signed import Envelope
-from swarm.server import start_http_node
-from swarm.transport import Busy, Missing, SendChunk
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.catalog import plan
+from patchswarm.protocol.head import Head
+from patchswarm.protocol.membership import MemberState
+from patchswarm.protocol.signed import Envelope
+from patchswarm.swarm.server import start_http_node
+from patchswarm.swarm.transport import Busy, Missing, SendChunk
 from tests.swarmkit import RUN, Swarm
 
 pytestmark = pytest.mark.asyncio
@@ -65,7 +65,7 @@ async def test_late_joiner_and_stale_node_take_the_byte_minimal_path(tmp_path: P
         held3 = Held(3, s.served[3].clone(), s.served[3].digests())
         import random
 
-        from swarm.node import NodeConfig
+        from patchswarm.swarm.node import NodeConfig
         from tests.swarmkit import FAST_MEMBERSHIP, SECRET
 
         cfg = NodeConfig(

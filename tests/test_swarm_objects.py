@@ -17,18 +17,18 @@ from typing import Any
 import blake3
 import pytest
 
-from daemon.board import Board
-from protocol.errors import PatchswarmError
-from protocol.keys import SigningKey
-from protocol.membership import MemberState, NodeInfo
-from protocol.signed import Envelope
-from protocol.trust import Certificate, RootDocument, TrustState
-from simulations.clock import SimClock, run_virtual
-from simulations.synthetic import synthetic_setup
-from swarm import sources
-from swarm.node import NodeConfig, SwarmNode
-from swarm.sources import SwarmSource
-from swarm.transport import Missing, TransportError
+from patchswarm.daemon.board import Board
+from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.membership import MemberState, NodeInfo
+from patchswarm.protocol.signed import Envelope
+from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
+from patchswarm.simulations.clock import SimClock, run_virtual
+from patchswarm.simulations.synthetic import synthetic_setup
+from patchswarm.swarm import sources
+from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.sources import SwarmSource
+from patchswarm.swarm.transport import Missing, TransportError
 from tests.swarmkit import RUN, SECRET, Swarm
 from tests.test_sim_swarm import stream
 
@@ -244,8 +244,8 @@ async def test_nodes_serve_the_certificate_and_roots_they_verified_and_only_the_
 
 
 def _head(s: Swarm) -> Any:
-    from protocol.head import Head
-    from protocol.signed import Envelope
+    from patchswarm.protocol.head import Head
+    from patchswarm.protocol.signed import Envelope
 
     return Head.from_bytes(Envelope.from_bytes(s.board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
 

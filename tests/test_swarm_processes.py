@@ -25,7 +25,7 @@ class Proc:
 
     def __init__(self, args: list[str], cwd: Path) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", *args],
+            [sys.executable, "-m", "patchswarm.daemon.cli", *args],
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -113,7 +113,18 @@ def test_node_refuses_a_missing_or_weak_cluster_secret(tmp_path: Path, secret: s
     s.root.save(tmp_path / "root.key")
     (tmp_path / "secret").write_text(secret)
     r = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "node", "--listen", "127.0.0.1:0", "--run", RUN, "--trust", "root.key.pub"]
+        [
+            sys.executable,
+            "-m",
+            "patchswarm.daemon.cli",
+            "node",
+            "--listen",
+            "127.0.0.1:0",
+            "--run",
+            RUN,
+            "--trust",
+            "root.key.pub",
+        ]
         + ["--secret-file", "secret"],
         cwd=tmp_path,
         capture_output=True,
@@ -126,8 +137,8 @@ def test_node_refuses_a_missing_or_weak_cluster_secret(tmp_path: Path, secret: s
 def test_upload_flags_reach_the_node_config_and_bad_values_are_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from daemon.cli import build_parser
-    from daemon.swarm_cli import _config
+    from patchswarm.daemon.cli import build_parser
+    from patchswarm.daemon.swarm_cli import _config
 
     monkeypatch.setenv("PATCHSWARM_CLUSTER_SECRET", SECRET.decode())
     parser = build_parser()

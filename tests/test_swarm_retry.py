@@ -14,11 +14,11 @@ import aiohttp
 import blake3
 import pytest
 
-from daemon.board import Board
-from daemon.pull import Held
-from protocol.manifest import SignedManifest
-from swarm.node import NodeConfig, SwarmNode
-from swarm.server import start_http_node
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.manifest import SignedManifest
+from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.server import start_http_node
 from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 
 

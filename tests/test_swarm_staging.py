@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.pull import Held
-from protocol.chunks import chunk_views
-from protocol.errors import PatchswarmError
-from protocol.patchfile import Version, build_version
-from protocol.served import ServedModel
-from swarm.node import apply_chunks
-from swarm.staging import StagedApply
+from patchswarm.daemon.pull import Held
+from patchswarm.protocol.chunks import chunk_views
+from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.patchfile import Version, build_version
+from patchswarm.protocol.served import ServedModel
+from patchswarm.swarm.node import apply_chunks
+from patchswarm.swarm.staging import StagedApply
 from tests.helpers import adam_like_pair
 
 RUN = "staging-test"

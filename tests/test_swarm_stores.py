@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.stores import MemoryChunkStore
+from patchswarm.swarm.stores import MemoryChunkStore
 
 
 def test_least_recently_used_goes_first_and_pinned_chunks_stay() -> None:

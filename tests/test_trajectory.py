@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon import trajectory
-from daemon.trajectory import PRESETS, Trajectory, changed_fraction, generate, param_count, write_versions
-from protocol.codec import Encoding, apply_patch, encode_patch, iter_updates
-from protocol.safetensors_io import load_safetensors
-from protocol.served import ServedModel
+from patchswarm.daemon import trajectory
+from patchswarm.daemon.trajectory import PRESETS, Trajectory, changed_fraction, generate, param_count, write_versions
+from patchswarm.protocol.codec import Encoding, apply_patch, encode_patch, iter_updates
+from patchswarm.protocol.safetensors_io import load_safetensors
+from patchswarm.protocol.served import ServedModel
 
 STEPS = 3
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.trees import StripeTrees
+from patchswarm.protocol.trees import StripeTrees
 
 ids = st.lists(st.text(alphabet="abcdefgh0123456789", min_size=1, max_size=6), min_size=1, max_size=120, unique=True)
 

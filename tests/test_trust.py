@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.errors import EquivocationError, ExpiredError, FormatError, RollbackError, UntrustedKeyError
-from protocol.keys import SigningKey
-from protocol.trust import Certificate, RootDocument, TrustState
+from patchswarm.protocol.errors import EquivocationError, ExpiredError, FormatError, RollbackError, UntrustedKeyError
+from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
 
 ROOT = SigningKey.generate()
 TRAINER = SigningKey.generate()

@@ -18,15 +18,15 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from protocol.membership import MembershipConfig, NodeInfo
-from protocol.requesters import RequesterLimits
-from protocol.trust import TrustState
-from simulations.clock import SimClock, run_virtual
-from simulations.network import Host, Network, Region
-from simulations.transport import SimNet
-from swarm.http import HELD_HEADER, NODE_HEADER, PREFIX, HttpTransport, _origin, add_routes
-from swarm.node import NodeConfig, SwarmNode
-from swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
+from patchswarm.protocol.membership import MembershipConfig, NodeInfo
+from patchswarm.protocol.requesters import RequesterLimits
+from patchswarm.protocol.trust import TrustState
+from patchswarm.simulations.clock import SimClock, run_virtual
+from patchswarm.simulations.network import Host, Network, Region
+from patchswarm.simulations.transport import SimNet
+from patchswarm.swarm.http import HELD_HEADER, NODE_HEADER, PREFIX, HttpTransport, _origin, add_routes
+from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
 from tests.node_worker_client import NodeWorker
 from tests.swarmkit import RUN, SECRET
 
@@ -387,9 +387,9 @@ def test_a_stuck_downloader_asks_the_seeds_again() -> None:
     (``failure_backoff``).  With nothing in flight, no one else to ask and at most
     ``endgame_remaining`` (3) chunks left, the downloader takes that back (the seed holds every chunk),
     at most every ``busy_retry_after`` per chunk; with more left it waits for holders."""
-    from protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
-    from protocol.wire import Announcement
-    from swarm.node import PeerView
+    from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
+    from patchswarm.protocol.wire import Announcement
+    from patchswarm.swarm.node import PeerView
 
     async def main(n: int) -> tuple[bool, list[tuple[int, str]], bool, bool]:
         node = _node("a", busy_retry_after=0.2)
@@ -417,7 +417,7 @@ def test_warm_membership_gives_every_node_every_member() -> None:
     """Full membership: every node knows every other, and nothing is left to gossip about them (old
     news in a running swarm).  A bounded view of k is warmed from the seed (the first node) and 4k
     others drawn at random: it holds k members, not all the same ones."""
-    from simulations.runner import WARM_HEARD_PER_MEMBER, _warm
+    from patchswarm.simulations.runner import WARM_HEARD_PER_MEMBER, _warm
 
     async def main() -> tuple[list[int], list[int], list[set[str]], list[int], list[int]]:
         full = [_node(f"n{i}") for i in range(6)]
@@ -446,9 +446,9 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
     virtual instant)."""
     from types import SimpleNamespace
 
-    from protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
-    from protocol.wire import Announcement
-    from swarm.node import PeerView
+    from patchswarm.protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
+    from patchswarm.protocol.wire import Announcement
+    from patchswarm.swarm.node import PeerView
 
     async def main() -> tuple[dict[tuple[int, str], asyncio.Task[None]], bool, bool]:
         node = _node("a")
@@ -498,11 +498,11 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
     third peer last spoke before that head.  With two announcement places it is told first when it is
     nearer (our region, asia) than every peer known to want our chunks, not when it is as far as they
     are, and never by a seed (whose one copy of each chunk would go to its neighbours)."""
-    from protocol.bitfield import Bitfield
-    from protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
-    from protocol.wire import Announcement
-    from simulations.runner import _warm
-    from swarm.node import PeerView
+    from patchswarm.protocol.bitfield import Bitfield
+    from patchswarm.protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
+    from patchswarm.protocol.wire import Announcement
+    from patchswarm.simulations.runner import _warm
+    from patchswarm.swarm.node import PeerView
 
     async def main() -> set[str]:
         me = _node("me", region="asia", is_seed=is_seed)

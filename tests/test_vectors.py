@@ -23,18 +23,18 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from daemon.config import load_config
-from daemon.sidecar import HEADER_EXACT, HEADER_MIN, constraint_from_headers, split_body_constraint
-from protocol.bitfield import Bitfield
-from protocol.chunks import ChunkRef, verify_chunk
-from protocol.head import HeadTracker, verify_head
-from protocol.keys import SigningKey, load_public_key
-from protocol.manifest import Kind, SignedManifest
-from protocol.patchfile import apply_version, open_file
-from protocol.safetensors_io import load_safetensors
-from protocol.served import ServedModel
-from protocol.trust import TrustState
-from protocol.wire import decode_frame
+from patchswarm.daemon.config import load_config
+from patchswarm.daemon.sidecar import HEADER_EXACT, HEADER_MIN, constraint_from_headers, split_body_constraint
+from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.chunks import ChunkRef, verify_chunk
+from patchswarm.protocol.head import HeadTracker, verify_head
+from patchswarm.protocol.keys import SigningKey, load_public_key
+from patchswarm.protocol.manifest import Kind, SignedManifest
+from patchswarm.protocol.patchfile import apply_version, open_file
+from patchswarm.protocol.safetensors_io import load_safetensors
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.trust import TrustState
+from patchswarm.protocol.wire import decode_frame
 
 VECTORS = Path(__file__).parent / "vectors"
 FIXTURES = VECTORS / "_fixtures"

@@ -18,11 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon import weightstore
-from daemon.device_blake3 import device_digests
-from daemon.engine import ALIGN, CONTROL_SIZE, FenceReader, SharedSegment, allocate, attach
-from daemon.journal import journal_path
-from daemon.weightstore import (
+from patchswarm.daemon import weightstore
+from patchswarm.daemon.device_blake3 import device_digests
+from patchswarm.daemon.engine import ALIGN, CONTROL_SIZE, FenceReader, SharedSegment, allocate, attach
+from patchswarm.daemon.journal import journal_path
+from patchswarm.daemon.weightstore import (
     JournalError,
     RegistrationError,
     StoreError,
@@ -38,7 +38,7 @@ from daemon.weightstore import (
     check_registration,
     diff_updates,
 )
-from protocol.served import ServedModel, TensorSpec, layout_hash
+from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash
 from tests.conftest import layouts, patch_cases
 from tests.store_worker import SPECS, model, remove_segments, unique_name
 
@@ -210,7 +210,7 @@ def test_activate_rejects_bad_updates_before_touching_anything(loaded: WeightSto
 @pytest.mark.parametrize("failing", ["os.write", "os.fsync", "dir fsync"])
 def test_disk_full_aborts_before_touching_memory(loaded: WeightStore, tmp_path: Path, failing: str) -> None:
     """ENOSPC/EIO while journaling (write, file fsync, or directory fsync after the rename) touches nothing."""
-    from daemon import journal
+    from patchswarm.daemon import journal
 
     before, contents = loaded.header(), loaded.read_model()
     new = model(7, 2)
@@ -277,7 +277,7 @@ def test_fence_moves_once_per_activation_and_consistent_detects_it(loaded: Weigh
 
 def test_fence_reader_waits_then_times_out() -> None:
     buf = bytearray(CONTROL_SIZE)
-    from daemon.engine import ControlBlock
+    from patchswarm.daemon.engine import ControlBlock
 
     ctl = ControlBlock(buf)
     ctl.begin(StoreState.WRITING)

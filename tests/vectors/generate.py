@@ -31,18 +31,18 @@ import zstandard  # noqa: E402
 from cryptography.hazmat.primitives import serialization as ser  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec, x448  # noqa: E402
 
-from protocol.catalog import CatalogEntry  # noqa: E402
-from protocol.chunks import split  # noqa: E402
-from protocol.head import HEAD_TAG, Head  # noqa: E402
-from protocol.keys import SigningKey  # noqa: E402
-from protocol.manifest import ENVELOPE_TAG, Kind, Manifest, SignedManifest  # noqa: E402
-from protocol.membership import MemberState  # noqa: E402
-from protocol.patchfile import Version, pack_file  # noqa: E402
-from protocol.safetensors_io import save_safetensors  # noqa: E402
-from protocol.served import TensorSpec, layout_hash, state_root  # noqa: E402
-from protocol.signed import Envelope, domain  # noqa: E402
-from protocol.trust import Certificate, RootDocument  # noqa: E402
-from protocol.wire import FRAME_TAG, encode_frame, mac  # noqa: E402
+from patchswarm.protocol.catalog import CatalogEntry  # noqa: E402
+from patchswarm.protocol.chunks import split  # noqa: E402
+from patchswarm.protocol.head import HEAD_TAG, Head  # noqa: E402
+from patchswarm.protocol.keys import SigningKey  # noqa: E402
+from patchswarm.protocol.manifest import ENVELOPE_TAG, Kind, Manifest, SignedManifest  # noqa: E402
+from patchswarm.protocol.membership import MemberState  # noqa: E402
+from patchswarm.protocol.patchfile import Version, pack_file  # noqa: E402
+from patchswarm.protocol.safetensors_io import save_safetensors  # noqa: E402
+from patchswarm.protocol.served import TensorSpec, layout_hash, state_root  # noqa: E402
+from patchswarm.protocol.signed import Envelope, domain  # noqa: E402
+from patchswarm.protocol.trust import Certificate, RootDocument  # noqa: E402
+from patchswarm.protocol.wire import FRAME_TAG, encode_frame, mac  # noqa: E402
 from tests import fuzz_targets as ft  # noqa: E402
 from tests.test_vectors import mismatch, run_case  # noqa: E402
 
