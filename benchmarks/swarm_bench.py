@@ -62,7 +62,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def kumar_ross(size: float, n: int, u_seed: float, u_node: float, d_min: float = math.inf) -> float:
-    """T >= max(F/u_seed, F/d_min, N*F/(u_seed + sum u_i)) (DESIGN.md section 5)."""
+    """T >= max(F/u_seed, F/d_min, N*F/(u_seed + sum u_i)) (docs/design.md#distribution-lower-bounds)."""
     return max(size / u_seed, size / d_min if d_min > 0 else math.inf, n * size / (u_seed + n * u_node))
 
 

@@ -1,4 +1,4 @@
-"""Weight-update requests for SGLang and vLLM, built from named torch tensors (DESIGN.md section 6).
+"""Weight-update requests for SGLang and vLLM, built from named torch tensors (docs/design.md#inference-engines).
 
 Nothing here talks to an engine: every builder returns an :class:`EngineRequest` (method, path,
 JSON body, query) that the activation driver sends.  The tensors travel by reference, as torch

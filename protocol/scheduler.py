@@ -16,7 +16,7 @@ simulation alike.  A driver loop::
 Requests handed back for cancelling (by ``on_success``, ``expired``, ``remove_peer``) are
 already forgotten; reports about requests the scheduler no longer tracks are tolerated.
 
-Rules (DESIGN.md section 5: Kraken, BitTorrent, Dragonfly):
+Rules (after Kraken, BitTorrent and Dragonfly: docs/design.md#swarm-distribution):
 
 * Caps: ``max_inflight`` per node, ``max_inflight_per_peer`` per peer (``max_inflight_per_remote_peer``
   per peer in another region), ``max_inflight_seed`` per seed; requests to peers in another region

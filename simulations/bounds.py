@@ -1,4 +1,4 @@
-"""Lower bounds on distribution time that no strategy can beat (DESIGN.md section 5).
+"""Lower bounds on distribution time that no strategy can beat (docs/design.md#distribution-lower-bounds).
 
 Kumar & Ross (2006): with a seed of uplink ``u_s`` and N receivers of uplinks ``u_i`` and
 downlinks ``d_i``, distributing F bytes takes at least

@@ -141,7 +141,7 @@ def test_unknown_hosts_and_missing_routes_are_refused() -> None:
 
 
 def test_bounds() -> None:
-    # DESIGN.md section 5: 500 MB to 1,000 nodes at 10 Gbit/s: 0.40 s, 0.43 s with 4 MiB chunks.
+    # docs/design.md#distribution-lower-bounds: 500 MB to 1,000 nodes at 10 Gbit/s: 0.40 s, 0.43 s with 4 MiB chunks.
     u = 10e9 / 8
     assert kumar_ross(500 * MB, u, [u] * 1000, [u] * 1000) == pytest.approx(0.4)
     assert mundinger(500 * MB, u, 1000, math.ceil(500 * MB / (4 << 20))) == pytest.approx(0.43, abs=0.005)
