@@ -30,7 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
 
 # The native build: the simulator's hot modules compiled by mypyc into a copy of the packages in
-# build/native (simulations/build.py, docs/simulation.md section 5).  Run a command on it with
+# build/native (simulations/build.py, docs/simulation.md#the-native-build).  Run a command on it with
 #   PYTHONPATH=build/native .venv/bin/python -P benchmarks/sim_bench.py swarm --hosts 1000
 # tests/test_native_build.py checks that it simulates event for event as the source does.
 NATIVE := build/native

@@ -34,8 +34,8 @@ from typing import Any
 from patchswarm.simulations.build import build_label
 from patchswarm.simulations.network import Flow, Host, Network, Region
 
-# Placeholder runs above this many hosts use a bounded membership view of this size (docs/simulation.md
-# section 6, item 10) unless --member max_members=... says otherwise (0: full membership).
+# Placeholder runs above this many hosts use a bounded membership view of this size
+# (docs/simulation.md#bounded-membership-views) unless --member max_members=... says otherwise (0: full membership).
 BOUNDED_VIEW_ABOVE = 2000
 BOUNDED_VIEW = 128
 

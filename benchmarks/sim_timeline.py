@@ -10,7 +10,7 @@ to arrival), each request and each failure.  It prints, per 10 ms from the first
 deliveries against what the hosts' downlinks could take in 10 ms (goodput), how many came from
 the seed, and the BUSY/MISSING refusals; then, for chunks in the order the seed sent them, when
 half, 90% and all of the hosts held each; then when each host's last chunk left the seed and
-arrived.  The numbers behind docs/simulation.md section 5, twelfth round.
+arrived.  The numbers behind docs/simulation.md#what-limits-the-time-to-all.
 
 The scheduler's methods are wrapped for the run (instrumentation, restored afterwards), so the
 nodes run unchanged.  The figures need one version; with ``--versions`` > 1 they mix them.

@@ -36,7 +36,7 @@ Protocol, per node:
   a bounded record of recent facts, so joins and deaths reach every view; a DEAD or LEFT one is
   also reported by ``drain_events`` (a driver may know that member from elsewhere).  The
   broadcast queue is bounded too.  Memory and a ``Sync`` are O(k) instead of O(N): for clusters
-  of thousands of hosts (docs/simulation.md section 6).
+  of thousands of hosts (docs/simulation.md#bounded-membership-views).
 """
 
 from __future__ import annotations

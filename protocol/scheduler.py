@@ -28,7 +28,7 @@ Rules (after Kraken, BitTorrent and Dragonfly: docs/design.md#swarm-distribution
 * Chunk order: the first ``random_first`` picks uniformly at random among the chunks that can
   be requested now, then rarest first.  Rarity counts the non-seed peers known to hold a chunk;
   ties follow a random permutation drawn once from the rng.  (Counting the holders of this node's
-  region first was measured 2-5% slower across regions: docs/simulation.md section 5.)
+  region first was measured 2-5% slower across regions: docs/simulation.md#measured-and-not-adopted.)
 * Peer order for a chunk: same zone, then same region, then elsewhere; a peer whose rate estimate
   is below ``1/slow_factor`` of the best candidate's is demoted behind every tier.  Within a tier
   the highest ``rate / (1 + in flight)`` wins (fast peers first, load spread among equals), with

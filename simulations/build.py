@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "swarm", "simulations", "daemon")
 
-# Where a large simulation spends its CPU (py-spy, docs/simulation.md section 5): the scheduler,
+# Where a large simulation spends its CPU (py-spy, docs/simulation.md#where-the-cpu-goes): the scheduler,
 # membership and wire decoding, the node's download and gossip paths, the flow model and its
 # transport (and a partitioned run's, partitioned.py), and the virtual-time loop's scheduling
 # (simulations/clock.py itself cannot be: its loop subclasses asyncio's classes; its per-callback work

@@ -2,7 +2,7 @@
 
 ``progressive_filling`` computes the max-min rates of a set of flows from scratch.  ``Sharer``
 updates an existing max-min allocation after flows start or leave, visiting only the resources
-whose fill level can change; docs/simulation.md section 1 gives the argument.
+whose fill level can change; docs/simulation.md#incremental-recomputation gives the argument.
 
 Progressive filling raises all rates together; a resource *saturates* at the level where its
 capacity is used up and freezes its still-rising flows there.  So a resource's level depends only

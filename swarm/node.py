@@ -994,7 +994,7 @@ class SwarmNode:
         First come, first served.  A line ordered by need (fewest chunks held first, the neediest
         taking the last place from one holding more) was 4% faster on a simulated 1,000-host swarm
         whose members all knew each other, but 1.8x slower when the version was published as the
-        hosts joined (docs/simulation.md section 5, sixth round).
+        hosts joined (docs/simulation.md#measured-and-not-adopted).
 
         ``line=False``: a free slot or nothing.  A seed's line is for requesters it is not serving
         yet: one it is uploading to (or that waits already) gets a free slot, not a place in line.

@@ -1,6 +1,6 @@
 """The native build (``make native``: the hot modules compiled by mypyc, simulations/build.py) runs
-the same simulations as the source, event for event; only its speed differs (docs/simulation.md
-section 5).
+the same simulations as the source, event for event; only its speed differs
+(docs/simulation.md#the-native-build).
 
 ``make test`` compiles it first; without a C compiler or Python's headers there is no build, and
 after an edit a plain ``pytest`` finds the build older than the source: these tests are skipped

@@ -136,7 +136,7 @@ def test_gossip_as_flows_still_converges(published: Swarm) -> None:
 
 
 def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> None:
-    """docs/simulation.md section 6 item 4: a handler cancelled in the slot queue must not keep the slot."""
+    """A handler cancelled in the slot queue must not keep the slot (docs/simulation.md#what-the-node-provides)."""
     import asyncio
     import contextlib
     import random

@@ -120,9 +120,9 @@ def test_every_documentation_link_in_the_repository_resolves() -> None:
 
 def test_anchors_follow_githubs_rules() -> None:
     assert github_anchor("Trust after TUF") == "trust-after-tuf"
-    assert github_anchor("## 7. Engine payloads (`daemon/payloads.py`)".lstrip("# ")) == "7-engine-payloads-daemonpayloadspy"
+    assert github_anchor("7. Engine payloads (`daemon/payloads.py`)") == "7-engine-payloads-daemonpayloadspy"
     assert github_anchor("a) Patch size on a [real](x.md) trajectory") == "a-patch-size-on-a-real-trajectory"
-    assert anchors("# Title\n## Same\n## Same\n```\n# not a heading\n```\n<a name=\"here\"></a>\n") == {
+    assert anchors('# Title\n## Same\n## Same\n```\n# not a heading\n```\n<a name="here"></a>\n') == {
         "title",
         "same",
         "same-1",
