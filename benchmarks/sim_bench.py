@@ -195,7 +195,7 @@ def placeholder_bench(
     """Real nodes, placeholder payloads: ``hosts`` peers and a seed, at ``rate`` both ways unless
     ``down_rate`` (the peers' downlinks) or ``seed_rate`` (the seed's uplink) say otherwise.
     ``cold``: the first version is published as the nodes join (no warm membership)."""
-    from patchswarm.protocol.membership import MembershipConfig
+    from patchswarm.protocol.membership_config import MembershipConfig
     from patchswarm.simulations.placeholder import placeholder_held
     from patchswarm.simulations.runner import simulate_stream
     from patchswarm.simulations.synthetic import synthetic_setup
@@ -297,7 +297,7 @@ def run(a: argparse.Namespace) -> None:
     elif a.hosts:
         options: dict[str, Any] = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.node)}
         if a.sched:
-            from patchswarm.protocol.scheduler import SchedulerConfig
+            from patchswarm.protocol.scheduler_types import SchedulerConfig
 
             options["scheduler"] = SchedulerConfig(**{k: json.loads(v) for k, v in (o.split("=", 1) for o in a.sched)})
         member = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.member)}

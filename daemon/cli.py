@@ -175,7 +175,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from patchswarm.protocol.codec import read_header
+    from patchswarm.protocol.patch_format import read_header
     from patchswarm.protocol.patchfile import open_file, read_patch_file
 
     v = open_file(read_patch_file(args.patch), _trust(args.trust), now_ms=_now_ms())
@@ -188,7 +188,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def inspect_data(path: str) -> dict[str, Any]:
-    from patchswarm.protocol.codec import read_header
+    from patchswarm.protocol.patch_format import read_header
     from patchswarm.protocol.patchfile import open_file, read_patch_file
 
     v = open_file(read_patch_file(path), None, verify_chunks=True)

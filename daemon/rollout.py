@@ -54,7 +54,7 @@ from patchswarm.daemon.weightstore import (
 )
 from patchswarm.protocol.head import utc_text
 from patchswarm.protocol.keys import load_public_key
-from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.client_errors import describe

@@ -200,7 +200,7 @@ class Manifest:
             raise FormatError("manifest expires before it was created")
 
     def raw_bound(self) -> int:
-        """Upper bound of decoded stream bytes for this layout (see codec.raw_bound)."""
+        """Upper bound of decoded stream bytes for this layout (see patch_format.raw_bound)."""
         if self.kind == Kind.ANCHOR:
             return sum(s.nbytes for s in self.specs)
         return sum(s.numel * max(s.dt.width, 11 + s.dt.width) for s in self.specs)

@@ -37,6 +37,11 @@ Protocol, per node:
   also reported by ``drain_events`` (a driver may know that member from elsewhere).  The
   broadcast queue is bounded too.  Memory and a ``Sync`` are O(k) instead of O(N): for clusters
   of thousands of hosts (docs/simulation.md#bounded-membership-views).
+
+Where the parts live: the messages and a node's identity in protocol/membership_messages.py, the
+configuration and suspicion timeouts in protocol/membership_config.py, the records this state
+machine keeps in protocol/membership_records.py, its sorted indexes of members by state (what
+random picks are drawn from) in protocol/membership_index.py.
 """
 
 from __future__ import annotations
@@ -45,303 +50,28 @@ import bisect
 import hashlib
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
 
 from patchswarm.protocol import draws
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class NodeInfo:
-    """A node's identity, locality labels and address (the address is opaque to this module)."""
-
-    node_id: str
-    addr: str
-    zone: str
-    region: str
-
-    # __init__ written out (init=False) here and below: the native build compiles its stores
-    # (simulations/build.py) where the generated one stays interpreted (protocol/wire.py too).
-    def __init__(self, node_id: str, addr: str, zone: str = "", region: str = "") -> None:
-        object.__setattr__(self, "node_id", node_id)
-        object.__setattr__(self, "addr", addr)
-        object.__setattr__(self, "zone", zone)
-        object.__setattr__(self, "region", region)
-
-
-class MemberState(IntEnum):
-    """Ordered by precedence at equal incarnation (a larger state wins)."""
-
-    ALIVE = 0
-    SUSPECT = 1
-    DEAD = 2
-    LEFT = 3
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Update:
-    """A gossiped fact about one member.  ``origin``: the node that asserted it (counts suspicions)."""
-
-    info: NodeInfo
-    incarnation: int
-    state: MemberState
-    origin: str
-
-    def __init__(self, info: NodeInfo, incarnation: int, state: MemberState, origin: str = "") -> None:
-        object.__setattr__(self, "info", info)
-        object.__setattr__(self, "incarnation", incarnation)
-        object.__setattr__(self, "state", state)
-        object.__setattr__(self, "origin", origin)
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    """Direct probe; the target answers ``Ack`` to the sender."""
-
-    seq: int
-    target_id: str
-    piggyback: tuple[Update, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PingReq:
-    """ "Probe ``target`` for me": the helper pings it and relays the ``Ack`` (or sends a ``Nack``)."""
-
-    seq: int
-    target: NodeInfo
-    piggyback: tuple[Update, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    """Answer to a probe; ``target_id`` is the node that was probed."""
-
-    seq: int
-    target_id: str
-    piggyback: tuple[Update, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Nack:
-    """Lifeguard: a ``PingReq`` helper got no answer from the target (the helper itself is fine)."""
-
-    seq: int
-    target_id: str
-    piggyback: tuple[Update, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Sync:
-    """Anti-entropy push of the sender's full state; ``reply=True`` asks for the receiver's back."""
-
-    members: tuple[Update, ...]
-    reply: bool
-    piggyback: tuple[Update, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Gossip:
-    """A gossip round's message: nothing but piggybacked updates."""
-
-    piggyback: tuple[Update, ...] = ()
-
-
-Message = Ping | PingReq | Ack | Nack | Sync | Gossip
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    to: NodeInfo
-    message: Message
-
-
-@dataclass(frozen=True, slots=True)
-class MembershipConfig:
-    """Timing and fan-out: memberlist's LAN defaults but a 10 s anti-entropy sync (memberlist: 30 s); seconds."""
-
-    probe_interval: float = 1.0
-    probe_timeout: float = 0.5
-    indirect_probes: int = 3
-    gossip_interval: float = 0.2
-    gossip_fanout: int = 3
-    retransmit_mult: int = 4
-    suspicion_min_mult: float = 4.0  # shortest timeout = mult * log10(N + 1) * probe_interval
-    suspicion_max_mult: float = 6.0  # longest timeout, as a multiple of the shortest
-    sync_interval: float = 10.0
-    awareness_max: int = 8  # cap on the (1 + awareness) multiplier of probe interval and timeout
-    dead_reclaim: float = 30.0
-    max_piggyback: int = 16
-    suspicion_confirmations: int = 3  # Lifeguard K: independent suspectors expected
-    nack_fraction: float = 0.8  # a helper nacks after this share of (probe_interval - probe_timeout)
-    max_members: int = 0  # >0: a bounded view of at most this many other members (see the module docstring)
-    # Full membership (max_members = 0) still stops admitting strangers past this many: a peer holding the
-    # cluster secret could otherwise name members without end (memory, and a probe for each address).
-    max_full_members: int = 65_536
-    # Gossip frames older than frame_window (by their sender's clock, beyond frame_skew) or more than
-    # frame_skew ahead are refused, as are repeats: a captured frame cannot be replayed (protocol/wire.py).
-    # The skew is the daemon's trust.clock_skew default: a host its heads tolerate is heard too.
-    frame_window: float = 60.0
-    frame_skew: float = 300.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.probe_timeout < self.probe_interval:
-            raise ValueError("need 0 < probe_timeout < probe_interval")
-        if min(self.gossip_interval, self.sync_interval, self.dead_reclaim) <= 0:
-            raise ValueError("intervals must be positive")
-        if self.indirect_probes < 0 or self.gossip_fanout < 1 or self.retransmit_mult < 1:
-            raise ValueError("indirect_probes >= 0, gossip_fanout >= 1 and retransmit_mult >= 1 required")
-        if self.suspicion_min_mult <= 0 or self.suspicion_max_mult < 1:
-            raise ValueError("need suspicion_min_mult > 0 and suspicion_max_mult >= 1")
-        if self.awareness_max < 1 or self.max_piggyback < 1 or self.suspicion_confirmations < 0:
-            raise ValueError("awareness_max >= 1, max_piggyback >= 1, suspicion_confirmations >= 0 required")
-        if not 0 < self.nack_fraction < 1:
-            raise ValueError("need 0 < nack_fraction < 1")
-        if self.max_members < 0:
-            raise ValueError("max_members must be >= 0 (0: every member)")
-        if self.max_full_members < 1:
-            raise ValueError("max_full_members must be >= 1")
-        if not (0 <= self.frame_window < math.inf and 0 <= self.frame_skew < math.inf):
-            raise ValueError("frame_window and frame_skew must be finite and >= 0")
-
-    @property
-    def nack_timeout(self) -> float:
-        """How long a helper waits for the target before it nacks (so the Nack beats the deadline)."""
-        return self.nack_fraction * (self.probe_interval - self.probe_timeout)
-
-
-def suspicion_bounds(config: MembershipConfig, n: int) -> tuple[float, float]:
-    """Shortest and longest suspicion timeout in a cluster of ``n`` live nodes (self included)."""
-    shortest = config.suspicion_min_mult * math.log10(max(n, 1) + 1) * config.probe_interval
-    return shortest, config.suspicion_max_mult * shortest
-
-
-def suspicion_timeout(confirmations: int, expected: int, shortest: float, longest: float) -> float:
-    """Lifeguard: ``longest`` with no confirmations, shrinking logarithmically to ``shortest`` at ``expected``."""
-    if expected < 1:
-        return shortest
-    frac = math.log(confirmations + 1) / math.log(expected + 1)
-    return max(shortest, longest - frac * (longest - shortest))
-
-
-@dataclass(slots=True, init=False)
-class _Member:
-    info: NodeInfo
-    incarnation: int
-    state: MemberState
-    origin: str
-    since: float  # when state last changed
-    told_at: float  # when we last told it that we consider it DEAD/LEFT
-    rank: int  # bounded view: its rank from this node (lower stays)
-    fact: Update | None  # the Update equal to (info, incarnation, state, origin), kept for known()
-
-    def __init__(
-        self, info: NodeInfo, incarnation: int, state: MemberState, origin: str, since: float, fact: Update | None
-    ) -> None:
-        self.info = info
-        self.incarnation = incarnation
-        self.state = state
-        self.origin = origin
-        self.since = since
-        self.told_at = -math.inf
-        self.rank = 0
-        self.fact = fact
-
-
-@dataclass(slots=True)
-class _Suspicion:
-    incarnation: int
-    start: float
-    expected: int
-    shortest: float
-    longest: float
-    confirmers: set[str]
-    deadline: float
-
-
-@dataclass(slots=True)
-class _Probe:
-    seq: int
-    target: NodeInfo
-    timeout_at: float
-    deadline: float
-    indirect: bool = False
-    nackers: set[str] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class _Relay:  # a PingReq we are serving as helper
-    requester: NodeInfo
-    seq: int
-    target_id: str
-    nack_at: float
-
-
-@dataclass(slots=True, init=False)
-class _Broadcast:
-    update: Update
-    transmits: int
-    order: int
-
-    def __init__(self, update: Update, transmits: int, order: int) -> None:
-        self.update = update
-        self.transmits = transmits
-        self.order = order
-
-
-class _SortedIds:
-    """Node ids kept sorted (bisect): the k-th id by node_id in O(1), an insert or removal in O(log n) plus
-    a memmove, so ``random.sample`` over the ids draws exactly what it drew over a freshly sorted list."""
-
-    __slots__ = ("ids",)
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-
-    def add(self, node_id: str) -> None:
-        i = bisect.bisect_left(self.ids, node_id)
-        if i == len(self.ids) or self.ids[i] != node_id:
-            self.ids.insert(i, node_id)
-
-    def discard(self, node_id: str) -> None:
-        i = bisect.bisect_left(self.ids, node_id)
-        if i < len(self.ids) and self.ids[i] == node_id:
-            del self.ids[i]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-class _InfoView(Sequence[NodeInfo]):
-    """The NodeInfo of sorted ids, optionally without one id: what ``_pick`` samples from, without copying."""
-
-    def __init__(self, ids: list[str], members: dict[str, _Member], skip: str | None = None) -> None:
-        self._ids = ids
-        self._members = members
-        self._skip = -1
-        if skip is not None:
-            i = bisect.bisect_left(ids, skip)
-            if i < len(ids) and ids[i] == skip:
-                self._skip = i
-
-    def __len__(self) -> int:
-        return len(self._ids) - (self._skip >= 0)
-
-    def __getitem__(self, i: int) -> NodeInfo:  # type: ignore[override]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        if 0 <= self._skip <= i:
-            i += 1
-        return self._members[self._ids[i]].info
-
+from patchswarm.protocol.membership_config import MembershipConfig, suspicion_bounds, suspicion_timeout
+from patchswarm.protocol.membership_index import _InfoView, _SortedIds
+from patchswarm.protocol.membership_messages import (
+    MAX_SYNC_MEMBERS,
+    Ack,
+    Gossip,
+    MemberState,
+    Message,
+    Nack,
+    NodeInfo,
+    Ping,
+    PingReq,
+    Send,
+    Sync,
+    Update,
+)
+from patchswarm.protocol.membership_records import _Broadcast, _Member, _Probe, _Relay, _Suspicion
 
 # Far more refutations than a node makes in its life, far less than the 2**63 the wire carries.
 MAX_INCARNATION_JUMP = 1 << 20
-# A Sync lists at most this many members (protocol/wire.py refuses longer lists: MAX_UPDATES); a full
-# membership larger than that sends a random sample (the rest spreads by gossip and later syncs).
-MAX_SYNC_MEMBERS = 4000
 # Bounded view: facts about non-members remembered (to relay each once) and broadcasts queued, per member.
 HEARD_PER_MEMBER = 8
 QUEUE_PER_MEMBER = 4

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
-from patchswarm.protocol.codec import EncodedPatch, Progress, anchor_header, apply_update, encode_patch, iter_updates
+from patchswarm.protocol.codec import Progress, apply_update, encode_patch, iter_updates
 from patchswarm.protocol.docfields import read_prefix
 from patchswarm.protocol.errors import (
     BaseMismatchError,
@@ -28,6 +28,7 @@ from patchswarm.protocol.errors import (
 from patchswarm.protocol.files import open_regular, write_atomic
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
 from patchswarm.protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
+from patchswarm.protocol.patch_format import EncodedPatch, anchor_header
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, state_root
 
 FILE_MAGIC = b"PSWPATCH"

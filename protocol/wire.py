@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 
 from patchswarm.protocol.errors import FormatError
-from patchswarm.protocol.membership import (
+from patchswarm.protocol.membership_messages import (
     MAX_SYNC_MEMBERS,
     Ack,
     Gossip,

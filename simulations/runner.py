@@ -26,7 +26,8 @@ from patchswarm.daemon.pull import Held
 from patchswarm.protocol.catalog import plan
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import KeyPolicy
-from patchswarm.protocol.membership import MembershipConfig, Sync
+from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.membership_messages import Sync
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.signed import Envelope
 from patchswarm.simulations import partitioned

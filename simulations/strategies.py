@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from patchswarm.protocol.membership import MembershipConfig
-from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.network import Flow, Network
 from patchswarm.simulations.placeholder import placeholder_held

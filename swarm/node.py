@@ -31,11 +31,14 @@ from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.manifest import Manifest
-from patchswarm.protocol.membership import Membership, MembershipConfig, MemberState, Message, NodeInfo, Send
+from patchswarm.protocol.membership import Membership
+from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.membership_messages import MemberState, Message, NodeInfo, Send
 from patchswarm.protocol.patchfile import apply_version
 from patchswarm.protocol.ratelimit import TokenBucket, UploadSlots
 from patchswarm.protocol.requesters import RequesterLimits
-from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
+from patchswarm.protocol.scheduler import ChunkScheduler
+from patchswarm.protocol.scheduler_types import FailureReason, PeerInfo, Request, SchedulerConfig
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trees import StripeTrees
 from patchswarm.protocol.trust import TrustState

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from patchswarm.daemon.board import Board
 from patchswarm.protocol.files import write_atomic
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
-from patchswarm.protocol.membership import NodeInfo, Ping
+from patchswarm.protocol.membership_messages import NodeInfo, Ping
 from patchswarm.protocol.trust import Certificate
 from patchswarm.protocol.wire import Announcement, GossipFrame, encode_frame
 from patchswarm.swarm.http import HttpTransport

@@ -53,7 +53,7 @@ from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.head import HEAD_TAG, Head, HeadTracker, verify_head
 from patchswarm.protocol.keys import SigningKey, load_public_key
 from patchswarm.protocol.manifest import ENVELOPE_TAG, Kind, SignedManifest
-from patchswarm.protocol.membership import Ack, Gossip, MemberState, NodeInfo, Ping, PingReq, Sync, Update
+from patchswarm.protocol.membership_messages import Ack, Gossip, MemberState, NodeInfo, Ping, PingReq, Sync, Update
 from patchswarm.protocol.patchfile import Version, apply_version, build_version, open_file, pack_file
 from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 from patchswarm.protocol.served import ServedModel, TensorSpec

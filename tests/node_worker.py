@@ -17,7 +17,7 @@ import json
 import random
 import sys
 
-from patchswarm.protocol.membership import MembershipConfig
+from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.node import NodeConfig
 from patchswarm.swarm.server import start_http_node

@@ -14,7 +14,7 @@ from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.served_format import ServedFormat
 from patchswarm.protocol.keys import SigningKey
-from patchswarm.protocol.membership import MembershipConfig
+from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, TrustState
 from patchswarm.swarm.node import NodeConfig

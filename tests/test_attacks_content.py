@@ -19,7 +19,7 @@ from aiohttp import web
 
 from patchswarm.daemon.board import Board
 from patchswarm.protocol.head import Head
-from patchswarm.protocol.membership import NodeInfo
+from patchswarm.protocol.membership_messages import NodeInfo
 from patchswarm.protocol.signed import Envelope
 from tests.adversary import AttackWorld, foreign_run, inject_gossip, mirror
 

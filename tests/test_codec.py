@@ -9,9 +9,10 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 
-from patchswarm.protocol import codec
-from patchswarm.protocol.codec import Encoding, apply_patch, encode_patch, iter_updates, read_header
+from patchswarm.protocol import value_coding
+from patchswarm.protocol.codec import apply_patch, encode_patch, iter_updates
 from patchswarm.protocol.errors import LayoutMismatchError
+from patchswarm.protocol.patch_format import EncodedPatch, Encoding, read_header
 from patchswarm.protocol.served import ServedModel, TensorSpec
 from tests.conftest import (
     ALL_DTYPES,
@@ -30,7 +31,7 @@ def _changed(base: ServedModel, target: ServedModel, i: int) -> int:
     return int(np.count_nonzero(words(base, i) != words(target, i)))
 
 
-def _round_trip(base: ServedModel | None, target: ServedModel) -> codec.EncodedPatch:
+def _round_trip(base: ServedModel | None, target: ServedModel) -> EncodedPatch:
     before = base.clone() if base is not None else None
     patch = encode_patch(base, target)
     if base is not None:
@@ -168,7 +169,7 @@ def test_progress_reports_every_tensor() -> None:
 
 def test_small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     # Dense encodings go slice by slice: shrink the slice to cover the seams.
-    monkeypatch.setattr(codec, "SLICE", 7)
+    monkeypatch.setattr(value_coding, "SLICE", 7)
     rng = np.random.default_rng(5)
     spec = [TensorSpec("a", "BF16", (50,)), TensorSpec("b", "I64", (23,))]
     old = [random_words(rng, s.dt.width, s.numel) for s in spec]

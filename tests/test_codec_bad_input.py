@@ -30,7 +30,7 @@ import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from patchswarm.protocol.codec import PAYLOAD_MAGIC, Encoding, apply_patch, encode_patch, raw_bound, read_header
+from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.errors import (
     FormatError,
     LayoutMismatchError,
@@ -39,6 +39,7 @@ from patchswarm.protocol.errors import (
     UnsupportedFormatError,
 )
 from patchswarm.protocol.manifest import Kind, Manifest
+from patchswarm.protocol.patch_format import PAYLOAD_MAGIC, Encoding, raw_bound, read_header
 from patchswarm.protocol.patchfile import sign_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash, state_root
 from patchswarm.protocol.streams import MAX_EXPANSION

@@ -14,7 +14,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patchswarm.protocol.membership import MembershipConfig, NodeInfo, Ping
+from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.membership_messages import NodeInfo, Ping
 from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.wire import (
     REPLAY_BITS,

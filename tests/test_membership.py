@@ -13,12 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patchswarm.protocol.membership import (
-    MAX_INCARNATION_JUMP,
+from patchswarm.protocol.membership import MAX_INCARNATION_JUMP, Membership
+from patchswarm.protocol.membership_config import MembershipConfig, suspicion_bounds, suspicion_timeout
+from patchswarm.protocol.membership_messages import (
     Ack,
     Gossip,
-    Membership,
-    MembershipConfig,
     MemberState,
     Message,
     Nack,
@@ -28,8 +27,6 @@ from patchswarm.protocol.membership import (
     Send,
     Sync,
     Update,
-    suspicion_bounds,
-    suspicion_timeout,
 )
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT

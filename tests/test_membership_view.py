@@ -8,17 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patchswarm.protocol.membership import (
-    HEARD_PER_MEMBER,
-    QUEUE_PER_MEMBER,
-    Gossip,
-    Membership,
-    MembershipConfig,
-    MemberState,
-    NodeInfo,
-    Update,
-    suspicion_bounds,
-)
+from patchswarm.protocol.membership import HEARD_PER_MEMBER, QUEUE_PER_MEMBER, Membership
+from patchswarm.protocol.membership_config import MembershipConfig, suspicion_bounds
+from patchswarm.protocol.membership_messages import Gossip, MemberState, NodeInfo, Update
 from tests.test_membership import Net, check_indexes
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
@@ -161,7 +153,7 @@ def test_the_join_seeds_keep_their_place() -> None:
 
 
 def test_a_sync_of_a_huge_full_membership_fits_the_wire() -> None:
-    from patchswarm.protocol.membership import MAX_SYNC_MEMBERS, Sync
+    from patchswarm.protocol.membership_messages import MAX_SYNC_MEMBERS, Sync
     from patchswarm.protocol.wire import Announcement, GossipFrame, decode_frame, encode_frame
 
     m = Membership(NodeInfo("me", "sim://me"), MembershipConfig(), random.Random(0), 0.0)

@@ -18,7 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from patchswarm.protocol.bitfield import Bitfield
-from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig, _indices
+from patchswarm.protocol.scheduler import ChunkScheduler
+from patchswarm.protocol.scheduler_state import _indices
+from patchswarm.protocol.scheduler_types import FailureReason, PeerInfo, Request, SchedulerConfig
 
 ME = PeerInfo("me", zone="z1", region="r1")
 MB = 1_000_000

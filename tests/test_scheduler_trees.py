@@ -8,7 +8,8 @@ import random
 import pytest
 
 from patchswarm.protocol.bitfield import Bitfield
-from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
+from patchswarm.protocol.scheduler import ChunkScheduler
+from patchswarm.protocol.scheduler_types import FailureReason, PeerInfo, SchedulerConfig
 
 ME = PeerInfo("me", region="r1")
 SEED = PeerInfo("seed", region="r1", is_seed=True)

@@ -25,9 +25,10 @@ from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, 
 from patchswarm.daemon.pull import Held, Puller
 from patchswarm.daemon.served_format import ServedFormat
 from patchswarm.daemon.sources import DirSource
-from patchswarm.protocol.codec import Encoding, TensorDelta, assemble, diff_tensor, encode_patch
+from patchswarm.protocol.codec import TensorDelta, assemble, diff_tensor, encode_patch
 from patchswarm.protocol.keys import SigningKey, TrustedKeys
 from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.patch_format import Encoding
 from patchswarm.protocol.served import ServedModel
 from tests.boards import board_files, small_model
 from tests.conftest import patch_cases

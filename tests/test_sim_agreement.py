@@ -36,7 +36,7 @@ import torch
 
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.pull import Held
-from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.trust import Certificate
 from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.network import Host, Region

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from patchswarm.protocol.scheduler import SchedulerConfig
+from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.trust import TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual
 from patchswarm.simulations.network import Backbone, Host, Network, Region

@@ -11,7 +11,7 @@ from patchswarm.daemon.board import Board
 from patchswarm.daemon.pull import Held
 from patchswarm.protocol.catalog import plan
 from patchswarm.protocol.head import Head
-from patchswarm.protocol.membership import MemberState
+from patchswarm.protocol.membership_messages import MemberState
 from patchswarm.protocol.signed import Envelope
 from patchswarm.swarm.server import start_http_node
 from patchswarm.swarm.transport import Busy, Missing, SendChunk

@@ -20,7 +20,7 @@ import pytest
 from patchswarm.daemon.board import Board
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.keys import SigningKey
-from patchswarm.protocol.membership import MemberState, NodeInfo
+from patchswarm.protocol.membership_messages import MemberState, NodeInfo
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual

@@ -11,7 +11,8 @@ import torch
 
 from patchswarm.daemon import trajectory
 from patchswarm.daemon.trajectory import PRESETS, Trajectory, changed_fraction, generate, param_count, write_versions
-from patchswarm.protocol.codec import Encoding, apply_patch, encode_patch, iter_updates
+from patchswarm.protocol.codec import apply_patch, encode_patch, iter_updates
+from patchswarm.protocol.patch_format import Encoding
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import ServedModel
 

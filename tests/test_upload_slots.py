@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from patchswarm.protocol.membership import MembershipConfig, NodeInfo
+from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.membership_messages import NodeInfo
 from patchswarm.protocol.requesters import RequesterLimits
 from patchswarm.protocol.trust import TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual
@@ -387,7 +388,8 @@ def test_a_stuck_downloader_asks_the_seeds_again() -> None:
     (``failure_backoff``).  With nothing in flight, no one else to ask and at most
     ``endgame_remaining`` (3) chunks left, the downloader takes that back (the seed holds every chunk),
     at most every ``busy_retry_after`` per chunk; with more left it waits for holders."""
-    from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
+    from patchswarm.protocol.scheduler import ChunkScheduler
+    from patchswarm.protocol.scheduler_types import FailureReason, PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
     from patchswarm.swarm.node import PeerView
 
@@ -446,7 +448,8 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
     virtual instant)."""
     from types import SimpleNamespace
 
-    from patchswarm.protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
+    from patchswarm.protocol.scheduler import ChunkScheduler
+    from patchswarm.protocol.scheduler_types import PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
     from patchswarm.swarm.node import PeerView
 
@@ -499,7 +502,8 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
     nearer (our region, asia) than every peer known to want our chunks, not when it is as far as they
     are, and never by a seed (whose one copy of each chunk would go to its neighbours)."""
     from patchswarm.protocol.bitfield import Bitfield
-    from patchswarm.protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
+    from patchswarm.protocol.scheduler import ChunkScheduler
+    from patchswarm.protocol.scheduler_types import PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
     from patchswarm.simulations.runner import _warm
     from patchswarm.swarm.node import PeerView

@@ -36,7 +36,7 @@ from patchswarm.protocol.chunks import split  # noqa: E402
 from patchswarm.protocol.head import HEAD_TAG, Head  # noqa: E402
 from patchswarm.protocol.keys import SigningKey  # noqa: E402
 from patchswarm.protocol.manifest import ENVELOPE_TAG, Kind, Manifest, SignedManifest  # noqa: E402
-from patchswarm.protocol.membership import MemberState  # noqa: E402
+from patchswarm.protocol.membership_messages import MemberState  # noqa: E402
 from patchswarm.protocol.patchfile import Version, pack_file  # noqa: E402
 from patchswarm.protocol.safetensors_io import save_safetensors  # noqa: E402
 from patchswarm.protocol.served import TensorSpec, layout_hash, state_root  # noqa: E402
