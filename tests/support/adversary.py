@@ -8,7 +8,7 @@ and, like a board mirror, the board paths at the root; what it answers there is 
 answered chunks, a withheld chunk, board objects replaced (a stale, forged, foreign or forked head, a
 wrong manifest), board requests never answered, and a lie about its head counter in every announcement.
 
-:class:`AttackWorld` is the rest: a trainer (``tests.swarmkit.Swarm``) publishing to its own board,
+:class:`AttackWorld` is the rest: a trainer (``tests.support.swarmkit.Swarm``) publishing to its own board,
 an honest seed serving a *public* copy of it, the adversary's copy, and one real ``patchswarm daemon``
 process, with helpers to read the daemon's status, metrics and persisted high-water mark.  Copying a
 new version to the adversary's board only ("leaking it first") lets a test watch the daemon face the
@@ -45,8 +45,8 @@ from patchswarm.swarm.node import NodeConfig, SwarmNode
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.stores import BoardChunkStore
 from patchswarm.swarm.transport import SystemClock
-from tests.daemonkit import Daemon, make_daemon
-from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
+from tests.support.daemonkit import Daemon, make_daemon
+from tests.support.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 
 CHUNK_MODES = ("honest", "corrupt", "truncate", "endless", "bomb", "slow", "hang", "withhold")
 BOMB_BYTES = 64 << 20  # what the gzip bomb inflates to (it is ~64 KiB on the wire)

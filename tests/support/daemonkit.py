@@ -16,9 +16,9 @@ from typing import Any
 
 import aiohttp
 
-from tests.swarmkit import RUN, SECRET, Swarm
+from tests.support.swarmkit import RUN, SECRET, Swarm
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 @dataclass

@@ -25,9 +25,9 @@ import blake3
 
 from patchswarm.daemon.engine import EngineView
 from patchswarm.protocol.served import ServedModel, state_root
-from tests.boards import free_port
-from tests.daemonkit import ROOT, Daemon, make_daemon
-from tests.swarmkit import RUN, SECRET, Swarm
+from tests.support.boards import free_port
+from tests.support.daemonkit import ROOT, Daemon, make_daemon
+from tests.support.swarmkit import RUN, SECRET, Swarm
 
 FAKETIME_LIBS = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",

@@ -1,7 +1,7 @@
 """Fuzz targets: every parser that takes untrusted bytes or text, its valid seed inputs, and the
 only errors it may raise.
 
-Shared by tests/test_fuzz.py (hypothesis, CI-sized), tests/vectors/generate.py (negative vectors)
+Shared by tests/unit/protocol/test_fuzz.py (hypothesis, CI-sized), tests/vectors/generate.py (negative vectors)
 and benchmarks/fuzz.py (a million mutated inputs).  Everything here is deterministic: keys come
 from fixed seeds (Ed25519 signatures are deterministic), models from a seeded generator.
 
@@ -66,7 +66,7 @@ CREATED_MS = 1_000_000
 NOW_MS = 2_000_000
 SKEW_MS = 1_000
 SECRET = b"patchswarm-fuzz-cluster-secret!!"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def det_key(name: str) -> SigningKey:

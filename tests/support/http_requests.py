@@ -1,4 +1,4 @@
-"""A grammar of hostile raw HTTP/1.x requests, shared by tests/test_http_fuzz.py (hypothesis, CI-sized)
+"""A grammar of hostile raw HTTP/1.x requests, shared by tests/system/test_http_fuzz.py (hypothesis, CI-sized)
 and benchmarks/http_fuzz.py (100k requests): methods, paths with every encoding of ``/`` and ``..``,
 header names, values and repeats the servers look at, bodies plain or chunked, right and wrong lengths.
 

@@ -1,7 +1,7 @@
-"""A swarm node in its own process, over real HTTP on loopback (tests/test_upload_slots.py,
-tests/test_gossip_replay.py).
+"""A swarm node in its own process, over real HTTP on loopback (tests/unit/swarm/test_upload_slots.py,
+tests/unit/swarm/test_gossip_replay.py).
 
-Usage: python -m tests.node_worker NAME [--slots N] [--deadline S] [--chunk-bytes N] [--bootstrap URL]
+Usage: python -m tests.support.node_worker NAME [--slots N] [--deadline S] [--chunk-bytes N] [--bootstrap URL]
                                         [--frame-window S] [--frame-skew S]
 Prints {"port": P, "url": U, "hash": HEX} (the one chunk it serves), then answers stdin lines:
 "metrics" prints the node's metrics as one JSON line, "peers" the ids of the peers it heard from;
@@ -21,7 +21,7 @@ from patchswarm.protocol.membership import MembershipConfig
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.node import NodeConfig
 from patchswarm.swarm.server import start_http_node
-from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET
+from tests.support.swarmkit import FAST_MEMBERSHIP, RUN, SECRET
 
 CHUNK_HASH = bytes(range(32))
 
@@ -55,7 +55,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m tests.node_worker")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.node_worker")
     parser.add_argument("name")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--deadline", type=float, default=30.0)

@@ -1,4 +1,4 @@
-"""The test side of tests/node_worker.py: start a node process, ask it for its metrics, stop it."""
+"""The test side of tests/support/node_worker.py: start a node process, ask it for its metrics, stop it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 class NodeWorker:
     def __init__(self, name: str, *args: str) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "tests.node_worker", name, *args],
+            [sys.executable, "-m", "tests.support.node_worker", name, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,6 +1,6 @@
 """A trainer process for crash tests: publishes versions of a small model until killed.
 
-Usage: python -m tests.publisher_worker BOARD RUN TRAINER_KEY CERT SEED
+Usage: python -m tests.support.publisher_worker BOARD RUN TRAINER_KEY CERT SEED
 Prints "published N" after each version (the parent kills it at random moments).
 """
 

@@ -1,6 +1,6 @@
 """The daemon's two local servers as processes of their own, for the slow-client and HTTP fuzz tests.
 
-Usage: python -m tests.server_worker MODE ADDRESS
+Usage: python -m tests.support.server_worker MODE ADDRESS
   api SOCKET      the unix-socket API (daemon/api.py) over a fixed Status, served by serve_unix
   sidecar PORT    the sidecar (daemon/sidecar.py) on 127.0.0.1:PORT in front of a small engine in this
                   process: GET/POST /generate answers JSON, GET /big streams BIG_BYTES

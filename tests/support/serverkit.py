@@ -1,6 +1,6 @@
 """The project's four HTTP servers as real processes, for the slow-client suite, the HTTP fuzz test and
 benchmarks/http_fuzz.py: a seed node (``patchswarm seed --run``, the peer endpoints), the plain board
-server (``patchswarm seed --board``), the sidecar and the daemon's unix-socket API (tests/server_worker.py).
+server (``patchswarm seed --board``), the sidecar and the daemon's unix-socket API (tests/support/server_worker.py).
 
 Each :class:`Server` knows an honest request (answered 200) and a large answer a slow reader can
 pipeline, and speaks raw bytes over its socket: a test sends what it likes and reads what comes back.
@@ -27,9 +27,9 @@ from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.trust import RootDocument
-from tests.boards import Keys, free_port
+from tests.support.boards import Keys, free_port
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 RUN = "serve-run"
 SECRET = b"s" * 32
 
@@ -217,8 +217,8 @@ def running_servers(tmp: Path, env: dict[str, str] | None = None) -> Iterator[li
             env,
         ),
         "board": _spawn([*cli, "--listen", f"127.0.0.1:{board_port}"], logs["board"], env),
-        "sidecar": _spawn(["-m", "tests.server_worker", "sidecar", str(sidecar_port)], logs["sidecar"], env),
-        "api": _spawn(["-m", "tests.server_worker", "api", str(tmp / "api.sock")], logs["api"], env),
+        "sidecar": _spawn(["-m", "tests.support.server_worker", "sidecar", str(sidecar_port)], logs["sidecar"], env),
+        "api": _spawn(["-m", "tests.support.server_worker", "api", str(tmp / "api.sock")], logs["api"], env),
     }
     servers: list[Server] = []
     try:

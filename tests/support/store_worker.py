@@ -1,6 +1,6 @@
 """Helper processes for the weight-store tests (a daemon that gets killed, an engine, a fence reader).
 
-Usage: python -m tests.store_worker MODE ...
+Usage: python -m tests.support.store_worker MODE ...
   launcher NAME SHM_DIR JOURNAL_DIR SEED
       imports once, then per stdin command forks a daemon child (killed by the test or by itself)
       and prints "dead STATUS" when it is gone.  Commands:

@@ -1,4 +1,4 @@
-"""Attacks on content through a real daemon: a peer (tests.adversary) that holds, or claims to hold,
+"""Attacks on content through a real daemon: a peer (tests.support.adversary) that holds, or claims to hold,
 every chunk and lies about it in every way the wire allows.
 
 One daemon, one honest seed and one adversary are shared by the module.  Each test leaks a new
@@ -21,7 +21,7 @@ from patchswarm.daemon.board import Board
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.membership import NodeInfo
 from patchswarm.protocol.signed import Envelope
-from tests.adversary import AttackWorld, foreign_run, inject_gossip, mirror
+from tests.support.adversary import AttackWorld, foreign_run, inject_gossip, mirror
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

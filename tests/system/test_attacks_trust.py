@@ -29,8 +29,8 @@ from patchswarm.protocol.patchfile import build_version
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import Certificate, RootDocument
-from tests.adversary import AttackWorld, foreign_run, mirror
-from tests.swarmkit import RUN
+from tests.support.adversary import AttackWorld, foreign_run, mirror
+from tests.support.swarmkit import RUN
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 HEAD = Board.head_rel(RUN)

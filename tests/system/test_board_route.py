@@ -26,9 +26,9 @@ from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.trust import RootDocument
-from tests.boards import Keys, free_port
+from tests.support.boards import Keys, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUN = "route-run"
 SECRET = b"r" * 32
 CHUNK = 16 << 20

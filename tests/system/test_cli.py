@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
-from tests.helpers import adam_like_pair
+from tests.support.helpers import adam_like_pair
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -30,10 +30,10 @@ from hypothesis import strategies as st
 
 from patchswarm.daemon.board import Board
 from patchswarm.protocol.files import confined_parts, open_confined, read_confined
-from tests.boards import free_port
-from tests.swarmkit import RUN, SECRET, Swarm
+from tests.support.boards import free_port
+from tests.support.swarmkit import RUN, SECRET, Swarm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY_MARK = b"PRIVATE KEY"  # in the PEM of every signing key
 SPARSE = 512 << 20  # bigger than any board file may be (chunks and manifests: 64 MiB)
 RSS_GROWTH = 96 << 20  # reading any of the hostile files would take more than this

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from patchswarm.daemon.engine import attach
-from tests.daemonkit import ROOT, make_daemon, shm_exists
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import ROOT, make_daemon, shm_exists
+from tests.support.swarmkit import Swarm
 
 pytestmark = pytest.mark.asyncio
 

@@ -15,8 +15,8 @@ import pytest
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.rollout import FAULT_ENV
 from patchswarm.protocol.served import state_root
-from tests.daemonkit import make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import make_daemon
+from tests.support.swarmkit import Swarm
 
 KILLS = int(os.environ.get("PATCHSWARM_CRASH_KILLS", "20"))
 POINTS = ["journaled", "odd", "mid_write", "written", "flipped"]

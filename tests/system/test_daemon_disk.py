@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from patchswarm.daemon.engine import attach
-from tests.daemonkit import make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import make_daemon
+from tests.support.swarmkit import Swarm
 
 
 @pytest.fixture

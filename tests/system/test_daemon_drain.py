@@ -22,9 +22,9 @@ from aiohttp import web
 
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.sidecar import STATUS_PATH
-from tests.boards import free_port
-from tests.daemonkit import Daemon, make_daemon
-from tests.swarmkit import Swarm
+from tests.support.boards import free_port
+from tests.support.daemonkit import Daemon, make_daemon
+from tests.support.swarmkit import Swarm
 
 
 class FakeEngine:

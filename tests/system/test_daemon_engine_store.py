@@ -36,11 +36,11 @@ from patchswarm.daemon.status import Status
 from patchswarm.daemon.trajectory import generate
 from patchswarm.protocol.served import ServedModel, bytes_digest, state_root
 from patchswarm.protocol.trust import Certificate
-from tests.boards import free_port
-from tests.daemonkit import ROOT, Daemon, make_daemon
-from tests.store_worker import remove_segments
-from tests.swarmkit import RUN, Swarm
-from tests.test_api import check
+from tests.support.boards import free_port
+from tests.support.daemonkit import ROOT, Daemon, make_daemon
+from tests.support.openapi import check
+from tests.support.store_worker import remove_segments
+from tests.support.swarmkit import RUN, Swarm
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = [pytest.param("cpu", id="engine-shm"), pytest.param("cuda:0", id="cuda", marks=CUDA)]

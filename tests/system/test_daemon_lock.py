@@ -18,8 +18,8 @@ from patchswarm.daemon.api import SocketInUseError, make_api_app, serve_unix
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.instance_lock import InstanceLock, InstanceLockedError
 from patchswarm.daemon.status import Status
-from tests.daemonkit import ROOT, Daemon, make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import ROOT, Daemon, make_daemon
+from tests.support.swarmkit import Swarm
 
 
 @pytest.mark.asyncio

@@ -26,10 +26,10 @@ from patchswarm.daemon.engine import attach
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.manifest import SignedManifest
 from patchswarm.protocol.signed import Envelope
-from tests.boards import free_port
-from tests.daemonkit import Daemon, make_daemon
-from tests.faultkit import wait_status
-from tests.swarmkit import RUN, Swarm
+from tests.support.boards import free_port
+from tests.support.daemonkit import Daemon, make_daemon
+from tests.support.faultkit import wait_status
+from tests.support.swarmkit import RUN, Swarm
 
 
 class ManifestWatch:

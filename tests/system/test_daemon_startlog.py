@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.boards import free_port
-from tests.daemonkit import Daemon, make_daemon
-from tests.swarmkit import Swarm
+from tests.support.boards import free_port
+from tests.support.daemonkit import Daemon, make_daemon
+from tests.support.swarmkit import Swarm
 
 
 def lines(d: Daemon, prefix: str) -> list[dict[str, Any]]:

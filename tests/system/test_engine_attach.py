@@ -15,9 +15,9 @@ import torch
 from patchswarm.daemon.engine import _dec, _enc, attach
 from patchswarm.daemon.journal import Action, recover
 from patchswarm.daemon.weightstore import StoreLayout, StoreLayoutMismatch, StoreState, WeightStore, diff_updates
-from tests.store_worker import SPECS, model, remove_segments, unique_name
+from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SEED = 5
 
 
@@ -29,12 +29,12 @@ def name() -> Iterator[str]:
 
 
 class Engine:
-    """tests/store_worker.py engine: attaches (or allocates) and answers commands on stdin."""
+    """tests/support/store_worker.py engine: attaches (or allocates) and answers commands on stdin."""
 
     def __init__(self, info: dict[str, Any], tmp: Path, device: str | None = None) -> None:
         f = tmp / f"info-{id(self)}.json"
         f.write_text(json.dumps(info))
-        args = [sys.executable, "-m", "tests.store_worker", "engine", str(f), *([device] if device else [])]
+        args = [sys.executable, "-m", "tests.support.store_worker", "engine", str(f), *([device] if device else [])]
         self.proc = subprocess.Popen(args, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.handle = self._read()["handle"]
 
@@ -92,7 +92,7 @@ def test_fence_reader_process_during_many_activations(name: str, tmp_path: Path)
     last = 60
     info = tmp_path / "info.json"
     info.write_text(json.dumps(store.attach_info()))
-    cmd = [sys.executable, "-m", "tests.store_worker", "reader", str(info), str(last)]
+    cmd = [sys.executable, "-m", "tests.support.store_worker", "reader", str(info), str(last)]
     reader = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert reader.stdout is not None and reader.stdout.readline() == "ready\n"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from patchswarm.daemon.engine import attach
-from tests.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
-from tests.swarmkit import Swarm
+from tests.support.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
+from tests.support.swarmkit import Swarm
 
 pytestmark = pytest.mark.asyncio
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faultkit import PHASES, CrashLoop
-from tests.swarmkit import Swarm
+from tests.support.faultkit import PHASES, CrashLoop
+from tests.support.swarmkit import Swarm
 
 KILLS = int(os.environ.get("PATCHSWARM_FAULT_KILLS", "10"))
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from patchswarm.daemon.engine import EngineView, attach
-from tests.boards import free_port
-from tests.faultkit import (
+from tests.support.boards import free_port
+from tests.support.faultkit import (
     EnvDaemon,
     FenceWatcher,
     Partition,
@@ -24,7 +24,7 @@ from tests.faultkit import (
     wait_all,
     wait_status,
 )
-from tests.swarmkit import Swarm
+from tests.support.swarmkit import Swarm
 
 pytestmark = pytest.mark.asyncio
 RATE = "400KB"  # a download limit per daemon, so that a version takes a few seconds to spread

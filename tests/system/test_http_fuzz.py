@@ -1,5 +1,5 @@
-"""Hypothesis over raw HTTP request bytes (tests/http_requests.py) against the four servers as real
-processes (tests/serverkit.py), each example sent to all four at once: every server answers with a
+"""Hypothesis over raw HTTP request bytes (tests/support/http_requests.py) against the four servers as real
+processes (tests/support/serverkit.py), each example sent to all four at once: every server answers with a
 status below 500 (a seed's busy 503, which names a Retry-After, is an answer), closes, or waits for
 the rest of a request it has not got; none crashes or logs a traceback, and each answers an honest
 request after every example.  benchmarks/http_fuzz.py sends the same grammar 100k times.
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.http_requests import raw_request
-from tests.serverkit import Server, running_servers, status_of
+from tests.support.http_requests import raw_request
+from tests.support.serverkit import Server, running_servers, status_of
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 SILENCE_S = 0.3  # no byte for this long: the server waits for the rest of the request

@@ -22,9 +22,9 @@ from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.files import FileTooLargeError
 from patchswarm.protocol.patchfile import read_patch_file
 from patchswarm.protocol.safetensors_io import save_safetensors
-from tests.helpers import adam_like_pair
+from tests.support.helpers import adam_like_pair
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPARSE = 300 << 30  # past every bound (patch files: 256 GiB), and sparse: no disk used
 BAD = ("fifo", "zero", "dir", "sparse")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from patchswarm.protocol.keys import SigningKey
-from tests.daemonkit import ROOT
+from tests.support.daemonkit import ROOT
 
 SCRIPT = ROOT / "packaging/install.sh"
 VENV = Path(sys.prefix)  # this environment stands in for the venv: nothing is downloaded

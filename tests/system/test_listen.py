@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from patchswarm.daemon.cli import build_parser
 from patchswarm.daemon.config import split_listen, url_host
 from patchswarm.daemon.swarm_cli import _config
-from tests.daemonkit import ROOT, Daemon, make_daemon
-from tests.swarmkit import SECRET, Swarm
+from tests.support.daemonkit import ROOT, Daemon, make_daemon
+from tests.support.swarmkit import SECRET, Swarm
 
 HAS_IPV6 = socket.has_ipv6 and os.path.exists("/proc/net/if_inet6")
 

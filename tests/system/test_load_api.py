@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemonkit import make_daemon
-from tests.loadkit import api_load
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import make_daemon
+from tests.support.loadkit import api_load
+from tests.support.swarmkit import Swarm
 
 RATE = 200.0  # requests/s: enough concurrency to interleave with activations on a loaded CI machine
 

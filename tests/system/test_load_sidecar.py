@@ -22,10 +22,10 @@ from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.refengine import StoreViewSource, start_engine
 from patchswarm.daemon.trajectory import generate
 from patchswarm.protocol.trust import Certificate
-from tests.boards import free_port
-from tests.daemonkit import make_daemon
-from tests.loadkit import Pin, sidecar_load
-from tests.swarmkit import RUN, Swarm
+from tests.support.boards import free_port
+from tests.support.daemonkit import make_daemon
+from tests.support.loadkit import Pin, sidecar_load
+from tests.support.swarmkit import RUN, Swarm
 
 RATE = 60.0
 VERSIONS = 3

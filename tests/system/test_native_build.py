@@ -19,7 +19,7 @@ import pytest
 
 from patchswarm.simulations.build import NATIVE_MODULES, PACKAGES
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 NATIVE = ROOT / "build" / "native"
 SMALL = ROOT / "simulations" / "scenarios" / "small.toml"
 
@@ -48,7 +48,7 @@ def run(native: bool, *args: str) -> str:
     env.pop("PYTHONPATH", None)
     flags: list[str] = []
     if native:
-        env["PYTHONPATH"] = str(NATIVE)
+        env["PYTHONPATH"] = f"{NATIVE}{os.pathsep}{ROOT}"  # the build first; the root after it for benchmarks/
         flags = ["-P"]  # the source tree in the working directory must not shadow the build
     r = subprocess.run([sys.executable, *flags, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -81,7 +81,7 @@ def test_a_study_gives_the_same_results_csv(tmp_path: Path) -> None:
 
 def test_a_swarm_run_has_the_same_events_requests_and_times() -> None:
     """60 real nodes, 100 MB in 4 MiB chunks: every figure but the CPU, wall and memory ones agree."""
-    args = ["benchmarks/sim_bench.py", "swarm", "--hosts", "60", "--patch-mb", "100", "--chunk-mib", "4"]
+    args = ["-m", "benchmarks.sim_bench", "swarm", "--hosts", "60", "--patch-mb", "100", "--chunk-mib", "4"]
     outs = {native: run(native, *args) for native in (False, True)}
     machine = re.compile(r"wall [\d.]+ s \(cpu [\d.]+ s\)|\(\d+/s wall\)|peak RSS [\d.]+ GB, .*$", re.M)
     same = {native: machine.sub("", text) for native, text in outs.items()}
@@ -92,7 +92,7 @@ def test_a_swarm_run_has_the_same_events_requests_and_times() -> None:
 
 def test_a_partitioned_swarm_run_is_the_same_in_both_builds() -> None:
     """The same run in two node processes (simulations/partitioned.py compiled or not): the same figures."""
-    args = ["benchmarks/sim_bench.py", "swarm", "--hosts", "60", "--patch-mb", "100", "--chunk-mib", "4"]
+    args = ["-m", "benchmarks.sim_bench", "swarm", "--hosts", "60", "--patch-mb", "100", "--chunk-mib", "4"]
     outs = {native: run(native, *args, "--partitions", "2") for native in (False, True)}
     machine = re.compile(r"wall [\d.]+ s \(cpu [\d.]+ s\)|\(\d+/s wall\)|peak RSS [\d.]+ GB, .*$", re.M)
     same = {native: machine.sub("", text) for native, text in outs.items()}

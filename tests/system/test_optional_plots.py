@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from patchswarm.simulations import plots
-from tests.daemonkit import ROOT, make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import ROOT, make_daemon
+from tests.support.swarmkit import Swarm
 
 
 def test_matplotlib_is_an_extra_and_dev_installs_it() -> None:

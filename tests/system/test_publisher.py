@@ -24,7 +24,7 @@ from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import TrustState
-from tests.boards import Keys, board_files
+from tests.support.boards import Keys, board_files
 
 KILLS = 8
 
@@ -83,7 +83,7 @@ def test_publisher_killed_at_random_points_leaves_the_board_valid(tmp_path: Path
     last = 0
     for i in range(KILLS):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.publisher_worker", str(board.root), "crash"]
+            [sys.executable, "-m", "tests.support.publisher_worker", str(board.root), "crash"]
             + [str(tmp_path / "trainer.key"), str(tmp_path / "cert"), str(i)],
             stdout=subprocess.PIPE,
             text=True,

@@ -37,9 +37,9 @@ from patchswarm.protocol.safetensors_io import save_safetensors
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, TrustState
 from patchswarm.swarm.transport import SystemClock
-from tests.adversary import parse_metrics
-from tests.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
-from tests.swarmkit import RUN, SECRET, Swarm
+from tests.support.adversary import parse_metrics
+from tests.support.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
+from tests.support.swarmkit import RUN, SECRET, Swarm
 
 DAY = 86_400
 

@@ -15,7 +15,7 @@ from patchswarm.daemon.cli import main
 from patchswarm.simulations.scenario import churn_schedule, layout, parse_text
 from patchswarm.simulations.strategies import bound, central
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SMALL = ROOT / "simulations" / "scenarios" / "small.toml"
 STRATEGIES = {"checkpoint", "central", "swarm"}
 PNG = b"\x89PNG\r\n\x1a\n"

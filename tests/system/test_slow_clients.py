@@ -1,4 +1,4 @@
-"""Slow and idle clients against each of the four servers, as real processes (tests/serverkit.py):
+"""Slow and idle clients against each of the four servers, as real processes (tests/support/serverkit.py):
 a seed node's peer endpoints, the plain board server, the sidecar and the unix-socket API.
 
 Each runs with small limits (serverkit.FAST_LIMITS: 48 connections, 1.5 s for a request's headers,
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.boards import free_port
-from tests.serverkit import (
+from tests.support.boards import free_port
+from tests.support.serverkit import (
     FAST_LIMITS,
     ROOT,
     Server,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.boards import free_port
-from tests.swarmkit import RUN, SECRET, Swarm
+from tests.support.boards import free_port
+from tests.support.swarmkit import RUN, SECRET, Swarm
 
 NODES = 4
 

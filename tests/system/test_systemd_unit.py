@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-UNIT = Path(__file__).parent.parent / "packaging/systemd/patchswarm.service"
+UNIT = Path(__file__).parents[2] / "packaging/systemd/patchswarm.service"
 ANALYZE = shutil.which("systemd-analyze")
 pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed (make test installs it)")
 

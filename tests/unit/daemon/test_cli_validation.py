@@ -27,9 +27,9 @@ from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from patchswarm.protocol.patchfile import open_file
 from patchswarm.protocol.safetensors_io import save_safetensors
 from patchswarm.swarm.node import NodeConfig
-from tests.helpers import adam_like_pair
+from tests.support.helpers import adam_like_pair
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 # ---------------------------------------------------------------- each validator, at its edges
 

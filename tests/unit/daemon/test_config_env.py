@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from patchswarm.daemon.config import SCHEMA, from_mapping, unknown_env
-from tests.daemonkit import make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import make_daemon
+from tests.support.swarmkit import Swarm
 
 MINIMAL = {
     "swarm": {"run_id": "r", "cluster_secret_file": "/s"},

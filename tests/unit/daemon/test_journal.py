@@ -1,6 +1,6 @@
 """Activation journal and crash recovery: the store ends at exactly the old or the new version.
 
-Real crashes: tests/store_worker.py forks daemon processes that are SIGKILLed at each named
+Real crashes: tests/support/store_worker.py forks daemon processes that are SIGKILLed at each named
 crash point, and at random moments; recovery then runs here, as a restarted daemon would.
 """
 
@@ -37,10 +37,10 @@ from patchswarm.daemon.weightstore import (
     WeightStore,
     diff_updates,
 )
-from tests.store_worker import SPECS, model, remove_segments, unique_name
+from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 SEED = 11
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 
 class Crash(Exception):
@@ -259,11 +259,11 @@ def test_empty_and_interrupted_load_need_a_load(name: str, tmp_path: Path) -> No
 
 
 class Launcher:
-    """tests/store_worker.py launcher: forks daemon children that get killed."""
+    """tests/support/store_worker.py launcher: forks daemon children that get killed."""
 
     def __init__(self, name: str, jdir: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.store_worker", "launcher", name, "/dev/shm", str(jdir), str(SEED)],
+            [sys.executable, "-m", "tests.support.store_worker", "launcher", name, "/dev/shm", str(jdir), str(SEED)],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

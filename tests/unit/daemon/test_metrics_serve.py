@@ -12,10 +12,10 @@ import pytest
 
 from patchswarm.daemon.config import ListenError
 from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
-from tests.daemonkit import make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import make_daemon
+from tests.support.swarmkit import Swarm
 
-DOCS = Path(__file__).parent.parent / "docs"
+DOCS = Path(__file__).parents[3] / "docs"
 
 
 def exported_names() -> set[str]:

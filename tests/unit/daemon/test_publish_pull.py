@@ -36,7 +36,7 @@ from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensor
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import RootDocument, TrustState
-from tests.boards import DAY_MS, Keys, board_files, nginx_serving, train_and_publish
+from tests.support.boards import DAY_MS, Keys, board_files, nginx_serving, train_and_publish
 
 RUN = "run-1"
 PULL = [sys.executable, "-m", "patchswarm.daemon.cli", "pull"]

@@ -1,6 +1,6 @@
 """A run outlives its trainer process: resume after any pause, head refresh, key rotation.
 
-In-process, with the publisher's clock injected; tests/test_run_lifecycle_processes.py runs the
+In-process, with the publisher's clock injected; tests/system/test_run_lifecycle_processes.py runs the
 same through real processes under libfaketime."""
 
 from __future__ import annotations

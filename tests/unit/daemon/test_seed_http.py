@@ -22,7 +22,7 @@ from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.seed import IMMUTABLE, MUTABLE, board_app
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.trust import RootDocument
-from tests.boards import Keys
+from tests.support.boards import Keys
 
 RUN = "seed-run"
 

@@ -29,8 +29,8 @@ from patchswarm.protocol.codec import Encoding, TensorDelta, assemble, diff_tens
 from patchswarm.protocol.keys import SigningKey, TrustedKeys
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.served import ServedModel
-from tests.boards import board_files, small_model
-from tests.conftest import patch_cases
+from tests.support.boards import board_files, small_model
+from tests.support.strategies import patch_cases
 
 RUN = "sharded"
 VERSIONS = 5

@@ -40,7 +40,7 @@ from patchswarm.daemon.sidecar import (
     split_body_constraint,
     start_sidecar,
 )
-from tests.test_refengine import greedy_reference, random_export
+from tests.support.tinylm import greedy_reference, random_export
 
 HOLD = 2  # prompts starting with this token are held by the step hook after their first token
 PIN_HOLD = 3

@@ -20,8 +20,8 @@ from rich.console import Console
 
 from patchswarm.daemon.status import MAX_ACKS, MAX_REASON, Status
 from patchswarm.daemon.status_cli import MAX_SHOWN, plain, render
-from tests.daemonkit import ROOT, Daemon, make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import ROOT, Daemon, make_daemon
+from tests.support.swarmkit import Swarm
 
 HOSTILE = [
     "[/]",

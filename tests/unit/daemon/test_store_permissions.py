@@ -13,8 +13,8 @@ import pytest
 from patchswarm.daemon.engine import StoreError
 from patchswarm.daemon.weightstore import StoreLayout, WeightStore
 from patchswarm.protocol.served import TensorSpec
-from tests.daemonkit import make_daemon
-from tests.swarmkit import Swarm
+from tests.support.daemonkit import make_daemon
+from tests.support.swarmkit import Swarm
 
 GROUP = "users" if "users" in {g.gr_name for g in grp.getgrall()} else "nogroup"
 

@@ -39,8 +39,8 @@ from patchswarm.daemon.weightstore import (
     diff_updates,
 )
 from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash
-from tests.conftest import layouts, patch_cases
-from tests.store_worker import SPECS, model, remove_segments, unique_name
+from tests.support.store_worker import SPECS, model, remove_segments, unique_name
+from tests.support.strategies import layouts, patch_cases
 
 
 @pytest.fixture

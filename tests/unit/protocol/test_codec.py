@@ -13,7 +13,7 @@ from patchswarm.protocol import codec
 from patchswarm.protocol.codec import Encoding, apply_patch, encode_patch, iter_updates, read_header
 from patchswarm.protocol.errors import LayoutMismatchError
 from patchswarm.protocol.served import ServedModel, TensorSpec
-from tests.conftest import (
+from tests.support.strategies import (
     ALL_DTYPES,
     CHANGE_KINDS,
     FLOAT_DTYPES,

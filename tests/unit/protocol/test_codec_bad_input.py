@@ -42,7 +42,7 @@ from patchswarm.protocol.manifest import Kind, Manifest
 from patchswarm.protocol.patchfile import sign_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash, state_root
 from patchswarm.protocol.streams import MAX_EXPANSION
-from tests.conftest import model_from_words, mutate, patch_cases, random_words
+from tests.support.strategies import model_from_words, mutate, patch_cases, random_words
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PREFIX = struct.Struct("<4sB3xI")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from patchswarm.protocol import diffscan
 from patchswarm.protocol.diffscan import Changes, scan, scan_torch
-from tests.conftest import random_words, seeds
+from tests.support.strategies import random_words, seeds
 
 WIDTHS = [1, 2, 4, 8]
 PATTERNS = ["none", "all", "one", "sparse", "dense", "runs", "tail", "head"]

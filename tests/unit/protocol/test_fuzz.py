@@ -1,4 +1,4 @@
-"""Hypothesis over every parser of untrusted input (targets: tests/fuzz_targets.py).
+"""Hypothesis over every parser of untrusted input (targets: tests/support/fuzz_targets.py).
 
 The property, for each parser: arbitrary bytes, byte-level mutations of valid inputs (flips,
 truncation, splices, dictionary tokens, huge lengths) and structure-aware ones (msgpack documents
@@ -7,7 +7,7 @@ wrong-typed values; safetensors headers and patch payload streams edited and re-
 the parser's documented error (a PatchswarmError; ConfigError for the config; ConstraintError
 for the sidecar's weight_version) or a successful parse, never in another exception; and every
 valid input parses and round-trips.  The patch codec's own hostile-payload tests are in
-tests/test_codec_bad_input.py; here it is one target among the others.
+tests/unit/protocol/test_codec_bad_input.py; here it is one target among the others.
 
 CI-sized; ``HYPOTHESIS_PROFILE=thorough`` runs more examples, benchmarks/fuzz.py a million.
 """
@@ -31,7 +31,7 @@ from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, RootDocument
 from patchswarm.protocol.wire import encode_frame
-from tests import fuzz_targets as ft
+from tests.support import fuzz_targets as ft
 
 NAMES = sorted(ft.TARGETS)
 # Three times the profile's count: 180 per parser and property in CI, 1500 with the thorough profile.

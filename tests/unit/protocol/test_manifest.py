@@ -17,7 +17,7 @@ from patchswarm.protocol.errors import (
 from patchswarm.protocol.keys import SigningKey, TrustedKeys
 from patchswarm.protocol.manifest import FORMAT_VERSION, Manifest, SignedManifest
 from patchswarm.protocol.patchfile import build_version, open_file, pack_file
-from tests.helpers import adam_like_pair
+from tests.support.helpers import adam_like_pair
 
 KEY = SigningKey.generate()
 TRUST = TrustedKeys(frozenset([KEY.key_id]))

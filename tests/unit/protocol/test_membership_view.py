@@ -19,7 +19,7 @@ from patchswarm.protocol.membership import (
     Update,
     suspicion_bounds,
 )
-from tests.test_membership import Net, check_indexes
+from tests.support.membership_net import Net, check_indexes
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 K = 6

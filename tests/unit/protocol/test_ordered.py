@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from patchswarm.protocol import ordered
 from patchswarm.protocol.dtypes import BY_NAME
-from tests.conftest import FLOAT_DTYPES, random_words, seeds
+from tests.support.strategies import FLOAT_DTYPES, random_words, seeds
 
 WIDTH_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

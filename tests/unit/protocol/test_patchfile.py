@@ -7,7 +7,7 @@ from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.patchfile import apply_version, build_version
 from patchswarm.protocol.served import ServedModel
-from tests.helpers import adam_like_pair
+from tests.support.helpers import adam_like_pair
 
 
 def test_patch_and_anchor_reach_the_target_bitwise() -> None:

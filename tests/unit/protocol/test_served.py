@@ -20,7 +20,7 @@ from patchswarm.protocol.dtypes import BY_NAME, BY_TORCH, dtype, from_torch
 from patchswarm.protocol.errors import FormatError, LayoutMismatchError, UnsupportedDtypeError
 from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash, raw_bytes, typed_view, word_view
-from tests.conftest import ALL_DTYPES, model_from_words, models, random_words, seeds
+from tests.support.strategies import ALL_DTYPES, model_from_words, models, random_words, seeds
 
 EXPECTED_DTYPES = {
     "BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2",

@@ -21,7 +21,7 @@ from patchswarm.protocol.streams import (
     unary_bits,
     unpack_fields,
 )
-from tests.conftest import random_words, seeds
+from tests.support.strategies import random_words, seeds
 
 Table = list[tuple[str, int, memoryview]]
 

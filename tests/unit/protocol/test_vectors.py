@@ -36,7 +36,7 @@ from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.wire import decode_frame
 
-VECTORS = Path(__file__).parent / "vectors"
+VECTORS = Path(__file__).parents[2] / "vectors"
 FIXTURES = VECTORS / "_fixtures"
 RUN = "run-fuzz"
 NOW_MS = 2_000_000

@@ -1,5 +1,5 @@
 """simulations/build.py without the compiler: the copy it makes and the date of its stamp (make's
-freshness check; tests/test_native_build.py covers the compiled build itself)."""
+freshness check; tests/system/test_native_build.py covers the compiled build itself)."""
 
 from __future__ import annotations
 

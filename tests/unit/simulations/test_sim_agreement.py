@@ -14,7 +14,7 @@ handler (FIFO, holding an upload slot), whereas a NIC-limited host returns from 
 once and its transfers share the link max-min afterwards (slots then count handlers, not bytes on
 the wire).  Measured here with the limits as uplinks: 13.6 s simulated against 9.1 s real on a
 quiet machine; the sharing model itself is checked against the golden case in
-tests/test_sim_network.py.
+tests/unit/simulations/test_sim_network.py.
 
 Also: the seed hands each chunk out once (a 30 s copy window), so its egress, which sets the time
 here, does not hinge on when retries land; slow links and announcements every 0.2 s keep the
@@ -43,7 +43,7 @@ from patchswarm.simulations.network import Host, Region
 from patchswarm.simulations.runner import SwarmResult, SwarmSetup, payload_bytes, simulate_swarm
 from patchswarm.swarm.node import NodeConfig
 from patchswarm.swarm.server import RunningNode, start_http_node
-from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
+from tests.support.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 
 MB = 1e6
 SEED_UP = 0.5 * MB

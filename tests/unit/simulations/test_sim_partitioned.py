@@ -10,7 +10,7 @@ from patchswarm.simulations import partitioned
 from patchswarm.simulations.network import Host, Network, Region
 from patchswarm.simulations.runner import Churn
 from patchswarm.simulations.synthetic import SyntheticRun, synthetic_setup
-from tests.test_sim_swarm import stream
+from tests.support.sim_streams import stream
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from patchswarm.simulations.scenario import (
     with_overrides,
 )
 
-SCENARIOS = sorted((Path(__file__).parent.parent / "simulations" / "scenarios").glob("*.toml"))
+SCENARIOS = sorted((Path(__file__).parents[3] / "simulations" / "scenarios").glob("*.toml"))
 
 
 def test_the_shipped_scenarios_are_valid() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,15 +16,14 @@ from patchswarm.simulations.placeholder import apply_nothing, placeholder_held, 
 from patchswarm.simulations.runner import (
     Churn,
     Outage,
-    StreamResult,
     SwarmResult,
     SwarmSetup,
-    simulate_stream,
     simulate_swarm,
 )
 from patchswarm.simulations.synthetic import SyntheticRun, synthetic_setup
 from patchswarm.simulations.transport import placeholder_bytes
-from tests.swarmkit import RUN, SECRET, Swarm
+from tests.support.sim_streams import stream
+from tests.support.swarmkit import RUN, SECRET, Swarm
 
 MB = 1e6
 EPOCH = 1_700_000_000.0  # any wall time inside the certificate's validity would do; fixed for reproducibility
@@ -185,23 +183,6 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
 
 
 # ---------------------------------------------------------------- placeholder streams
-
-
-def placeholder_peers(n: int, up: float = 50 * MB) -> tuple[Host, list[Host]]:
-    return Host("seed", "r0", up=100 * MB, down=100 * MB), [Host(f"h{i:02d}", "r0", up=up, down=up) for i in range(n)]
-
-
-def stream(run: Any, n: int = 12, **kw: Any) -> StreamResult:
-    seed, peers = placeholder_peers(n)
-    args: dict[str, Any] = {
-        "versions": run.versions,
-        "interval": 2.0,
-        "regions": [Region("r0", 0.001)],
-        "start_from": placeholder_held(0),
-        "deadline": 60.0,
-        "seed": 4,
-    }
-    return simulate_stream(run.setup, seed, peers, **{**args, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from patchswarm.simulations.runner import StreamResult, simulate_stream
 from patchswarm.simulations.synthetic import synthetic_setup
 from patchswarm.simulations.transport import SimNet
 from patchswarm.swarm.node import NodeConfig, SwarmNode
-from tests.swarmkit import RUN, SECRET
-from tests.test_sim_swarm import stream
+from tests.support.sim_streams import stream
+from tests.support.swarmkit import RUN, SECRET
 
 MB = 1e6
 EPOCH = 1_700_000_000.0

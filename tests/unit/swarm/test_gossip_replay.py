@@ -31,8 +31,8 @@ from patchswarm.simulations.network import Host, Network, Region
 from patchswarm.simulations.transport import SimNet
 from patchswarm.swarm.http import PREFIX
 from patchswarm.swarm.node import NodeConfig, SwarmNode
-from tests.node_worker_client import NodeWorker
-from tests.swarmkit import RUN, SECRET
+from tests.support.node_worker_client import NodeWorker
+from tests.support.swarmkit import RUN, SECRET
 
 EPOCH = 1_700_000_000.0
 NOW = 1_700_000_000_000  # ms

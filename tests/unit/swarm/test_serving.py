@@ -1,7 +1,7 @@
 """swarm/serving.py on real loopback sockets, in process: request bodies read piece by piece within a
 size limit and a deadline (the peer gossip route among them), one log line and no traceback per
 malformed request, the connection cap, the open-files limit.  The same limits against the four
-servers as processes: tests/test_slow_clients.py and tests/test_http_fuzz.py.
+servers as processes: tests/system/test_slow_clients.py and tests/system/test_http_fuzz.py.
 """
 
 from __future__ import annotations

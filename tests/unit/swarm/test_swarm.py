@@ -15,7 +15,7 @@ from patchswarm.protocol.membership import MemberState
 from patchswarm.protocol.signed import Envelope
 from patchswarm.swarm.server import start_http_node
 from patchswarm.swarm.transport import Busy, Missing, SendChunk
-from tests.swarmkit import RUN, Swarm
+from tests.support.swarmkit import RUN, Swarm
 
 pytestmark = pytest.mark.asyncio
 
@@ -66,7 +66,7 @@ async def test_late_joiner_and_stale_node_take_the_byte_minimal_path(tmp_path: P
         import random
 
         from patchswarm.swarm.node import NodeConfig
-        from tests.swarmkit import FAST_MEMBERSHIP, SECRET
+        from tests.support.swarmkit import FAST_MEMBERSHIP, SECRET
 
         cfg = NodeConfig(
             "stale", RUN, SECRET, bootstrap=[s.seed.url], seed_urls=[s.seed.url], membership=FAST_MEMBERSHIP

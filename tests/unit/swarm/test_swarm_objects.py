@@ -29,8 +29,8 @@ from patchswarm.swarm import sources
 from patchswarm.swarm.node import NodeConfig, SwarmNode
 from patchswarm.swarm.sources import SwarmSource
 from patchswarm.swarm.transport import Missing, TransportError
-from tests.swarmkit import RUN, SECRET, Swarm
-from tests.test_sim_swarm import stream
+from tests.support.sim_streams import stream
+from tests.support.swarmkit import RUN, SECRET, Swarm
 
 ROOT_1 = Board.root_rel(1)
 ROOT, TRAINER = SigningKey.generate(), SigningKey.generate()

@@ -19,7 +19,7 @@ from patchswarm.daemon.pull import Held
 from patchswarm.protocol.manifest import SignedManifest
 from patchswarm.swarm.node import NodeConfig, SwarmNode
 from patchswarm.swarm.server import start_http_node
-from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
+from tests.support.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 
 
 def retrying_config(name: str, sw: Swarm) -> NodeConfig:

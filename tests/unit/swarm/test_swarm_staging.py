@@ -11,7 +11,7 @@ from patchswarm.protocol.patchfile import Version, build_version
 from patchswarm.protocol.served import ServedModel
 from patchswarm.swarm.node import apply_chunks
 from patchswarm.swarm.staging import StagedApply
-from tests.helpers import adam_like_pair
+from tests.support.helpers import adam_like_pair
 
 RUN = "staging-test"
 NOW_MS = 1_800_000_000_000

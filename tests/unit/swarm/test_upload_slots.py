@@ -27,8 +27,8 @@ from patchswarm.simulations.transport import SimNet
 from patchswarm.swarm.http import HELD_HEADER, NODE_HEADER, PREFIX, HttpTransport, _origin, add_routes
 from patchswarm.swarm.node import NodeConfig, SwarmNode
 from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
-from tests.node_worker_client import NodeWorker
-from tests.swarmkit import RUN, SECRET
+from tests.support.node_worker_client import NodeWorker
+from tests.support.swarmkit import RUN, SECRET
 
 MB = 1_000_000
 EPOCH = 1_700_000_000.0  # any fixed wall time
@@ -530,7 +530,7 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
 
 
 class _SlotWorker(NodeWorker):
-    """tests/node_worker.py: a node process serving one chunk over real HTTP."""
+    """tests/support/node_worker.py: a node process serving one chunk over real HTTP."""
 
     def __init__(self, slots: int, deadline: float, size: int) -> None:
         super().__init__("server", "--slots", str(slots), "--deadline", str(deadline), "--chunk-bytes", str(size))
