@@ -15,7 +15,7 @@ and patch payload streams edited and re-encoded).
 An input is a crash when its parser raises anything but the documented errors, a hang when it
 runs past ``--timeout`` seconds, and runs out of memory when the worker's address-space limit
 (``--memory-gb`` above its size at start) is hit.  Each is saved as ``<crashes>/<target>/<sha1>.bin``
-with the traceback beside it; ``tests/fuzz_targets.check(target, bytes)`` reproduces it.
+with the traceback beside it; ``tests.support.fuzz_targets.check(target, bytes)`` reproduces it.
 
 ``--atheris TARGET`` runs one target under atheris (coverage-guided, libFuzzer) instead, with the
 modules of protocol/ and daemon/ instrumented and the target's seeds as the starting corpus
