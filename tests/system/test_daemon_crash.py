@@ -18,6 +18,8 @@ from patchswarm.protocol.served import state_root
 from tests.support.daemonkit import make_daemon
 from tests.support.swarmkit import Swarm
 
+pytestmark = pytest.mark.slow
+
 KILLS = int(os.environ.get("PATCHSWARM_CRASH_KILLS", "20"))
 POINTS = ["journaled", "odd", "mid_write", "written", "flipped"]
 

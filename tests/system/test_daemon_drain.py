@@ -141,6 +141,7 @@ async def test_a_request_that_never_ends_puts_off_the_activation_not_everyone(tm
         await sw.close()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_sigterm_during_a_drain_cancels_it_and_exits(tmp_path: Path) -> None:
     sw = Swarm(tmp_path)

@@ -156,6 +156,7 @@ async def post(d: Daemon, path: str, body: Any) -> tuple[int, Any]:
         return r.status, await r.json()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("device", DEVICES)
 async def test_engine_allocated_store_survives_daemon_kill_9(device: str, tmp_path: Path) -> None:

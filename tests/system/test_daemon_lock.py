@@ -91,6 +91,7 @@ async def assert_untouched(d: Daemon, before: dict[str, object], socket_inode: i
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_copied_config_sharing_the_socket_or_the_store_is_refused(tmp_path: Path) -> None:
     sw = Swarm(tmp_path)

@@ -17,7 +17,7 @@ from patchswarm.daemon.engine import attach
 from tests.support.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
 from tests.support.swarmkit import Swarm
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 
 async def test_bounded_skew_is_tolerated_and_beyond_it_the_head_is_refused_clearly(tmp_path: Path) -> None:

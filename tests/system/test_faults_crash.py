@@ -16,6 +16,8 @@ import pytest
 from tests.support.faultkit import PHASES, CrashLoop
 from tests.support.swarmkit import Swarm
 
+pytestmark = pytest.mark.slow
+
 KILLS = int(os.environ.get("PATCHSWARM_FAULT_KILLS", "10"))
 
 

@@ -26,7 +26,7 @@ from tests.support.faultkit import (
 )
 from tests.support.swarmkit import Swarm
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 RATE = "400KB"  # a download limit per daemon, so that a version takes a few seconds to spread
 
 

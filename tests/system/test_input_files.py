@@ -155,6 +155,7 @@ def test_a_named_file_that_is_not_a_small_regular_file_is_refused_in_one_line(
     assert got["written"] == [], got
 
 
+@pytest.mark.slow
 def test_the_refusal_says_what_the_file_is(work: Path) -> None:
     """As separate processes: the status, stderr's one line and the reason."""
     reasons = {
@@ -169,6 +170,7 @@ def test_the_refusal_says_what_the_file_is(work: Path) -> None:
         assert reason in r.stderr and bad_path(work, kind) in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_a_local_board_whose_files_are_traps_is_a_board_without_them(work: Path, tmp_path: Path) -> None:
     """``pull --from DIR``: a head that is a FIFO, /dev/zero or a symlink out of the board is no head."""
     for i, trap in enumerate(("fifo", "zero", "outside")):

@@ -31,6 +31,7 @@ RATE = 60.0
 VERSIONS = 3
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["quiesce", "in_place"])
 async def test_no_request_is_attributed_to_the_wrong_version_across_activations(tmp_path: Path, mode: str) -> None:

@@ -79,6 +79,7 @@ def test_a_study_gives_the_same_results_csv(tmp_path: Path) -> None:
     assert files[True] == files[False]
 
 
+@pytest.mark.slow
 def test_a_swarm_run_has_the_same_events_requests_and_times() -> None:
     """60 real nodes, 100 MB in 4 MiB chunks: every figure but the CPU, wall and memory ones agree."""
     args = ["-m", "benchmarks.sim_bench", "swarm", "--hosts", "60", "--patch-mb", "100", "--chunk-mib", "4"]
@@ -90,6 +91,7 @@ def test_a_swarm_run_has_the_same_events_requests_and_times() -> None:
     assert same[True] == same[False]
 
 
+@pytest.mark.slow
 def test_a_partitioned_swarm_run_is_the_same_in_both_builds() -> None:
     """The same run in two node processes (simulations/partitioned.py compiled or not): the same figures."""
     args = ["-m", "benchmarks.sim_bench", "swarm", "--hosts", "60", "--patch-mb", "100", "--chunk-mib", "4"]

@@ -74,6 +74,7 @@ def check_board(board: Board, keys: Keys, run: str) -> int:
     return head.version
 
 
+@pytest.mark.slow
 def test_publisher_killed_at_random_points_leaves_the_board_valid(tmp_path: Path) -> None:
     keys = Keys(SigningKey.generate(), SigningKey.generate())
     keys.trainer.save(tmp_path / "trainer.key")

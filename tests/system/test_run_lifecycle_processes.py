@@ -80,6 +80,7 @@ def model(step: int) -> ServedModel:
     return ServedModel.from_tensors({"a": torch.randn(128, 64, generator=g), "b": torch.randn(64, generator=g)})
 
 
+@pytest.mark.slow
 def test_cli_trainer_continues_after_an_hour_and_after_three_days(tmp_path: Path) -> None:
     clock = SkewedClock(tmp_path)  # the trainer's processes' wall clock
     root, trainer = SigningKey.generate(), SigningKey.generate()

@@ -73,6 +73,7 @@ class Proc:
         return rc
 
 
+@pytest.mark.slow
 def test_seed_and_nodes_as_processes_converge_bitwise(tmp_path: Path) -> None:
     s = Swarm(tmp_path)
     s.publish()

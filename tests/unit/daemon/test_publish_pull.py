@@ -110,6 +110,7 @@ async def test_pull_through_seed_follows_the_byte_minimal_plan(
         assert kinds == [Kind.PATCH] * (STEPS - start)
 
 
+@pytest.mark.slow
 def test_pull_cli_through_nginx(published: tuple[Board, dict[int, ServedModel]], keys: Keys, tmp_path: Path) -> None:
     board, served = published
     keys.root.save(tmp_path / "root.key")

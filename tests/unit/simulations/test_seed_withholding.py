@@ -44,6 +44,7 @@ def _egress(r: StreamResult) -> float:
     return v.seed_egress / v.payload_bytes
 
 
+@pytest.mark.slow
 def test_a_short_copy_window_does_not_make_the_seed_serve_chunks_peers_announce(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -118,6 +118,7 @@ def test_trees_stay_within_a_region() -> None:
         assert 0 < sum(1 for row in r.rows if row.host.startswith(region) and row.from_seed) <= 2
 
 
+@pytest.mark.slow
 def test_no_trees_until_the_member_list_settles() -> None:
     # Published as the hosts join (cold).  While members still arrive no node plans trees, and
     # version 1 spreads by the usual rules: 0.66 s.  Trees planned at once, on lists that differ

@@ -24,6 +24,7 @@ def head_of(s: Swarm) -> Head:
     return Head.from_bytes(Envelope.from_bytes(s.board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
 
 
+@pytest.mark.slow
 async def test_sixteen_nodes_converge_and_spare_the_seed(tmp_path: Path) -> None:
     s = Swarm(tmp_path)
     s.publish()
