@@ -27,12 +27,12 @@ unit: $(STAMP)
 test: system-deps lint typecheck native unit
 
 bench: $(STAMP)
-	$(PY) benchmarks/codec_bench.py
+	$(PY) -m benchmarks.codec_bench
 
 # The native build: the simulator's hot modules compiled by mypyc into a copy of the packages in
 # build/native (simulations/build.py, docs/simulation.md#the-native-build).  Run a command on it with
-#   PYTHONPATH=build/native .venv/bin/python -P benchmarks/sim_bench.py swarm --hosts 1000
-# tests/test_native_build.py checks that it simulates event for event as the source does.
+#   PYTHONPATH=build/native:. .venv/bin/python -P -m benchmarks.sim_bench swarm --hosts 1000
+# tests/system/test_native_build.py checks that it simulates event for event as the source does.
 NATIVE := build/native
 NATIVE_SRC := pyproject.toml $(wildcard protocol/*.py swarm/*.py simulations/*.py daemon/*.py)
 

@@ -1,6 +1,6 @@
 """Activation pause of the weight store: a synthetic bf16 model, a fraction of its values changed.
 
-    python benchmarks/activation_bench.py [--gb 1.0] [--frac 0.005] [--repeat 3] [--gpu-gb 14]
+    python -m benchmarks.activation_bench [--gb 1.0] [--frac 0.005] [--repeat 3] [--gpu-gb 14]
                                           [--device auto|cpu|cuda|engine-cpu] [--json OUT.json]
 
 CPU (host shared-memory store): prints the journal write time, the pause (fence odd -> even:

@@ -1,8 +1,8 @@
 """Load on a rollout daemon's local interfaces while versions distribute, measured side by side
 with the same load on an idle daemon.
 
-    python benchmarks/api_load.py [--rate 1000] [--seconds 10] [--every 1.0]
-    python benchmarks/api_load.py --sidecar [--rate 100] [--seconds 10] [--every 1.0]
+    python -m benchmarks.api_load [--rate 1000] [--seconds 10] [--every 1.0]
+    python -m benchmarks.api_load --sidecar [--rate 100] [--seconds 10] [--every 1.0]
 
 A trainer (this process, publishing in a thread), a seed process and one daemon process on
 loopback.  Default mode: GET /v1/version and GET /v1/status alternately on the daemon's unix
@@ -11,7 +11,7 @@ socket at ``--rate`` requests/s (open loop), first for ``--seconds`` on an idle 
 ``--sidecar``: generation requests (unpinned, min-pinned, exact-pinned) through the daemon's
 sidecar to the reference engine reading the daemon's store, idle then across activations.
 Prints p50/p99 latency per kind of request, the achieved rate, errors and attribution problems
-(tests/loadkit.py checks every reply, as the tests do), and the ratio loaded/idle.
+(tests/support/loadkit.py checks every reply, as the tests do), and the ratio loaded/idle.
 """
 
 from __future__ import annotations
@@ -27,20 +27,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from patchswarm.daemon.engine import attach  # noqa: E402
-from patchswarm.daemon.publisher import Publisher  # noqa: E402
-from patchswarm.daemon.refengine import StoreViewSource, start_engine  # noqa: E402
-from patchswarm.daemon.trajectory import generate  # noqa: E402
-from patchswarm.protocol.files import write_atomic  # noqa: E402
-from patchswarm.protocol.trust import Certificate  # noqa: E402
-from tests.boards import free_port  # noqa: E402
-from tests.faultkit import SeedProc, fleet_daemon  # noqa: E402
-from tests.loadkit import LoadResult, Pin, api_load, sidecar_load  # noqa: E402
-from tests.swarmkit import RUN, Swarm  # noqa: E402
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.publisher import Publisher
+from patchswarm.daemon.refengine import StoreViewSource, start_engine
+from patchswarm.daemon.trajectory import generate
+from patchswarm.protocol.files import write_atomic
+from patchswarm.protocol.trust import Certificate
+from tests.support.boards import free_port
+from tests.support.faultkit import SeedProc, fleet_daemon
+from tests.support.loadkit import LoadResult, Pin, api_load, sidecar_load
+from tests.support.swarmkit import RUN, Swarm
 
 
 def client(sidecar: bool, target: str, rate: float, seconds: float, top: int, every: float) -> LoadResult:

@@ -1,6 +1,6 @@
 """Codec benchmark: patch size against the entropy reference, speed against memcpy, hash speeds.
 
-    python benchmarks/codec_bench.py [--preset bench] [--steps N] [--big-gb 1.0]
+    python -m benchmarks.codec_bench [--preset bench] [--steps N] [--big-gb 1.0]
 
 a) Size.  For each consecutive pair of a real training trajectory (daemon.trajectory, bf16 and
    fp8 exports), the patch bytes of ``encode_patch`` against the reference bound

@@ -1,8 +1,8 @@
 """kill -9 of a rollout daemon 100 times, at points spread over every phase of taking a version.
 
-    python benchmarks/crash_loop.py [--kills 100] [--seed 1]
+    python -m benchmarks.crash_loop [--kills 100] [--seed 1]
 
-The same loop as tests/test_faults_crash.py (tests/faultkit.py: CrashLoop) at full count: each
+The same loop as tests/system/test_faults_crash.py (tests/support/faultkit.py: CrashLoop) at full count: each
 kill lands while fetching (an external SIGKILL once the API reports fetching), at staging or at a
 step of activating (PATCHSWARM_FAULT_AT), or at a random time from process start (recovery
 included) to the version landing.  A new version is published for each kill while an engine
@@ -20,12 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.faultkit import PHASES, CrashLoop  # noqa: E402
-from tests.swarmkit import Swarm  # noqa: E402
+from tests.support.faultkit import PHASES, CrashLoop
+from tests.support.swarmkit import Swarm
 
 
 async def main(kills: int, seed: int) -> int:

@@ -1,11 +1,11 @@
 """Mutation fuzzing of every parser of untrusted input: a million inputs by default.
 
-    .venv/bin/python benchmarks/fuzz.py [--inputs 1000000] [--seed 0] [--jobs N] [--only a,b]
+    .venv/bin/python -m benchmarks.fuzz [--inputs 1000000] [--seed 0] [--jobs N] [--only a,b]
                                         [--crashes /tmp/patchswarm-fuzz] [--timeout 10]
-    .venv/bin/python benchmarks/fuzz.py --atheris TARGET [--runs N | --max-time S]   # needs atheris
+    .venv/bin/python -m benchmarks.fuzz --atheris TARGET [--runs N | --max-time S]   # needs atheris
 
-Targets, seeds and mutations are those of tests/fuzz_targets.py (the hypothesis tests in
-tests/test_fuzz.py use the same ones at CI size).  Each target gets a share of the inputs by its
+Targets, seeds and mutations are those of tests/support/fuzz_targets.py (the hypothesis tests in
+tests/unit/protocol/test_fuzz.py use the same ones at CI size).  Each target gets a share of the inputs by its
 weight; work is cut into batches spread over ``--jobs`` processes (default: every core), each
 batch with its own seeded RNG, so a run is reproducible from ``--seed``.  One input in ten is
 random bytes, the rest are mutations of valid inputs: byte-level (flips, cuts, splices,
@@ -15,7 +15,7 @@ and patch payload streams edited and re-encoded).
 An input is a crash when its parser raises anything but the documented errors, a hang when it
 runs past ``--timeout`` seconds, and runs out of memory when the worker's address-space limit
 (``--memory-gb`` above its size at start) is hit.  Each is saved as ``<crashes>/<target>/<sha1>.bin``
-with the traceback beside it; ``tests/fuzz_targets.check(target, bytes)`` reproduces it.
+with the traceback beside it; ``tests.support.fuzz_targets.check(target, bytes)`` reproduces it.
 
 ``--atheris TARGET`` runs one target under atheris (coverage-guided, libFuzzer) instead, with the
 modules of protocol/ and daemon/ instrumented and the target's seeds as the starting corpus
@@ -39,10 +39,6 @@ import traceback
 from collections import Counter
 from pathlib import Path
 from types import FrameType
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 BATCH = 2000
 RANDOM_FRACTION = 0.1
@@ -77,7 +73,7 @@ def _save(crashes: Path, name: str, data: bytes, kind: str, detail: str) -> str:
 
 def run_batch(job: tuple[str, int, int, int, str, float]) -> tuple[str, int, float, Counter[str], list[str]]:
     """Run ``count`` inputs of target ``name``; returns (name, count, cpu seconds, outcomes, crash files)."""
-    from tests import fuzz_targets as ft
+    from tests.support import fuzz_targets as ft
 
     name, seed, index, count, crashes, timeout = job
     rng = random.Random(f"{seed}/{name}/{index}")
@@ -113,7 +109,7 @@ def plan(total: int, names: list[str], weights: dict[str, int]) -> dict[str, int
 
 
 def fuzz(args: argparse.Namespace) -> int:
-    from tests import fuzz_targets as ft
+    from tests.support import fuzz_targets as ft
 
     names = sorted(ft.TARGETS) if not args.only else args.only.split(",")
     unknown = [n for n in names if n not in ft.TARGETS]
@@ -178,7 +174,7 @@ def run_atheris(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     os.environ["PSW_FUZZ_SCRATCH"] = str(scratch)
     with atheris.instrument_imports(include=["protocol", "daemon"]):
-        from tests import fuzz_targets as ft
+        from tests.support import fuzz_targets as ft
     if name not in ft.TARGETS:
         raise SystemExit(f"unknown target {name!r}; known: {', '.join(sorted(ft.TARGETS))}")
     for i, seed in enumerate(ft.seeds_of(name)):

@@ -1,6 +1,6 @@
 """GPU checks that are not pytest tests: the codec's torch path and the store digest on a device.
 
-    python benchmarks/gpu_check.py [--device cuda:0] [--gb 2] [--frac 0.005] [--tensor-mb 128] [--json OUT.json]
+    python -m benchmarks.gpu_check [--device cuda:0] [--gb 2] [--frac 0.005] [--tensor-mb 128] [--json OUT.json]
 
 a) Codec on the device: a synthetic bf16 model (0.5% of values moved by one or two ulps) lives on
    the device; ``encode_patch`` scans it there (protocol.diffscan's torch path) and the payload must

@@ -66,22 +66,22 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a limit, log to $OUT/NAME.log, 
 } 2>&1 | tee "$SUMMARY"
 
 step cuda_tests 150 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning -k "cuda or gpu" \
-    tests/test_daemon_engine_store.py tests/test_engine_attach.py tests/test_weightstore.py \
-    tests/test_payloads.py tests/test_sharded_publish.py -rs
+    tests/system/test_daemon_engine_store.py tests/system/test_engine_attach.py tests/unit/daemon/test_weightstore.py \
+    tests/unit/daemon/test_payloads.py tests/unit/daemon/test_sharded_publish.py -rs
 
 if [ "$TINY" = 1 ]; then
-    step activation 120 "$PY" benchmarks/activation_bench.py --device engine-cpu --gpu-gb 0.004 --repeat 1 \
+    step activation 120 "$PY" -m benchmarks.activation_bench --device engine-cpu --gpu-gb 0.004 --repeat 1 \
         --json "$OUT/activation.json"
-    step codec_digest 120 "$PY" benchmarks/gpu_check.py --device cpu --gb 0.002 --tensor-mb 1 \
+    step codec_digest 120 "$PY" -m benchmarks.gpu_check --device cpu --gb 0.002 --tensor-mb 1 \
         --json "$OUT/codec_digest.json"
-    step publish 120 "$PY" benchmarks/publish_bench.py --params 2e7 --patches 2
+    step publish 120 "$PY" -m benchmarks.publish_bench --params 2e7 --patches 2
 else
-    step activation 170 "$PY" benchmarks/activation_bench.py --device cuda --gpu-gb 14 --frac 0.005 --repeat 3 \
+    step activation 170 "$PY" -m benchmarks.activation_bench --device cuda --gpu-gb 14 --frac 0.005 --repeat 3 \
         --journal-dir /tmp/psw-journal --json "$OUT/activation.json"
-    step codec_digest 70 "$PY" benchmarks/gpu_check.py --device cuda:0 --gb 2 --json "$OUT/codec_digest.json"
+    step codec_digest 70 "$PY" -m benchmarks.gpu_check --device cuda:0 --gb 2 --json "$OUT/codec_digest.json"
     # one log for both publish runs (what comes back from the machine is at most 8 files)
-    step publish 150 bash -c "'$PY' benchmarks/publish_bench.py --params 1.07e9 --patches 3 --board /tmp \
-        && '$PY' benchmarks/publish_bench.py --params 1.07e9 --patches 3 --board /tmp --device cuda"
+    step publish 150 bash -c "'$PY' -m benchmarks.publish_bench --params 1.07e9 --patches 3 --board /tmp \
+        && '$PY' -m benchmarks.publish_bench --params 1.07e9 --patches 3 --board /tmp --device cuda"
 fi
 cat "$SUMMARY"
 ! grep -E "^[a-z_]+: exit [0-9]+ in" "$SUMMARY" | grep -qv ": exit 0 in"

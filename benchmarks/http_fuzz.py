@@ -1,10 +1,10 @@
 """HTTP-level fuzzing of the four servers as real processes: 100k raw requests by default.
 
-    .venv/bin/python benchmarks/http_fuzz.py [--requests 100000] [--seed 0] [--concurrency 32]
+    .venv/bin/python -m benchmarks.http_fuzz [--requests 100000] [--seed 0] [--concurrency 32]
 
 The servers (a seed node's peer endpoints, the plain board server, the sidecar, the unix-socket API)
-are those of tests/serverkit.py, with its small limits; the requests come from the grammar of
-tests/http_requests.py (tests/test_http_fuzz.py sends the same at CI size), drawn from a seeded RNG
+are those of tests/support/serverkit.py, with its small limits; the requests come from the grammar of
+tests/support/http_requests.py (tests/system/test_http_fuzz.py sends the same at CI size), drawn from a seeded RNG
 and spread evenly over the servers, ``--concurrency`` connections at a time on each.
 
 Prints the count of replies by status for each server ("none": closed or silent, waiting for the
@@ -24,12 +24,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.http_requests import RandomPick, raw_request  # noqa: E402
-from tests.serverkit import FAST_LIMITS, Server, running_servers, status_of  # noqa: E402
+from tests.support.http_requests import RandomPick, raw_request
+from tests.support.serverkit import FAST_LIMITS, Server, running_servers, status_of
 
 SILENCE_S = 0.3
 

@@ -1,6 +1,6 @@
 """Publish latency: one version of a ~1B-parameter FP32 model, against one memcpy of its served bytes.
 
-    python benchmarks/publish_bench.py [--params 1.07e9] [--patches 4] [--board DIR]
+    python -m benchmarks.publish_bench [--params 1.07e9] [--patches 4] [--board DIR]
 
 Builds an FP32 state dict (``--tensors`` matrices of ``--cols`` columns; normal(0, 0.02) values),
 publishes version 1 (an anchor, reported separately), then for each of ``--patches`` versions
@@ -28,7 +28,6 @@ import os
 import platform
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,8 +36,6 @@ from typing import Any
 import blake3
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_check import device_copy_s
 from patchswarm.daemon import publish_work

@@ -12,7 +12,7 @@ nodes keep a bounded membership view of 128 members (``--member max_members=0``:
 
 ``network``: every host fetches ``chunks`` chunks of ``chunk`` bytes, ``inflight`` at a time,
 each from a random other host (no protocol: only the flow model's cost).  ``swarm``: real
-SwarmNodes fetching a small published model (tests/swarmkit.py's board) in virtual time; with
+SwarmNodes fetching a small published model (tests/support/swarmkit.py's board) in virtual time; with
 ``--hosts``, real nodes on a synthetic run with placeholder payloads (simulations/synthetic.py).
 Prints wall seconds, events and virtual time; the numbers go in docs/simulation.md.
 """
@@ -110,7 +110,7 @@ def network_bench(
 
 def swarm_bench(peers: int, seed: int) -> None:
     from patchswarm.simulations.runner import SwarmSetup, simulate_swarm
-    from tests.swarmkit import RUN, SECRET, Swarm
+    from tests.support.swarmkit import RUN, SECRET, Swarm
 
     s = Swarm(Path(tempfile.mkdtemp()))
     v = s.publish()

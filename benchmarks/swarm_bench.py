@@ -1,8 +1,8 @@
 """Swarm benchmark: a seed + N nodes on loopback, every uplink rate-limited, against the Kumar-Ross bound.
 
-    python benchmarks/swarm_bench.py                      # 16 nodes, 10 MB/s each, 100 MB patch, 1 MiB chunks
-    python benchmarks/swarm_bench.py --size-mb 20         # a quick run
-    python benchmarks/swarm_bench.py --skip-libtorrent    # patchswarm only
+    python -m benchmarks.swarm_bench                      # 16 nodes, 10 MB/s each, 100 MB patch, 1 MiB chunks
+    python -m benchmarks.swarm_bench --size-mb 20         # a quick run
+    python -m benchmarks.swarm_bench --skip-libtorrent    # patchswarm only
 
 Patchswarm: a board gets version 1 (a zero uint8 tensor of the patch size: a tiny anchor) and
 every node converges to it; then version 2 (the same tensor filled with random bytes) is
@@ -47,10 +47,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 RUN = "bench-run"
 SECRET = b"swarm-bench-cluster-secret-0123456789"

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
 # NodeConfig's defaults, for the help text only (swarm.node loads torch: --help must not);
-# tests/test_cli_validation.py checks they match.
+# tests/unit/daemon/test_cli_validation.py checks they match.
 HELP_DEFAULTS = {
     "max_uploads": 4,
     "seed_max_uploads": 6,

@@ -3,7 +3,7 @@
 ``Random.shuffle``, ``sample``, ``choice`` and ``randint`` are Python code over the generator's C
 ``getrandbits``; a simulated swarm calls them on every announcement and gossip round, where their
 interpreted frames were ~3% of a node's work.  These functions take the same draws from the same
-generator in the same order (CPython's algorithms, checked against it by tests/test_draws.py), so a
+generator in the same order (CPython's algorithms, checked against it by tests/unit/protocol/test_draws.py), so a
 seed gives the same run whichever is called.
 """
 

@@ -5,7 +5,7 @@
 library, so calls between them stay C calls), from the same source, typed to ``mypy --strict``.
 A command runs on it with ``PYTHONPATH=build/native`` and Python's ``-P`` (so the source tree in
 the working directory does not shadow it).  Both builds run the same simulation event for event
-(tests/test_native_build.py); only the CPU time differs, so a figure of CPU or wall time should
+(tests/system/test_native_build.py); only the CPU time differs, so a figure of CPU or wall time should
 say which build produced it: ``build_label()``.
 """
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     why = missing_toolchain()
     if why is not None:
-        print(f"no native build: {why} (tests/test_native_build.py is skipped)")
+        print(f"no native build: {why} (tests/system/test_native_build.py is skipped)")
         return 0
     print(f"compiling {len(NATIVE_MODULES)} modules into {args.dest} (mypyc, ~5 CPU-minutes)")
     build(Path(args.dest))

@@ -10,7 +10,7 @@ the count of cancelled timers): the loop installs the core's bound methods as it
 tree) it is the same code, slower.
 
 The order of callbacks is asyncio's (3.11) exactly, ties and cancelled timers included
-(tests/test_sim_transport.py runs both side by side): the timers sit in a heap of
+(tests/unit/simulations/test_sim_transport.py runs both side by side): the timers sit in a heap of
 ``(when, nan, handle)``, whose C tuple comparison orders them as asyncio's heap of handles does
 (by ``when``; a tie compares the NaNs, neither below the other, as two handles due at the same
 time are not).  Each entry has its own NaN object: an identical one would count as equal and

@@ -122,7 +122,7 @@ class NodeConfig:
     seed_max_uploads: int = 6
     # The seed's line stays longer: it holds chunks nobody else has, so a request it refuses cannot go to
     # another holder, and its uplink idles until the refused come back (a seed-bound swarm of 8 paced
-    # hosts, tests/test_sim_agreement.py: 10.2-12.6 s with a line of 2 against 9.3-9.7 s with 4).
+    # hosts, tests/unit/simulations/test_sim_agreement.py: 10.2-12.6 s with a line of 2 against 9.3-9.7 s with 4).
     seed_upload_queue: int = 4
     busy_retry_after: float = 0.2
     # Every transfer has a deadline, max(upload_deadline, chunk bytes / upload_floor_rate): a requester
@@ -1003,7 +1003,7 @@ class SwarmNode:
         yet: one it is uploading to (or that waits already) gets a free slot, not a place in line.
         Otherwise a host keeping several requests at the seed (``max_inflight_seed``) takes several
         shares of the one copy, and the line stays with those served last, who ask again at once: in
-        a seed-bound swarm of 8 paced hosts (tests/test_sim_agreement.py) a slow host took 14-24 of
+        a seed-bound swarm of 8 paced hosts (tests/unit/simulations/test_sim_agreement.py) a slow host took 14-24 of
         the 46 chunks and sat on them, the first it got reached everyone 9 s later, and the time to
         all was 8.8-11.3 s over 8 seeds; with this rule 8.0-9.1 s, each host taking 2-12 chunks."""
         if self.upload_slots.acquire():

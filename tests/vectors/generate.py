@@ -4,8 +4,8 @@
 
 Every case is one folder ``<parser>/<case>/`` with its input, any documents accepted before it
 (``previous-*.bin``) and ``expected.toml`` (error class, message substring, description,
-context); tests/test_vectors.py says how each parser's cases are run.  Keys come from fixed seeds
-(tests/fuzz_targets.det_key) and Ed25519 signatures are deterministic, so a rerun rewrites the
+context); tests/unit/protocol/test_vectors.py says how each parser's cases are run.  Keys come from fixed seeds
+(tests.support.fuzz_targets.det_key) and Ed25519 signatures are deterministic, so a rerun rewrites the
 same bytes (zstd output aside, which depends on the library version only).  Fixtures shared by
 cases (keys, the trainer's certificate, the base and target models) are in ``_fixtures/``.
 """
@@ -43,8 +43,8 @@ from patchswarm.protocol.served import TensorSpec, layout_hash, state_root  # no
 from patchswarm.protocol.signed import Envelope, domain  # noqa: E402
 from patchswarm.protocol.trust import Certificate, RootDocument  # noqa: E402
 from patchswarm.protocol.wire import FRAME_TAG, encode_frame, mac  # noqa: E402
-from tests import fuzz_targets as ft  # noqa: E402
-from tests.test_vectors import mismatch, run_case  # noqa: E402
+from tests.support import fuzz_targets as ft  # noqa: E402
+from tests.support.vector_runners import mismatch, run_case  # noqa: E402
 
 FIX = HERE / "_fixtures"
 written: dict[str, int] = {}

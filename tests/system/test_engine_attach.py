@@ -1,0 +1,170 @@
+"""Engines in other processes: zero-copy attach, in-place updates, the fence, engine-owned buffers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from patchswarm.daemon.engine import _dec, _enc, attach
+from patchswarm.daemon.journal import Action, recover
+from patchswarm.daemon.weightstore import StoreLayout, StoreLayoutMismatch, StoreState, WeightStore, diff_updates
+from tests.support.store_worker import SPECS, model, remove_segments, unique_name
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = 5
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    n = unique_name("en")
+    yield n
+    remove_segments(n)
+
+
+class Engine:
+    """tests/support/store_worker.py engine: attaches (or allocates) and answers commands on stdin."""
+
+    def __init__(self, info: dict[str, Any], tmp: Path, device: str | None = None) -> None:
+        f = tmp / f"info-{id(self)}.json"
+        f.write_text(json.dumps(info))
+        args = [sys.executable, "-m", "tests.support.store_worker", "engine", str(f), *([device] if device else [])]
+        self.proc = subprocess.Popen(args, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.handle = self._read()["handle"]
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "engine process exited"
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("exit\n")
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
+        self.proc.stdout.close()
+
+
+def test_attach_from_another_process_zero_copy_and_in_place(name: str, tmp_path: Path) -> None:
+    store = WeightStore.create(name, StoreLayout.from_specs(SPECS))
+    m1 = model(SEED, 1)
+    store.load(m1, 1, m1.root())
+    engine = Engine(store.attach_info(), tmp_path)
+    try:
+        assert engine.ask("zerocopy") is True
+        assert engine.ask("version") == [1, m1.root().hex()]
+        assert engine.ask("digest") == m1.root().hex()
+        for k in (2, 3):  # updates in place are visible without re-attaching
+            new = model(SEED, k)
+            store.activate(k, new.root(), diff_updates(model(SEED, k - 1), new), tmp_path)
+            assert engine.ask("version") == [k, new.root().hex()]
+            assert engine.ask("digest") == new.root().hex()
+    finally:
+        engine.close()
+
+
+def test_attach_checks_layout(name: str) -> None:
+    store = WeightStore.create(name, StoreLayout.from_specs(SPECS))
+    info = store.attach_info()
+    info["layout"] = info["layout"][:-1]
+    with pytest.raises(StoreLayoutMismatch):
+        attach(info)
+
+
+def test_fence_reader_process_during_many_activations(name: str, tmp_path: Path) -> None:
+    """Every read the fence calls consistent hashes to the root it reported: no torn version is ever seen."""
+    store = WeightStore.create(name, StoreLayout.from_specs(SPECS))
+    m = model(SEED, 1)
+    store.load(m, 1, m.root())
+    last = 60
+    info = tmp_path / "info.json"
+    info.write_text(json.dumps(store.attach_info()))
+    cmd = [sys.executable, "-m", "tests.support.store_worker", "reader", str(info), str(last)]
+    reader = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "ready\n"
+        for k in range(2, last + 1):
+            new = model(SEED, k)
+            store.activate(k, new.root(), diff_updates(m, new), tmp_path)
+            m = new
+        out, _ = reader.communicate(timeout=120)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.communicate()
+    summary = json.loads(out)
+    assert reader.returncode == 0
+    assert summary["bad"] == 0
+    assert summary["checked"] > 0 and summary["versions"][-1] == last
+    assert len(summary["versions"]) > 1  # it did read while versions changed
+    print("reader:", summary)
+
+
+def test_engine_owned_buffer_in_another_process(name: str, tmp_path: Path) -> None:
+    """The GPU placement on its CPU twin: the engine process allocates, the daemon writes through the handle."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    engine = Engine(store.attach_info(), tmp_path, device="cpu")
+    try:
+        assert engine.handle["kind"] == "shm_buffer"
+        store.attach_buffer(engine.handle)
+        m1, m2 = model(SEED, 1), model(SEED, 2)
+        assert engine.ask("version") is None
+        store.load(m1, 1, m1.root())
+        assert engine.ask("version") == [1, m1.root().hex()]
+        store.activate(2, m2.root(), diff_updates(m1, m2), tmp_path)
+        assert engine.ask("version") == [2, m2.root().hex()]
+        assert engine.ask("digest") == m2.root().hex()
+        assert engine.ask("zerocopy") is True
+        # Daemon restart: re-attach by name, the stored handle is re-imported, contents re-verified.
+        store.close()
+        again = WeightStore.open(name, layout=lay)
+        r = recover(again, tmp_path)
+        assert (r.action, r.version) == (Action.CLEAN, 2)
+        assert again.header().state == StoreState.READY
+        assert engine.ask("version") == [2, m2.root().hex()]
+    finally:
+        engine.close()
+    assert not list(Path("/dev/shm").glob(f"{name}.buf.*"))  # the engine removed its buffer
+
+
+def test_cuda_handle_encoding_round_trip() -> None:
+    args = (torch.Tensor, torch.Size([4, 2]), (2, 1), 0, torch.TypedStorage, torch.uint8, 0, b"\x00\xffh",
+            128, 0, False, b"ref", 16, None, True)  # fmt: skip
+    enc = json.loads(json.dumps([_enc(a) for a in args]))
+    assert tuple(_dec(a) for a in enc) == args
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_export_import(name: str, tmp_path: Path) -> None:
+    """One CUDA IPC handle for the whole buffer: the engine allocates, the daemon writes on the GPU."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    engine = Engine(store.attach_info(), tmp_path, device="cuda:0")
+    try:
+        assert engine.handle["kind"] == "cuda_ipc"
+        store.attach_buffer(engine.handle)
+        assert store.data is not None and store.data.device.type == "cuda"
+        m1, m2 = model(SEED, 1), model(SEED, 2)
+        store.load(m1, 1, m1.root())
+        stats = store.activate(2, m2.root(), diff_updates(m1, m2), tmp_path)
+        assert stats.changed > 0
+        assert engine.ask("version") == [2, m2.root().hex()]
+        assert engine.ask("digest") == m2.root().hex()
+        assert store.read_model().bitwise_equal(m2)
+    finally:
+        store.close()
+        engine.close()
