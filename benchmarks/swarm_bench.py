@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from patchswarm.protocol.board_names import HEAD_TAG, chunk_rel, head_rel
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -217,7 +219,7 @@ def worker_swarm(role: str, argv: list[str]) -> int:
 
     from patchswarm.daemon.board import Board
     from patchswarm.daemon.cli import build_parser
-    from patchswarm.daemon.seed import parse_listen
+    from patchswarm.daemon.config import split_listen
     from patchswarm.daemon.swarm_cli import _config
     from patchswarm.protocol.keys import TrustedKeys, load_public_key
     from patchswarm.protocol.trust import TrustState
@@ -244,7 +246,7 @@ def worker_swarm(role: str, argv: list[str]) -> int:
                 print(json.dumps(rec), flush=True)
 
         gc.callbacks.append(gc_timer)
-    host, port = parse_listen(args.listen)
+    host, port = split_listen(args.listen)
     config = apply_overrides(_config(args, is_seed=role == "seed", listen=args.listen), overrides)
 
     async def main() -> None:
@@ -720,12 +722,12 @@ def write_payload(tmp: Path) -> Path:
     from patchswarm.protocol.signed import Envelope
 
     board = Board(tmp / "patchswarm" / "board")
-    head = Head.from_bytes(Envelope.from_bytes(board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
+    head = Head.from_bytes(Envelope.from_bytes(board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
     entry = next(e for e in head.catalog if e.version == head.version and e.kind.value == "patch")
     out = tmp / "patch.bin"
     with open(out, "wb") as fh:
         for ref in board.manifest(entry.manifest_id).chunks:
-            fh.write(board.path(Board.chunk_rel(ref.hash)).read_bytes())
+            fh.write(board.path(chunk_rel(ref.hash)).read_bytes())
     return out
 
 

@@ -135,7 +135,7 @@ _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def listen(text: str) -> str:
-    """HOST:PORT, [IPV6]:PORT or :PORT (all interfaces); the text itself, for daemon.seed.parse_listen."""
+    """HOST:PORT, [IPV6]:PORT or :PORT (all interfaces); the text itself, for daemon.config.split_listen."""
     host, sep, port = text.rpartition(":")
     if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 0..65535, got {text!r}")

@@ -36,7 +36,6 @@ from patchswarm.daemon.instance_lock import FileLock, InstanceLock, InstanceLock
 from patchswarm.daemon.journal import recover
 from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
-from patchswarm.daemon.pull import Held
 from patchswarm.daemon.pull_state import PullState
 from patchswarm.daemon.sidecar import DrainTimeoutError
 from patchswarm.daemon.status import Phase, Status
@@ -53,6 +52,7 @@ from patchswarm.daemon.weightstore import (
     diff_updates,
 )
 from patchswarm.protocol.head import utc_text
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import load_public_key
 from patchswarm.protocol.scheduler import SchedulerConfig
 from patchswarm.protocol.served import state_root

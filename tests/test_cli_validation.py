@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from patchswarm.daemon import cli_args
-from patchswarm.daemon.board import Board
 from patchswarm.daemon.cli import build_parser, main
 from patchswarm.daemon.config import parse_name
-from patchswarm.daemon.seed import parse_listen
+from patchswarm.daemon.config import split_listen as parse_listen
 from patchswarm.daemon.swarm_cli import HELP_DEFAULTS
+from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from patchswarm.protocol.patchfile import open_file
 from patchswarm.protocol.safetensors_io import save_safetensors
@@ -152,7 +152,7 @@ def test_an_accepted_run_id_is_one_every_reader_takes(text: str) -> None:
         cli_args.run_id(text)
     except argparse.ArgumentTypeError:
         return
-    Board.head_rel(text)
+    head_rel(text)
     assert parse_name(text) == text
 
 

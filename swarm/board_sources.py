@@ -1,4 +1,4 @@
-"""Where board files come from: a local directory or any static HTTP server.
+"""Where a host reads a board from: a local directory or any static HTTP server.
 
 Every read is bounded: a source never returns more than ``limit`` bytes (an endless or
 oversized response is cut off with LimitExceededError), and a missing file is ``None``.
@@ -11,7 +11,7 @@ from typing import Protocol
 
 import aiohttp
 
-from patchswarm.daemon.board import TOP_LEVEL, board_limit
+from patchswarm.protocol.board_names import TOP_LEVEL, board_limit
 from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
 from patchswarm.protocol.files import FileTooLargeError, read_confined
 from patchswarm.swarm.client_errors import describe
@@ -31,7 +31,7 @@ class BoardSource(Protocol):
 
 
 class DirSource:
-    """A board in a local directory, read with the board's path rules (daemon/board.py): a name
+    """A board in a local directory, read with the board's path rules (protocol/board_names.py): a name
     outside its layout, a symlink out of it, a FIFO or a device is a missing file, never a wait."""
 
     def __init__(self, root: str | Path) -> None:
