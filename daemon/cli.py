@@ -410,7 +410,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from patchswarm.daemon.config import ConfigError, load_config
     from patchswarm.daemon.logs import setup_logging
     from patchswarm.daemon.rollout import DaemonError, run_daemon
-    from patchswarm.daemon.weightstore import StoreError
+    from patchswarm.daemon.store_format import StoreError
 
     try:
         cfg = load_config(args.config)
