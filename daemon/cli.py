@@ -21,6 +21,7 @@ from patchswarm.daemon import cli_args
 from patchswarm.daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
 from patchswarm.daemon.simulate_cli import add_simulate_parser
 from patchswarm.daemon.swarm_cli import add_seed_args, add_swarm_args
+from patchswarm.daemon.user_error import UserError
 from patchswarm.protocol.board_names import root_rel
 
 # Everything heavy (torch, numpy, aiohttp, rich) loads inside the command that needs it, so that
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
     from patchswarm.daemon.publisher import Publisher
     from patchswarm.protocol.keys import SigningKey, TrustedKeys
     from patchswarm.protocol.trust import RootDocument
-
-
-class UserError(Exception):
-    """An error worth one line to the user, never a traceback."""
 
 
 @functools.cache

@@ -164,22 +164,6 @@ def _is_host(host: str) -> bool:
     return len(host) <= 253 and all(_HOST_LABEL.fullmatch(p) for p in labels)
 
 
-def scenario_value(key: str) -> Callable[[str], int]:
-    """An integer override of a scenario key (``run.seed``), by the scenario's own rule for it."""
-
-    def parse(text: str) -> int:
-        from patchswarm.simulations.scenario import ScenarioError, with_overrides
-
-        value = bounded(int, "a whole number", -(1 << 64), 1 << 64)(text)
-        try:
-            with_overrides({}, {key: value})
-        except ScenarioError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return value
-
-    return parse
-
-
 def path(text: str) -> str:
     """A file name: not empty, no NUL (whether the file is usable is checked when it is read)."""
     if not text or "\0" in text:

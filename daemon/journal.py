@@ -124,7 +124,9 @@ def write_journal(
             os.close(fd)
 
     try:
-        write_atomic(path, fill=fill, mode=0o600, sync_dir=False)  # (fsyncs the file before the rename)
+        # The directory must exist (a missing one is the operator's to fix); it is fsynced here, by the
+        # name the fault tests patch.
+        write_atomic(path, fill=fill, mode=0o600, sync_dir=False, create_dir=False)
         _fsync_dir(journal_dir)
     except OSError as e:
         with contextlib.suppress(OSError):  # renamed but not durable is not a journal to act on
