@@ -13,7 +13,8 @@ root.  Two placements of the buffer (docs/weightstore.md):
 
 An activation journals absolute old and new values (daemon/journal.py) before memory is
 touched, then writes, verifies the written positions and flips the version inside the fence.
-The byte format both sides share (layout, control block, segments, handles) is in daemon/engine.py.
+The byte format both sides share (layout, control block) is in daemon/store_format.py; the
+segments and buffer handles in daemon/engine.py.
 """
 
 from __future__ import annotations

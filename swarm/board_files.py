@@ -52,10 +52,13 @@ class BoardFiles:
         limit = board_limit(rel)
         return None if limit is None else open_confined(self.root, rel, TOP_LEVEL, limit)
 
-    def read(self, rel: str) -> bytes | None:
-        """The board file at ``rel``, or None (see ``open``); FileTooLargeError over its bound."""
-        limit = board_limit(rel)
-        return None if limit is None else read_confined(self.root, rel, TOP_LEVEL, limit)
+    def read(self, rel: str, limit: int | None = None) -> bytes | None:
+        """The board file at ``rel``, or None (see ``open``); FileTooLargeError over its kind's bound
+        (or over ``limit``, a reader's own bound, if lower)."""
+        bound = board_limit(rel)
+        if bound is None:
+            return None
+        return read_confined(self.root, rel, TOP_LEVEL, bound if limit is None else min(bound, limit))
 
     def read_served(self, rel: str) -> bytes | None:
         """``read`` for a server: a file over its bound is not served (None), with a warning, not an error."""
