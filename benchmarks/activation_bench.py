@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from patchswarm.daemon.weightstore import StoreLayout, WeightStore, _sync, diff_updates
+from patchswarm.daemon.store_format import StoreLayout
+from patchswarm.daemon.weightstore import WeightStore, _sync, diff_updates
 from patchswarm.protocol.served import ServedModel, TensorSpec
 
 COLS = 4096

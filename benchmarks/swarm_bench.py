@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from patchswarm.protocol.board_names import HEAD_TAG, chunk_rel, head_rel
+
 RUN = "bench-run"
 SECRET = b"swarm-bench-cluster-secret-0123456789"
 CONFIG_ENV = "PATCHSWARM_BENCH_CONFIG"
@@ -213,7 +215,7 @@ def worker_swarm(role: str, argv: list[str]) -> int:
 
     from patchswarm.daemon.board import Board
     from patchswarm.daemon.cli import build_parser
-    from patchswarm.daemon.seed import parse_listen
+    from patchswarm.daemon.config import split_listen
     from patchswarm.daemon.swarm_cli import _config
     from patchswarm.protocol.keys import TrustedKeys, load_public_key
     from patchswarm.protocol.trust import TrustState
@@ -240,7 +242,7 @@ def worker_swarm(role: str, argv: list[str]) -> int:
                 print(json.dumps(rec), flush=True)
 
         gc.callbacks.append(gc_timer)
-    host, port = parse_listen(args.listen)
+    host, port = split_listen(args.listen)
     config = apply_overrides(_config(args, is_seed=role == "seed", listen=args.listen), overrides)
 
     async def main() -> None:
@@ -716,12 +718,12 @@ def write_payload(tmp: Path) -> Path:
     from patchswarm.protocol.signed import Envelope
 
     board = Board(tmp / "patchswarm" / "board")
-    head = Head.from_bytes(Envelope.from_bytes(board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
+    head = Head.from_bytes(Envelope.from_bytes(board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
     entry = next(e for e in head.catalog if e.version == head.version and e.kind.value == "patch")
     out = tmp / "patch.bin"
     with open(out, "wb") as fh:
         for ref in board.manifest(entry.manifest_id).chunks:
-            fh.write(board.path(Board.chunk_rel(ref.hash)).read_bytes())
+            fh.write(board.path(chunk_rel(ref.hash)).read_bytes())
     return out
 
 

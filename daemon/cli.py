@@ -21,6 +21,8 @@ from patchswarm.daemon import cli_args
 from patchswarm.daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
 from patchswarm.daemon.simulate_cli import add_simulate_parser
 from patchswarm.daemon.swarm_cli import add_seed_args, add_swarm_args
+from patchswarm.daemon.user_error import UserError
+from patchswarm.protocol.board_names import root_rel
 
 # Everything heavy (torch, numpy, aiohttp, rich) loads inside the command that needs it, so that
 # ``--help``, ``--version`` and a usage error answer at once.
@@ -31,10 +33,6 @@ if TYPE_CHECKING:
     from patchswarm.daemon.publisher import Publisher
     from patchswarm.protocol.keys import SigningKey, TrustedKeys
     from patchswarm.protocol.trust import RootDocument
-
-
-class UserError(Exception):
-    """An error worth one line to the user, never a traceback."""
 
 
 @functools.cache
@@ -283,12 +281,11 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
 
 def _next_root(board: Board, root: SigningKey) -> RootDocument:
-    from patchswarm.daemon.board import Board
     from patchswarm.protocol.trust import RootDocument, TrustState
 
     state = TrustState(root.key_id)
     for v in board.root_versions():
-        data = board.read(Board.root_rel(v))
+        data = board.read(root_rel(v))
         assert data is not None
         state.update_root(data)
     return state.root or RootDocument(0, (root.key_id,))
@@ -328,7 +325,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from patchswarm.protocol.safetensors_io import load_safetensors
 
     model = load_safetensors(args.model)
-    from patchswarm.daemon.board import MAX_DOC_BYTES
+    from patchswarm.protocol.board_names import MAX_DOC_BYTES
     from patchswarm.protocol.files import read_file
 
     cert = read_file(args.cert, MAX_DOC_BYTES) if args.cert else None
@@ -366,10 +363,11 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
 
 
 def cmd_seed(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.seed import board_app, parse_listen
+    from patchswarm.daemon.config import split_listen
+    from patchswarm.swarm.board_http import board_app
     from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
-    host, port = parse_listen(args.listen)
+    host, port = split_listen(args.listen)
     if not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
     if args.key and not args.run:
@@ -409,7 +407,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from patchswarm.daemon.config import ConfigError, load_config
     from patchswarm.daemon.logs import setup_logging
     from patchswarm.daemon.rollout import DaemonError, run_daemon
-    from patchswarm.daemon.weightstore import StoreError
+    from patchswarm.daemon.store_format import StoreError
 
     try:
         cfg = load_config(args.config)
@@ -463,12 +461,13 @@ def _run_from(url: str, run: str | None) -> tuple[str, str]:
 def cmd_pull(args: argparse.Namespace) -> int:
     import asyncio
 
-    from patchswarm.daemon.pull import Held, Puller
     from patchswarm.daemon.pull_state import PullState
-    from patchswarm.daemon.sources import source_for
+    from patchswarm.protocol.held import Held
     from patchswarm.protocol.keys import load_public_key
     from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
     from patchswarm.protocol.trust import TrustState
+    from patchswarm.swarm.board_sources import source_for
+    from patchswarm.swarm.puller import Puller
 
     url, run = args.source, args.run
     trust = TrustState(load_public_key(args.trust))

@@ -135,7 +135,7 @@ _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def listen(text: str) -> str:
-    """HOST:PORT, [IPV6]:PORT or :PORT (all interfaces); the text itself, for daemon.seed.parse_listen."""
+    """HOST:PORT, [IPV6]:PORT or :PORT (all interfaces); the text itself, for daemon.config.split_listen."""
     host, sep, port = text.rpartition(":")
     if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 0..65535, got {text!r}")
@@ -162,22 +162,6 @@ def _is_host(host: str) -> bool:
             return False
         return True
     return len(host) <= 253 and all(_HOST_LABEL.fullmatch(p) for p in labels)
-
-
-def scenario_value(key: str) -> Callable[[str], int]:
-    """An integer override of a scenario key (``run.seed``), by the scenario's own rule for it."""
-
-    def parse(text: str) -> int:
-        from patchswarm.simulations.scenario import ScenarioError, with_overrides
-
-        value = bounded(int, "a whole number", -(1 << 64), 1 << 64)(text)
-        try:
-            with_overrides({}, {key: value})
-        except ScenarioError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return value
-
-    return parse
 
 
 def path(text: str) -> str:

@@ -300,7 +300,8 @@ class Demo:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
-        from patchswarm.daemon.weightstore import StoreError, WeightStore
+        from patchswarm.daemon.store_format import StoreError
+        from patchswarm.daemon.weightstore import WeightStore
 
         for h in self.hosts:
             with contextlib.suppress(StoreError, OSError):

@@ -7,8 +7,8 @@ GPU placement: the engine allocates one buffer, the daemon writes into it throug
 ``daemon.engine_client.DaemonClient`` talks to the daemon's unix socket: ``open_store`` attaches,
 or allocates and registers the buffer (POST /v1/store); ``wait_version`` and ``ack`` follow versions.
 
-The store's byte format (layout, control block, shared-memory segments, buffer handles) lives
-here too, because both sides must read it the same way; the writer is daemon/weightstore.py.
+The store's byte format (layout, control block) is daemon/store_format.py, which both sides
+import; the shared-memory segments and buffer handles are here; the writer is daemon/weightstore.py.
 docs/weightstore.md describes all of it.
 """
 
@@ -18,7 +18,6 @@ import base64
 import contextlib
 import errno
 import grp
-import math
 import mmap
 import os
 import re
@@ -26,259 +25,29 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import numpy as np
 import numpy.typing as npt
 import torch
 
-from patchswarm.protocol.dtypes import dtype as dtype_of
-from patchswarm.protocol.errors import LayoutMismatchError, PatchswarmError, UnsupportedDtypeError
-from patchswarm.protocol.served import TensorSpec, layout_hash, typed_view, word_view
+from patchswarm.daemon.store_format import (
+    OFF_DATA,
+    ControlBlock,
+    Header,
+    StoreError,
+    StoreLayout,
+    StoreLayoutMismatch,
+    StoreMissingError,
+    StoreState,
+    StoreTooSmallError,
+)
+from patchswarm.protocol.served import typed_view, word_view
 
 T = TypeVar("T")
 
 SHM_DIR = Path("/dev/shm")
-ALIGN = 256
-PAGE = 4096
-CONTROL_SIZE = PAGE
-MAGIC = b"PSWSTORE"
-FORMAT = 1
-_HANDLE_CAP = 64 * 1024
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
-ZERO_ROOT = bytes(32)
-
-
-# ---------------------------------------------------------------- errors
-
-
-class StoreError(PatchswarmError):
-    """The weight store cannot do what was asked; the message says why."""
-
-
-class StoreMissingError(StoreError):
-    """No store of that name, or one whose creation never finished (no magic)."""
-
-
-class StoreTooSmallError(StoreError):
-    def __init__(self, needed: int, capacity: int) -> None:
-        super().__init__(f"the store holds {capacity} bytes of data, the model needs {needed}")
-        self.needed = needed
-        self.capacity = capacity
-
-
-class StoreLayoutMismatch(StoreError, LayoutMismatchError):
-    """The store was laid out for other tensor names, dtypes or shapes."""
-
-
-# ---------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    @property
-    def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, self.dtype, self.shape)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreLayout:
-    """Where each tensor lives in the data buffer: ordered slots, offsets aligned to ``ALIGN``."""
-
-    slots: tuple[Slot, ...]
-
-    @classmethod
-    def from_specs(cls, specs: list[TensorSpec]) -> StoreLayout:
-        names = [s.name for s in specs]
-        if names != sorted(names) or len(set(names)) != len(names):
-            raise ValueError("tensors must be unique and sorted by name")
-        slots: list[Slot] = []
-        off = 0
-        for s in specs:
-            slots.append(Slot(s.name, s.dtype, tuple(s.shape), off, s.nbytes))
-            off += -(-s.nbytes // ALIGN) * ALIGN
-        return cls(tuple(slots))
-
-    @property
-    def specs(self) -> list[TensorSpec]:
-        return [s.spec for s in self.slots]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of data buffer the layout needs."""
-        return max((s.offset + -(-s.nbytes // ALIGN) * ALIGN for s in self.slots), default=0)
-
-    @property
-    def layout_hash(self) -> bytes:
-        return layout_hash(self.specs)
-
-    def index(self, name: str) -> int:
-        for i, s in enumerate(self.slots):
-            if s.name == name:
-                return i
-        raise KeyError(name)
-
-    def to_json(self) -> list[list[Any]]:
-        return [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.slots]
-
-    @classmethod
-    def from_json(cls, obj: Any) -> StoreLayout:
-        try:
-            slots = tuple(Slot(str(n), str(d), tuple(int(x) for x in sh), int(o), int(b)) for n, d, sh, o, b in obj)
-            widths = [dtype_of(s.dtype).width for s in slots]
-        except (TypeError, ValueError, UnsupportedDtypeError) as e:
-            raise StoreError(f"malformed store layout: {e}") from None
-        end = 0
-        for s, width in zip(slots, widths, strict=True):
-            if (
-                s.offset % ALIGN
-                or s.offset < end
-                or s.nbytes != math.prod(s.shape) * width
-                or min(s.shape, default=0) < 0
-            ):
-                raise StoreError(f"store layout slot {s.name!r} is misplaced or missized")
-            end = s.offset + s.nbytes
-        names = [s.name for s in slots]
-        if names != sorted(names) or len(set(names)) != len(names):
-            raise StoreError("store layout names must be unique and sorted")
-        return cls(slots)
-
-
-# ---------------------------------------------------------------- control block
-
-# Byte layout of the control page (little-endian); docs/weightstore.md mirrors this table.
-_OFF_MAGIC = 0  # 8 bytes
-_OFF_FORMAT = 8  # u32
-_OFF_STATE = 12  # u32 (inside the fence)
-_OFF_SEQ = 16  # u64 seqlock: odd while the daemon writes
-_OFF_VERSION = 24  # u64 (inside the fence)
-_OFF_ROOT = 32  # 32 bytes (inside the fence)
-_OFF_LAYOUT_HASH = 64  # 32 bytes
-_OFF_LAYOUT = 96  # u64 offset, u64 length of the layout JSON in the segment
-_OFF_DATA = 112  # u64 offset of the data region in the segment (0: engine buffer), u64 capacity
-_OFF_HANDLE = 128  # u64 offset, u64 capacity, u64 length of the engine buffer's handle JSON
-_OFF_KIND = 152  # u64: 1 host store, 2 engine buffer
-_OFF_BUFFER_ID = 160  # u64 (inside the fence): id of the engine buffer the version is in (0 for host stores)
-KIND_HOST = 1
-KIND_ENGINE_BUFFER = 2
-
-
-class StoreState(IntEnum):
-    EMPTY = 0  # no version: nothing loaded yet, or the engine buffer is new
-    LOADING = 1  # a full load is being written
-    READY = 2  # the version/root words describe the contents
-    WRITING = 3  # an activation is being written (journal on disk)
-    RECOVERING = 4  # a restarted daemon is finishing or rolling back an activation
-    FAILED = 5  # contents unknown or unverifiable: needs a full load
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    seq: int
-    version: int
-    root: bytes
-    state: StoreState
-    buffer_id: int = 0
-
-    @property
-    def stable(self) -> bool:
-        return self.seq % 2 == 0
-
-
-class ControlBlock:
-    """Typed access to the control page.  Readers use ``snapshot`` (seqlock); the daemon writes.
-
-    Each field is one aligned load or store (atomic on x86-64 and arm64); x86 keeps stores
-    in program order, which the fence relies on (see docs/weightstore.md for other CPUs).
-    """
-
-    def __init__(self, buf: Any) -> None:
-        self._u8: npt.NDArray[np.uint8] = np.frombuffer(buf, dtype=np.uint8, count=CONTROL_SIZE)
-        self._u32: npt.NDArray[np.uint32] = self._u8.view("<u4")
-        self._u64: npt.NDArray[np.uint64] = self._u8.view("<u8")
-
-    def get(self, off: int) -> int:
-        return int(self._u64[off // 8])
-
-    def set(self, off: int, value: int) -> None:
-        self._u64[off // 8] = value
-
-    def seq(self) -> int:
-        return int(self._u64[_OFF_SEQ // 8])
-
-    def _fields(self, seq: int) -> Header:
-        try:
-            state = StoreState(int(self._u32[_OFF_STATE // 4]))
-        except ValueError:
-            state = StoreState.FAILED
-        return Header(
-            seq,
-            int(self._u64[_OFF_VERSION // 8]),
-            self._u8[_OFF_ROOT : _OFF_ROOT + 32].tobytes(),
-            state,
-            int(self._u64[_OFF_BUFFER_ID // 8]),
-        )
-
-    def raw(self) -> Header:
-        """The fields as they are now, fence or not (for the single writer and for recovery)."""
-        return self._fields(self.seq())
-
-    def snapshot(self) -> Header | None:
-        """A consistent header, or None while a write is in progress or the read raced one."""
-        s1 = self.seq()
-        if s1 & 1:
-            return None
-        h = self._fields(s1)
-        return h if self.seq() == s1 else None
-
-    def init(self, fields: dict[int, int], layout_hash: bytes) -> None:
-        """Write the static fields; the magic goes last, so a half-made segment is recognisable."""
-        for off, value in fields.items():
-            self.set(off, value)
-        self._u8[_OFF_LAYOUT_HASH : _OFF_LAYOUT_HASH + 32] = np.frombuffer(layout_hash, dtype=np.uint8)
-        self._u32[_OFF_FORMAT // 4] = FORMAT
-        self._u8[_OFF_MAGIC : _OFF_MAGIC + 8] = np.frombuffer(MAGIC, dtype=np.uint8)
-
-    def check(self) -> bytes:
-        if self._u8[:8].tobytes() != MAGIC:
-            raise StoreMissingError("not a weight store (bad magic), or one whose creation did not finish")
-        if int(self._u32[_OFF_FORMAT // 4]) != FORMAT:
-            raise StoreError(f"weight store format {int(self._u32[_OFF_FORMAT // 4])} (this build handles {FORMAT})")
-        return self._u8[_OFF_LAYOUT_HASH : _OFF_LAYOUT_HASH + 32].tobytes()
-
-    def begin(self, state: StoreState) -> None:
-        """Enter the write side of the fence (seq odd); a fence left odd by a crash stays odd."""
-        s = self.seq()
-        self._u32[_OFF_STATE // 4] = int(state)
-        if s % 2 == 0:
-            self._u64[_OFF_SEQ // 8] = s + 1
-
-    def publish(self, version: int, root: bytes, state: StoreState, buffer_id: int | None = None) -> None:
-        """Set the fenced fields and leave the fence (seq even); must be inside ``begin``."""
-        s = self.seq()
-        if s % 2 == 0:
-            raise RuntimeError("publish outside a write fence")
-        self._u64[_OFF_VERSION // 8] = version
-        self._u8[_OFF_ROOT : _OFF_ROOT + 32] = np.frombuffer(root, dtype=np.uint8)
-        if buffer_id is not None:
-            self._u64[_OFF_BUFFER_ID // 8] = buffer_id
-        self._u32[_OFF_STATE // 4] = int(state)
-        self._u64[_OFF_SEQ // 8] = s + 1
-
-    def blob(self, buf: Any, off_field: int, len_field: int) -> bytes:
-        off, n = self.get(off_field), self.get(len_field)
-        return bytes(memoryview(buf)[off : off + n])
-
-
-# ---------------------------------------------------------------- shared-memory segments
 
 
 SEGMENT_MODE = 0o660  # owner and group: the daemon and engines in api.group
@@ -299,7 +68,7 @@ def _group_id(group: str | int) -> int:
 def store_lock_path(name: str, shm_dir: Path | str = SHM_DIR) -> Path:
     """The file a daemon flocks to own store ``name`` (daemon.instance_lock.StoreLock; engines never
     lock it).  ValueError for a name that is not a shared-memory name."""
-    return SharedSegment._path(name, shm_dir).with_name(f"{name}.lock")
+    return SharedSegment.path_for(name, shm_dir).with_name(f"{name}.lock")
 
 
 class SharedSegment:
@@ -311,7 +80,7 @@ class SharedSegment:
         self.mm = mm
 
     @staticmethod
-    def _path(name: str, shm_dir: Path | str) -> Path:
+    def path_for(name: str, shm_dir: Path | str) -> Path:
         if not _NAME.fullmatch(name):
             raise ValueError(f"bad shared-memory name {name!r}")
         return Path(shm_dir) / name
@@ -323,7 +92,7 @@ class SharedSegment:
         Mode 0660, owned by ``group`` (a name or gid; empty: the creator's group), whatever the umask:
         an engine running as another user of that group attaches to it (``api.group``).
         """
-        path = cls._path(name, shm_dir)
+        path = cls.path_for(name, shm_dir)
         gid = _group_id(group)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
@@ -356,7 +125,7 @@ class SharedSegment:
 
     @classmethod
     def open(cls, name: str, shm_dir: Path | str = SHM_DIR) -> SharedSegment:
-        path = cls._path(name, shm_dir)
+        path = cls.path_for(name, shm_dir)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -605,7 +374,7 @@ def attach(info: dict[str, Any]) -> EngineView:
     ctl = ControlBlock(seg.mm)
     layout = _layout_of(info, ctl)
     if info["kind"] == "shm":
-        off, cap = ctl.get(_OFF_DATA), ctl.get(_OFF_DATA + 8)
+        off, cap = ctl.get(OFF_DATA), ctl.get(OFF_DATA + 8)
         if cap < layout.nbytes or off + layout.nbytes > seg.size:
             raise StoreTooSmallError(layout.nbytes, cap)
         return EngineView(layout, seg.tensor(off, layout.nbytes), FenceReader(ctl), [seg])

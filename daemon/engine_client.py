@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from patchswarm.daemon.engine import EngineView, StoreError, allocate, attach
+from patchswarm.daemon.engine import EngineView, allocate, attach
+from patchswarm.daemon.store_format import StoreError
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

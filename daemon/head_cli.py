@@ -70,7 +70,8 @@ def add_head_parser(sub: Any) -> None:
 
 
 def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[Board, SigningKey, bytes | None]:
-    from patchswarm.daemon.board import MAX_DOC_BYTES, Board
+    from patchswarm.daemon.board import Board
+    from patchswarm.protocol.board_names import MAX_DOC_BYTES
     from patchswarm.protocol.files import read_file
     from patchswarm.protocol.keys import SigningKey
 

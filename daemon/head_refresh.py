@@ -23,14 +23,23 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from patchswarm.daemon.board import MAX_DOC_BYTES, MAX_HEAD_BYTES, Board
+from patchswarm.daemon.board import Board
 from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl
+from patchswarm.protocol.board_names import (
+    CERT_TAG,
+    HEAD_TAG,
+    MAX_DOC_BYTES,
+    MAX_HEAD_BYTES,
+    cert_rel,
+    head_rel,
+    root_rel,
+)
 from patchswarm.protocol.errors import ExpiredError, PatchswarmError, UntrustedKeyError
 from patchswarm.protocol.files import read_file
-from patchswarm.protocol.head import HEAD_TAG, Head, verify_head
+from patchswarm.protocol.head import Head, verify_head
 from patchswarm.protocol.keys import KeyPolicy, SigningKey, TrustedKeys
 from patchswarm.protocol.signed import Envelope
-from patchswarm.protocol.trust import CERT_TAG, TrustState
+from patchswarm.protocol.trust import TrustState
 
 
 class HeadWriteError(PatchswarmError):
@@ -40,7 +49,7 @@ class HeadWriteError(PatchswarmError):
 @contextmanager
 def head_lock(board: Board, run_id: str) -> Iterator[None]:
     """Exclusive, per run, across the processes of this host (released when the holder dies)."""
-    run_dir = board.path(Board.head_rel(run_id)).parent
+    run_dir = board.path(head_rel(run_id)).parent
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
@@ -51,7 +60,7 @@ def head_lock(board: Board, run_id: str) -> Iterator[None]:
 
 
 def board_head_bytes(board: Board, run_id: str) -> bytes | None:
-    path = board.path(Board.head_rel(run_id))
+    path = board.path(head_rel(run_id))
     if not path.exists():
         return None
     return read_file(path, MAX_HEAD_BYTES)
@@ -73,13 +82,13 @@ def signer_policy(board: Board, key: SigningKey, certificate: bytes | None = Non
     """
     cert = certificate
     if cert is None:
-        path = board.path(Board.cert_rel(key.key_id))
+        path = board.path(cert_rel(key.key_id))
         cert = read_file(path, MAX_DOC_BYTES) if path.exists() else None
     if cert is None:
         return TrustedKeys(frozenset([key.key_id]))
     trust = TrustState(Envelope.from_bytes(cert, CERT_TAG).key_id)
     for version in board.root_versions():
-        data = board.read(Board.root_rel(version))
+        data = board.read(root_rel(version))
         try:
             if data is None:
                 break
@@ -94,7 +103,7 @@ def verify_board_head(board: Board, data: bytes, policy: KeyPolicy, run_id: str,
     """The board's head, checked as its signer does: signature and trust chain, expiry tolerated."""
     env = Envelope.from_bytes(data, HEAD_TAG)
     if isinstance(policy, TrustState) and env.key_id not in policy.certificates:
-        path = board.path(Board.cert_rel(env.key_id))
+        path = board.path(cert_rel(env.key_id))
         if path.exists():
             policy.add_certificate(read_file(path, MAX_DOC_BYTES))
     try:
@@ -139,9 +148,9 @@ def refresh_board_head(
     """
     ttl_ms = int(check_head_ttl(head_ttl) * 1000)
     missing = HeadWriteError(f"the board has no head for run {run_id!r} yet: publish a version first")
-    if not board.path(Board.head_rel(run_id)).exists():
+    if not board.path(head_rel(run_id)).exists():
         raise missing  # before the lock, which would create the run's folder
-    if certificate is not None and board.read(Board.cert_rel(key.key_id)) != certificate:
+    if certificate is not None and board.read(cert_rel(key.key_id)) != certificate:
         board.put_certificate(key.key_id, certificate)
     policy = signer_policy(board, key, certificate)
     with head_lock(board, run_id):

@@ -10,8 +10,10 @@ header = {"layout_hash", "base": [version, root], "target": [version, root],
           "tensors": [[slot, count, pos_width (0: dense, 4 or 8), word_width], ...]}
 body   = per tensor: count positions (u32/i64 LE), count old words, count new words.
 
-It is written to a temporary file, fsynced, renamed, and the directory fsynced; removed (and
-the directory fsynced) after the version flip.  ``recover`` runs when the daemon starts.
+It is written with protocol/files.py's ``write_atomic`` (a temporary file, fsynced, renamed) and
+the directory fsynced; removed (and the directory fsynced) after the version flip.  ``recover``
+runs when the daemon starts, on any store with the ``JournaledStore`` interface
+(daemon/weightstore.py's ``WeightStore``).
 """
 
 from __future__ import annotations
@@ -23,22 +25,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Protocol
 
 import blake3
 import msgpack
 import numpy as np
 import torch
 
-from patchswarm.daemon.weightstore import (
+from patchswarm.daemon.store_format import (
+    ControlBlock,
+    Header,
     JournalError,
     StoreError,
+    StoreLayout,
     StoreLayoutMismatch,
     StoreState,
     StoreVerifyError,
     TensorUpdate,
-    WeightStore,
 )
-from patchswarm.protocol.files import FileTooLargeError, InputFileError, read_file
+from patchswarm.protocol.files import FileTooLargeError, InputFileError, read_file, write_atomic
 from patchswarm.protocol.files import fsync_dir as _fsync_dir  # (a name the fault tests patch)
 
 JOURNAL_NAME = "activation.journal"
@@ -94,11 +99,12 @@ def write_journal(
         tensors.append([u.slot, n, pw, u.new.element_size()])
     header = msgpack.packb({"layout_hash": layout_hash, "base": list(base), "target": list(target), "tensors": tensors})
     path = journal_path(journal_dir)
-    tmp = journal_dir / f".{JOURNAL_NAME}.{os.getpid()}.tmp"
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     size = 0
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def fill(tmp: str) -> None:
+        nonlocal size
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
         try:
             parts = [memoryview(_PREFIX.pack(MAGIC, FORMAT, len(header))), memoryview(header)]
             for u, (_, _, pw, _) in zip(updates, tensors, strict=True):
@@ -114,15 +120,17 @@ def write_journal(
             digest = h.digest()
             _write_all(fd, memoryview(digest), blake3.blake3())
             size += len(digest)
-            os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+
+    try:
+        # The directory must exist (a missing one is the operator's to fix); it is fsynced here, by the
+        # name the fault tests patch.
+        write_atomic(path, fill=fill, mode=0o600, sync_dir=False, create_dir=False)
         _fsync_dir(journal_dir)
     except OSError as e:
-        for p in (tmp, path):  # the final name too: renamed but not durable is not a journal to act on
-            with contextlib.suppress(OSError):
-                p.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # renamed but not durable is not a journal to act on
+            path.unlink(missing_ok=True)
         raise JournalError(f"cannot write the activation journal in {journal_dir}: {e}") from e
     return size
 
@@ -220,7 +228,32 @@ class Recovery:
     root: bytes | None
 
 
-def recover(store: WeightStore, journal_dir: Path | str, *, verify: bool = True) -> Recovery:
+class JournaledStore(Protocol):
+    """What recovery needs of a weight store (daemon/weightstore.py ``WeightStore``)."""
+
+    @property
+    def layout(self) -> StoreLayout: ...
+
+    @property
+    def control(self) -> ControlBlock: ...
+
+    @property
+    def data(self) -> torch.Tensor | None: ...
+
+    def header(self) -> Header: ...
+
+    def mark_failed(self) -> None: ...
+
+    def stage(self, updates: list[TensorUpdate]) -> list[TensorUpdate]: ...
+
+    def write_values(self, staged: list[TensorUpdate], *, new: bool = True) -> bool: ...
+
+    def root(self) -> bytes: ...
+
+    def verify(self, root: bytes, what: str = ...) -> None: ...
+
+
+def recover(store: JournaledStore, journal_dir: Path | str, *, verify: bool = True) -> Recovery:
     """Bring the store to a version after a daemon restart; run before the daemon reports READY.
 
     With ``verify`` the state root of the store's contents is computed and must be the root the
@@ -272,7 +305,7 @@ def recover(store: WeightStore, journal_dir: Path | str, *, verify: bool = True)
     raise StoreVerifyError(f"store after recovering version {j.target[0]}", j.target[1], store.root())
 
 
-def _check(store: WeightStore, root: bytes, version: int, verify: bool) -> None:
+def _check(store: JournaledStore, root: bytes, version: int, verify: bool) -> None:
     if not verify:
         return
     try:

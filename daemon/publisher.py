@@ -64,19 +64,21 @@ from patchswarm.daemon.publish_work import (
     prepare,
     state_dict_of,
 )
-from patchswarm.daemon.pull import Held, Puller
 from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl, check_run_id
 from patchswarm.daemon.served_format import ServedFormat
-from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from patchswarm.protocol.codec import TensorDelta, assemble, diff_tensor
 from patchswarm.protocol.errors import PublisherBehindError
 from patchswarm.protocol.head import Head
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.patchfile import Version, sign_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
+from patchswarm.swarm.board_sources import DirSource
+from patchswarm.swarm.puller import Puller
 
 log = logging.getLogger("patchswarm.publisher")
 
@@ -323,7 +325,7 @@ class Publisher:
         """Continue the run's chain from the board after any pause: rebuild the head version from its
         own files, trusting the head through this key's trust chain (another certified key of the run
         may have signed it) but not its expiry, then re-sign it fresh if it is due."""
-        if self.board.read(Board.head_rel(self.run_id)) is None:
+        if self.board.read(head_rel(self.run_id)) is None:
             return
         policy = self._policy()
         check_own_key(policy, self.key, self.run_id, now_ms=int(self.clock() * 1000))

@@ -458,7 +458,7 @@ async def _follow_daemon(client: Any, view: Any, engine: str, every_s: float = 0
     """Acknowledge each version the engine now serves (POST /v1/ack); for an engine-allocated buffer,
     register it again when the daemon's store shows none or another one (a store re-created, a
     registration lost; a restarted daemon re-imports the buffer by itself, so this is the fallback)."""
-    from patchswarm.daemon.engine import StoreError
+    from patchswarm.daemon.store_format import StoreError
 
     loop = asyncio.get_running_loop()
     acked, acked_at = None, 0.0

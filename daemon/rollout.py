@@ -31,28 +31,32 @@ import aiohttp
 from patchswarm.daemon import systemd
 from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
 from patchswarm.daemon.config import ConfigError, DaemonConfig, bind_errors
-from patchswarm.daemon.engine import KIND_ENGINE_BUFFER, KIND_HOST, SHM_DIR, store_lock_path
+from patchswarm.daemon.engine import SHM_DIR, store_lock_path
 from patchswarm.daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
 from patchswarm.daemon.journal import recover
 from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
-from patchswarm.daemon.pull import Held
 from patchswarm.daemon.pull_state import PullState
 from patchswarm.daemon.sidecar import DrainTimeoutError
 from patchswarm.daemon.status import Phase, Status
-from patchswarm.daemon.weightstore import (
-    ENGINE_BUFFER_KINDS,
-    RegistrationError,
+from patchswarm.daemon.store_format import (
+    KIND_ENGINE_BUFFER,
+    KIND_HOST,
     StoreError,
     StoreLayout,
     StoreMissingError,
     StoreState,
     StoreTooSmallError,
+)
+from patchswarm.daemon.weightstore import (
+    ENGINE_BUFFER_KINDS,
+    RegistrationError,
     WeightStore,
     check_registration,
     diff_updates,
 )
 from patchswarm.protocol.head import utc_text
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import load_public_key
 from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.served import state_root

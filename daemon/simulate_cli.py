@@ -10,9 +10,26 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 from patchswarm.daemon import cli_args
+
+
+def scenario_value(key: str) -> Callable[[str], int]:
+    """An integer override of a scenario key (``run.seed``), by the scenario's own rule for it."""
+
+    def parse(text: str) -> int:
+        from patchswarm.simulations.scenario import ScenarioError, with_overrides
+
+        value = cli_args.bounded(int, "a whole number", -(1 << 64), 1 << 64)(text)
+        try:
+            with_overrides({}, {key: value})
+        except ScenarioError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    return parse
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -32,12 +49,10 @@ def add_simulate_parser(sub: Any) -> None:
         metavar="DIR",
         help="results.csv, summary.json, *.png, report.md go here",
     )
-    sm.add_argument(
-        "--seed", type=cli_args.scenario_value("run.seed"), metavar="S", help="RNG seed (overrides run.seed)"
-    )
+    sm.add_argument("--seed", type=scenario_value("run.seed"), metavar="S", help="RNG seed (overrides run.seed)")
     sm.add_argument(
         "--partitions",
-        type=cli_args.scenario_value("run.partitions"),
+        type=scenario_value("run.partitions"),
         metavar="P",
         help="run the swarm's nodes in P processes, for wall time on P cores (overrides run.partitions)",
     )
@@ -55,7 +70,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    from patchswarm.daemon.cli import UserError
+    from patchswarm.daemon.user_error import UserError
     from patchswarm.simulations.plots import PlotsUnavailable
     from patchswarm.simulations.study import run_study  # the simulator loads only for this command
 

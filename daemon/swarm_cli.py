@@ -19,7 +19,7 @@ from patchswarm.daemon import cli_args
 from patchswarm.daemon.head_cli import add_seed_refresh_args, seed_refresher
 
 if TYPE_CHECKING:
-    from patchswarm.daemon.pull import Held
+    from patchswarm.protocol.held import Held
     from patchswarm.swarm.node import NodeConfig
     from patchswarm.swarm.server import RunningNode
 
@@ -147,10 +147,10 @@ async def _serve_until_signalled() -> None:
 
 
 def _listen(listen: str) -> tuple[str, int]:
-    from patchswarm.daemon.seed import parse_listen
+    from patchswarm.daemon.config import split_listen
 
     try:
-        return parse_listen(listen)
+        return split_listen(listen)
     except ValueError as e:
         raise SwarmCliError(f"--listen: {e}") from None
 

@@ -13,7 +13,8 @@ root.  Two placements of the buffer (docs/weightstore.md):
 
 An activation journals absolute old and new values (daemon/journal.py) before memory is
 touched, then writes, verifies the written positions and flips the version inside the fence.
-The byte format both sides share (layout, control block, segments, handles) is in daemon/engine.py.
+The byte format both sides share (layout, control block) is in daemon/store_format.py; the
+segments and buffer handles in daemon/engine.py.
 """
 
 from __future__ import annotations
@@ -29,50 +30,39 @@ from typing import Any
 
 import torch
 
+from patchswarm.daemon import journal
 from patchswarm.daemon.device_blake3 import device_digests
-from patchswarm.daemon.engine import (
-    _HANDLE_CAP,
-    _OFF_DATA,
-    _OFF_HANDLE,
-    _OFF_KIND,
-    _OFF_LAYOUT,
+from patchswarm.daemon.engine import SHM_DIR, SharedSegment, import_buffer
+from patchswarm.daemon.store_format import (
     CONTROL_SIZE,
+    HANDLE_CAP,
     KIND_ENGINE_BUFFER,
     KIND_HOST,
+    OFF_DATA,
+    OFF_HANDLE,
+    OFF_KIND,
+    OFF_LAYOUT,
     PAGE,
-    SHM_DIR,
     ZERO_ROOT,
     ControlBlock,
     Header,
-    SharedSegment,
-    Slot,
+    JournalError,
     StoreError,
     StoreLayout,
     StoreLayoutMismatch,
     StoreMissingError,
     StoreState,
     StoreTooSmallError,
-    import_buffer,
+    StoreVerifyError,
+    TensorUpdate,
 )
 from patchswarm.protocol.diffscan import scan
-from patchswarm.protocol.errors import DigestMismatchError
 from patchswarm.protocol.served import ServedModel, bytes_digest, state_root, word_view
 
 __all__ = [
     "ActivationStats",
-    "Header",
-    "JournalError",
     "RegistrationError",
-    "Slot",
-    "StoreError",
-    "StoreLayout",
-    "StoreLayoutMismatch",
-    "StoreMissingError",
-    "StoreState",
     "StoreStateError",
-    "StoreTooSmallError",
-    "StoreVerifyError",
-    "TensorUpdate",
     "WeightStore",
     "check_registration",
     "diff_updates",
@@ -86,14 +76,6 @@ DENSE_FRACTION = 0.125
 
 class StoreStateError(StoreError):
     """The store is not in a state that allows the operation (e.g. activate before the first load)."""
-
-
-class StoreVerifyError(StoreError, DigestMismatchError):
-    """What the store holds is not what it should hold (written values or the state root)."""
-
-
-class JournalError(StoreError):
-    """The activation journal could not be written or read; memory was not touched if raised by activate."""
 
 
 class RegistrationError(StoreError):
@@ -163,24 +145,6 @@ def check_registration(
 
 
 @dataclass(frozen=True, slots=True)
-class TensorUpdate:
-    """New values for one slot: at ``positions`` (int64), or the whole tensor when positions is None.
-
-    ``new`` and ``old`` are words (protocol.served.word_view dtype), absolute values, so that
-    writing either is idempotent.  They must not be mutated until ``activate`` returns.
-    """
-
-    slot: int
-    positions: torch.Tensor | None
-    new: torch.Tensor
-    old: torch.Tensor
-
-    @property
-    def count(self) -> int:
-        return int(self.new.numel())
-
-
-@dataclass(frozen=True, slots=True)
 class ActivationStats:
     pause_s: float  # fence odd -> even: the time the engine may observe a write in progress
     journal_s: float  # journal written and fsynced (before the pause; serving continues)
@@ -239,7 +203,7 @@ class WeightStore:
         self.layout = layout
         self.shm_dir = Path(shm_dir)
         self.control = ControlBlock(seg.mm)
-        self.kind = self.control.get(_OFF_KIND)
+        self.kind = self.control.get(OFF_KIND)
         self.data: torch.Tensor | None = None
         self.buffer: dict[str, Any] | None = None
         self._buffer_seg: SharedSegment | None = None
@@ -250,7 +214,7 @@ class WeightStore:
         # the steadiest pause on a busy host; docs/weightstore.md has figures for both.
         self.write_threads: int | None = None
         if self.kind == KIND_HOST:
-            off, cap = self.control.get(_OFF_DATA), self.control.get(_OFF_DATA + 8)
+            off, cap = self.control.get(OFF_DATA), self.control.get(OFF_DATA + 8)
             if cap < layout.nbytes or off + cap > seg.size:
                 raise StoreTooSmallError(layout.nbytes, min(cap, max(seg.size - off, 0)))
             self.data = seg.tensor(off, cap)
@@ -270,16 +234,16 @@ class WeightStore:
             raise StoreTooSmallError(layout.nbytes, cap)
         text = json.dumps(layout.to_json(), separators=(",", ":")).encode()
         lay_cap = -(-(len(text) + 1) // PAGE) * PAGE
-        tail = _HANDLE_CAP if engine_buffer else -(-cap // PAGE) * PAGE
+        tail = HANDLE_CAP if engine_buffer else -(-cap // PAGE) * PAGE
         seg = SharedSegment.create(name, CONTROL_SIZE + lay_cap + tail, shm_dir, group)
         seg.mm[CONTROL_SIZE : CONTROL_SIZE + len(text)] = text
         ctl = ControlBlock(seg.mm)
         tail_off = CONTROL_SIZE + lay_cap
-        fields = {_OFF_LAYOUT: CONTROL_SIZE, _OFF_LAYOUT + 8: len(text)}
+        fields = {OFF_LAYOUT: CONTROL_SIZE, OFF_LAYOUT + 8: len(text)}
         if engine_buffer:
-            fields |= {_OFF_KIND: KIND_ENGINE_BUFFER, _OFF_HANDLE: tail_off, _OFF_HANDLE + 8: _HANDLE_CAP}
+            fields |= {OFF_KIND: KIND_ENGINE_BUFFER, OFF_HANDLE: tail_off, OFF_HANDLE + 8: HANDLE_CAP}
         else:
-            fields |= {_OFF_KIND: KIND_HOST, _OFF_DATA: tail_off, _OFF_DATA + 8: cap}
+            fields |= {OFF_KIND: KIND_HOST, OFF_DATA: tail_off, OFF_DATA + 8: cap}
         ctl.init(fields, layout.layout_hash)
         return cls(seg, layout, shm_dir)
 
@@ -291,15 +255,15 @@ class WeightStore:
             raise StoreMissingError(f"shared memory {name!r} is too small to be a weight store")
         ctl = ControlBlock(seg.mm)
         lay_hash = ctl.check()
-        found = StoreLayout.from_json(json.loads(ctl.blob(seg.mm, _OFF_LAYOUT, _OFF_LAYOUT + 8)))
+        found = StoreLayout.from_json(json.loads(ctl.blob(seg.mm, OFF_LAYOUT, OFF_LAYOUT + 8)))
         if found.layout_hash != lay_hash:
             raise StoreError(f"weight store {name!r}: its layout does not match its layout hash")
         if layout is not None and layout.specs != found.specs:
             raise StoreLayoutMismatch(f"weight store {name!r} is laid out for other tensors")
         store = cls(seg, found, shm_dir)
-        if store.kind == KIND_ENGINE_BUFFER and ctl.get(_OFF_HANDLE + 16):
+        if store.kind == KIND_ENGINE_BUFFER and ctl.get(OFF_HANDLE + 16):
             with contextlib.suppress(StoreError):  # the engine is gone: wait for it to register a new buffer
-                store.attach_buffer(json.loads(ctl.blob(seg.mm, _OFF_HANDLE, _OFF_HANDLE + 16)), keep_contents=True)
+                store.attach_buffer(json.loads(ctl.blob(seg.mm, OFF_HANDLE, OFF_HANDLE + 16)), keep_contents=True)
         return store
 
     @classmethod
@@ -310,7 +274,7 @@ class WeightStore:
         try:
             return cls.open(name, layout=layout, shm_dir=shm_dir)
         except StoreMissingError:
-            SharedSegment._path(name, shm_dir).unlink(missing_ok=True)
+            SharedSegment.path_for(name, shm_dir).unlink(missing_ok=True)
         return cls.create(name, layout, engine_buffer=engine_buffer, shm_dir=shm_dir)
 
     def attach_buffer(self, handle: dict[str, Any], *, keep_contents: bool = False) -> None:
@@ -321,7 +285,7 @@ class WeightStore:
         if self.kind != KIND_ENGINE_BUFFER:
             raise StoreStateError("a host store has its own data region")
         text = json.dumps(handle, separators=(",", ":")).encode()
-        if len(text) > self.control.get(_OFF_HANDLE + 8):
+        if len(text) > self.control.get(OFF_HANDLE + 8):
             raise StoreError("engine buffer handle too large")
         data, seg = import_buffer(handle, self.shm_dir)
         try:
@@ -334,9 +298,9 @@ class WeightStore:
         if self._buffer_seg is not None and self._buffer_seg is not seg:
             self._buffer_seg.close()  # the previous engine's buffer
         self._buffer_seg, self.buffer = seg, handle
-        off = self.control.get(_OFF_HANDLE)
+        off = self.control.get(OFF_HANDLE)
         self.segment.mm[off : off + len(text)] = text
-        self.control.set(_OFF_HANDLE + 16, len(text))
+        self.control.set(OFF_HANDLE + 16, len(text))
 
     def bind_buffer(self, data: torch.Tensor, buffer_id: int, *, keep_contents: bool = False) -> None:
         """Use a flat uint8 buffer of this process (engine and daemon in one process; benchmarks)."""
@@ -345,7 +309,7 @@ class WeightStore:
         if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < self.layout.nbytes:
             raise StoreTooSmallError(self.layout.nbytes, data.numel() if data.dtype == torch.uint8 else 0)
         self.data, self.buffer = data, None
-        self.control.set(_OFF_HANDLE + 16, 0)
+        self.control.set(OFF_HANDLE + 16, 0)
         if not (keep_contents and self.control.raw().buffer_id == buffer_id):
             self.control.begin(StoreState.EMPTY)
             self.control.publish(0, ZERO_ROOT, StoreState.EMPTY, buffer_id=buffer_id)
@@ -368,7 +332,7 @@ class WeightStore:
             "control": {"name": self.segment.name, "offset": 0, "size": CONTROL_SIZE},
         }
         if self.kind == KIND_HOST:
-            info["data_offset"] = self.control.get(_OFF_DATA)
+            info["data_offset"] = self.control.get(OFF_DATA)
         else:
             info["buffer"] = self.buffer
         return info
@@ -515,8 +479,6 @@ class WeightStore:
         seq even -> journal removed.  The caller has verified ``root`` on its shadow copy.  After
         any other error, call ``daemon.journal.recover``.
         """
-        from patchswarm.daemon import journal  # (journal imports this module)
-
         hdr = self.control.raw()
         if hdr.state != StoreState.READY or not hdr.stable:
             raise StoreStateError(f"activate needs a READY store (it is {hdr.state.name}); load or recover first")

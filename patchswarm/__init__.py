@@ -41,9 +41,9 @@ _EXPORTS = {
     "write_file": "patchswarm.protocol.patchfile",
     "PatchswarmError": "patchswarm.protocol.errors",
     # consumers: follow a board, talk to a rollout daemon, gate requests by version
-    "Puller": "patchswarm.daemon.pull",
-    "Held": "patchswarm.daemon.pull",
-    "source_for": "patchswarm.daemon.sources",
+    "Puller": "patchswarm.swarm.puller",
+    "Held": "patchswarm.protocol.held",
+    "source_for": "patchswarm.swarm.board_sources",
     "DaemonClient": "patchswarm.daemon.engine_client",
     "VersionGate": "patchswarm.daemon.sidecar",
     "VersionConstraint": "patchswarm.daemon.sidecar",
@@ -82,13 +82,14 @@ if TYPE_CHECKING:
     from patchswarm.daemon.board import Board
     from patchswarm.daemon.engine_client import DaemonClient
     from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
-    from patchswarm.daemon.pull import Held, Puller
     from patchswarm.daemon.sidecar import VersionConstraint, VersionGate, make_sidecar_app, start_sidecar
-    from patchswarm.daemon.sources import source_for
     from patchswarm.protocol.errors import PatchswarmError
+    from patchswarm.protocol.held import Held
     from patchswarm.protocol.keys import SigningKey, TrustedKeys, load_public_key
     from patchswarm.protocol.patchfile import Version, apply_version, build_version, open_file, write_file
     from patchswarm.protocol.served import ServedModel, TensorSpec
+    from patchswarm.swarm.board_sources import source_for
+    from patchswarm.swarm.puller import Puller
 
 
 def __getattr__(name: str) -> Any:

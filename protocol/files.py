@@ -234,14 +234,17 @@ def write_atomic(
     fill: Callable[[str], None] | None = None,
     mode: int = 0o644,
     sync_dir: bool = True,
+    create_dir: bool = True,
 ) -> None:
     """Replace ``path`` with ``data`` (or with what ``fill(tmp_path)`` writes at a temporary path) whole
-    or not at all; the parent directory is created if missing.  ``sync_dir=False`` leaves the
-    directory's fsync to a caller writing many files into it (then it calls ``fsync_dir`` once)."""
+    or not at all; the parent directory is created if missing (unless ``create_dir=False``: then a
+    missing one is an OSError).  ``sync_dir=False`` leaves the directory's fsync to a caller writing
+    many files into it, or fsyncing it its own way (then it calls ``fsync_dir`` once)."""
     if (data is None) == (fill is None):
         raise TypeError("write_atomic takes data or fill, not both or neither")
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if create_dir:
+        target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         if data is not None:

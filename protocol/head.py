@@ -16,6 +16,7 @@ from typing import Any
 
 import msgpack
 
+from patchswarm.protocol.board_names import HEAD_TAG
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.docfields import as_digest, as_list, as_map, as_str, as_uint
 from patchswarm.protocol.docfields import field as get
@@ -30,7 +31,6 @@ from patchswarm.protocol.keys import KeyPolicy, SigningKey
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.signed import Envelope
 
-HEAD_TAG = "patchswarm/head"
 FORMAT = 1
 MAX_CATALOG = 100_000
 

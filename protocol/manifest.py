@@ -14,6 +14,7 @@ from typing import Any
 import blake3
 import msgpack
 
+from patchswarm.protocol.board_names import MANIFEST_TAG
 from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
 from patchswarm.protocol.docfields import as_digest, as_list, as_map, as_str, as_uint, is_uint
 from patchswarm.protocol.dtypes import BY_NAME
@@ -29,7 +30,6 @@ from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.streams import MAX_EXPANSION
 
 FORMAT_VERSION = 1
-ENVELOPE_TAG = "patchswarm/manifest"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_NUMEL = 1 << 48
 MAX_NAME = 1024
@@ -233,14 +233,14 @@ class SignedManifest:
 
     @classmethod
     def sign(cls, manifest: Manifest, key: SigningKey | None) -> SignedManifest:
-        return cls(Envelope.sign(ENVELOPE_TAG, manifest.to_bytes(), key))
+        return cls(Envelope.sign(MANIFEST_TAG, manifest.to_bytes(), key))
 
     def to_bytes(self) -> bytes:
         return self.envelope.to_bytes()
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> SignedManifest:
-        return cls(Envelope.from_bytes(data, ENVELOPE_TAG))
+        return cls(Envelope.from_bytes(data, MANIFEST_TAG))
 
     def verify(self, policy: KeyPolicy | None, *, now_ms: int | None = None, skew_ms: int = 0) -> Manifest:
         """Signature (when a policy is given) -> parse -> field checks -> key policy -> expiry.

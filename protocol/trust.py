@@ -22,6 +22,7 @@ from typing import Any
 
 import msgpack
 
+from patchswarm.protocol.board_names import CERT_TAG, ROOT_TAG
 from patchswarm.protocol.docfields import as_digest, as_list, as_map, as_str, as_uint
 from patchswarm.protocol.docfields import field as get
 from patchswarm.protocol.errors import (
@@ -35,8 +36,6 @@ from patchswarm.protocol.errors import (
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.signed import Envelope
 
-ROOT_TAG = "patchswarm/root"
-CERT_TAG = "patchswarm/cert"
 FORMAT = 1
 DEFAULT_SKEW_MS = 5 * 60 * 1000
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from patchswarm.daemon.pull import Held
 from patchswarm.protocol.chunks import ChunkRef
 from patchswarm.protocol.errors import ChunkError
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.served import ServedModel
 from patchswarm.simulations.transport import placeholder_bytes

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from patchswarm.simulations.study import Point
+    from patchswarm.simulations.point import Point
 
 STYLE = {"checkpoint": ("tab:red", "full checkpoint, central store"), "central": ("tab:orange", "patch, central seed"),
          "swarm": ("tab:blue", "patch, swarm")}  # fmt: skip

@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from patchswarm.daemon.board import Board
-from patchswarm.daemon.pull import Held
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel
 from patchswarm.protocol.catalog import plan
 from patchswarm.protocol.head import Head
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.membership_messages import Sync
@@ -35,6 +35,7 @@ from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from patchswarm.simulations.network import Backbone, Host, Network, Region
 from patchswarm.simulations.transport import MessageStats, SimNet
+from patchswarm.swarm.board_files import BoardReader
 from patchswarm.swarm.node import ApplyVersion, NodeConfig, SwarmNode, VerifyChunk
 from patchswarm.swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
 
@@ -43,7 +44,7 @@ from patchswarm.swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStor
 class SwarmSetup:
     """What a swarm simulation needs besides the hosts: the board, its trust, the run's identity."""
 
-    board: Board
+    board: BoardReader
     run_id: str
     cluster_secret: bytes
     policy: Callable[[], KeyPolicy]  # a fresh trust state per node (nodes update theirs)
@@ -66,7 +67,7 @@ class SwarmSetup:
         return kw
 
     def seed_store(self) -> ChunkStore:
-        return self.seed_chunks() if self.seed_chunks is not None else BoardChunkStore(self.board.root)
+        return self.seed_chunks() if self.seed_chunks is not None else BoardChunkStore(self.board)
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,9 @@ class SwarmResult:
         return self.time_to_all < float("inf")
 
 
-def payload_bytes(board: Board, run_id: str, version: int, base: int | None = None) -> int:
+def payload_bytes(board: BoardReader, run_id: str, version: int, base: int | None = None) -> int:
     """Bytes a node holding ``base`` (None: nothing) fetches to reach ``version``: its planned path's payloads."""
-    head = Head.from_bytes(Envelope.from_bytes(board.read(Board.head_rel(run_id)) or b"", "patchswarm/head").body)
+    head = Head.from_bytes(Envelope.from_bytes(board.read(head_rel(run_id)) or b"", HEAD_TAG).body)
     return sum(e.size for e in plan(head.catalog, base, version))
 
 
@@ -610,9 +611,7 @@ def _stream_result(
     wall: float,
     t0: float | None = None,
 ) -> StreamResult:
-    head = Head.from_bytes(
-        Envelope.from_bytes(setup.board.read(Board.head_rel(setup.run_id)) or b"", "patchswarm/head").body
-    )
+    head = Head.from_bytes(Envelope.from_bytes(setup.board.read(head_rel(setup.run_id)) or b"", HEAD_TAG).body)
     entries = {e.version: e for e in head.catalog}
     from_seed: dict[tuple[str, int], int] = {}
     from_peers: dict[tuple[str, int], int] = {}

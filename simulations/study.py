@@ -14,13 +14,12 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from patchswarm.simulations.build import build_label
+from patchswarm.simulations.point import Point
 from patchswarm.simulations.scenario import (
-    Layout,
     Scenario,
     ScenarioError,
     churn_schedule,
@@ -34,24 +33,6 @@ from patchswarm.simulations.strategies import StrategyRun, bound, central, swarm
 
 # (point index, strategy, fraction of that strategy done) -> None
 Progress = Callable[[int, str, float], None]
-
-
-@dataclass(frozen=True)
-class Point:
-    index: int
-    params: tuple[tuple[str, Any], ...]  # the sweep values of this point (empty: no sweep)
-    scenario: Scenario
-    layout: Layout
-    bound: float  # seconds, per version (the patch to every receiver)
-    runs: tuple[StrategyRun, ...]
-
-    @property
-    def label(self) -> str:
-        return ", ".join(f"{k}={_fmt_value(v)}" for k, v in self.params) or "base"
-
-
-def _fmt_value(v: Any) -> str:
-    return repr(v) if not isinstance(v, str) else v
 
 
 def parse_sweep(text: str) -> tuple[str, list[Any]]:

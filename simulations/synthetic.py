@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from patchswarm.daemon.board import Board
+from patchswarm.protocol.board_names import HEAD_TAG, cert_rel, head_rel, manifest_rel
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkRef
 from patchswarm.protocol.head import Head
@@ -36,13 +36,13 @@ SYNTHETIC_EPOCH = 1_700_000_000.0  # the Unix time virtual 0 stands for (fixed: 
 VALIDITY_S = 365 * 86_400.0  # certificates, manifests and heads stay valid this long after the epoch
 
 
-class SyntheticBoard(Board):
-    """A Board held in memory (no files): objects by board path, plus the heads ready to publish."""
+class SyntheticBoard:
+    """A board held in memory (no files), a ``BoardReader`` (swarm/board_files.py): objects by board
+    path, plus the heads ready to publish."""
 
     def __init__(
         self, run_id: str, files: dict[str, bytes], heads: dict[int, bytes], manifest_ids: dict[int, bytes]
     ) -> None:
-        super().__init__("synthetic-board")  # never touched: every read is served from ``files``
         self.run_id = run_id
         self.files = files
         self.heads = heads  # version -> signed head envelope naming it
@@ -54,23 +54,26 @@ class SyntheticBoard(Board):
         """Move the head to ``version`` (a head signed in advance)."""
         if version not in self.heads:
             raise KeyError(f"no synthetic head for version {version}")
-        self.files[Board.head_rel(self.run_id)] = self.heads[version]
+        self.files[head_rel(self.run_id)] = self.heads[version]
         self.published = version
 
     def read(self, rel: str) -> bytes | None:
         return self.files.get(rel)
 
+    def read_served(self, rel: str) -> bytes | None:
+        return self.files.get(rel)
+
+    def open(self, rel: str) -> int | None:
+        return None  # no files (the seed's chunks come from a PlaceholderChunkStore)
+
     def manifest(self, manifest_id: bytes) -> Manifest:
         m = self._manifests.get(manifest_id)
         if m is None:
-            data = self.files.get(Board.manifest_rel(manifest_id))
+            data = self.files.get(manifest_rel(manifest_id))
             if data is None:
-                raise FileNotFoundError(Board.manifest_rel(manifest_id))
+                raise FileNotFoundError(manifest_rel(manifest_id))
             m = self._manifests[manifest_id] = SignedManifest.from_bytes(data).verify(None)
         return m
-
-    def root_versions(self) -> list[int]:
-        return []
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def synthetic_setup(
     epoch_ms = int(epoch * 1000)
     until_ms = epoch_ms + int(VALIDITY_S * 1000)
     cert = Certificate(trainer.key_id, run_id, epoch_ms - 86_400_000, until_ms).sign(root).to_bytes()
-    files: dict[str, bytes] = {Board.cert_rel(trainer.key_id): cert}
+    files: dict[str, bytes] = {cert_rel(trainer.key_id): cert}
     # One bf16 tensor big enough for the anchor's raw bytes (a manifest checks raw_size against its layout).
     specs = (TensorSpec("weights", "BF16", (max(1, math.ceil(anchor / 2)),)),)
     layout = layout_hash(list(specs))
@@ -155,7 +158,7 @@ def synthetic_setup(
         )
         m.check()
         mid = mids[v] = m.manifest_id
-        files[Board.manifest_rel(mid)] = SignedManifest.sign(m, trainer).to_bytes()
+        files[manifest_rel(mid)] = SignedManifest.sign(m, trainer).to_bytes()
         sizes.update((ref.hash, ref.size) for ref in chunks)
         catalog.append(CatalogEntry(v, m.kind, m.base_version, nbytes, mid))
         head = Head(run_id, v, mid, v, epoch_ms, until_ms, tuple(catalog))
@@ -179,4 +182,4 @@ def synthetic_setup(
 
 def head_envelope(board: SyntheticBoard) -> Envelope:
     """The envelope of the head now published (for checks)."""
-    return Envelope.from_bytes(board.read(Board.head_rel(board.run_id)) or b"", "patchswarm/head")
+    return Envelope.from_bytes(board.read(head_rel(board.run_id)) or b"", HEAD_TAG)

@@ -16,6 +16,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from patchswarm.protocol.board_names import TOP_LEVEL
 from patchswarm.protocol.errors import LimitExceededError
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.serving import address_key, is_loopback, read_body
@@ -263,7 +264,7 @@ async def read_bounded(r: aiohttp.ClientResponse, limit: int, what: str) -> byte
 # No "chunks": a chunk read whole per request, past the upload slots and the rate limit, let clients that
 # never read a reply hold a chunk each in memory (/swarm/v1/chunks serves them; the plain board server's
 # /chunks/<hash> sends the file with sendfile).
-BOARD_FOLDERS = frozenset({"runs", "manifests", "certs", "trust"})
+BOARD_FOLDERS = TOP_LEVEL - {"chunks"}
 
 
 def _board_path(path: str) -> bool:

@@ -21,14 +21,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from patchswarm.daemon.board import Board
-from patchswarm.daemon.pull import Held, Puller
 from patchswarm.protocol import draws
 from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.board_names import HEAD_TAG, MAX_HEAD_BYTES, head_rel, manifest_rel
 from patchswarm.protocol.catalog import CatalogEntry, plan
 from patchswarm.protocol.chunks import ChunkRef, verify_chunk
 from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
 from patchswarm.protocol.head import Head
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.membership import Membership
@@ -52,7 +52,9 @@ from patchswarm.protocol.wire import (
     decode_frame,
     encode_frame,
 )
+from patchswarm.swarm.board_files import BoardReader
 from patchswarm.swarm.futures import drain, settle
+from patchswarm.swarm.puller import Puller
 from patchswarm.swarm.sources import SwarmSource
 from patchswarm.swarm.stores import ChunkStore, MemoryChunkStore
 from patchswarm.swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
@@ -229,7 +231,7 @@ class SwarmNode:
         rng: random.Random,
         *,
         chunks: ChunkStore | None = None,
-        board: Board | None = None,
+        board: BoardReader | None = None,
         held: Held | None = None,
         on_version: Callable[[Held], Awaitable[None] | None] | None = None,
         verify_chunk: VerifyChunk = verify_chunk,
@@ -280,7 +282,7 @@ class SwarmNode:
             max_rest=config.upload_stall_max_rest,
             memory=4 * config.upload_stall_max_rest,  # a requester stalling again within it rests longer
         )
-        self.source = SwarmSource(self)
+        self.source = SwarmSource(self, config.seed_urls)
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
         self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
@@ -1057,7 +1059,7 @@ class SwarmNode:
             return None  # chunks go out through handle_chunk only, under the upload slots and the rate limit
         if self.board is None:
             return self.objects.get(path)
-        # Confined to the board's layout, bounded (daemon/board.py).
+        # Confined to the board's layout, bounded (swarm/board_files.py).
         read = self.board.read_served
         data = await asyncio.to_thread(read, path) if off_loop else read(path)
         copies = self.config.seed_object_copies
@@ -1083,14 +1085,14 @@ class SwarmNode:
 
     def _load_board_head(self) -> None:
         assert self.board is not None
-        data = self.board.read(Board.head_rel(self.config.run_id))
+        data = self.board.read(head_rel(self.config.run_id))
         if data is None:
             return
-        head = Head.from_bytes(Envelope.from_bytes(data, "patchswarm/head").body)
+        head = Head.from_bytes(Envelope.from_bytes(data, HEAD_TAG).body)
         if head.counter != self.head_counter:
             self.head, self.head_counter = head, head.counter
             self.complete = [e.manifest_id for e in head.catalog]
-            named = {Board.manifest_rel(mid) for mid in self.complete}
+            named = {manifest_rel(mid) for mid in self.complete}
             self._seed_objects_given = {p: a for p, a in self._seed_objects_given.items() if p in named}
             self._availability_changed()
             self._push_head()
@@ -1125,7 +1127,7 @@ class SwarmNode:
             # The root is refreshed (TUF: before a head is trusted) while the head travels: one round
             # trip instead of two on every new head.  If the refresh fails, the head is not waited for.
             travelling = asyncio.ensure_future(
-                self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer)
+                self.source.get(head_rel(self.config.run_id), MAX_HEAD_BYTES, prefer=prefer)
             )
             try:
                 await self.puller.refresh_trust()
@@ -1156,7 +1158,7 @@ class SwarmNode:
         self.head, self.head_counter = head, head.counter
         self.marks.append(("head", head.version, self.clock.now()))
         log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
-        self.objects[Board.head_rel(self.config.run_id)] = data
+        self.objects[head_rel(self.config.run_id)] = data
         self._forget_manifests(head)
         self._availability_changed()
         self._wake.set()
@@ -1190,8 +1192,8 @@ class SwarmNode:
     def _forget_manifests(self, head: Head) -> None:
         """Stop serving manifests the head's catalog no longer names (or the node would keep every
         manifest it ever fetched: about 1 MB per version of a large model)."""
-        named = {Board.manifest_rel(e.manifest_id) for e in head.catalog}
-        named.update(Board.manifest_rel(mid) for mid in self.partial)
+        named = {manifest_rel(e.manifest_id) for e in head.catalog}
+        named.update(manifest_rel(mid) for mid in self.partial)
         for rel in [r for r in self.objects if r.startswith("manifests/") and r not in named]:
             del self.objects[rel]
 
@@ -1235,7 +1237,7 @@ class SwarmNode:
             manifest, signed = await self.puller.fetch_signed_manifest(entry)
             log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
             self.marks.append(("manifest", entry.version, self.clock.now()))
-            rel = Board.manifest_rel(entry.manifest_id)
+            rel = manifest_rel(entry.manifest_id)
             self.objects[rel] = signed  # the bytes that verified, and only those, are served
             self.source.forget(rel)
             self._keep_trusted()  # the manifest signer's certificate

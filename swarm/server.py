@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from patchswarm.daemon.board import Board
-from patchswarm.daemon.pull import Held
-from patchswarm.daemon.seed import board_app
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy
+from patchswarm.swarm.board_files import BoardFiles
+from patchswarm.swarm.board_http import board_app
 from patchswarm.swarm.http import HttpTransport, add_routes
 from patchswarm.swarm.node import ApplyVersion, NodeConfig, SwarmNode
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, serve_tcp
@@ -41,7 +41,7 @@ async def start_http_node(
     host: str = "127.0.0.1",
     port: int = 0,
     advertise: str | None = None,
-    board: Board | None = None,
+    board: BoardFiles | None = None,
     held: Held | None = None,
     rng: random.Random | None = None,
     on_version: Callable[[Held], Awaitable[None] | None] | None = None,
@@ -72,7 +72,7 @@ async def start_http_node(
         SystemClock(),
         policy,
         rng or random.Random(),
-        chunks=BoardChunkStore(board.root) if board is not None else None,
+        chunks=BoardChunkStore(board) if board is not None else None,
         board=board,
         held=held,
         on_version=on_version,

@@ -15,19 +15,64 @@ never put other bytes (an empty or stale answer) in their place.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import blake3
 
-from patchswarm.daemon.sources import HttpSource, SourceError
 from patchswarm.protocol import draws
+from patchswarm.protocol.board_names import (
+    MANIFEST_TAG,
+    ROOT_TAG,
+    CertName,
+    HeadName,
+    ManifestName,
+    RootName,
+    parse_rel,
+)
 from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
+from patchswarm.protocol.keys import KeyPolicy
+from patchswarm.protocol.membership_messages import NodeInfo
 from patchswarm.protocol.signed import Envelope
-from patchswarm.protocol.trust import ROOT_TAG, TrustState
-from patchswarm.swarm.transport import Missing, TransportError
+from patchswarm.protocol.trust import TrustState
+from patchswarm.protocol.wire import Announcement
+from patchswarm.swarm.board_sources import HttpSource, SourceError
+from patchswarm.swarm.transport import Missing, Transport, TransportError
 
-if TYPE_CHECKING:
-    from patchswarm.swarm.node import SwarmNode
+
+class PeerLike(Protocol):
+    """What a source reads of a peer the node knows: its address and its announcement."""
+
+    @property
+    def info(self) -> NodeInfo: ...
+
+    @property
+    def ann(self) -> Announcement: ...
+
+
+class SourceNode(Protocol):
+    """What a source needs of its node (swarm/node.py ``SwarmNode``): who it is, how it reaches
+    peers, whom it knows, what it holds, its trust and its random draws."""
+
+    @property
+    def info(self) -> NodeInfo: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def policy(self) -> KeyPolicy: ...
+
+    @property
+    def rng(self) -> random.Random: ...
+
+    @property
+    def objects(self) -> Mapping[str, bytes]: ...
+
+    @property
+    def peers(self) -> Mapping[str, PeerLike]: ...
+
 
 PEER_TRIES = 3
 NAMED_TRIES = 4  # holders a seed names for a manifest it withholds, asked before insisting
@@ -44,27 +89,26 @@ class _Unreachable(enum.Enum):
 _UNREACHABLE = _Unreachable.UNREACHABLE
 
 
-def _accepted(trust: TrustState, rel: str, data: bytes) -> bool:
-    """Whether ``data`` is the document ``trust`` accepted under the name ``rel``."""
+def _accepted(trust: TrustState, name: CertName | RootName, data: bytes) -> bool:
+    """Whether ``data`` is the document ``trust`` accepted under ``name``."""
     try:
-        if rel.startswith("certs/"):
+        if isinstance(name, CertName):
             cert, signer = trust.read_certificate(data)
             return (cert, signer) in trust.certificates.get(cert.key, [])
-        version = int(rel.removeprefix("trust/root."))
-        return Envelope.from_bytes(data, ROOT_TAG).body == trust.root_bodies.get(version)
-    except (PatchswarmError, ValueError):
+        return Envelope.from_bytes(data, ROOT_TAG).body == trust.root_bodies.get(name.version)
+    except PatchswarmError:
         return False
 
 
 class SwarmSource:
-    def __init__(self, node: SwarmNode) -> None:
+    def __init__(self, node: SourceNode, seed_urls: Sequence[str]) -> None:
         self.node = node
         self.fetched: dict[str, bytes] = {}  # fetched, not yet verified and taken by the node
         self.refused = 0  # answers that were not the object asked for (a lying peer or mirror)
         # Who served the last head: it verified it, so holds its certificate, and fetched the manifest
         # it names while we fetched the head (so the seed is not every host's manifest source at once).
         self._head_from: str | None = None
-        self._boards = [HttpSource(url) for url in node.config.seed_urls]
+        self._boards = [HttpSource(url) for url in seed_urls]
 
     def forget(self, rel: str) -> None:
         """Drop the fetched copy of an object the caller verified (and now holds itself)."""
@@ -78,16 +122,17 @@ class SwarmSource:
         same name (another answer to a concurrent fetch) is dropped once its name is settled."""
         out: dict[str, bytes] = {}
         for rel in list(self.fetched):
-            if rel.startswith("certs/"):
-                settled = bytes.fromhex(rel.removeprefix("certs/")) in trust.certificates
-            elif rel.startswith("trust/root."):
-                settled = int(rel.removeprefix("trust/root.")) <= trust.root_version
+            name = parse_rel(rel)
+            if isinstance(name, CertName):
+                settled = name.key_id in trust.certificates
+            elif isinstance(name, RootName):
+                settled = name.version <= trust.root_version
             else:
                 continue
             if not settled:
                 continue
             data = self.fetched.pop(rel)
-            if _accepted(trust, rel, data):
+            if _accepted(trust, name, data):
                 out[rel] = data
         return out
 
@@ -97,12 +142,13 @@ class SwarmSource:
 
         O(peers) filtering and O(PEER_TRIES) random draws per object, not a sort of every peer view."""
         node = self.node
-        if prefer is None and rel.startswith(("certs/", "manifests/")):
+        name = parse_rel(rel)
+        if prefer is None and isinstance(name, (CertName, ManifestName)):
             prefer = self._head_from
         addrs: list[str] = [prefer] if prefer else []
         views = list(node.peers.values())
-        if rel.startswith("manifests/"):
-            mid = bytes.fromhex(rel.split("/", 1)[1])
+        if isinstance(name, ManifestName):
+            mid = name.manifest_id
             holders = [v for v in views if mid in v.ann.complete or any(m == mid for m, _ in v.ann.partial)]
             views = holders or views
         others = [v.info.addr for v in views if v.info.addr not in addrs]
@@ -114,10 +160,11 @@ class SwarmSource:
     def _acceptable(self, rel: str, data: bytes) -> bool:
         """Whether an answer can be the object asked for; one that cannot is counted in ``refused``
         and the next source is tried (a lying peer does not get the head it came with refused)."""
-        if rel.startswith("manifests/"):
-            ok = self._is_manifest(rel, data)
-        elif rel.startswith("certs/"):
-            ok = self._is_certificate(rel, data)
+        name = parse_rel(rel)
+        if isinstance(name, ManifestName):
+            ok = self._is_manifest(name, data)
+        elif isinstance(name, CertName):
+            ok = self._is_certificate(name, data)
         else:
             return True
         if not ok:
@@ -125,15 +172,15 @@ class SwarmSource:
         return ok
 
     @staticmethod
-    def _is_manifest(rel: str, data: bytes) -> bool:
-        """The manifest named by ``rel``: the BLAKE3 of its body."""
+    def _is_manifest(name: ManifestName, data: bytes) -> bool:
+        """The manifest ``name`` names: the BLAKE3 of its body."""
         try:
-            return blake3.blake3(Envelope.from_bytes(data, "patchswarm/manifest").body).hexdigest() == rel[10:]
+            return blake3.blake3(Envelope.from_bytes(data, MANIFEST_TAG).body).digest() == name.manifest_id
         except PatchswarmError:
             return False
 
-    def _is_certificate(self, rel: str, data: bytes) -> bool:
-        """A certificate for the key ``rel`` names, validly signed by a current root key (the trust
+    def _is_certificate(self, name: CertName, data: bytes) -> bool:
+        """A certificate for the key ``name`` names, validly signed by a current root key (the trust
         state checks it again, with expiry and run, before it counts)."""
         trust = self.node.policy
         if not isinstance(trust, TrustState):
@@ -142,19 +189,20 @@ class SwarmSource:
             cert, _ = trust.read_certificate(data)
         except PatchswarmError:
             return False
-        return cert.key.hex() == rel.removeprefix("certs/")
+        return cert.key == name.key_id
 
     async def get(self, rel: str, limit: int, prefer: str | None = None) -> bytes | None:
         node = self.node
+        name = parse_rel(rel)
         held = node.objects.get(rel)
-        if held and not rel.endswith("/head"):  # (only verified bytes are held: never empty)
+        if held and not isinstance(name, HeadName):  # (only verified bytes are held: never empty)
             return held
-        if rel.startswith("trust/"):
+        if isinstance(name, RootName):
             return await self._get_root(rel, limit)
         for addr in self._candidates(rel, prefer):
             found = await self._ask(addr, rel, limit)
             if isinstance(found, bytes):
-                if rel.endswith("/head"):
+                if isinstance(name, HeadName):
                     self._head_from = addr
                 return found
         for board in self._boards:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from patchswarm.daemon.pull import Held
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.patchfile import apply_version
 from patchswarm.protocol.served import ServedModel

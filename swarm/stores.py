@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from pathlib import Path
 from typing import Protocol
 
-from patchswarm.daemon.board import Board
+from patchswarm.protocol.board_names import chunk_rel
 from patchswarm.protocol.files import FileTooLargeError
+from patchswarm.swarm.board_files import BoardReader
 
 
 class ChunkStore(Protocol):
@@ -67,17 +67,13 @@ class MemoryChunkStore:
 
 class BoardChunkStore:
     """The seed's chunks: the board's own files (verified when they were published), read through
-    the board's confinement (daemon/board.py): a regular file within the chunk size bound, or nothing."""
+    the board's confinement (swarm/board_files.py): a regular file within the chunk size bound, or nothing."""
 
-    def __init__(self, board_root: str | Path) -> None:
-        self.board = Board(board_root)
-
-    @property
-    def root(self) -> Path:
-        return self.board.root
+    def __init__(self, board: BoardReader) -> None:
+        self.board = board
 
     def get(self, chunk_hash: bytes) -> bytes | None:
-        return self.board.read_served(Board.chunk_rel(chunk_hash))
+        return self.board.read_served(chunk_rel(chunk_hash))
 
     def put(self, chunk_hash: bytes, data: bytes) -> None:
         raise PermissionError("the seed's chunks come from its board only")
@@ -86,7 +82,7 @@ class BoardChunkStore:
         if not isinstance(chunk_hash, bytes):
             return False
         try:
-            fd = self.board.open(Board.chunk_rel(chunk_hash))
+            fd = self.board.open(chunk_rel(chunk_hash))
         except FileTooLargeError:
             return False
         if fd is None:

@@ -35,6 +35,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from patchswarm.daemon.board import Board
+from patchswarm.protocol.board_names import chunk_rel, head_rel
 from patchswarm.protocol.files import write_atomic
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
 from patchswarm.protocol.membership_messages import NodeInfo, Ping
@@ -122,7 +123,7 @@ class Adversary:
             SystemClock(),
             self.policy,
             random.Random(7),
-            chunks=BoardChunkStore(self.board.root),
+            chunks=BoardChunkStore(self.board),
             board=self.board,  # passive: it never fetches, it serves (and lies about) its board
         )
         self.node.behaviour = self.behaviour
@@ -161,7 +162,7 @@ class Adversary:
     async def _chunk(self, request: web.Request) -> web.StreamResponse:
         self.requests["chunk"] += 1
         h = request.match_info["hash"].lower()
-        data = self.board.read(Board.chunk_rel(bytes.fromhex(h)))
+        data = self.board.read(chunk_rel(bytes.fromhex(h)))
         mode = self.behaviour.chunks
         if data is None or (mode == "withhold" and bytes.fromhex(h) in self.behaviour.withhold):
             raise web.HTTPNotFound()
@@ -319,7 +320,7 @@ class AttackWorld:
         mirror(self.sw.board, self.adversary.board)
 
     def head_bytes(self) -> bytes:
-        data = self.sw.board.read(Board.head_rel(RUN))
+        data = self.sw.board.read(head_rel(RUN))
         assert data is not None
         return data
 

@@ -103,7 +103,8 @@ class Daemon:
         self.destroy_store()
 
     def destroy_store(self) -> None:
-        from patchswarm.daemon.weightstore import StoreError, WeightStore
+        from patchswarm.daemon.store_format import StoreError
+        from patchswarm.daemon.weightstore import WeightStore
 
         try:
             WeightStore.open(self.store).destroy()

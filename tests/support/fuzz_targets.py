@@ -45,20 +45,21 @@ from patchswarm.daemon.sidecar import (
     split_body_constraint,
 )
 from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.board_names import CERT_TAG, HEAD_TAG, MANIFEST_TAG, ROOT_TAG
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import ChunkRef, verify_chunk
 from patchswarm.protocol.codec import apply_patch
 from patchswarm.protocol.dtypes import BY_NAME
 from patchswarm.protocol.errors import PatchswarmError
-from patchswarm.protocol.head import HEAD_TAG, Head, HeadTracker, verify_head
+from patchswarm.protocol.head import Head, HeadTracker, verify_head
 from patchswarm.protocol.keys import SigningKey, load_public_key
-from patchswarm.protocol.manifest import ENVELOPE_TAG, Kind, SignedManifest
+from patchswarm.protocol.manifest import Kind, SignedManifest
 from patchswarm.protocol.membership_messages import Ack, Gossip, MemberState, NodeInfo, Ping, PingReq, Sync, Update
 from patchswarm.protocol.patchfile import Version, apply_version, build_version, open_file, pack_file
 from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 from patchswarm.protocol.served import ServedModel, TensorSpec
 from patchswarm.protocol.signed import Envelope
-from patchswarm.protocol.trust import CERT_TAG, ROOT_TAG, Certificate, RootDocument, TrustState
+from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
 from patchswarm.protocol.wire import FRAME_TAG, Announcement, GossipFrame, decode_frame, encode_frame, mac
 
 RUN = "run-fuzz"
@@ -184,7 +185,7 @@ def run_envelope(data: bytes) -> object:
 
 
 def run_manifest(body: bytes) -> object:
-    return run_envelope(signed(ENVELOPE_TAG, body))
+    return run_envelope(signed(MANIFEST_TAG, body))
 
 
 def run_patchfile(data: bytes) -> object:

@@ -13,6 +13,7 @@ import torch
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.served import ServedModel
@@ -62,7 +63,7 @@ class Swarm:
         from patchswarm.protocol.head import Head
         from patchswarm.protocol.signed import Envelope
 
-        head = Head.from_bytes(Envelope.from_bytes(self.board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
+        head = Head.from_bytes(Envelope.from_bytes(self.board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
         return next(e.size for e in head.catalog if e.version == version and e.kind.value == "patch")
 
     def policy(self) -> TrustState:

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from patchswarm.daemon.board import Board
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel, manifest_rel
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.membership_messages import NodeInfo
 from patchswarm.protocol.signed import Envelope
@@ -42,7 +42,7 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Attac
 
 
 def head_of(world: AttackWorld) -> Head:
-    return Head.from_bytes(Envelope.from_bytes(world.head_bytes(), "patchswarm/head").body)
+    return Head.from_bytes(Envelope.from_bytes(world.head_bytes(), HEAD_TAG).body)
 
 
 async def converges(world: AttackWorld, version: int) -> None:
@@ -131,7 +131,7 @@ async def foreign_manifest(world: AttackWorld, wrong: bytes) -> None:
     m0 = await world.metrics()
     v = world.sw.publish(scale=3e-4)
     head = head_of(world)
-    world.adversary.behave(objects={Board.manifest_rel(e.manifest_id): wrong for e in head.catalog if e.version == v})
+    world.adversary.behave(objects={manifest_rel(e.manifest_id): wrong for e in head.catalog if e.version == v})
     mirror(world.sw.board, world.adversary.board)
     await world.metric_above(REFUSED_OBJECTS, m0.get(REFUSED_OBJECTS, 0))
     await world.assert_unchanged(before["version"], counter)
@@ -140,14 +140,14 @@ async def foreign_manifest(world: AttackWorld, wrong: bytes) -> None:
 
 async def test_manifest_of_another_run_and_layout_is_refused(world: AttackWorld) -> None:
     board, _ = foreign_run(world.tmp, world.sw.root)
-    other = Head.from_bytes(Envelope.from_bytes(board.read(Board.head_rel("other-run")) or b"", "patchswarm/head").body)
-    wrong = board.read(Board.manifest_rel(other.manifest_id))
+    other = Head.from_bytes(Envelope.from_bytes(board.read(head_rel("other-run")) or b"", HEAD_TAG).body)
+    wrong = board.read(manifest_rel(other.manifest_id))
     assert wrong is not None
     await foreign_manifest(world, wrong)
 
 
 async def test_mix_and_match_older_manifest_at_the_new_address_is_refused(world: AttackWorld) -> None:
-    wrong = world.sw.board.read(Board.manifest_rel(head_of(world).manifest_id))  # the current, genuine one
+    wrong = world.sw.board.read(manifest_rel(head_of(world).manifest_id))  # the current, genuine one
     assert wrong is not None
     await foreign_manifest(world, wrong)
 

@@ -19,10 +19,10 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from patchswarm.daemon.board import Board
 from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.board_names import HEAD_TAG, cert_rel, head_rel
 from patchswarm.protocol.catalog import CatalogEntry
-from patchswarm.protocol.head import HEAD_TAG, Head
+from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.patchfile import build_version
@@ -33,7 +33,7 @@ from tests.support.adversary import AttackWorld, foreign_run, mirror
 from tests.support.swarmkit import RUN
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-HEAD = Board.head_rel(RUN)
+HEAD = head_rel(RUN)
 DAY_MS = 86_400_000
 
 
@@ -84,16 +84,16 @@ async def test_head_signed_by_an_unknown_key_is_refused(world: AttackWorld) -> N
     now = int(time.time() * 1000)
     cert = Certificate(mallory.key_id, RUN, now - DAY_MS, now + DAY_MS).sign(fake_root).to_bytes()
     forged = dataclasses.replace(head, counter=head.counter + 1).sign(mallory).to_bytes()
-    await refused_head(world, "UntrustedKeyError", forged, **{Board.cert_rel(mallory.key_id): cert})
+    await refused_head(world, "UntrustedKeyError", forged, **{cert_rel(mallory.key_id): cert})
 
 
 async def test_head_of_another_run_is_refused(world: AttackWorld) -> None:
     board, key = foreign_run(world.tmp, world.sw.root, "other-run")
-    other = Head.from_bytes(Envelope.from_bytes(board.read(Board.head_rel("other-run")) or b"", HEAD_TAG).body)
+    other = Head.from_bytes(Envelope.from_bytes(board.read(head_rel("other-run")) or b"", HEAD_TAG).body)
     # Genuine: signed by a key the same root certified, for its own run, with a counter far ahead.
     data = dataclasses.replace(other, counter=1 << 30).sign(key).to_bytes()
-    cert = board.read(Board.cert_rel(key.key_id)) or b""
-    await refused_head(world, "FormatError", data, **{Board.cert_rel(key.key_id): cert})
+    cert = board.read(cert_rel(key.key_id)) or b""
+    await refused_head(world, "FormatError", data, **{cert_rel(key.key_id): cert})
 
 
 async def test_fast_forward_claim_is_ignored_and_later_versions_still_land(world: AttackWorld) -> None:

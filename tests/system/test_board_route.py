@@ -24,6 +24,7 @@ import torch
 
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
+from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.trust import RootDocument
 from tests.support.boards import Keys, free_port
@@ -108,7 +109,7 @@ def test_board_route_serves_no_chunk_and_the_chunk_route_does(seed: Seed) -> Non
         status, body = get(seed.port, f"/swarm/v1/chunks/{name}")
         assert status == 200
         assert body == (seed.board.root / "chunks" / name).read_bytes()
-    head = Board.head_rel(RUN)
+    head = head_rel(RUN)
     assert get(seed.port, f"/swarm/v1/board/{head}") == (200, (seed.board.root / head).read_bytes())
     assert seed.proc.poll() is None
 
@@ -131,7 +132,7 @@ def test_never_reading_clients_of_a_large_board_object_share_one_copy(seed: Seed
             s.settimeout(30)
             assert s.recv(64).startswith(b"HTTP/1.1 200"), "no reply"
         # An honest request is answered meanwhile: the seed's loop is not stuck behind them.
-        head = Board.head_rel(RUN)
+        head = head_rel(RUN)
         assert get(seed.port, f"/swarm/v1/board/{head}")[0] == 200
         time.sleep(1)  # (whatever the replies would buffer, they have by now)
         grown = seed.rss() - before

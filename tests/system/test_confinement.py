@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from patchswarm.daemon.board import Board
+from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.files import confined_parts, open_confined, read_confined
 from tests.support.boards import free_port
 from tests.support.swarmkit import RUN, SECRET, Swarm
@@ -212,7 +213,7 @@ def honest_files(board: Board, folder: str = "chunks") -> list[str]:
         for p in sorted((board.root / folder).iterdir())
         if p.is_file() and not p.is_symlink() and p.stat().st_size < SPARSE
     ]
-    return [Board.head_rel(RUN), *files[:3]]
+    return [head_rel(RUN), *files[:3]]
 
 
 def assert_honest(seed: SeedProc, prefix: str) -> None:

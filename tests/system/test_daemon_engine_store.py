@@ -28,11 +28,12 @@ import pytest
 import torch
 
 from patchswarm.daemon.api import make_api_app, serve_unix
-from patchswarm.daemon.engine import EngineView, SharedSegment, StoreError, allocate, attach, export_buffer
+from patchswarm.daemon.engine import EngineView, SharedSegment, allocate, attach, export_buffer
 from patchswarm.daemon.engine_client import DaemonClient
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.rollout import AWAITING_ENGINE, FAULT_ENV
 from patchswarm.daemon.status import Status
+from patchswarm.daemon.store_format import StoreError
 from patchswarm.daemon.trajectory import generate
 from patchswarm.protocol.served import ServedModel, bytes_digest, state_root
 from patchswarm.protocol.trust import Certificate

@@ -21,8 +21,8 @@ import aiohttp
 import blake3
 import pytest
 
-from patchswarm.daemon.board import Board
 from patchswarm.daemon.engine import attach
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel, manifest_rel
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.manifest import SignedManifest
 from patchswarm.protocol.signed import Envelope
@@ -41,11 +41,11 @@ class ManifestWatch:
         self.served = 0  # answers that verified
 
     def manifests(self) -> list[str]:
-        data = self.sw.board.read(Board.head_rel(RUN))
+        data = self.sw.board.read(head_rel(RUN))
         if data is None:
             return []
-        head = Head.from_bytes(Envelope.from_bytes(data, "patchswarm/head").body)
-        return [Board.manifest_rel(e.manifest_id) for e in head.catalog]
+        head = Head.from_bytes(Envelope.from_bytes(data, HEAD_TAG).body)
+        return [manifest_rel(e.manifest_id) for e in head.catalog]
 
     async def check_once(self, s: aiohttp.ClientSession) -> None:
         for rel in self.manifests():

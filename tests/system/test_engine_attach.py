@@ -14,7 +14,8 @@ import torch
 
 from patchswarm.daemon.engine import _dec, _enc, attach
 from patchswarm.daemon.journal import Action, recover
-from patchswarm.daemon.weightstore import StoreLayout, StoreLayoutMismatch, StoreState, WeightStore, diff_updates
+from patchswarm.daemon.store_format import StoreLayout, StoreLayoutMismatch, StoreState
+from patchswarm.daemon.weightstore import WeightStore, diff_updates
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 REPO = Path(__file__).resolve().parents[2]

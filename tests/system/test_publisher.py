@@ -17,13 +17,14 @@ import torch
 
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher, PublishInfo
-from patchswarm.daemon.pull import Puller
-from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel
 from patchswarm.protocol.errors import PublisherBehindError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import TrustState
+from patchswarm.swarm.board_sources import DirSource
+from patchswarm.swarm.puller import Puller
 from tests.support.boards import Keys, board_files
 
 KILLS = 8
@@ -61,10 +62,10 @@ def test_background_mode_returns_futures_and_reports_falling_behind(tmp_path: Pa
 
 def check_board(board: Board, keys: Keys, run: str) -> int:
     """The head names only complete, verifiable versions; returns the head version (0: no head)."""
-    data = board.read(Board.head_rel(run))
+    data = board.read(head_rel(run))
     if data is None:
         return 0
-    head = Head.from_bytes(Envelope.from_bytes(data, "patchswarm/head").body)
+    head = Head.from_bytes(Envelope.from_bytes(data, HEAD_TAG).body)
     names = board_files(board)
     for e in head.catalog:
         m = board.manifest(e.manifest_id)

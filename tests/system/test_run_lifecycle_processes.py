@@ -28,14 +28,15 @@ from patchswarm.daemon.board import Board
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.head_refresh import board_head
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.pull import Puller
-from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.errors import ExpiredError
 from patchswarm.protocol.head import HeadTracker, verify_head
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.safetensors_io import save_safetensors
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, TrustState
+from patchswarm.swarm.board_sources import DirSource
+from patchswarm.swarm.puller import Puller
 from patchswarm.swarm.transport import SystemClock
 from tests.support.adversary import parse_metrics
 from tests.support.faultkit import SkewedClock, engine_sees, fleet_daemon, wait_status
@@ -200,7 +201,7 @@ def test_seed_with_the_key_keeps_an_idle_run_fresh_beside_the_trainer(tmp_path: 
                 for _ in range(2, 8):
                     pub.publish({"w": torch.randn(64, 64)})
                     for _poll in range(3):
-                        data = board.read(Board.head_rel(RUN))
+                        data = board.read(head_rel(RUN))
                         assert data is not None
                         tracker.accept(*verify_head(data, policy, now_ms=int(time.time() * 1000), skew_ms=0))
                         time.sleep(0.1)

@@ -31,11 +31,12 @@ import zstandard  # noqa: E402
 from cryptography.hazmat.primitives import serialization as ser  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec, x448  # noqa: E402
 
+from patchswarm.protocol.board_names import HEAD_TAG, MANIFEST_TAG  # noqa: E402
 from patchswarm.protocol.catalog import CatalogEntry  # noqa: E402
 from patchswarm.protocol.chunks import split  # noqa: E402
-from patchswarm.protocol.head import HEAD_TAG, Head  # noqa: E402
+from patchswarm.protocol.head import Head  # noqa: E402
 from patchswarm.protocol.keys import SigningKey  # noqa: E402
-from patchswarm.protocol.manifest import ENVELOPE_TAG, Kind, Manifest, SignedManifest  # noqa: E402
+from patchswarm.protocol.manifest import Kind, Manifest, SignedManifest  # noqa: E402
 from patchswarm.protocol.membership_messages import MemberState  # noqa: E402
 from patchswarm.protocol.patchfile import Version, pack_file  # noqa: E402
 from patchswarm.protocol.safetensors_io import save_safetensors  # noqa: E402
@@ -172,7 +173,7 @@ def manifest_cases() -> None:
     bad_sig = bytearray(good)
     bad_sig[-1] ^= 1
     c("bad-signature", "SignatureError", "signature does not verify", "last signature byte flipped", bytes(bad_sig))
-    wrong_domain = Envelope(ENVELOPE_TAG, body, ft.TRAINER.key_id, ft.TRAINER.sign(domain(HEAD_TAG), body))
+    wrong_domain = Envelope(MANIFEST_TAG, body, ft.TRAINER.key_id, ft.TRAINER.sign(domain(HEAD_TAG), body))
     c(
         "wrong-domain-tag",
         "SignatureError",
@@ -187,13 +188,13 @@ def manifest_cases() -> None:
         "a valid signed head presented as a manifest",
         ft.head_of().sign(ft.TRAINER).to_bytes(),
     )
-    c("unsigned", "SignatureError", "is not signed", "no key id, no signature", env(ENVELOPE_TAG, body, None))
+    c("unsigned", "SignatureError", "is not signed", "no key id, no signature", env(MANIFEST_TAG, body, None))
     c(
         "unknown-key",
         "UntrustedKeyError",
         "is not certified for run 'run-fuzz'",
         "validly signed by a key no root key certified",
-        env(ENVELOPE_TAG, body, ft.OTHER),
+        env(MANIFEST_TAG, body, ft.OTHER),
     )
     other_run = forged_manifest(run_id="run-other")
     c(
@@ -201,7 +202,7 @@ def manifest_cases() -> None:
         "UntrustedKeyError",
         "is not certified for run 'run-other'",
         "the trainer key signs a manifest for a run it is not certified for",
-        env(ENVELOPE_TAG, other_run.to_bytes()),
+        env(MANIFEST_TAG, other_run.to_bytes()),
     )
     c(
         "expired",
@@ -221,7 +222,7 @@ def manifest_cases() -> None:
     )
     c("truncated", "FormatError", "manifest envelope is malformed", "envelope cut short", good[:-10])
     reordered = msgpack.packb(dict(reversed(list(msgpack.unpackb(body, raw=False).items()))), use_bin_type=True)
-    c("non-canonical", "FormatError", "not canonical", "same fields, other key order", env(ENVELOPE_TAG, reordered))
+    c("non-canonical", "FormatError", "not canonical", "same fields, other key order", env(MANIFEST_TAG, reordered))
 
     def fmt2(o: dict[str, Any]) -> None:
         o["format"] = 2
@@ -231,13 +232,13 @@ def manifest_cases() -> None:
         "UnsupportedFormatError",
         "manifest format 2",
         "format version from the future",
-        env(ENVELOPE_TAG, body_edit(body, fmt2)),
+        env(MANIFEST_TAG, body_edit(body, fmt2)),
     )
 
     def drop_prev(o: dict[str, Any]) -> None:
         del o["prev"]
 
-    c("missing-field", "FormatError", "KeyError", "field 'prev' absent", env(ENVELOPE_TAG, body_edit(body, drop_prev)))
+    c("missing-field", "FormatError", "KeyError", "field 'prev' absent", env(MANIFEST_TAG, body_edit(body, drop_prev)))
 
     def extra(o: dict[str, Any]) -> None:
         o["zzz"] = 1
@@ -247,7 +248,7 @@ def manifest_cases() -> None:
         "FormatError",
         "not canonical",
         "an unknown extra field",
-        env(ENVELOPE_TAG, body_edit(body, extra)),
+        env(MANIFEST_TAG, body_edit(body, extra)),
     )
 
     def kind_str(o: dict[str, Any]) -> None:
@@ -258,10 +259,10 @@ def manifest_cases() -> None:
         "FormatError",
         "version must be a non-negative integer",
         "version given as a string",
-        env(ENVELOPE_TAG, body_edit(body, kind_str)),
+        env(MANIFEST_TAG, body_edit(body, kind_str)),
     )
     m = patch.manifest
-    signed = lambda mm: env(ENVELOPE_TAG, mm.to_bytes())  # noqa: E731
+    signed = lambda mm: env(MANIFEST_TAG, mm.to_bytes())  # noqa: E731
     c(
         "wrong-layout-hash",
         "FormatError",
@@ -508,7 +509,7 @@ def head_cases() -> None:
     bad = bytearray(good)
     bad[-3] ^= 4
     c("bad-signature", "SignatureError", "signature does not verify", "a flipped signature bit", bytes(bad))
-    cross = Envelope(HEAD_TAG, body, ft.TRAINER.key_id, ft.TRAINER.sign(domain(ENVELOPE_TAG), body))
+    cross = Envelope(HEAD_TAG, body, ft.TRAINER.key_id, ft.TRAINER.sign(domain(MANIFEST_TAG), body))
     c(
         "wrong-domain-tag",
         "SignatureError",

@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patchswarm.daemon import cli_args
-from patchswarm.daemon.board import Board
+from patchswarm.daemon import cli_args, simulate_cli
 from patchswarm.daemon.cli import build_parser, main
 from patchswarm.daemon.config import parse_name
-from patchswarm.daemon.seed import parse_listen
+from patchswarm.daemon.config import split_listen as parse_listen
 from patchswarm.daemon.swarm_cli import HELP_DEFAULTS
+from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from patchswarm.protocol.patchfile import open_file
 from patchswarm.protocol.safetensors_io import save_safetensors
@@ -68,8 +68,8 @@ ACCEPTED: list[tuple[Callable[[str], Any], str, Any]] = [
     (cli_args.output_path, "/tmp/new.psw", "/tmp/new.psw"),
     (cli_args.board, "new-board", "new-board"),
     (cli_args.board, "/tmp", "/tmp"),
-    (cli_args.scenario_value("run.seed"), "0", 0),
-    (cli_args.scenario_value("run.partitions"), "64", 64),
+    (simulate_cli.scenario_value("run.seed"), "0", 0),
+    (simulate_cli.scenario_value("run.partitions"), "64", 64),
 ]
 
 REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
@@ -127,8 +127,8 @@ REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
     (cli_args.output_path, "dir/", "expected a file name"),
     (cli_args.output_path, "missing/out", "no directory 'missing' to write 'out' in"),
     (cli_args.board, __file__, "is not a directory"),
-    (cli_args.scenario_value("run.seed"), "-1", "run.seed"),
-    (cli_args.scenario_value("run.partitions"), "65", "run.partitions"),
+    (simulate_cli.scenario_value("run.seed"), "-1", "run.seed"),
+    (simulate_cli.scenario_value("run.partitions"), "65", "run.partitions"),
 ]
 
 
@@ -152,7 +152,7 @@ def test_an_accepted_run_id_is_one_every_reader_takes(text: str) -> None:
         cli_args.run_id(text)
     except argparse.ArgumentTypeError:
         return
-    Board.head_rel(text)
+    head_rel(text)
     assert parse_name(text) == text
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from patchswarm.daemon.pull import Puller
 from patchswarm.daemon.pull_state import PullState, evidence_dir
-from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.board_names import HEAD_TAG
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.errors import EquivocationError, RollbackError, UntrustedKeyError
 from patchswarm.protocol.head import Head, HeadTracker
@@ -17,6 +16,8 @@ from patchswarm.protocol.keys import SigningKey, TrustedKeys
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
+from patchswarm.swarm.board_sources import DirSource
+from patchswarm.swarm.puller import Puller
 
 KEY = SigningKey.generate()
 RUN = "r1"
@@ -44,7 +45,7 @@ def test_a_newer_head_naming_another_manifest_for_a_known_version_halts_the_run(
     with pytest.raises(EquivocationError, match="version 3") as info:
         t.accept(*fork)
     # The proof is both complete signed envelopes, each verifiable on its own.
-    a, b = (Envelope.from_bytes(x, "patchswarm/head") for x in (info.value.first, info.value.second))
+    a, b = (Envelope.from_bytes(x, HEAD_TAG) for x in (info.value.first, info.value.second))
     a.check_signature()
     b.check_signature()
     assert Head.from_bytes(a.body) == first[0] and Head.from_bytes(b.body) == fork[0]

@@ -27,16 +27,15 @@ from patchswarm.daemon.journal import (
     recover,
     write_journal,
 )
-from patchswarm.daemon.weightstore import (
+from patchswarm.daemon.store_format import (
     StoreError,
     StoreLayout,
     StoreLayoutMismatch,
     StoreState,
     StoreVerifyError,
     TensorUpdate,
-    WeightStore,
-    diff_updates,
 )
+from patchswarm.daemon.weightstore import WeightStore, diff_updates
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 SEED = 11

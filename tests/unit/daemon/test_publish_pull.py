@@ -16,9 +16,7 @@ from aiohttp import web
 
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.pull import Held, Puller
-from patchswarm.daemon.seed import board_app
-from patchswarm.daemon.sources import HttpSource, source_for
+from patchswarm.protocol.board_names import HEAD_TAG, chunk_rel, head_rel, manifest_rel
 from patchswarm.protocol.catalog import plan
 from patchswarm.protocol.errors import (
     ChunkError,
@@ -30,12 +28,16 @@ from patchswarm.protocol.errors import (
     UntrustedKeyError,
 )
 from patchswarm.protocol.head import Head, HeadTracker
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import RootDocument, TrustState
+from patchswarm.swarm.board_http import board_app
+from patchswarm.swarm.board_sources import HttpSource, source_for
+from patchswarm.swarm.puller import Puller
 from tests.support.boards import DAY_MS, Keys, board_files, nginx_serving, train_and_publish
 
 RUN = "run-1"
@@ -73,7 +75,7 @@ async def seed_url(published: tuple[Board, dict[int, ServedModel]]) -> AsyncIter
 
 def test_board_holds_anchors_patches_and_retention(published: tuple[Board, dict[int, ServedModel]]) -> None:
     board, _ = published
-    head = Head.from_bytes(Envelope.from_bytes(board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
+    head = Head.from_bytes(Envelope.from_bytes(board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
     assert head.version == STEPS
     anchors = sorted(e.version for e in head.catalog if e.kind == Kind.ANCHOR)
     assert anchors == [8, 16]  # keep_anchors=2: version 1's anchor and its chain were collected
@@ -146,7 +148,7 @@ async def pull_dir(board: Board, policy: TrustState, tracker: HeadTracker | None
 @pytest.mark.asyncio
 async def test_head_signed_by_unknown_or_uncertified_key(published, keys, tmp_path) -> None:  # type: ignore[no-untyped-def]
     b = copy_board(published[0], tmp_path)
-    head = Head.from_bytes(Envelope.from_bytes(b.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
+    head = Head.from_bytes(Envelope.from_bytes(b.read(head_rel(RUN)) or b"", HEAD_TAG).body)
     rogue = SigningKey.generate()
     b.put_head(RUN, head.sign(rogue).to_bytes())
     with pytest.raises(UntrustedKeyError, match="no certificate"):
@@ -178,7 +180,7 @@ async def test_rewound_head_is_refused(published, keys, tmp_path) -> None:  # ty
     t = trust(keys)
     tracker = HeadTracker(RUN)
     await pull_dir(b, t, tracker)
-    env = Envelope.from_bytes(b.read(Board.head_rel(RUN)) or b"", "patchswarm/head")
+    env = Envelope.from_bytes(b.read(head_rel(RUN)) or b"", HEAD_TAG)
     head = Head.from_bytes(env.body)
     import dataclasses
 
@@ -200,11 +202,11 @@ async def test_manifest_of_another_run_or_layout(published, keys, tmp_path) -> N
     other = tmp_path / "other"
     pub = Publisher(other, keys.trainer, run_id="run-2", certificate=keys.certificate("run-2"))
     train_and_publish(pub, 2, seed=5)
-    env = Envelope.from_bytes(b.read(Board.head_rel(RUN)) or b"", "patchswarm/head")
+    env = Envelope.from_bytes(b.read(head_rel(RUN)) or b"", HEAD_TAG)
     head = Head.from_bytes(env.body)
     # Point run-1's newest entry at run-2's manifest (same bytes, genuinely signed): refused.
     foreign = next((other / "manifests").iterdir())
-    target = b.path(Board.manifest_rel(head.manifest_id))
+    target = b.path(manifest_rel(head.manifest_id))
     target.write_bytes(foreign.read_bytes())
     with pytest.raises(FormatError, match="not the one the head names"):
         await pull_dir(b, trust(keys))
@@ -214,10 +216,10 @@ async def test_manifest_of_another_run_or_layout(published, keys, tmp_path) -> N
 @pytest.mark.parametrize("damage", ["missing", "wrong", "truncated", "oversized"])
 async def test_damaged_chunks(published, keys, tmp_path, damage) -> None:  # type: ignore[no-untyped-def]
     b = copy_board(published[0], tmp_path)
-    env = Envelope.from_bytes(b.read(Board.head_rel(RUN)) or b"", "patchswarm/head")
+    env = Envelope.from_bytes(b.read(head_rel(RUN)) or b"", HEAD_TAG)
     head = Head.from_bytes(env.body)
     anchor = next(e for e in head.catalog if e.kind == Kind.ANCHOR and e.version == 16)
-    chunk = b.path(Board.chunk_rel(b.manifest(anchor.manifest_id).chunks[0].hash))
+    chunk = b.path(chunk_rel(b.manifest(anchor.manifest_id).chunks[0].hash))
     data = chunk.read_bytes()
     if damage == "missing":
         chunk.unlink()

@@ -16,13 +16,14 @@ import torch
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.head_refresh import HeadWriteError, board_head, refresh_board_head
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.pull import Puller
-from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel
 from patchswarm.protocol.errors import ExpiredError, SignatureError, UntrustedKeyError
 from patchswarm.protocol.head import Head, HeadTracker, verify_head
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
+from patchswarm.swarm.board_sources import DirSource
+from patchswarm.swarm.puller import Puller
 
 RUN = "life"
 HOUR = 3600.0
@@ -96,7 +97,7 @@ def test_counters_never_reused_and_versions_never_rewound(run) -> None:  # type:
     policy.add_certificate(cert)
 
     def step() -> None:
-        data = board.read(Board.head_rel(RUN))
+        data = board.read(head_rel(RUN))
         assert data is not None
         head, env = verify_head(data, policy, now_ms=int(clock.now * 1000), skew_ms=0)
         seen.append((head.counter, head.version))
@@ -177,7 +178,7 @@ def test_two_refreshers_racing_never_fork_the_head(run) -> None:  # type: ignore
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    heads = [Head.from_bytes(Envelope.from_bytes(d, "patchswarm/head").body) for d in written]
+    heads = [Head.from_bytes(Envelope.from_bytes(d, HEAD_TAG).body) for d in written]
     counters = [h.counter for h in heads]
     assert counters == list(range(start + 1, start + 1 + 30 + 8))  # each one next, none reused, in write order
     versions = [h.version for h in heads]
@@ -201,8 +202,8 @@ def test_a_newly_certified_key_continues_the_run(run) -> None:  # type: ignore[n
     clock.now += DAY
     with Publisher(board, key_b, run_id=RUN, certificate=certificate(root, key_b), clock=clock, refresh=False) as pub:
         pub.publish(weights(2))
-    head = board.read(Board.head_rel(RUN))
-    assert head is not None and Envelope.from_bytes(head, "patchswarm/head").key_id == key_b.key_id
+    head = board.read(head_rel(RUN))
+    assert head is not None and Envelope.from_bytes(head, HEAD_TAG).key_id == key_b.key_id
     # The same host (same high-water mark, same trust root) takes the handover: no config change.
     assert host_view(board, root, clock, tracker) == (2, head_of(board).counter)
 
@@ -276,14 +277,14 @@ def test_publish_parameters_are_checked_where_they_enter(run) -> None:  # type: 
             pub.publish([torch.zeros(3)])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="world_size"):
             pub.begin_sharded(1 << 20)
-        assert pub.version == 0 and board.read(Board.head_rel(RUN)) is None  # nothing taken, nothing written
+        assert pub.version == 0 and board.read(head_rel(RUN)) is None  # nothing taken, nothing written
 
 
 def test_expiry_is_tolerated_only_when_asked_and_nothing_else_is(run) -> None:  # type: ignore[no-untyped-def]
     board, root, trainer, cert, clock = run
     with Publisher(board, trainer, run_id=RUN, certificate=cert, clock=clock, refresh=False) as pub:
         pub.publish(weights(1))
-    data = board.read(Board.head_rel(RUN))
+    data = board.read(head_rel(RUN))
     assert data is not None
     policy = TrustState(root.key_id)
     policy.add_certificate(cert)
@@ -292,7 +293,7 @@ def test_expiry_is_tolerated_only_when_asked_and_nothing_else_is(run) -> None:  
         verify_head(data, policy, now_ms=later, skew_ms=300_000)
     head, _ = verify_head(data, policy, now_ms=later, skew_ms=0, allow_expired=True)
     assert head == head_of(board)
-    env = Envelope.from_bytes(data, "patchswarm/head")
+    env = Envelope.from_bytes(data, HEAD_TAG)
     forged = Envelope(env.tag, env.body, env.key_id, bytes(64)).to_bytes()
     with pytest.raises(SignatureError):
         verify_head(forged, policy, now_ms=later, skew_ms=0, allow_expired=True)

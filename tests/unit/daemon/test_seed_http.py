@@ -19,9 +19,10 @@ from aiohttp import web
 
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.seed import IMMUTABLE, MUTABLE, board_app
+from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.trust import RootDocument
+from patchswarm.swarm.board_http import IMMUTABLE, MUTABLE, board_app
 from tests.support.boards import Keys
 
 RUN = "seed-run"
@@ -79,10 +80,10 @@ async def test_cache_control_immutable_files_and_head(seed: Seed) -> None:
                 assert r.status == 200, rel
                 assert r.headers["Cache-Control"] == IMMUTABLE == "public, max-age=31536000, immutable"
                 assert await r.read() == seed.board.path(rel).read_bytes()
-        async with s.get(f"{seed.url}/{Board.head_rel(RUN)}") as r:
+        async with s.get(f"{seed.url}/{head_rel(RUN)}") as r:
             assert r.status == 200
             assert r.headers["Cache-Control"] == MUTABLE == "no-cache"
-            assert await r.read() == seed.board.read(Board.head_rel(RUN))
+            assert await r.read() == seed.board.read(head_rel(RUN))
 
 
 @pytest.mark.asyncio
@@ -107,7 +108,7 @@ async def test_ranges(seed: Seed) -> None:
 @pytest.mark.asyncio
 async def test_etag_and_if_none_match(seed: Seed) -> None:
     async with aiohttp.ClientSession() as s:
-        for rel in (seed.chunk, Board.head_rel(RUN)):
+        for rel in (seed.chunk, head_rel(RUN)):
             async with s.get(f"{seed.url}/{rel}") as r:
                 assert r.status == 200
                 etag = r.headers["ETag"]

@@ -22,14 +22,16 @@ from hypothesis import given, settings
 from patchswarm.daemon import publish_work
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
-from patchswarm.daemon.pull import Held, Puller
 from patchswarm.daemon.served_format import ServedFormat
-from patchswarm.daemon.sources import DirSource
+from patchswarm.protocol.board_names import chunk_rel
 from patchswarm.protocol.codec import TensorDelta, assemble, diff_tensor, encode_patch
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import SigningKey, TrustedKeys
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.patch_format import Encoding
 from patchswarm.protocol.served import ServedModel
+from patchswarm.swarm.board_sources import DirSource
+from patchswarm.swarm.puller import Puller
 from tests.support.boards import board_files, small_model
 from tests.support.strategies import patch_cases
 
@@ -349,7 +351,7 @@ def test_blockwise_cast_scan_hash_matches_whole_tensors(
         if step:
             assert info.patch_bytes > 0 and 0 < info.changed_fraction < 0.2
             # Byte for byte the payload encode_patch makes from whole tensors.
-            payload = b"".join(pub.board.path(Board.chunk_rel(c.hash)).read_bytes() for c in m.chunks)
+            payload = b"".join(pub.board.path(chunk_rel(c.hash)).read_bytes() for c in m.chunks)
             assert payload == encode_patch(want[-2], want[-1]).payload
     got = pull(pub.board, key)
     assert got.version == 4 and got.model.bitwise_equal(want[-1])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from patchswarm.daemon.engine import StoreError
-from patchswarm.daemon.weightstore import StoreLayout, WeightStore
+from patchswarm.daemon.store_format import StoreError, StoreLayout
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.served import TensorSpec
 from tests.support.daemonkit import make_daemon
 from tests.support.swarmkit import Swarm

@@ -20,20 +20,24 @@ from hypothesis import strategies as st
 
 from patchswarm.daemon import weightstore
 from patchswarm.daemon.device_blake3 import device_digests
-from patchswarm.daemon.engine import ALIGN, CONTROL_SIZE, FenceReader, SharedSegment, allocate, attach
+from patchswarm.daemon.engine import FenceReader, SharedSegment, allocate, attach
 from patchswarm.daemon.journal import journal_path
-from patchswarm.daemon.weightstore import (
+from patchswarm.daemon.store_format import (
+    ALIGN,
+    CONTROL_SIZE,
     JournalError,
-    RegistrationError,
     StoreError,
     StoreLayout,
     StoreLayoutMismatch,
     StoreMissingError,
     StoreState,
-    StoreStateError,
     StoreTooSmallError,
     StoreVerifyError,
     TensorUpdate,
+)
+from patchswarm.daemon.weightstore import (
+    RegistrationError,
+    StoreStateError,
     WeightStore,
     check_registration,
     diff_updates,
@@ -277,7 +281,7 @@ def test_fence_moves_once_per_activation_and_consistent_detects_it(loaded: Weigh
 
 def test_fence_reader_waits_then_times_out() -> None:
     buf = bytearray(CONTROL_SIZE)
-    from patchswarm.daemon.engine import ControlBlock
+    from patchswarm.daemon.store_format import ControlBlock
 
     ctl = ControlBlock(buf)
     ctl.begin(StoreState.WRITING)

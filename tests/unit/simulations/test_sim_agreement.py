@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.pull import Held
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.trust import Certificate
 from patchswarm.simulations.bounds import kumar_ross

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from patchswarm.daemon.pull import Held
 from patchswarm.protocol.errors import ChunkError, PatchswarmError
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.trust import TrustState
 from patchswarm.simulations.network import Backbone, Host, Region

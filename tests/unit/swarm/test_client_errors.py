@@ -8,8 +8,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from patchswarm.daemon.sources import HttpSource, SourceError
 from patchswarm.daemon.status_cli import StatusError, fetch_status
+from patchswarm.swarm.board_sources import HttpSource, SourceError
 from patchswarm.swarm.client_errors import describe
 
 pytestmark = pytest.mark.asyncio

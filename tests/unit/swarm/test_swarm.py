@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from patchswarm.daemon.board import Board
-from patchswarm.daemon.pull import Held
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel
 from patchswarm.protocol.catalog import plan
 from patchswarm.protocol.head import Head
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.membership_messages import MemberState
 from patchswarm.protocol.signed import Envelope
 from patchswarm.swarm.server import start_http_node
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.asyncio
 
 
 def head_of(s: Swarm) -> Head:
-    return Head.from_bytes(Envelope.from_bytes(s.board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
+    return Head.from_bytes(Envelope.from_bytes(s.board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
 
 
 @pytest.mark.slow

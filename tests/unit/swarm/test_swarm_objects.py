@@ -18,6 +18,7 @@ import blake3
 import pytest
 
 from patchswarm.daemon.board import Board
+from patchswarm.protocol.board_names import HEAD_TAG, MANIFEST_TAG, cert_rel, head_rel, manifest_rel, root_rel
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.membership_messages import MemberState, NodeInfo
@@ -32,7 +33,7 @@ from patchswarm.swarm.transport import Missing, TransportError
 from tests.support.sim_streams import stream
 from tests.support.swarmkit import RUN, SECRET, Swarm
 
-ROOT_1 = Board.root_rel(1)
+ROOT_1 = root_rel(1)
 ROOT, TRAINER = SigningKey.generate(), SigningKey.generate()
 
 
@@ -80,7 +81,7 @@ def source(transport: Recorder, peers: int = 5) -> SwarmSource:
         config=SimpleNamespace(seed_urls=[]),
         policy=TrustState(ROOT.key_id),
     )
-    return SwarmSource(node)
+    return SwarmSource(node, node.config.seed_urls)
 
 
 @pytest.mark.asyncio
@@ -104,7 +105,7 @@ async def test_a_root_probe_falls_back_to_peers_only_while_the_seed_does_not_ans
 
 @pytest.mark.asyncio
 async def test_a_certificate_is_asked_first_of_the_peer_that_served_the_head() -> None:
-    head, cert = Board.head_rel(RUN), Board.cert_rel(TRAINER.key_id)
+    head, cert = head_rel(RUN), cert_rel(TRAINER.key_id)
     good = certificate()
     t = Recorder(have={"p4": {head: b"head", cert: good}})
     src = source(t)
@@ -123,7 +124,7 @@ async def test_a_certificate_is_asked_first_of_the_peer_that_served_the_head() -
 async def test_a_certificate_that_cannot_be_the_one_asked_for_is_refused_and_the_next_source_asked(
     junk: bytes,
 ) -> None:
-    head, cert = Board.head_rel(RUN), Board.cert_rel(TRAINER.key_id)
+    head, cert = head_rel(RUN), cert_rel(TRAINER.key_id)
     good = certificate()
     t = Recorder(have={"p4": {head: b"head", cert: junk}, "seed": {cert: good}})
     src = source(t)
@@ -135,7 +136,7 @@ async def test_a_certificate_that_cannot_be_the_one_asked_for_is_refused_and_the
 def manifest_object() -> tuple[str, bytes]:
     """A manifest's board path and bytes (named by the BLAKE3 of its body, as SwarmSource checks)."""
     body = b"a manifest body"
-    return f"manifests/{blake3.blake3(body).hexdigest()}", Envelope.sign("patchswarm/manifest", body, None).to_bytes()
+    return f"manifests/{blake3.blake3(body).hexdigest()}", Envelope.sign(MANIFEST_TAG, body, None).to_bytes()
 
 
 @pytest.mark.asyncio
@@ -172,18 +173,18 @@ def test_only_accepted_trust_documents_are_taken_and_unverified_ones_are_bounded
     trust.add_certificate(good)
     src = source(Recorder())
     src.fetched = {
-        Board.cert_rel(trainer.key_id): good,
-        Board.cert_rel(other.key_id): b"never verified",
+        cert_rel(trainer.key_id): good,
+        cert_rel(other.key_id): b"never verified",
         ROOT_1: b"never accepted",
         "manifests/00": b"m",
     }
-    assert src.take_trusted(trust) == {Board.cert_rel(trainer.key_id): good}
+    assert src.take_trusted(trust) == {cert_rel(trainer.key_id): good}
     root_1 = RootDocument(1, (root.key_id,)).sign(root).to_bytes()
     trust.update_root(root_1)
     # Only the document accepted is re-served: other bytes under its name (a lying peer's answer to a
     # concurrent fetch) are dropped, never served in its place.
     assert src.take_trusted(trust) == {}
-    assert set(src.fetched) == {Board.cert_rel(other.key_id), "manifests/00"}
+    assert set(src.fetched) == {cert_rel(other.key_id), "manifests/00"}
     src.fetched[ROOT_1] = root_1
     assert src.take_trusted(trust) == {ROOT_1: root_1}
     for i in range(sources.UNCLAIMED + 10):
@@ -219,10 +220,10 @@ async def test_nodes_serve_the_certificate_and_roots_they_verified_and_only_the_
         for name in ("a", "b"):
             await s.start_node(name)
         await s.wait_all(1)
-        cert_rel = Board.cert_rel(s.trainer.key_id)
+        cert = cert_rel(s.trainer.key_id)
         first_manifests = set()
         for r in s.nodes.values():
-            assert await r.node.handle_object(cert_rel) == s.board.read(cert_rel)
+            assert await r.node.handle_object(cert) == s.board.read(cert)
             first_manifests |= {k for k in r.node.objects if k.startswith("manifests/")}
         assert first_manifests
         # The trust admin publishes root document 1; the next head makes every node fetch and re-serve it.
@@ -232,7 +233,7 @@ async def test_nodes_serve_the_certificate_and_roots_they_verified_and_only_the_
             v = s.publish()
         await s.wait_all(v)
         s.assert_bitwise()
-        head_manifests = {Board.manifest_rel(e.manifest_id) for e in _head(s).catalog}
+        head_manifests = {manifest_rel(e.manifest_id) for e in _head(s).catalog}
         for r in s.nodes.values():
             assert await r.node.handle_object(ROOT_1) == root1
             served = {k for k in r.node.objects if k.startswith("manifests/")}
@@ -247,7 +248,7 @@ def _head(s: Swarm) -> Any:
     from patchswarm.protocol.head import Head
     from patchswarm.protocol.signed import Envelope
 
-    return Head.from_bytes(Envelope.from_bytes(s.board.read(Board.head_rel(RUN)) or b"", "patchswarm/head").body)
+    return Head.from_bytes(Envelope.from_bytes(s.board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
 
 
 def test_a_seed_hands_a_manifest_to_a_few_and_names_them_to_the_rest() -> None:
@@ -332,5 +333,5 @@ def test_a_failed_root_refresh_does_not_leave_the_head_fetch_running() -> None:
         )  # (a copy: shutdown cancels leftovers)
 
     cancelled, error, when = run_virtual(main())
-    assert cancelled == [Board.head_rel(RUN)]
+    assert cancelled == [head_rel(RUN)]
     assert error == "root 2 is not signed by root 1" and when < 1.0

@@ -14,8 +14,8 @@ import aiohttp
 import blake3
 import pytest
 
-from patchswarm.daemon.board import Board
-from patchswarm.daemon.pull import Held
+from patchswarm.protocol.board_names import manifest_rel
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import SignedManifest
 from patchswarm.swarm.node import NodeConfig, SwarmNode
 from patchswarm.swarm.server import start_http_node
@@ -36,7 +36,7 @@ async def served_manifests(url: str, node: SwarmNode) -> dict[str, bytes | None]
     out: dict[str, bytes | None] = {}
     async with aiohttp.ClientSession() as s:
         for e in node.head.catalog:
-            rel = Board.manifest_rel(e.manifest_id)
+            rel = manifest_rel(e.manifest_id)
             async with s.get(f"{url}/swarm/v1/board/{rel}") as r:
                 out[rel] = await r.read() if r.status == 200 else None
                 assert r.status in (200, 404), r.status

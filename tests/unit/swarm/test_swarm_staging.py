@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from patchswarm.daemon.pull import Held
 from patchswarm.protocol.chunks import chunk_views
 from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.patchfile import Version, build_version
 from patchswarm.protocol.served import ServedModel
 from patchswarm.swarm.node import apply_chunks

@@ -1,4 +1,4 @@
-"""Where board files come from: a local directory or any static HTTP server.
+"""Where a host reads a board from: a local directory or any static HTTP server.
 
 Every read is bounded: a source never returns more than ``limit`` bytes (an endless or
 oversized response is cut off with LimitExceededError), and a missing file is ``None``.
@@ -11,9 +11,9 @@ from typing import Protocol
 
 import aiohttp
 
-from patchswarm.daemon.board import TOP_LEVEL, board_limit
 from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
-from patchswarm.protocol.files import FileTooLargeError, read_confined
+from patchswarm.protocol.files import FileTooLargeError
+from patchswarm.swarm.board_files import BoardFiles
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.http import read_bounded
 
@@ -31,16 +31,19 @@ class BoardSource(Protocol):
 
 
 class DirSource:
-    """A board in a local directory, read with the board's path rules (daemon/board.py): a name
+    """A board in a local directory, read with the board's path rules (swarm/board_files.py): a name
     outside its layout, a symlink out of it, a FIFO or a device is a missing file, never a wait."""
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+        self.files = BoardFiles(root)
+
+    @property
+    def root(self) -> Path:
+        return self.files.root
 
     async def get(self, rel: str, limit: int) -> bytes | None:
         try:
-            bound = board_limit(rel)
-            return None if bound is None else read_confined(self.root, rel, TOP_LEVEL, min(bound, limit))
+            return self.files.read(rel, limit)
         except FileTooLargeError:
             raise LimitExceededError(f"{rel}: larger than the {limit} bytes expected") from None
 

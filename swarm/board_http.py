@@ -1,14 +1,14 @@
-"""``patchswarm seed``: serve a board over HTTP with the caching rules a CDN would need.
+"""A board over HTTP (``patchswarm seed``, a seed node), with the caching rules a CDN would need.
 
 Immutable files (chunks, manifests, certificates, root documents) are cacheable forever; the
 head is never cached without revalidation.  Range requests, ETag and If-None-Match come from
 aiohttp's FileResponse.
 
-Paths follow the board's layout (daemon/board.py ``board_limit``) and files are opened through
-``Board.open`` (protocol/files.py ``open_confined``): no name leaves the board, and only a regular
-file within its kind's size bound is served.  FileResponse is handed that open file (by its
-/proc/self/fd name, the very inode checked), never the requested name, so a name swapped for a
-FIFO, a device or a symlink after the check serves nothing new.
+Paths follow the board's layout (protocol/board_names.py ``board_limit``) and files are opened through
+``BoardFiles.open`` (swarm/board_files.py, over protocol/files.py ``open_confined``): no name leaves
+the board, and only a regular file within its kind's size bound is served.  FileResponse is handed
+that open file (by its /proc/self/fd name, the very inode checked), never the requested name, so a
+name swapped for a FIFO, a device or a symlink after the check serves nothing new.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from patchswarm.daemon.board import Board
-from patchswarm.daemon.config import split_listen as parse_listen  # one parser for every listen address
 from patchswarm.protocol.files import FileTooLargeError
+from patchswarm.swarm.board_files import BoardFiles
 
 log = logging.getLogger(__name__)
 
 IMMUTABLE = "public, max-age=31536000, immutable"
 MUTABLE = "no-cache"
-BOARD_KEY: web.AppKey[Board] = web.AppKey("board", Board)
+BOARD_KEY: web.AppKey[BoardFiles] = web.AppKey("board", BoardFiles)
 _FD_DIR = Path("/proc/self/fd")
 
 
@@ -46,7 +45,7 @@ class _CheckedFile(web.FileResponse):
         return await super().prepare(request)
 
 
-def _open(board: Board, rel: str) -> int | None:
+def _open(board: BoardFiles, rel: str) -> int | None:
     try:
         return board.open(rel)
     except FileTooLargeError as e:
@@ -74,9 +73,6 @@ async def _serve(request: web.Request) -> web.StreamResponse:
 
 def board_app(board: str | Path) -> web.Application:
     app = web.Application()
-    app[BOARD_KEY] = Board(Path(board).resolve())
+    app[BOARD_KEY] = BoardFiles(Path(board).resolve())
     app.router.add_get("/{path:.+}", _serve)
     return app
-
-
-__all__ = ["board_app", "parse_listen"]
