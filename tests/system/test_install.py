@@ -171,8 +171,11 @@ def test_a_new_venv_gets_patchswarm_from_a_local_wheel(inputs: dict[str, Path], 
     # The wheel is built from a copy of the sources (no build/ in the checkout); --no-deps: no download.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "protocol", "swarm", "daemon", "simulations"):
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
+    for name in ("pyproject.toml", "README.md", "patchswarm", "protocol", "swarm", "daemon", "simulations"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, symlinks=True)  # patchswarm/ holds links to the layers
+        else:
+            shutil.copy(ROOT / name, src / name)
     wheels = tmp_path / "wheels"
     subprocess.run(
         [

@@ -19,7 +19,7 @@ def test_the_stamp_is_dated_when_the_copy_began(tmp_path: Path, monkeypatch: pyt
     edited_during: list[float] = []
 
     def fake_mypyc(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        assert Path(kwargs["cwd"], "protocol", "scheduler.py").exists()  # the copy is there to compile
+        assert Path(kwargs["cwd"], "patchswarm", "protocol", "scheduler.py").exists()  # the copy is there to compile
         time.sleep(0.05)
         edited_during.append(time.time())  # what an editor's save would be dated
         return subprocess.CompletedProcess(args, 0, "", "")
@@ -32,4 +32,5 @@ def test_the_stamp_is_dated_when_the_copy_began(tmp_path: Path, monkeypatch: pyt
     stamp = os.stat(dest / ".built").st_mtime
     assert before - 1 <= stamp < edited_during[0]
     assert not (dest / "stale").exists()
-    assert sorted(p.name for p in dest.iterdir()) == sorted([*build.PACKAGES, ".built"])
+    assert sorted(p.name for p in dest.iterdir()) == [".built", "patchswarm"]  # the package, as installed
+    assert sorted(p.name for p in (dest / "patchswarm").iterdir()) == sorted([*build.PACKAGES, "__init__.py"])
