@@ -173,7 +173,7 @@ def run_atheris(args: argparse.Namespace) -> int:
     for folder in (corpus, scratch):
         folder.mkdir(parents=True, exist_ok=True)
     os.environ["PSW_FUZZ_SCRATCH"] = str(scratch)
-    with atheris.instrument_imports(include=["protocol", "daemon"]):
+    with atheris.instrument_imports(include=["patchswarm.protocol", "patchswarm.daemon"]):
         from tests.support import fuzz_targets as ft
     if name not in ft.TARGETS:
         raise SystemExit(f"unknown target {name!r}; known: {', '.join(sorted(ft.TARGETS))}")
