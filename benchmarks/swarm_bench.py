@@ -347,7 +347,7 @@ async def trace(node: Any) -> None:
             "busy": m.busy_replies,
             "peers": len(node.peers),
             "slots": node.upload_slots.in_use,
-            "queued": len(node._upload_queue),
+            "queued": len(node.serving.queue),
             "held": node.held.version if node.held else None,
             **GOSSIP,
         }

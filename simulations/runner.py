@@ -27,6 +27,7 @@ from patchswarm.protocol.catalog import plan
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.membership import MembershipConfig, Sync
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.signed import Envelope
 from patchswarm.simulations import partitioned
@@ -34,7 +35,7 @@ from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from patchswarm.simulations.network import Backbone, Host, Network, Region
 from patchswarm.simulations.transport import MessageStats, SimNet
-from patchswarm.swarm.node import ApplyVersion, NodeConfig, SwarmNode, VerifyChunk
+from patchswarm.swarm.node import ApplyVersion, SwarmNode, VerifyChunk
 from patchswarm.swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
 
 

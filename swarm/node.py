@@ -18,7 +18,6 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 from patchswarm.daemon.board import Board
@@ -31,14 +30,17 @@ from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.manifest import Manifest
-from patchswarm.protocol.membership import Membership, MembershipConfig, MemberState, Message, NodeInfo, Send
+from patchswarm.protocol.membership import Membership, MemberState, Message, NodeInfo, Send
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.patchfile import apply_version
-from patchswarm.protocol.ratelimit import TokenBucket, UploadSlots
-from patchswarm.protocol.requesters import RequesterLimits
-from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request, SchedulerConfig
+from patchswarm.protocol.peers import LiveMembers, PeerView
+from patchswarm.protocol.ratelimit import TokenBucket
+from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request
+from patchswarm.protocol.seeding import SeedPolicy
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trees import StripeTrees
 from patchswarm.protocol.trust import TrustState
+from patchswarm.protocol.uploads import UploadPolicy
 from patchswarm.protocol.wire import (
     SEQ_PER_MS,
     STALE,
@@ -50,9 +52,11 @@ from patchswarm.protocol.wire import (
     encode_frame,
 )
 from patchswarm.swarm.futures import drain, settle
+from patchswarm.swarm.node_metrics import Metrics
 from patchswarm.swarm.sources import SwarmSource
 from patchswarm.swarm.stores import ChunkStore, MemoryChunkStore
 from patchswarm.swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
+from patchswarm.swarm.uploads import ChunkServer
 
 log = logging.getLogger("patchswarm.swarm")
 
@@ -78,141 +82,9 @@ async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: li
     return await asyncio.to_thread(apply_chunks, held, manifest, parts)
 
 
-def _hand_over(waiting: collections.deque[asyncio.Future[bool]]) -> bool:
-    """Give a freed upload slot to the first request still waiting in ``waiting``; False: none waits."""
-    while waiting:
-        turn = waiting.popleft()
-        if not turn.done():
-            turn.set_result(True)
-            return True
-    return False
-
-
 MAX_OBJECT_BYTES = 64 << 20
-SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
 HEAD_WARN_INTERVAL = 60.0  # seconds between two warnings of the same head refusal
-
-
-@dataclass
-class NodeConfig:
-    node_id: str
-    run_id: str
-    cluster_secret: bytes
-    zone: str = ""
-    region: str = ""
-    bootstrap: list[str] = field(default_factory=list)  # swarm addresses of peers (or the seed) to join through
-    seed_urls: list[str] = field(default_factory=list)  # board URLs polled for the head as a fallback
-    is_seed: bool = False
-    upload_rate: float = math.inf  # bytes/s
-    download_rate: float = math.inf
-    upload_burst: float = 0.1  # seconds at upload_rate the upload bucket may send at once
-    # An upload slot is held until the chunk is sent.  A relay passes a chunk on only once it has all of
-    # it, so fewer transfers at once spread chunks sooner; but when a requester's downlink is shared, one
-    # transfer does not fill the uplink.  4 (+ 4 waiting) fills it (simulated 10 Gbit/s swarms: 84% of the
-    # links busy against 65% with 2); the seed serves 6 so its uplink stays full while chunks are new.
-    max_uploads: int = 4
-    # Requests waiting for an upload slot before refusals start.  Short: a request waiting here is one
-    # its node cannot place with an idle holder (simulated swarms: 0.61 -> 0.58 s at N = 300 with 2).
-    upload_queue: int = 2
-    upload_queue_wait: float = 0.5
-    seed_max_uploads: int = 6
-    # The seed's line stays longer: it holds chunks nobody else has, so a request it refuses cannot go to
-    # another holder, and its uplink idles until the refused come back (a seed-bound swarm of 8 paced
-    # hosts, tests/test_sim_agreement.py: 10.2-12.6 s with a line of 2 against 9.3-9.7 s with 4).
-    seed_upload_queue: int = 4
-    busy_retry_after: float = 0.2
-    # Every transfer has a deadline, max(upload_deadline, chunk bytes / upload_floor_rate): a requester
-    # that stops reading would otherwise hold its slot forever, and a few such connections lock every
-    # honest requester out.  On expiry the connection is aborted and the slot freed; the requester (by
-    # the address it connects from) rests upload_stall_rest s, doubling per stall, up to upload_stall_max_rest.
-    upload_deadline: float = 30.0
-    upload_floor_rate: float = 128 * 1024  # bytes/s (a 4 MiB chunk: 32 s)
-    upload_stall_rest: float = 30.0
-    upload_stall_max_rest: float = 900.0
-    # Uploads one requester (by address) may have under way or waiting at once; 0: all slots but one,
-    # so that a single client never holds them all.
-    uploads_per_requester: int = 0
-    # A seed hands out each chunk at most once per window ("super-seeding"): peers then get it from
-    # each other, and the seed's uplink goes to chunks the swarm does not have yet.
-    seed_copy_window: float = 2.0
-    # A seed serves each manifest to this many requesters, then names some of them to the rest (0:
-    # serves everyone): on a cold start every host asks it at once (see handle_object).
-    seed_object_copies: int = 32
-    head_poll_interval: float = 2.0
-    # A failed catch-up is retried after retry_backoff, doubling per failure up to retry_backoff_max,
-    # each wait drawn between half and all of that (the node's RNG: hosts that failed together, say
-    # on a seed's restart, do not retry in step).  A new head cuts a wait short.
-    retry_backoff: float = 0.5
-    retry_backoff_max: float = 8.0
-    announce_interval: float = 0.01  # a 4 MiB chunk takes 3.4 ms at 10 Gbit/s: news of it should not wait much longer
-    # News of a chunk at most this many peers are known to hold goes out at once, not at the next tick:
-    # a new chunk spreads in hops, and each hop waiting for the tick adds up to announce_interval.  0:
-    # chunks nobody else is known to hold (the first hop from the seed): simulated 1,000 hosts 0.595 ->
-    # 0.577 s with 5% fewer events; 2 was 0.568 s for 11% more events and 21% more gossip.
-    announce_rare: int = 0
-    announce_fanout: int = 6  # peers told at once when availability changes (those that lack what we have first)
-    announce_refresh: float = 0.5  # even without changes, a few random peers hear from us this often
-    announce_sample: int = 0  # >0: choose announcement targets among this many random live members (0: all)
-    head_push: bool = True  # a node that accepts a new head tells announce_fanout peers that lack it at once
-    board_watch_interval: float = 0.1  # how often a seed re-reads its board's head
-    # >0: stripe trees of this fan-out (protocol/trees.py) over the members known when a download
-    # starts: a chunk is asked of its stripe's parent, and a relay tells its children of each chunk
-    # of its stripe at once.  0: every request goes where the scheduler's usual rules say.
-    tree_fanout: int = 0
-    # Trees only where this node's member list has not changed for this long: nodes that plan from
-    # different lists wait on parents that are not relaying their stripe (published as 300 hosts
-    # joined, trees planted at once took 2.8x the bound).  A node that may not plant uses the usual rules.
-    tree_settle: float = 1.0
-    cache_bytes: int = 1 << 30
-    membership: MembershipConfig = field(default_factory=MembershipConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        if self.tree_fanout < 0:
-            raise ValueError("tree_fanout must be >= 0")
-        if not 0 <= self.tree_settle < math.inf:
-            raise ValueError("tree_settle must be finite and >= 0")
-        if not (0 < self.upload_deadline < math.inf and self.upload_floor_rate > 0):
-            raise ValueError("upload_deadline must be finite and > 0, upload_floor_rate > 0")
-        if not 0 <= self.upload_stall_rest <= self.upload_stall_max_rest < math.inf:
-            raise ValueError("upload_stall_rest must be >= 0 and at most upload_stall_max_rest (finite)")
-        if self.uploads_per_requester < 0:
-            raise ValueError("uploads_per_requester must be >= 0")
-        if not 0 < self.retry_backoff <= self.retry_backoff_max < math.inf:
-            raise ValueError("retry_backoff must be > 0 and <= retry_backoff_max, which must be finite")
-
-
-@dataclass(init=False)
-class PeerView:
-    info: NodeInfo
-    ann: Announcement
-    seen: float
-    seq: int  # bumps with every announcement or hint about this peer (refresh only what changed)
-
-    # Written out: compiled, it stores the fields directly (the generated __init__ is interpreted).
-    def __init__(self, info: NodeInfo, ann: Announcement, seen: float, seq: int = 0) -> None:
-        self.info = info
-        self.ann = ann
-        self.seen = seen
-        self.seq = seq
-
-
-@dataclass
-class Metrics:
-    bytes_from_peers: int = 0
-    bytes_from_seed: int = 0
-    bytes_uploaded: int = 0
-    chunks_uploaded: int = 0
-    busy_replies: int = 0
-    hash_failures: int = 0
-    bans: int = 0
-    versions_applied: int = 0
-    apply_failures: int = 0
-    upload_stalls: int = 0  # transfers aborted at their deadline (the requester stopped reading)
-    requester_refusals: int = 0  # requests refused for their requester's share or rest (upload_stall_rest)
-    gossip_stale: int = 0  # authenticated gossip frames refused as too old (or too far ahead)
-    gossip_replayed: int = 0  # authenticated gossip frames refused as repeats of one accepted before
 
 
 class SwarmNode:
@@ -263,20 +135,13 @@ class SwarmNode:
         self.partial: dict[bytes, ChunkScheduler] = {}
         self.applied: list[CatalogEntry] = []  # every catalog step this node applied, in order
         self.phase = "idle"  # idle | fetching | staging (applying and verifying a version off to the side)
-        # Bursts of a tenth of a second: a limit holds over any window longer than that.
-        self.upload_bucket = TokenBucket(config.upload_rate, config.upload_rate * config.upload_burst)
         self.download_bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
-        slots = config.max_uploads
-        if config.is_seed:
-            # With trees every root keeps max_inflight_per_parent requests here: serve them all at once.
-            slots = max(config.seed_max_uploads, config.tree_fanout * config.scheduler.max_inflight_per_parent)
-        self.upload_slots = UploadSlots(slots)
-        self.requesters = RequesterLimits(
-            config.uploads_per_requester or max(1, slots - 1),
-            rest=config.upload_stall_rest,
-            max_rest=config.upload_stall_max_rest,
-            memory=4 * config.upload_stall_max_rest,  # a requester stalling again within it rests longer
-        )
+        self.live = LiveMembers()  # live members, kept from membership events
+        self.seeding = SeedPolicy(config, self.peers, self._board_chunk_hashes, rng)
+        self.uploads = UploadPolicy(config, self.seeding)
+        self.upload_bucket = self.uploads.bucket
+        self.upload_slots = self.uploads.slots
+        self.requesters = self.uploads.requesters
         self.source = SwarmSource(self)
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
@@ -286,32 +151,27 @@ class SwarmNode:
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._announce_tick: asyncio.Future[None] | None = None  # the announce loop's interval, while it waits
         self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
-        self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
-        self._seed_chunk_index: dict[bytes, dict[bytes, int]] = {}  # manifest -> chunk hash -> its index
-        self._upload_queue: collections.deque[asyncio.Future[bool]] = collections.deque()
-        self._last_upload_bytes = 0  # typical chunk size, for the time a waiting line takes
-        self._upload_seconds = 0.0  # EWMA of how long one upload held its slot (an unpaced uplink's drain rate)
-        # manifest path -> (when the seed started counting, node ids it gave the manifest to since)
-        self._seed_objects_given: dict[str, tuple[float, list[str]]] = {}
-        self._seed_uploading: dict[str, int] = {}  # requester -> its uploads under way or waiting at this seed
-        # With trees: requester -> its requests waiting behind the transfer under way to it (see _follow)
-        self._sending_to: dict[str, int] = {}
-        self._followers: dict[str, collections.deque[asyncio.Future[bool]]] = {}
-        self._seed_next_return = 0.0  # a seed's next free return time for a refused requester
-        self._seed_served: dict[bytes, tuple[float, tuple[str, ...]]] = {}
         self._seq = 0
         # manifest being downloaded -> peers whose announcement or hints changed since its scheduler last heard
         # (a dict as an ordered set: the same order in every process)
         self._dirty: dict[bytes, dict[str, None]] = {}
-        self._alive: list[NodeInfo] = []  # live members, kept from membership events (for sampled announcements)
-        self._alive_at: dict[str, int] = {}  # node id -> index in _alive
-        self._members_changed = -math.inf  # when a member last joined _alive or left it (see tree_settle)
-        self._settled_until = -math.inf  # changes up to then are old news (settle_members)
         self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
         self._tree_children: dict[bytes, tuple[tuple[str, ...], ...]] = {}  # manifest -> per stripe: our children
         # The loop the node runs on, taken on first use: asyncio.get_running_loop() makes a getpid()
         # system call each time (Python 3.11), and the hot paths below would make hundreds of thousands.
         self._io_loop: asyncio.AbstractEventLoop | None = None
+        self.serving = ChunkServer(
+            config,
+            config.node_id,
+            self.chunks,
+            clock,
+            self.metrics,
+            self.uploads,
+            self.seeding,
+            self._complete,
+            self._availability_changed,
+            self._loop,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -334,6 +194,13 @@ class SwarmNode:
             refuse=self.refuse_chunk,
             chunk_from=self.handle_chunk,
         )
+
+    def _complete(self) -> list[bytes]:
+        return self.complete
+
+    def _board_chunk_hashes(self, mid: bytes) -> list[bytes]:
+        assert self.board is not None
+        return [ref.hash for ref in self.board.manifest(mid).chunks]
 
     def _wall(self) -> float:
         return self.clock.wall()
@@ -381,7 +248,7 @@ class SwarmNode:
 
     def announcement(self) -> Announcement:
         if self.config.is_seed:
-            partial = self._seed_offers()
+            partial = self.seeding.offers(self.complete, self.clock.now())
             offered = {mid for mid, _ in partial}
             complete = tuple(m for m in self.complete[-8:] if m not in offered)
         else:
@@ -395,89 +262,6 @@ class SwarmNode:
             partial=partial,
             seed=self.config.is_seed,
         )
-
-    def _seed_offers(self) -> tuple[tuple[bytes, bytes], ...]:
-        """What a seed offers of the newest versions: chunks it has not handed out within the window,
-        less those it handed out before that peers now announce (see ``_seed_refusal``)."""
-        assert self.board is not None
-        now = self.clock.now()
-        window = self.config.seed_copy_window
-        offers = []
-        for mid in self.complete[-2:]:
-            hashes = self._seed_manifest_chunks(mid)
-            offer = Bitfield(len(hashes))
-            announced: int | None = None  # computed only if some handed-out chunk's window has passed
-            for i, h in enumerate(hashes):
-                last = self._seed_served.get(h, (-math.inf, ()))[0]
-                if now - last < window:
-                    continue
-                if now - last < SEED_HOLD_WINDOWS * window:
-                    if announced is None:
-                        announced = self._announced_bits(mid)
-                    if announced >> i & 1:
-                        continue
-                offer.set(i)
-            offers.append((mid, offer.to_bytes()))
-        return tuple(offers)
-
-    def _announced_bits(self, mid: bytes) -> int:
-        """The chunks of ``mid`` some non-seed peer heard from within the window announces (bit i: chunk i; -1: all)."""
-        bits = 0
-        recent = self.clock.now() - self.config.seed_copy_window
-        for view in self.peers.values():
-            ann = view.ann
-            if ann.seed or view.seen < recent:
-                continue
-            if mid in ann.complete:
-                return -1
-            for m, b in ann.partial:
-                if m == mid:
-                    bits |= int.from_bytes(b, "little")
-        return bits
-
-    def _announced_holders(self, chunk_hash: bytes, limit: int = 4) -> tuple[str, ...]:
-        """Up to ``limit`` non-seed peers heard from within the window that announce holding the chunk (O(peers)).
-
-        Only recent announcements count: a crashed holder stops announcing long before membership
-        declares it dead."""
-        place = self._seed_chunk_place(chunk_hash)
-        if place is None:
-            return ()
-        mid, i, _ = place
-        recent = self.clock.now() - self.config.seed_copy_window
-        holders = []
-        for view in self.peers.values():
-            ann = view.ann
-            if ann.seed or view.seen < recent:
-                continue
-            if mid in ann.complete or any(
-                m == mid and len(b) * 8 > i and b[i >> 3] >> (i & 7) & 1 for m, b in ann.partial
-            ):
-                holders.append(view.info.node_id)
-                if len(holders) >= limit:
-                    break
-        return tuple(holders)
-
-    def _seed_manifest_chunks(self, mid: bytes) -> list[bytes]:
-        hashes = self._seed_chunk_lists.get(mid)
-        if hashes is None:
-            assert self.board is not None
-            hashes = [ref.hash for ref in self.board.manifest(mid).chunks]
-            self._seed_chunk_lists[mid] = hashes
-        return hashes
-
-    def _seed_chunk_place(self, chunk_hash: bytes) -> tuple[bytes, int, int] | None:
-        """(manifest id, first index, chunks in the version) of a chunk in the seed's two newest
-        versions (the older first), or None: a dict lookup, not a scan, on each request the seed gets."""
-        for mid in self.complete[-2:]:
-            hashes = self._seed_manifest_chunks(mid)
-            index = self._seed_chunk_index.get(mid)
-            if index is None:
-                index = self._seed_chunk_index[mid] = {h: i for i, h in reversed(list(enumerate(hashes)))}
-            i = index.get(chunk_hash)
-            if i is not None:
-                return mid, i, len(hashes)
-        return None
 
     def _frame(self, message: Message | None) -> bytes:
         self._frame_seq += 1
@@ -544,7 +328,7 @@ class SwarmNode:
 
     def _apply_membership_events(self) -> None:
         for info, state in self.membership.drain_events():
-            self._track_alive(info, state)
+            self.live.track(info, state, self.clock.now())
             if state in (MemberState.DEAD, MemberState.LEFT):
                 self.peers.pop(info.node_id, None)
                 for sched in self.partial.values():
@@ -555,29 +339,7 @@ class SwarmNode:
     def settle_members(self) -> None:
         """Take the membership's news so far as old: a node given the view of a running swarm (a
         simulation's warm start) has known these members for long, as ``tree_settle`` asks."""
-        self._settled_until = self.clock.now()
-
-    def _track_alive(self, info: NodeInfo, state: MemberState) -> None:
-        """Keep ``_alive`` (what ``membership.alive()`` lists, unsorted) without an O(members) walk."""
-        at = self._alive_at.get(info.node_id)
-        if state in (MemberState.ALIVE, MemberState.SUSPECT):
-            if at is None:
-                self._member_changed()
-                self._alive_at[info.node_id] = len(self._alive)
-                self._alive.append(info)
-            else:
-                self._alive[at] = info  # its address may have changed
-        elif at is not None:  # swap-remove
-            self._member_changed()
-            last = self._alive.pop()
-            del self._alive_at[info.node_id]
-            if last.node_id != info.node_id:
-                self._alive[at] = last
-                self._alive_at[last.node_id] = at
-
-    def _member_changed(self) -> None:
-        if (now := self.clock.now()) > self._settled_until:
-            self._members_changed = now
+        self.live.settle(self.clock.now())
 
     async def _membership_loop(self) -> None:
         last_join = self.clock.now()
@@ -642,10 +404,10 @@ class SwarmNode:
         if not self.config.head_push or self._stopping:
             return
         sample = self.config.announce_sample
-        if 0 < sample < len(self._alive):
-            alive = draws.sample(self.rng, self._alive, sample)
+        if 0 < sample < len(self.live):
+            alive = draws.sample(self.rng, self.live.members, sample)
         else:
-            alive = sorted(self._alive, key=lambda i: i.node_id)
+            alive = sorted(self.live.members, key=lambda i: i.node_id)
         behind = []
         for info in alive:
             view = self.peers.get(info.node_id)
@@ -665,8 +427,8 @@ class SwarmNode:
         With ``announce_sample`` > 0 only that many live members, drawn at random, are considered:
         O(sample) instead of O(members) per announcement (large simulated swarms)."""
         sample = self.config.announce_sample
-        if 0 < sample < len(self._alive):
-            alive = draws.sample(self.rng, self._alive, sample)
+        if 0 < sample < len(self.live):
+            alive = draws.sample(self.rng, self.live.members, sample)
         else:
             alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
         mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
@@ -731,8 +493,7 @@ class SwarmNode:
         for holder in holders:
             if holder != self.info.node_id:
                 hints.setdefault(holder, set()).add(chunk)
-                if last_chunks and holder not in self.peers and holder in self._alive_at:
-                    info = self._alive[self._alive_at[holder]]
+                if last_chunks and holder not in self.peers and (info := self.live.get(holder)) is not None:
                     ann = Announcement(self.config.run_id, -1, -1)
                     self.peers[holder] = PeerView(info, ann, self.clock.now())
                 self._touch(holder)
@@ -743,299 +504,12 @@ class SwarmNode:
     async def handle_chunk(
         self, chunk_hash: bytes, requester: str, held: int, send: SendChunk, origin: str = ""
     ) -> Busy | Missing | None:
-        """Answer a chunk request: Busy, Missing, or None after sending the bytes through ``send``.
-
-        The upload slot is held until ``send`` returns, or until the transfer's deadline (see
-        ``_send_within``): the slots bound the transfers under way, so a requester finds a free uplink
-        or is told to come back, instead of every chunk being shared out at once and each taking
-        longer (a relay can pass on only what it has received in full).
-        ``held``: chunks of that version the requester says it holds (-1: not said; see
-        ``_requester_finishing``).  ``origin``: where the request came from (a transport on real
-        sockets passes the address; the node id is unverified): its uploads are capped at
-        ``uploads_per_requester``, and one that stalled rests (``upload_stall_rest``)."""
-        if (refusal := self.refuse_chunk(chunk_hash, requester, held)) is not None:
-            return refusal  # checked before reading the chunk or queueing for a slot
-        key = origin or requester
-        if key and (refusal := self._requester_refusal(key, capped=bool(origin))) is not None:
-            return refusal
-        if key:
-            self.requesters.begin(key)
-        try:
-            withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
-            if self.config.tree_fanout and not self.config.is_seed and requester in self._sending_to:
-                return await self._follow(chunk_hash, requester, withholds, send, key)
-            line = self._may_wait_in_line(requester)
-            if not self.config.is_seed or not requester:
-                return await self._upload(chunk_hash, requester, withholds, send, line=line, key=key)
-            # A seed counts each requester's uploads and waits: see _upload_slot.
-            uploading = self._seed_uploading
-            uploading[requester] = uploading.get(requester, 0) + 1
-            try:
-                return await self._upload(chunk_hash, requester, withholds, send, line=line, key=key)
-            finally:
-                if (left := uploading[requester] - 1) > 0:
-                    uploading[requester] = left
-                else:
-                    del uploading[requester]
-        finally:
-            if key:
-                self.requesters.end(key)
-
-    def _requester_refusal(self, key: str, *, capped: bool) -> Busy | None:
-        """Busy for a requester resting after a stall (until its rest ends) or, ``capped``, holding its
-        share of the uploads already."""
-        if (rest := self.requesters.rest_left(key, self.clock.now())) > 0:
-            retry = rest
-        elif capped and self.requesters.at_share(key):
-            retry = self._busy_retry_after()
-        else:
-            return None
-        self.metrics.busy_replies += 1
-        self.metrics.requester_refusals += 1
-        return Busy(retry)
+        """Answer a chunk request (swarm/uploads.py ``ChunkServer.handle_chunk``)."""
+        return await self.serving.handle_chunk(chunk_hash, requester, held, send, origin)
 
     def refuse_chunk(self, chunk_hash: bytes, requester: str, held: int) -> Busy | Missing | None:
-        """The answer ``handle_chunk`` gives without waiting, or None: the chunk is not here (Missing),
-        a seed withholds it (``_seed_refusal``), or no upload slot is free and there is no place in
-        line for this requester (Busy).  A transport may call this first and spare a refused request
-        the task ``handle_chunk`` runs in (simulated swarms refuse most requests at once); None does
-        not promise a chunk: a request can still be refused after waiting in line."""
-        if chunk_hash not in self.chunks:
-            return Missing()
-        withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
-        if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
-            return refusal
-        if self.config.tree_fanout and not self.config.is_seed and requester in self._sending_to:
-            return None  # it waits behind its own transfer (_follow)
-        if self.upload_slots.in_use < self.upload_slots.capacity or self._line_has_room(
-            self._may_wait_in_line(requester)
-        ):
-            return None
-        self.metrics.busy_replies += 1
-        return Busy(self._busy_retry_after())
-
-    def _may_wait_in_line(self, requester: str) -> bool:
-        """A seed's line is for requesters it is not serving yet (see ``_upload_slot``)."""
-        return not self.config.is_seed or not requester or requester not in self._seed_uploading
-
-    def _line_has_room(self, line: bool) -> bool:
-        room = self.config.seed_upload_queue if self.config.is_seed else self.config.upload_queue
-        return line and len(self._upload_queue) < room
-
-    async def _upload(
-        self,
-        chunk_hash: bytes,
-        requester: str,
-        withholds: bool,
-        send: SendChunk,
-        *,
-        line: bool,
-        slot: bool = False,
-        key: str = "",
-    ) -> Busy | Missing | None:
-        """``handle_chunk`` once the chunk may be served: an upload slot (``line``: or a place in
-        line for one; ``slot``: one handed over already), then the bytes at the upload rate."""
-        if not slot and not await self._upload_slot(line=line):
-            self.metrics.busy_replies += 1
-            return Busy(self._busy_retry_after())
-        tracked = bool(self.config.tree_fanout and requester and not self.config.is_seed)
-        if tracked:
-            self._sending_to[requester] = self._sending_to.get(requester, 0) + 1
-        try:
-            if self.config.is_seed:
-                # Check the window again now that a slot is ours, and only now count the copy as given:
-                # a request refused for want of a slot must not use up the chunk's window.
-                if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
-                    return refusal
-                self._seed_served[chunk_hash] = (self.clock.now(), (requester,) if requester else ())
-                self._availability_changed()  # the offer shrank
-            data = self.chunks.get(chunk_hash)
-            if data is None:
-                return Missing()
-            start = self.clock.now()
-            if (pause := self.upload_bucket.reserve(start, len(data)) - start) > 0:
-                await self.clock.sleep(pause)  # (no sleep(0): a loop turn per chunk served, for nothing)
-            self.metrics.bytes_uploaded += len(data)
-            self._last_upload_bytes = len(data)
-            self.metrics.chunks_uploaded += 1
-            if not await self._send_within(send, data, key):
-                return None  # aborted at its deadline: the requester gets nothing more from this request
-            took = self.clock.now() - start
-            self._upload_seconds = took if not self._upload_seconds else 0.7 * self._upload_seconds + 0.3 * took
-            return None
-        finally:
-            if tracked:
-                if (left := self._sending_to[requester] - 1) > 0:
-                    self._sending_to[requester] = left
-                else:
-                    del self._sending_to[requester]
-            self._release_upload_slot(requester if tracked else "")
-
-    async def _follow(
-        self, chunk_hash: bytes, requester: str, withholds: bool, send: SendChunk, key: str = ""
-    ) -> Busy | Missing | None:
-        """With trees, a requester's next request waits behind the transfer under way to it and takes
-        over its slot when it ends, as a second request on one connection would: a child keeps its
-        parent's flow busy without a round trip's gap between chunks, and without a second flow
-        halving the first's rate, which a chunk's every hop down the tree would pay (simulated 100
-        hosts, 4 MiB chunks: 0.520 s with one request per parent, 0.502 s with a second behind it)."""
-        waiting = self._followers.setdefault(requester, collections.deque())
-        try:
-            got = await self._await_turn(waiting, requester)
-        finally:
-            if not waiting and self._followers.get(requester) is waiting:
-                del self._followers[requester]
-        if not got:
-            self.metrics.busy_replies += 1
-            return Busy(self._busy_retry_after())
-        return await self._upload(chunk_hash, requester, withholds, send, line=False, slot=True, key=key)
-
-    async def _send_within(self, send: SendChunk, data: bytes, key: str) -> bool:
-        """``send(data)`` within its deadline, max(``upload_deadline``, bytes / ``upload_floor_rate``);
-        False: it passed, the send was cancelled (a transport aborts the connection then) and the
-        requester rests.  The caller's slot is released once, by the caller, either way.  (Loop time:
-        virtual in simulations, as the line's waits are.)"""
-        cfg = self.config
-        try:
-            async with asyncio.timeout(max(cfg.upload_deadline, len(data) / cfg.upload_floor_rate)):
-                await send(data)
-        except TimeoutError:
-            self.metrics.upload_stalls += 1
-            if key:
-                rest = self.requesters.stalled(key, self.clock.now())
-                log.info(
-                    "%s: upload to %s passed its deadline: aborted, resting it %.0f s", self.info.node_id, key, rest
-                )
-            return False
-        return True
-
-    def _requester_finishing(self, chunk_hash: bytes, held: int) -> bool:
-        """The requester says it lacks at most ``endgame_remaining`` chunks of this chunk's version: a
-        seed serves it even a chunk it withholds.  Its last chunks are the ones the swarm's slowest
-        host waits for, when the holders it heard of are busy or named wrongly (a simulated 1,000-host
-        swarm, cold start: its last host sat 360 ms with two chunks left and no holder it knew of); one more copy of
-        a few chunks costs the seed little.  A requester lying about it only gets served as by a
-        central seed, within the seed's upload slots."""
-        if held < 0:
-            return False
-        place = self._seed_chunk_place(chunk_hash)
-        return place is not None and place[2] - held <= self.config.scheduler.endgame_remaining
-
-    def _seed_refusal(self, chunk_hash: bytes) -> Missing | None:
-        """A seed hands out each chunk once per window; within it, point the requester at the holders.
-
-        The refusal is a Missing with holders, not a Busy: the seed is not loaded, it withholds this
-        chunk, and the requester should ask it for another at once (a Busy would rest the seed for
-        everyone it refused, leaving its uplink idle while chunks nobody holds wait).
-
-        After the window, a chunk handed out before is refused still while live peers announce holding
-        it: on a slow (or loaded) swarm the window passes before the peers have passed the chunk
-        round, and the seed would otherwise serve it again to everyone who has not found a holder yet.
-        It is served again once no live peer announces it (its holders died or never shared it), and
-        after ``SEED_HOLD_WINDOWS`` windows in any case: an announcement is only a claim (a lying or
-        broken peer must not keep the chunk from everyone)."""
-        last, given_to = self._seed_served.get(chunk_hash, (-math.inf, ()))
-        age = self.clock.now() - last
-        if age < self.config.seed_copy_window:
-            self.metrics.busy_replies += 1
-            return Missing(given_to)
-        if age < SEED_HOLD_WINDOWS * self.config.seed_copy_window and (holders := self._announced_holders(chunk_hash)):
-            self.metrics.busy_replies += 1
-            return Missing(holders)
-        return None
-
-    def _busy_retry_after(self) -> float:
-        """When a refused requester should come back: ``busy_retry_after``, or sooner when the line
-        drains sooner.  A paced uplink drains its bucket's backlog (booked by the running uploads)
-        plus the requests waiting at the size of the last chunk served; an unpaced one frees a slot
-        every ``upload time / slots``, from the uploads it timed.  Half of that, so that requesters
-        come back while the line still covers the uplink and it never goes idle; no sooner, since an
-        earlier return only costs both ends another refusal (the loopback benchmark counted 15,000-18,000
-        refusals for 1,600 chunks moved when everyone came back after half the backlog alone).  Telling
-        each of many refused requesters to wait for its share of the uploads instead (refused x upload
-        time) halved the refusals of a simulated 300-host swarm but left uplinks idle: 1.43x the time.
-
-        A seed books the returns (``_seed_return_times``): while it injects new chunks every host asks it
-        for the chunks nobody else holds, so a refusal telling everyone "half the line" brings them
-        all back at once to be refused again."""
-        retry = self.config.busy_retry_after
-        waiting = len(self._upload_queue)
-        now = self.clock.now()
-        if math.isfinite(self.config.upload_rate):
-            per_upload = self._last_upload_bytes / self.config.upload_rate
-            drain = self.upload_bucket.reserve(now, 0) - now + waiting * per_upload
-        elif self._upload_seconds:
-            per_upload = self._upload_seconds / max(1, self.upload_slots.capacity)
-            drain = (waiting + 1) * per_upload
-        else:
-            return retry
-        back = now + max(drain / 2, 0.001)
-        if self.config.is_seed:
-            back = self._seed_return_times(now, back, per_upload)
-        return min(retry, back - now)
-
-    def _seed_return_times(self, now: float, back: float, per_upload: float) -> float:
-        """The seed spaces the requesters it refuses half an upload apart (its slots free one every
-        ``per_upload``), after those it refused before: they come back at twice the rate it can take
-        them, so its line stays full and few are refused twice (a simulated 200-host swarm: 1,000
-        refusals per 20 ms at the seed became ~10; 4 seeds: 25% fewer requests in all, 2% sooner done).
-        Bookings wrap round at ``busy_retry_after`` ahead (everyone told "the longest wait" would come
-        back at once)."""
-        first = back
-        back = max(back, self._seed_next_return)
-        if back - now >= self.config.busy_retry_after:
-            back = first  # the bookings reach the longest wait: start again from the earliest return
-        self._seed_next_return = back + per_upload / 2
-        return back
-
-    async def _upload_slot(self, *, line: bool = True) -> bool:
-        """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry.
-
-        First come, first served.  A line ordered by need (fewest chunks held first, the neediest
-        taking the last place from one holding more) was 4% faster on a simulated 1,000-host swarm
-        whose members all knew each other, but 1.8x slower when the version was published as the
-        hosts joined (docs/simulation.md section 5, sixth round).
-
-        ``line=False``: a free slot or nothing.  A seed's line is for requesters it is not serving
-        yet: one it is uploading to (or that waits already) gets a free slot, not a place in line.
-        Otherwise a host keeping several requests at the seed (``max_inflight_seed``) takes several
-        shares of the one copy, and the line stays with those served last, who ask again at once: in
-        a seed-bound swarm of 8 paced hosts (tests/test_sim_agreement.py) a slow host took 14-24 of
-        the 46 chunks and sat on them, the first it got reached everyone 9 s later, and the time to
-        all was 8.8-11.3 s over 8 seeds; with this rule 8.0-9.1 s, each host taking 2-12 chunks."""
-        if self.upload_slots.acquire():
-            return True
-        if not self._line_has_room(line):
-            return False
-        return await self._await_turn(self._upload_queue)
-
-    async def _await_turn(self, waiting: collections.deque[asyncio.Future[bool]], requester: str = "") -> bool:
-        """Wait in ``waiting`` (the line, or ``requester``'s followers) until a transfer's end hands its
-        slot over (True) or ``upload_queue_wait`` passes (False)."""
-        loop = self._loop()
-        turn: asyncio.Future[bool] = loop.create_future()  # True: _release_upload_slot handed a slot over
-        waiting.append(turn)
-        # The wait's end is a timer answering False (one handle, not a sleeping task and asyncio.wait:
-        # every queued request of a large simulated swarm comes through here).
-        timer = loop.call_later(self.config.upload_queue_wait, settle, turn, False)
-        try:
-            return await turn
-        except asyncio.CancelledError:
-            # Cancelled while waiting: give back a slot already handed over, or leave the line.
-            if turn.done() and not turn.cancelled() and turn.result():
-                self._release_upload_slot(requester)
-            raise
-        finally:
-            timer.cancel()
-            if turn in waiting:
-                waiting.remove(turn)
-
-    def _release_upload_slot(self, requester: str = "") -> None:
-        """Hand the slot to a request waiting behind this requester's transfer, or the line's first, or free it."""
-        followers = self._followers.get(requester) if requester else None
-        if (followers and _hand_over(followers)) or _hand_over(self._upload_queue):
-            return
-        self.upload_slots.release()
+        """The refusal ``handle_chunk`` would answer at once, or None (``ChunkServer.refuse_chunk``)."""
+        return self.serving.refuse_chunk(chunk_hash, requester, held)
 
     async def handle_object(
         self, path: str, requester: str = "", insist: bool = False, *, off_loop: bool = False
@@ -1062,18 +536,9 @@ class SwarmNode:
             return data
         if not requester:
             return data  # a client that does not name itself (older nodes, plain HTTP) cannot follow names
-        now = self.clock.now()
-        since, given = self._seed_objects_given.get(path, (now, []))
-        if now - since > SEED_HOLD_WINDOWS * self.config.seed_copy_window:
-            since, given = now, []  # an anchor's manifest stays for many versions; its first holders may be gone
-        self._seed_objects_given[path] = (since, given)
-        if len(given) >= copies:
-            alive = [self._alive[at].addr for g in given if (at := self._alive_at.get(g)) is not None]
-            if alive:
-                return Missing(tuple(draws.sample(self.rng, alive, min(4, len(alive)))))
-            given.clear()  # every one of them is gone: hand it out afresh
-        if requester in self._alive_at:  # only a requester that can be named counts as a copy given
-            given.append(requester)
+        holders = self.seeding.object_holders(path, requester, self.live, self.clock.now())
+        if holders is not None:
+            return Missing(holders)
         return data
 
     # ------------------------------------------------------------ heads
@@ -1088,7 +553,7 @@ class SwarmNode:
             self.head, self.head_counter = head, head.counter
             self.complete = [e.manifest_id for e in head.catalog]
             named = {Board.manifest_rel(mid) for mid in self.complete}
-            self._seed_objects_given = {p: a for p, a in self._seed_objects_given.items() if p in named}
+            self.seeding.keep_objects(named)
             self._availability_changed()
             self._push_head()
 
@@ -1279,7 +744,7 @@ class SwarmNode:
             self.config.tree_fanout
             and not self.config.is_seed
             and not self.config.membership.max_members  # a bounded view: each host would plan over other members
-            and self.clock.now() - self._members_changed >= self.config.tree_settle
+            and self.clock.now() - self.live.changed_at >= self.config.tree_settle
         ):
             self._plant_trees(sched, mid)
         self.partial[mid] = sched
@@ -1339,7 +804,7 @@ class SwarmNode:
         me = self.info
         members = [me.node_id]
         seed_here = False
-        for info in self._alive:
+        for info in self.live.members:
             view = self.peers.get(info.node_id)
             if view is not None and view.ann.seed:
                 seed_here = seed_here or info.region == me.region
@@ -1360,9 +825,9 @@ class SwarmNode:
             return
         frame = self._frame(None)
         for child in kids:
-            at = self._alive_at.get(child)
-            if at is not None:
-                self.transport.post(self._alive[at].addr, frame)
+            info = self.live.get(child)
+            if info is not None:
+                self.transport.post(info.addr, frame)
 
     def _ask_seeds_again(self, sched: ChunkScheduler, nchunks: int, asked: dict[int, float], now: float) -> bool:
         """Nothing in flight, nothing to ask, and only the last ``endgame_remaining`` chunks left: the

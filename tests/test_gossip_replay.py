@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from patchswarm.protocol.membership import MembershipConfig, NodeInfo, Ping
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.wire import (
     REPLAY_BITS,
@@ -30,7 +31,7 @@ from patchswarm.simulations.clock import SimClock, run_virtual
 from patchswarm.simulations.network import Host, Network, Region
 from patchswarm.simulations.transport import SimNet
 from patchswarm.swarm.http import PREFIX
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from tests.node_worker_client import NodeWorker
 from tests.swarmkit import RUN, SECRET
 

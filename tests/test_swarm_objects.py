@@ -21,12 +21,13 @@ from patchswarm.daemon.board import Board
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.membership import MemberState, NodeInfo
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual
 from patchswarm.simulations.synthetic import synthetic_setup
 from patchswarm.swarm import sources
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.sources import SwarmSource
 from patchswarm.swarm.transport import Missing, TransportError
 from tests.swarmkit import RUN, SECRET, Swarm
@@ -277,11 +278,11 @@ def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> Non
             cfg, "sim://s", NO_TRANSPORT, SimClock(0.0), TrustState(b"k" * 32), random.Random(0), board=board
         )
         for x in "abcde":
-            seed._track_alive(NodeInfo(x, f"sim://{x}"), MemberState.ALIVE)
+            seed.live.track(NodeInfo(x, f"sim://{x}"), MemberState.ALIVE, seed.clock.now())
         got = [await seed.handle_object(rel, x) for x in ("stranger", "a", "b", "c")]
         got.append(await seed.handle_object(rel, "c", insist=True))
         for x in "ab":
-            seed._track_alive(NodeInfo(x, f"sim://{x}"), MemberState.DEAD)
+            seed.live.track(NodeInfo(x, f"sim://{x}"), MemberState.DEAD, seed.clock.now())
         got += [await seed.handle_object(rel, x) for x in "cde"]  # a and b gone: c and d are served, e told of them
         await asyncio.sleep(8.5)
         got.append(await seed.handle_object(rel, "e"))  # counted afresh

@@ -17,7 +17,8 @@ import pytest
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.pull import Held
 from patchswarm.protocol.manifest import SignedManifest
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.protocol.node_config import NodeConfig
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.server import start_http_node
 from tests.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 

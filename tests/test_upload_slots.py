@@ -19,13 +19,14 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from patchswarm.protocol.membership import MembershipConfig, NodeInfo
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.requesters import RequesterLimits
 from patchswarm.protocol.trust import TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual
 from patchswarm.simulations.network import Host, Network, Region
 from patchswarm.simulations.transport import SimNet
 from patchswarm.swarm.http import HELD_HEADER, NODE_HEADER, PREFIX, HttpTransport, _origin, add_routes
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
 from tests.node_worker_client import NodeWorker
 from tests.swarmkit import RUN, SECRET
@@ -54,7 +55,7 @@ def test_an_unpaced_node_holds_its_slot_while_the_chunk_travels() -> None:
         assert await first == b"x" * MB
         done = loop.time()
         again = await c.get_chunk("sim://a", b"h", MB, 60.0, "c")
-        busy_after_timing = node._busy_retry_after()
+        busy_after_timing = node.serving.busy_retry_after()
         net.close()
         return done, refused, again, busy_after_timing
 
@@ -126,7 +127,7 @@ def test_a_seed_keeps_its_own_longer_line() -> None:
         seed.chunks.put(b"h", b"x" * MB)
         net.register("sim://s", "s", seed.handlers())
         # Finishing requesters (held = its last chunk's place): the seed does not withhold from them.
-        seed._seed_chunk_place = lambda h: (b"m", 0, 1)  # type: ignore[method-assign]
+        seed.seeding.chunk_place = lambda h, complete: (b"m", 0, 1)  # type: ignore[method-assign]
         asks = [asyncio.ensure_future(net.transport(x).get_chunk("sim://s", b"h", MB, 60.0, x, held=0)) for x in "bcd"]
         replies = list(await asyncio.gather(*asks))
         net.close()
@@ -145,7 +146,7 @@ def _seed_on(net: SimNet, slots: int, line: int) -> SwarmNode:
     seed = SwarmNode(cfg, "sim://s", net.transport("s"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
     seed.chunks.put(b"h", b"x" * MB)
     net.register("sim://s", "s", seed.handlers())
-    seed._seed_chunk_place = lambda h: (b"m", 0, 1)  # type: ignore[method-assign]
+    seed.seeding.chunk_place = lambda h, complete: (b"m", 0, 1)  # type: ignore[method-assign]
     return seed
 
 
@@ -166,7 +167,7 @@ def test_a_seed_line_is_for_requesters_it_is_not_serving() -> None:
         await asyncio.sleep(0.01)
         c1 = asyncio.ensure_future(ask["c"].get_chunk("sim://s", b"h", MB, 60.0, "c", held=0))
         replies = {"b": [await b1, await b2], "c": [await c1]}
-        assert seed._seed_uploading == {}  # every count given back
+        assert seed.uploads.seed_uploading == {}  # every count given back
         net.close()
         return replies
 
@@ -316,8 +317,8 @@ def test_a_seed_books_the_returns_of_those_it_refuses() -> None:
         seed = _node("s", is_seed=True, seed_max_uploads=6, busy_retry_after=0.02)
         peer = _node("p", max_uploads=6, busy_retry_after=0.02)
         for node in (seed, peer):
-            node._upload_seconds = 0.012
-        return [seed._busy_retry_after() for _ in range(12)], [peer._busy_retry_after() for _ in range(3)]
+            node.uploads.upload_seconds = 0.012
+        return [seed.serving.busy_retry_after() for _ in range(12)], [peer.serving.busy_retry_after() for _ in range(3)]
 
     seed_waits, peer_waits = run_virtual(main())
     # 1 ms (half of one slot's 2 ms), then 1 ms more for each requester refused before.
@@ -330,8 +331,8 @@ def test_a_seed_wraps_its_bookings_at_the_longest_wait() -> None:
 
     async def main() -> list[float]:
         seed = _node("s", is_seed=True, seed_max_uploads=6, busy_retry_after=0.005)
-        seed._upload_seconds = 0.012
-        return [seed._busy_retry_after() for _ in range(6)]
+        seed.uploads.upload_seconds = 0.012
+        return [seed.serving.busy_retry_after() for _ in range(6)]
 
     assert run_virtual(main()) == pytest.approx([0.001, 0.002, 0.003, 0.004, 0.001, 0.002])
 
@@ -365,8 +366,8 @@ def test_a_seed_serves_a_finishing_requester_a_chunk_it_withholds() -> None:
         for h in hashes:
             seed.chunks.put(h, b"z" * 100)
         seed.complete = [b"m"]
-        seed._seed_chunk_lists[b"m"] = hashes
-        seed._seed_served[hashes[0]] = (seed.clock.now(), ("x",))
+        seed.seeding.chunk_lists[b"m"] = hashes
+        seed.seeding.served[hashes[0]] = (seed.clock.now(), ("x",))
         sent: list[bytes] = []
 
         async def send(data: bytes) -> None:
@@ -387,9 +388,9 @@ def test_a_stuck_downloader_asks_the_seeds_again() -> None:
     (``failure_backoff``).  With nothing in flight, no one else to ask and at most
     ``endgame_remaining`` (3) chunks left, the downloader takes that back (the seed holds every chunk),
     at most every ``busy_retry_after`` per chunk; with more left it waits for holders."""
+    from patchswarm.protocol.peers import PeerView
     from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
-    from patchswarm.swarm.node import PeerView
 
     async def main(n: int) -> tuple[bool, list[tuple[int, str]], bool, bool]:
         node = _node("a", busy_retry_after=0.2)
@@ -446,9 +447,9 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
     virtual instant)."""
     from types import SimpleNamespace
 
+    from patchswarm.protocol.peers import PeerView
     from patchswarm.protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
-    from patchswarm.swarm.node import PeerView
 
     async def main() -> tuple[dict[tuple[int, str], asyncio.Task[None]], bool, bool]:
         node = _node("a")
@@ -499,10 +500,10 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
     nearer (our region, asia) than every peer known to want our chunks, not when it is as far as they
     are, and never by a seed (whose one copy of each chunk would go to its neighbours)."""
     from patchswarm.protocol.bitfield import Bitfield
+    from patchswarm.protocol.peers import PeerView
     from patchswarm.protocol.scheduler import ChunkScheduler, PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
     from patchswarm.simulations.runner import _warm
-    from patchswarm.swarm.node import PeerView
 
     async def main() -> set[str]:
         me = _node("me", region="asia", is_seed=is_seed)
@@ -633,7 +634,12 @@ async def _at_once(data: bytes) -> None:
 def _no_slot_leaked(node: SwarmNode) -> None:
     assert node.upload_slots.in_use == 0
     assert node.requesters.busy_requesters == 0
-    assert not node._upload_queue and not node._followers and not node._sending_to and not node._seed_uploading
+    assert (
+        not node.serving.queue
+        and not node.serving.followers
+        and not node.uploads.sending_to
+        and not node.uploads.seed_uploading
+    )
 
 
 def test_a_transfer_past_its_deadline_frees_its_slot_once_and_rests_the_requester() -> None:
@@ -706,7 +712,7 @@ def test_a_follower_takes_over_a_stalled_transfers_slot_and_nothing_leaks() -> N
 
         second = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, record))
         await asyncio.sleep(0.1)
-        assert len(node._followers["x"]) == 1
+        assert len(node.serving.followers["x"]) == 1
         assert await first is None
         assert await second is None
         assert sent == [b"x" * 1000]
