@@ -22,7 +22,7 @@ from typing import Any
 
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.pull import Held, Puller
-from patchswarm.protocol import draws
+from patchswarm.protocol.announce import AnnouncePolicy
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.catalog import CatalogEntry, plan
 from patchswarm.protocol.chunks import ChunkRef, verify_chunk
@@ -142,6 +142,9 @@ class SwarmNode:
         self.upload_bucket = self.uploads.bucket
         self.upload_slots = self.uploads.slots
         self.requesters = self.uploads.requesters
+        self.announce = AnnouncePolicy(
+            config, self.info, self.peers, self.live, self.membership, self.seeding, self.partial, rng
+        )
         self.source = SwarmSource(self)
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
@@ -247,20 +250,8 @@ class SwarmNode:
     # ------------------------------------------------------------ gossip
 
     def announcement(self) -> Announcement:
-        if self.config.is_seed:
-            partial = self.seeding.offers(self.complete, self.clock.now())
-            offered = {mid for mid, _ in partial}
-            complete = tuple(m for m in self.complete[-8:] if m not in offered)
-        else:
-            partial = tuple((mid, s.have.to_bytes()) for mid, s in self.partial.items())
-            complete = tuple(self.complete[-8:])
-        return Announcement(
-            run_id=self.config.run_id,
-            head_counter=self.head_counter,
-            version=self.held.version if self.held else -1,
-            complete=complete,
-            partial=partial,
-            seed=self.config.is_seed,
+        return self.announce.announcement(
+            self.head_counter, self.held.version if self.held else -1, self.complete, self.clock.now()
         )
 
     def _frame(self, message: Message | None) -> bytes:
@@ -381,10 +372,10 @@ class SwarmNode:
                 now = self.clock.now()
             if self._announce_dirty:
                 self._announce_dirty = False
-                targets = self._announce_targets(self.config.announce_fanout)
+                targets = self.announce.targets(self.config.announce_fanout, self.head_counter, self.complete)
             elif now - last_refresh >= self.config.announce_refresh:
                 last_refresh = now
-                targets = self._announce_targets(self.config.membership.gossip_fanout)
+                targets = self.announce.targets(self.config.membership.gossip_fanout, self.head_counter, self.complete)
             else:
                 continue
             frame = self._frame(None)
@@ -403,84 +394,12 @@ class SwarmNode:
         a head spreads in hops, and each hop waiting for the tick would add up to ``announce_interval``."""
         if not self.config.head_push or self._stopping:
             return
-        sample = self.config.announce_sample
-        if 0 < sample < len(self.live):
-            alive = draws.sample(self.rng, self.live.members, sample)
-        else:
-            alive = sorted(self.live.members, key=lambda i: i.node_id)
-        behind = []
-        for info in alive:
-            view = self.peers.get(info.node_id)
-            if view is None or view.ann.head_counter < self.head_counter:
-                behind.append(info)
-        draws.shuffle(self.rng, behind)
-        targets = behind[: self.config.announce_fanout]
+        targets = self.announce.behind(self.head_counter)
         if not targets:
             return
         frame = self._frame(None)
         for info in targets:
             self.transport.post(info.addr, frame)
-
-    def _announce_targets(self, count: int) -> list[NodeInfo]:
-        """Peers that lack chunks we hold first ("interested", as BitTorrent says), nearest first, then anyone.
-
-        With ``announce_sample`` > 0 only that many live members, drawn at random, are considered:
-        O(sample) instead of O(members) per announcement (large simulated swarms)."""
-        sample = self.config.announce_sample
-        if 0 < sample < len(self.live):
-            alive = draws.sample(self.rng, self.live.members, sample)
-        else:
-            alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
-        mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
-        zone, region = self.info.zone, self.info.region
-
-        def tier(i: NodeInfo) -> tuple[bool, bool]:
-            return i.zone != zone, i.region != region
-
-        interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
-        if interested and not self.config.is_seed:
-            interested += self._stale_nearer(alive, min(map(tier, interested)), tier)
-        draws.shuffle(self.rng, interested)
-        interested.sort(key=tier)
-        chosen = {i.node_id for i in interested}
-        rest = [i for i in alive if i.node_id not in chosen]
-        draws.shuffle(self.rng, rest)
-        return (interested + rest)[:count]
-
-    def _stale_nearer(
-        self, alive: list[NodeInfo], nearest: tuple[bool, bool], tier: Callable[[NodeInfo], tuple[bool, bool]]
-    ) -> list[NodeInfo]:
-        """Peers nearer than every peer known to want our chunks, whose last announcement predates the
-        head we follow: they want this version too, but interest is read from what a peer last told
-        us, so hosts of one region whose views of each other predated the version announced only to
-        far peers that had spoken since (a simulated 3-region swarm: asia hosts took 70-100% of their
-        chunks across the ocean).  Only nearer ones, and only once some peer is known to want our
-        chunks, so that where peers are alike nothing changes (a 30-host one-region swarm was 5%
-        slower); not at a seed, whose one copy of each chunk would then go to its own zone."""
-        head = self.head_counter
-        out = []
-        for i in alive:
-            view = self.peers.get(i.node_id)
-            if view is not None and view.ann.head_counter < head and not view.ann.seed and tier(i) < nearest:
-                out.append(i)
-        return out
-
-    def _held_bits(self, mid: bytes) -> int | None:
-        """Our chunks of a manifest as an int bitmask (None: all of them)."""
-        sched = self.partial.get(mid)
-        return None if sched is None else int.from_bytes(sched.have.to_bytes(), "little")
-
-    def _wants_from_us(self, node_id: str, mine: dict[bytes, int | None]) -> bool:
-        view = self.peers.get(node_id)
-        if view is None:
-            return False
-        for mid, bits in view.ann.partial:
-            if mid in mine:
-                ours = mine[mid]
-                theirs = int.from_bytes(bits, "little")
-                if ours is None or ours & ~theirs:
-                    return True
-        return False
 
     def _take_hints(self, mid: bytes, chunk: int, holders: tuple[str, ...], missing: int) -> None:
         """A refusal named peers that got ``chunk``: ask them (``missing``: chunks we still lack)."""

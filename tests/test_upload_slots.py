@@ -519,7 +519,7 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
             me.peers[far] = PeerView(NodeInfo(far, f"sim://{far}", region="us"), ann, 0.0)
         stale = Announcement(RUN, 4, 1)  # spoke before head 5: no partial download listed
         me.peers["near"] = PeerView(NodeInfo("near", "sim://near", region=near_region), stale, 0.0)
-        return {i.node_id for i in me._announce_targets(2)}
+        return {i.node_id for i in me.announce.targets(2, me.head_counter, me.complete)}
 
     targets = run_virtual(main())
     assert ("near" in targets) == told_near
