@@ -15,7 +15,6 @@ import collections
 import contextlib
 import inspect
 import logging
-import math
 import random
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -26,6 +25,7 @@ from patchswarm.protocol.announce import AnnouncePolicy
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.catalog import CatalogEntry, plan
 from patchswarm.protocol.chunks import ChunkRef, verify_chunk
+from patchswarm.protocol.download import Downloads
 from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import KeyPolicy
@@ -38,7 +38,6 @@ from patchswarm.protocol.ratelimit import TokenBucket
 from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request
 from patchswarm.protocol.seeding import SeedPolicy
 from patchswarm.protocol.signed import Envelope
-from patchswarm.protocol.trees import StripeTrees
 from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.uploads import UploadPolicy
 from patchswarm.protocol.wire import (
@@ -132,11 +131,12 @@ class SwarmNode:
         self.head: Head | None = None
         self.head_counter = -1
         self.complete: list[bytes] = []  # manifest ids whose chunks this node holds in full (newest last)
-        self.partial: dict[bytes, ChunkScheduler] = {}
+        self.live = LiveMembers()  # live members, kept from membership events
+        self.downloads = Downloads(config, self.info, self.peers, self.live)
+        self.partial = self.downloads.partial  # the downloads under way: manifest id -> its scheduler
         self.applied: list[CatalogEntry] = []  # every catalog step this node applied, in order
         self.phase = "idle"  # idle | fetching | staging (applying and verifying a version off to the side)
         self.download_bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
-        self.live = LiveMembers()  # live members, kept from membership events
         self.seeding = SeedPolicy(config, self.peers, self._board_chunk_hashes, rng)
         self.uploads = UploadPolicy(config, self.seeding)
         self.upload_bucket = self.uploads.bucket
@@ -154,12 +154,6 @@ class SwarmNode:
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._announce_tick: asyncio.Future[None] | None = None  # the announce loop's interval, while it waits
         self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
-        self._seq = 0
-        # manifest being downloaded -> peers whose announcement or hints changed since its scheduler last heard
-        # (a dict as an ordered set: the same order in every process)
-        self._dirty: dict[bytes, dict[str, None]] = {}
-        self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
-        self._tree_children: dict[bytes, tuple[tuple[str, ...], ...]] = {}  # manifest -> per stripe: our children
         # The loop the node runs on, taken on first use: asyncio.get_running_loop() makes a getpid()
         # system call each time (Python 3.11), and the hot paths below would make hundreds of thousands.
         self._io_loop: asyncio.AbstractEventLoop | None = None
@@ -299,10 +293,7 @@ class SwarmNode:
     def _on_announcement(self, sender: NodeInfo, ann: Announcement, now: float) -> None:
         if ann.run_id != self.config.run_id:
             return
-        self._seq += 1
-        self.peers[sender.node_id] = PeerView(sender, ann, now, self._seq)
-        for dirty in self._dirty.values():
-            dirty[sender.node_id] = None
+        self.downloads.heard(sender, ann, now)
         if log.isEnabledFor(logging.DEBUG) and ann.partial:
             log.debug(
                 "%s: hears %s has %s",
@@ -321,10 +312,7 @@ class SwarmNode:
         for info, state in self.membership.drain_events():
             self.live.track(info, state, self.clock.now())
             if state in (MemberState.DEAD, MemberState.LEFT):
-                self.peers.pop(info.node_id, None)
-                for sched in self.partial.values():
-                    sched.remove_peer(info.node_id)
-                    sched.orphan(info.node_id)
+                self.downloads.gone(info.node_id)
                 self._note_peers_changed()
 
     def settle_members(self) -> None:
@@ -400,23 +388,6 @@ class SwarmNode:
         frame = self._frame(None)
         for info in targets:
             self.transport.post(info.addr, frame)
-
-    def _take_hints(self, mid: bytes, chunk: int, holders: tuple[str, ...], missing: int) -> None:
-        """A refusal named peers that got ``chunk``: ask them (``missing``: chunks we still lack)."""
-        if not holders:
-            return
-        hints = self._hints.setdefault(mid, {})
-        # Near the end a hint about a live member that never announced to us still names a holder
-        # worth asking (earlier, many nodes asking the seed's first holder at once only crowd it).
-        last_chunks = missing <= self.config.scheduler.endgame_remaining
-        for holder in holders:
-            if holder != self.info.node_id:
-                hints.setdefault(holder, set()).add(chunk)
-                if last_chunks and holder not in self.peers and (info := self.live.get(holder)) is not None:
-                    ann = Announcement(self.config.run_id, -1, -1)
-                    self.peers[holder] = PeerView(info, ann, self.clock.now())
-                self._touch(holder)
-        self._note_peers_changed()
 
     # ------------------------------------------------------------ serving
 
@@ -659,30 +630,22 @@ class SwarmNode:
                 have.set(i)
         me = PeerInfo(self.info.node_id, self.info.zone, self.info.region)
         sched = ChunkScheduler(sizes, me, self.config.scheduler, self.rng, have)
-        if (
-            self.config.tree_fanout
-            and not self.config.is_seed
-            and not self.config.membership.max_members  # a bounded view: each host would plan over other members
-            and self.clock.now() - self.live.changed_at >= self.config.tree_settle
-        ):
-            self._plant_trees(sched, mid)
-        self.partial[mid] = sched
-        self._dirty[mid] = dict.fromkeys(self.peers)
+        self.downloads.start(mid, sched, self.clock.now())
         pinned = getattr(self.chunks, "pinned", None)
         if isinstance(pinned, set):
             pinned.update(ref.hash for ref in manifest.chunks)
         running: dict[tuple[int, str], asyncio.Task[None]] = {}
-        seed_asked: dict[int, float] = {}  # chunk -> when _ask_seeds_again last put it to the seeds
+        seed_asked: dict[int, float] = {}  # chunk -> when Downloads.ask_seeds_again last put it to the seeds
         try:
             while not sched.complete:
                 now = self.clock.now()
-                self._refresh_peers(sched, mid, len(sizes), now)
+                self.downloads.refresh(sched, mid, len(sizes), now)
                 for req in sched.expired(now):
                     task = running.pop((req.chunk, req.peer_id), None)
                     if task:
                         task.cancel()
                 requests = sched.next_requests(now)
-                if not requests and not running and self._ask_seeds_again(sched, len(sizes), seed_asked, now):
+                if not requests and not running and self.downloads.ask_seeds_again(sched, len(sizes), seed_asked, now):
                     requests = sched.next_requests(now)
                 for req in requests:
                     running[(req.chunk, req.peer_id)] = self._loop().create_task(
@@ -698,10 +661,7 @@ class SwarmNode:
             self._download_full = False
             for task in running.values():
                 task.cancel()
-            del self.partial[mid]
-            self._hints.pop(mid, None)
-            self._tree_children.pop(mid, None)
-            self._dirty.pop(mid, None)
+            self.downloads.finish(mid)
             if isinstance(pinned, set):
                 pinned.difference_update(ref.hash for ref in manifest.chunks)
         parts = []
@@ -716,30 +676,9 @@ class SwarmNode:
         self.complete = self.complete[-16:]
         return parts
 
-    def _plant_trees(self, sched: ChunkScheduler, mid: bytes) -> None:
-        """Stripe trees over the non-seed members of this node's region it knows of (itself included).
-        A flow across regions runs at window / RTT, so a tree stays in its region; where no seed is in
-        the region, its roots fetch by the usual rules (from holders anywhere, or the seed)."""
-        me = self.info
-        members = [me.node_id]
-        seed_here = False
-        for info in self.live.members:
-            view = self.peers.get(info.node_id)
-            if view is not None and view.ann.seed:
-                seed_here = seed_here or info.region == me.region
-            elif info.region == me.region:
-                members.append(info.node_id)
-        trees = StripeTrees.build(mid, members, self.config.tree_fanout)
-        parents = trees.parents(me.node_id)
-        sched.set_parents(parents if seed_here else tuple("" if p is None else p for p in parents))
-        self._tree_children[mid] = trees.children(me.node_id)
-
     def _tell_children(self, mid: bytes, chunk: int) -> None:
         """A relay's news of a chunk of its stripe goes to that stripe's children at once."""
-        children = self._tree_children.get(mid)
-        if not children:
-            return
-        kids = children[chunk % len(children)]
+        kids = self.downloads.children(mid, chunk)
         if not kids:
             return
         frame = self._frame(None)
@@ -748,30 +687,10 @@ class SwarmNode:
             if info is not None:
                 self.transport.post(info.addr, frame)
 
-    def _ask_seeds_again(self, sched: ChunkScheduler, nchunks: int, asked: dict[int, float], now: float) -> bool:
-        """Nothing in flight, nothing to ask, and only the last ``endgame_remaining`` chunks left: the
-        seeds hold every chunk, so take back what their refusals (a withheld chunk reads as MISSING
-        for ``failure_backoff``) said, at most every ``busy_retry_after`` per chunk; a seed serves a
-        finishing requester what it withholds from others (``_requester_finishing``).  Without this a
-        node that heard of no holder of its last chunks sat idle until the refusals aged (a simulated
-        1,000-host swarm, cold start: the last host sat 360 ms with two chunks left).  Only at the end:
-        earlier, asking the seed again while holders exist costs it copies (16 hosts, 50 ms copy
-        windows: 1.5-1.6 copies against 1.1).  True when there is something to ask now."""
-        if not 0 < nchunks - sched.held_count <= self.config.scheduler.endgame_remaining:
-            return False
-        left = [c for c in range(nchunks) if not sched.holds(c)]
-        seeds = [view.info.node_id for view in self.peers.values() if view.ann.seed]
-        due = [c for c in left if now >= asked.get(c, -math.inf) + self.config.busy_retry_after]
-        for c in due:
-            asked[c] = now
-            for seed in seeds:
-                sched.on_have(seed, c, now)
-        return bool(due and seeds)
-
     def _note_peers_changed(self, *, news: bool = False) -> None:
         """Wake the download loop.  ``news`` (an announcement): not while every request it may have in
         flight is out, since it could start none; a fetch that ends wakes it, and the news is
-        waiting in ``_dirty`` then (simulated swarms: most announcements reach a full downloader)."""
+        waiting in ``Downloads.dirty`` then (simulated swarms: most announcements reach a full downloader)."""
         waiter = self._change_waiter
         if news and self._download_full:
             return
@@ -794,47 +713,10 @@ class SwarmNode:
             self._change_waiter = None
             timer.cancel()
 
-    def _touch(self, node_id: str) -> None:
-        view = self.peers.get(node_id)
-        if view is not None:
-            self._seq += 1
-            view.seq = self._seq
-            for dirty in self._dirty.values():
-                dirty[node_id] = None
-
-    def _refresh_peers(self, sched: ChunkScheduler, mid: bytes, nchunks: int, now: float) -> None:
-        """Tell the scheduler who holds what: announcements, plus the seed's hints not yet announced.
-
-        Only peers whose announcement or hints changed since the last call are looked at, so one
-        wake-up costs O(changes), not O(peers)."""
-        hints = self._hints.get(mid, {})
-        changed = self._dirty.get(mid)
-        if not changed:
-            return
-        self._dirty[mid] = {}
-        for node_id in changed:
-            view = self.peers.get(node_id)
-            if view is None:
-                continue
-            ann = view.ann
-            peer = PeerInfo(view.info.node_id, view.info.zone, view.info.region, is_seed=ann.seed)
-            bits = None
-            for partial_mid, partial_bits in ann.partial:  # (usually one: no dict per peer and wake)
-                if partial_mid == mid:
-                    bits = partial_bits
-            if bits is None and (ann.seed or mid in ann.complete):
-                sched.update_peer(peer, None, now)
-                continue
-            hinted = hints.get(view.info.node_id)
-            if bits is None and not hinted:
-                continue
-            try:
-                has = Bitfield.mask_from_bytes(nchunks, bits) if bits is not None else 0
-            except PatchswarmError:
-                continue  # a malformed bitfield: ignore that claim
-            for i in hinted or ():
-                has |= 1 << i
-            sched.update_peer(peer, has, now)
+    def _take_hints(self, mid: bytes, chunk: int, holders: tuple[str, ...], missing: int) -> None:
+        """A refusal named peers that got ``chunk``: ask them (``Downloads.take_hints``)."""
+        if self.downloads.take_hints(mid, chunk, holders, missing, self.clock.now()):
+            self._note_peers_changed()
 
     async def _fetch(
         self,
@@ -877,8 +759,7 @@ class SwarmNode:
                 self._take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
                 return
             if isinstance(reply, Missing):
-                self._hints.get(mid, {}).get(req.peer_id, set()).discard(req.chunk)
-                self._touch(req.peer_id)
+                self.downloads.missing_at(mid, req.peer_id, req.chunk)
                 sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
                 self._take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
                 return

@@ -402,12 +402,12 @@ def test_a_stuck_downloader_asks_the_seeds_again() -> None:
         for r in sched.next_requests(0.0):
             sched.on_failure(0.01, r.chunk, "seed", FailureReason.MISSING)
         assert sched.next_requests(0.02) == []  # stuck
-        took_back = node._ask_seeds_again(sched, n, asked, 0.02)
+        took_back = node.downloads.ask_seeds_again(sched, n, asked, 0.02)
         again = [(r.chunk, r.peer_id) for r in sched.next_requests(0.02)]
         for c, _ in again:
             sched.on_failure(0.03, c, "seed", FailureReason.MISSING)
-        too_soon = node._ask_seeds_again(sched, n, asked, 0.1)
-        later = node._ask_seeds_again(sched, n, asked, 0.25)
+        too_soon = node.downloads.ask_seeds_again(sched, n, asked, 0.1)
+        later = node.downloads.ask_seeds_again(sched, n, asked, 0.25)
         return took_back, sorted(again), too_soon, later
 
     assert run_virtual(main(3)) == (True, [(c, "seed") for c in range(3)], False, True)
