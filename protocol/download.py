@@ -11,6 +11,7 @@ reads: every call that needs the time takes ``now``.
 from __future__ import annotations
 
 import math
+import random
 
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.errors import PatchswarmError
@@ -20,6 +21,14 @@ from patchswarm.protocol.peers import LiveMembers, PeerView
 from patchswarm.protocol.scheduler import ChunkScheduler, PeerInfo
 from patchswarm.protocol.trees import StripeTrees
 from patchswarm.protocol.wire import Announcement
+
+
+def retry_delay(config: NodeConfig, failures: int, rng: random.Random) -> float:
+    """How long to wait after ``failures`` failed catch-ups in a row: ``retry_backoff``, doubling per
+    failure up to ``retry_backoff_max``, drawn between half and all of that (hosts that failed
+    together, say on a seed's restart, do not retry in step)."""
+    step = min(config.retry_backoff_max, config.retry_backoff * 2.0 ** min(failures - 1, 32))
+    return step / 2 + rng.uniform(0.0, step / 2)
 
 
 class Downloads:

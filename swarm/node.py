@@ -25,9 +25,10 @@ from patchswarm.protocol.announce import AnnouncePolicy
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.catalog import CatalogEntry, plan
 from patchswarm.protocol.chunks import ChunkRef, verify_chunk
-from patchswarm.protocol.download import Downloads
+from patchswarm.protocol.download import Downloads, retry_delay
 from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
 from patchswarm.protocol.head import Head
+from patchswarm.protocol.head_follow import HeadFollower
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.membership import Membership, MemberState, Message, NodeInfo, Send
@@ -83,7 +84,6 @@ async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: li
 
 MAX_OBJECT_BYTES = 64 << 20
 REJOIN_INTERVAL = 5.0
-HEAD_WARN_INTERVAL = 60.0  # seconds between two warnings of the same head refusal
 
 
 class SwarmNode:
@@ -128,8 +128,7 @@ class SwarmNode:
             round(config.membership.frame_window * 1000), round(config.membership.frame_skew * 1000)
         )
         self.peers: dict[str, PeerView] = {}
-        self.head: Head | None = None
-        self.head_counter = -1
+        self.follow = HeadFollower()  # the head held, the fetch under way, refusals warned of
         self.complete: list[bytes] = []  # manifest ids whose chunks this node holds in full (newest last)
         self.live = LiveMembers()  # live members, kept from membership events
         self.downloads = Downloads(config, self.info, self.peers, self.live)
@@ -153,7 +152,6 @@ class SwarmNode:
         self._announce_dirty = False
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._announce_tick: asyncio.Future[None] | None = None  # the announce loop's interval, while it waits
-        self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
         # The loop the node runs on, taken on first use: asyncio.get_running_loop() makes a getpid()
         # system call each time (Python 3.11), and the hot paths below would make hundreds of thousands.
         self._io_loop: asyncio.AbstractEventLoop | None = None
@@ -178,10 +176,30 @@ class SwarmNode:
         self.error: str | None = None  # why the last catch-up failed (None once one succeeds)
         self.failures = 0  # catch-ups failed in a row (the retry backoff grows with it)
         self.retry_at: float | None = None  # clock time of the next try, while a failed one waits
-        self.head_error: str | None = None  # why the last head this node checked was refused
-        self._head_warned: dict[str, float] = {}  # refusal message -> clock time of its last warning
 
     # ------------------------------------------------------------ lifecycle
+
+    @property
+    def head(self) -> Head | None:
+        """The head this node follows (verified; a seed: its board's)."""
+        return self.follow.head
+
+    @property
+    def head_counter(self) -> int:
+        return self.follow.counter
+
+    @head_counter.setter
+    def head_counter(self, counter: int) -> None:
+        self.follow.counter = counter
+
+    @property
+    def head_error(self) -> str | None:
+        """Why the last head this node checked was refused (None: it was not)."""
+        return self.follow.error
+
+    @head_error.setter
+    def head_error(self, error: str | None) -> None:
+        self.follow.error = error
 
     def handlers(self) -> Handlers:
         return Handlers(
@@ -302,10 +320,7 @@ class SwarmNode:
                 [bin(int.from_bytes(b, "little")).count("1") for _, b in ann.partial],
             )
         self._note_peers_changed(news=True)
-        if ann.head_counter > max(self.head_counter, self._head_fetching) and self.board is None:
-            # One fetch per newer counter: every peer pushing the same head would otherwise cost a
-            # fetch and a signature check each.  If it fails, the next announcement retries.
-            self._head_fetching = ann.head_counter
+        if self.board is None and self.follow.fetch_for(ann.head_counter):
             self._spawn(self._fetch_head(prefer=sender.addr, counter=ann.head_counter))
 
     def _apply_membership_events(self) -> None:
@@ -439,8 +454,7 @@ class SwarmNode:
         if data is None:
             return
         head = Head.from_bytes(Envelope.from_bytes(data, "patchswarm/head").body)
-        if head.counter != self.head_counter:
-            self.head, self.head_counter = head, head.counter
+        if self.follow.board_head(head):
             self.complete = [e.manifest_id for e in head.catalog]
             named = {Board.manifest_rel(mid) for mid in self.complete}
             self.seeding.keep_objects(named)
@@ -468,8 +482,7 @@ class SwarmNode:
         try:
             await self._fetch_head_once(prefer)
         finally:
-            if self._head_fetching == counter:
-                self._head_fetching = -1
+            self.follow.fetch_ended(counter)
 
     async def _fetch_head_once(self, prefer: str | None) -> None:
         before = self.head_counter
@@ -502,10 +515,10 @@ class SwarmNode:
         finally:
             self._keep_trusted()
         self.head_error = None
-        if accepted is None or (self.head_counter != before and accepted.counter <= self.head_counter):
-            return  # (or another fetch accepted this head, or a newer one, while this one was verifying)
-        head = accepted
-        self.head, self.head_counter = head, head.counter
+        if not self.follow.accept(accepted, before):
+            return
+        head = self.follow.head
+        assert head is not None
         self.marks.append(("head", head.version, self.clock.now()))
         log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
         self.objects[Board.head_rel(self.config.run_id)] = data
@@ -521,15 +534,10 @@ class SwarmNode:
     def _warn_head_refused(self, e: Exception) -> None:
         # A frozen board (or any refusal that repeats at every poll) is one warning a minute, not one
         # per poll: the status and the metrics say it continuously.  A new refusal is always told.
-        what, now = str(e), self.clock.now()
-        last = self._head_warned.get(what)
-        if last is not None and now - last < HEAD_WARN_INTERVAL:
+        what = str(e)
+        if not self.follow.warn(what, self.clock.now()):
             log.debug("%s: head refused: %s", self.info.node_id, what)
             return
-        if len(self._head_warned) >= 64:  # refusals from many sources: keep only the recent ones
-            self._head_warned = {k: t for k, t in self._head_warned.items() if now - t < HEAD_WARN_INTERVAL}
-        if len(self._head_warned) < 64:
-            self._head_warned[what] = now
         log.warning("%s: head refused: %s", self.info.node_id, what)
 
     def _keep_trusted(self) -> None:
@@ -576,9 +584,7 @@ class SwarmNode:
 
     def retry_delay(self) -> float:
         """How long to wait after ``failures`` failed catch-ups in a row: bounded, with jitter."""
-        cfg = self.config
-        step = min(cfg.retry_backoff_max, cfg.retry_backoff * 2.0 ** min(self.failures - 1, 32))
-        return step / 2 + self.rng.uniform(0.0, step / 2)
+        return retry_delay(self.config, self.failures, self.rng)
 
     async def _catch_up(self, head: Head) -> None:
         steps = plan(head.catalog, self.held.version if self.held else None, head.version)
