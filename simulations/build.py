@@ -30,8 +30,11 @@ PACKAGES = ("protocol", "swarm", "simulations", "daemon")
 # (simulations/clock.py itself cannot be: its loop subclasses asyncio's classes; its per-callback work
 # is in loop_core.py).
 NATIVE_MODULES = (
+    "patchswarm/protocol/announce.py",
     "patchswarm/protocol/bitfield.py",
+    "patchswarm/protocol/download.py",
     "patchswarm/protocol/draws.py",
+    "patchswarm/protocol/head_follow.py",
     "patchswarm/protocol/membership.py",
     "patchswarm/protocol/node_config.py",
     "patchswarm/protocol/ordered.py",
@@ -41,6 +44,7 @@ NATIVE_MODULES = (
     "patchswarm/protocol/seeding.py",
     "patchswarm/protocol/uploads.py",
     "patchswarm/protocol/wire.py",
+    "patchswarm/swarm/download.py",
     "patchswarm/swarm/futures.py",
     "patchswarm/swarm/node.py",
     "patchswarm/swarm/node_metrics.py",

@@ -35,7 +35,8 @@ from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from patchswarm.simulations.network import Backbone, Host, Network, Region
 from patchswarm.simulations.transport import MessageStats, SimNet
-from patchswarm.swarm.node import ApplyVersion, SwarmNode, VerifyChunk
+from patchswarm.swarm.download import VerifyChunk
+from patchswarm.swarm.node import ApplyVersion, SwarmNode
 from patchswarm.swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
 
 

@@ -22,11 +22,10 @@ from typing import Any
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.pull import Held, Puller
 from patchswarm.protocol.announce import AnnouncePolicy
-from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.catalog import CatalogEntry, plan
-from patchswarm.protocol.chunks import ChunkRef, verify_chunk
+from patchswarm.protocol.chunks import verify_chunk
 from patchswarm.protocol.download import Downloads, retry_delay
-from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
+from patchswarm.protocol.errors import ExpiredError, PatchswarmError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.head_follow import HeadFollower
 from patchswarm.protocol.keys import KeyPolicy
@@ -35,8 +34,6 @@ from patchswarm.protocol.membership import Membership, MemberState, Message, Nod
 from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.patchfile import apply_version
 from patchswarm.protocol.peers import LiveMembers, PeerView
-from patchswarm.protocol.ratelimit import TokenBucket
-from patchswarm.protocol.scheduler import ChunkScheduler, FailureReason, PeerInfo, Request
 from patchswarm.protocol.seeding import SeedPolicy
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import TrustState
@@ -51,6 +48,7 @@ from patchswarm.protocol.wire import (
     decode_frame,
     encode_frame,
 )
+from patchswarm.swarm.download import ChunkFetcher, VerifyChunk
 from patchswarm.swarm.futures import drain, settle
 from patchswarm.swarm.node_metrics import Metrics
 from patchswarm.swarm.sources import SwarmSource
@@ -61,7 +59,6 @@ from patchswarm.swarm.uploads import ChunkServer
 log = logging.getLogger("patchswarm.swarm")
 
 # Injection points (the simulator passes size-only checks and a no-op apply for sized placeholders).
-VerifyChunk = Callable[[int, bytes, ChunkRef], None]
 ApplyVersion = Callable[[Held | None, Manifest, list[bytes]], Held | Awaitable[Held]]
 
 
@@ -105,7 +102,7 @@ class SwarmNode:
     ) -> None:
         self.config = config
         self.info = NodeInfo(config.node_id, addr, config.zone, config.region)
-        self.transport = transport
+        self._transport = transport
         self.clock = clock
         self.policy = policy
         self.rng = rng
@@ -114,13 +111,8 @@ class SwarmNode:
         self.objects: dict[str, bytes] = {}  # verified board objects this node serves
         self.held = held
         self.on_version = on_version
-        self.verify_chunk = verify_chunk
         self.apply = apply
         self.metrics = Metrics()
-        # Chunk bytes received per manifest id, from the seed and from peers (per-version accounting;
-        # kept out of Metrics, which daemons print as JSON).
-        self.seed_bytes_by_manifest: dict[bytes, int] = {}
-        self.peer_bytes_by_manifest: dict[bytes, int] = {}
         self.membership = Membership(self.info, config.membership, rng, clock.now())
         # Frame freshness (protocol/wire.py): our frames' counter, and the check on the frames we receive.
         self._frame_seq = int(clock.wall() * 1000) * SEQ_PER_MS
@@ -135,7 +127,6 @@ class SwarmNode:
         self.partial = self.downloads.partial  # the downloads under way: manifest id -> its scheduler
         self.applied: list[CatalogEntry] = []  # every catalog step this node applied, in order
         self.phase = "idle"  # idle | fetching | staging (applying and verifying a version off to the side)
-        self.download_bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
         self.seeding = SeedPolicy(config, self.peers, self._board_chunk_hashes, rng)
         self.uploads = UploadPolicy(config, self.seeding)
         self.upload_bucket = self.uploads.bucket
@@ -147,8 +138,6 @@ class SwarmNode:
         self.source = SwarmSource(self)
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
-        self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
-        self._download_full = False  # it waits with every request it may have in flight out
         self._announce_dirty = False
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._announce_tick: asyncio.Future[None] | None = None  # the announce loop's interval, while it waits
@@ -177,7 +166,35 @@ class SwarmNode:
         self.failures = 0  # catch-ups failed in a row (the retry backoff grows with it)
         self.retry_at: float | None = None  # clock time of the next try, while a failed one waits
 
+        self.fetcher = ChunkFetcher(
+            config,
+            self.info,
+            self.chunks,
+            clock,
+            transport,
+            self.downloads,
+            self.metrics,
+            rng,
+            verify_chunk,
+            self.marks,
+            self._got_chunk,
+            self._loop,
+        )
+        self.download_bucket = self.fetcher.bucket
+        self.seed_bytes_by_manifest = self.fetcher.seed_bytes_by_manifest  # chunk bytes per manifest id
+        self.peer_bytes_by_manifest = self.fetcher.peer_bytes_by_manifest
+
     # ------------------------------------------------------------ lifecycle
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        """(A partitioned simulation gives its nodes their transport after they are built.)"""
+        self._transport = transport
+        self.fetcher.transport = transport
 
     @property
     def head(self) -> Head | None:
@@ -319,7 +336,7 @@ class SwarmNode:
                 sender.node_id,
                 [bin(int.from_bytes(b, "little")).count("1") for _, b in ann.partial],
             )
-        self._note_peers_changed(news=True)
+        self.fetcher.wake(news=True)
         if self.board is None and self.follow.fetch_for(ann.head_counter):
             self._spawn(self._fetch_head(prefer=sender.addr, counter=ann.head_counter))
 
@@ -328,7 +345,7 @@ class SwarmNode:
             self.live.track(info, state, self.clock.now())
             if state in (MemberState.DEAD, MemberState.LEFT):
                 self.downloads.gone(info.node_id)
-                self._note_peers_changed()
+                self.fetcher.wake()
 
     def settle_members(self) -> None:
         """Take the membership's news so far as old: a node given the view of a running swarm (a
@@ -601,12 +618,17 @@ class SwarmNode:
             if prepare is not None:
                 prepare(self.held, manifest)
             try:
-                parts = await self._download(manifest)
+                parts = await self.fetcher.download(manifest)
             except BaseException:
                 discard = getattr(self.apply, "discard", None)
                 if discard is not None:
                     discard(manifest)
                 raise
+            mid = manifest.manifest_id
+            if mid in self.complete:  # (a retry after a failed activation: downloaded before)
+                self.complete.remove(mid)
+            self.complete.append(mid)
+            self.complete = self.complete[-16:]
             self.marks.append(("chunks", entry.version, self.clock.now()))
             self.phase = "staging"
             applied = self.apply(self.held, manifest, parts)
@@ -627,60 +649,10 @@ class SwarmNode:
                 break  # a newer head arrived: replan from here
         self.phase = "idle"
 
-    async def _download(self, manifest: Manifest) -> list[bytes]:
-        mid = manifest.manifest_id
-        sizes = [c.size for c in manifest.chunks]
-        have = Bitfield(len(sizes))
-        for i, ref in enumerate(manifest.chunks):
-            if ref.hash in self.chunks:
-                have.set(i)
-        me = PeerInfo(self.info.node_id, self.info.zone, self.info.region)
-        sched = ChunkScheduler(sizes, me, self.config.scheduler, self.rng, have)
-        self.downloads.start(mid, sched, self.clock.now())
-        pinned = getattr(self.chunks, "pinned", None)
-        if isinstance(pinned, set):
-            pinned.update(ref.hash for ref in manifest.chunks)
-        running: dict[tuple[int, str], asyncio.Task[None]] = {}
-        seed_asked: dict[int, float] = {}  # chunk -> when Downloads.ask_seeds_again last put it to the seeds
-        try:
-            while not sched.complete:
-                now = self.clock.now()
-                self.downloads.refresh(sched, mid, len(sizes), now)
-                for req in sched.expired(now):
-                    task = running.pop((req.chunk, req.peer_id), None)
-                    if task:
-                        task.cancel()
-                requests = sched.next_requests(now)
-                if not requests and not running and self.downloads.ask_seeds_again(sched, len(sizes), seed_asked, now):
-                    requests = sched.next_requests(now)
-                for req in requests:
-                    running[(req.chunk, req.peer_id)] = self._loop().create_task(
-                        self._fetch(sched, manifest, mid, req, running)
-                    )
-                if sched.complete:
-                    break
-                self._download_full = sched.full
-                deadline = sched.next_deadline()
-                timeout = 0.25 if deadline is None else max(0.005, min(0.25, deadline - self.clock.now()))
-                await self._until_change(timeout)
-        finally:
-            self._download_full = False
-            for task in running.values():
-                task.cancel()
-            self.downloads.finish(mid)
-            if isinstance(pinned, set):
-                pinned.difference_update(ref.hash for ref in manifest.chunks)
-        parts = []
-        for ref in manifest.chunks:
-            data = self.chunks.get(ref.hash)
-            if data is None:
-                raise ChunkError(-1, "a verified chunk was evicted before assembly")
-            parts.append(data)
-        if mid in self.complete:  # (a retry after a failed activation: downloaded before)
-            self.complete.remove(mid)
-        self.complete.append(mid)
-        self.complete = self.complete[-16:]
-        return parts
+    def _got_chunk(self, mid: bytes, chunk: int, rare: bool) -> None:
+        """A download verified and stored a chunk: announce it, and tell our stripe's children at once."""
+        self._availability_changed(rare=rare)
+        self._tell_children(mid, chunk)
 
     def _tell_children(self, mid: bytes, chunk: int) -> None:
         """A relay's news of a chunk of its stripe goes to that stripe's children at once."""
@@ -692,115 +664,6 @@ class SwarmNode:
             info = self.live.get(child)
             if info is not None:
                 self.transport.post(info.addr, frame)
-
-    def _note_peers_changed(self, *, news: bool = False) -> None:
-        """Wake the download loop.  ``news`` (an announcement): not while every request it may have in
-        flight is out, since it could start none; a fetch that ends wakes it, and the news is
-        waiting in ``Downloads.dirty`` then (simulated swarms: most announcements reach a full downloader)."""
-        waiter = self._change_waiter
-        if news and self._download_full:
-            return
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _until_change(self, timeout: float) -> None:
-        """Wait until what peers hold changes, a fetch ends (``_fetch`` wakes it on its way out), or
-        ``timeout`` (loop) seconds pass.
-
-        One future and one timer rather than helper tasks or callbacks on every fetch: a download
-        loop wakes about once per chunk, so this is on the hot path of large (simulated) swarms."""
-        loop = self._loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        timer = loop.call_later(max(0.0, timeout), settle, fut, None)
-        self._change_waiter = fut
-        try:
-            await fut
-        finally:
-            self._change_waiter = None
-            timer.cancel()
-
-    def _take_hints(self, mid: bytes, chunk: int, holders: tuple[str, ...], missing: int) -> None:
-        """A refusal named peers that got ``chunk``: ask them (``Downloads.take_hints``)."""
-        if self.downloads.take_hints(mid, chunk, holders, missing, self.clock.now()):
-            self._note_peers_changed()
-
-    async def _fetch(
-        self,
-        sched: ChunkScheduler,
-        manifest: Manifest,
-        mid: bytes,
-        req: Request,
-        running: dict[tuple[int, str], asyncio.Task[None]],
-    ) -> None:
-        ref = manifest.chunks[req.chunk]
-        view = self.peers.get(req.peer_id)
-        try:
-            if view is None:
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
-                return
-            now = self.clock.now()
-            if (pause := self.download_bucket.reserve(now, ref.size) - now) > 0:
-                await self.clock.sleep(pause)
-            start = self.clock.now()
-            try:
-                timeout = max(req.deadline - start, 0.05)
-                reply = await self.transport.get_chunk(
-                    view.info.addr, ref.hash, ref.size, timeout, self.info.node_id, sched.held_count
-                )
-            except TransportError:
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
-                return
-
-            log.debug(
-                "%s: chunk %d from %s -> %s after %.3fs",
-                self.info.node_id,
-                req.chunk,
-                req.peer_id,
-                type(reply).__name__,
-                self.clock.now() - start,
-            )
-            if isinstance(reply, Busy):
-                self.metrics.busy_replies += 1
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
-                self._take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
-                return
-            if isinstance(reply, Missing):
-                self.downloads.missing_at(mid, req.peer_id, req.chunk)
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
-                self._take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
-                return
-            try:
-                self.verify_chunk(req.chunk, reply, ref)
-            except ChunkError as e:
-                self.metrics.hash_failures += 1
-                self.metrics.bans += 1
-                log.warning("%s: %s from %s: banned", self.info.node_id, e, req.peer_id)
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.HASH)
-                return
-            if sched.holds(req.chunk):
-                return  # an endgame duplicate lost the race
-            self.chunks.put(ref.hash, reply)
-            if sched.held_count == 0:
-                self.marks.append(("chunk", manifest.version, self.clock.now()))
-            if view.ann.seed:
-                self.metrics.bytes_from_seed += len(reply)
-                by = self.seed_bytes_by_manifest
-            else:
-                self.metrics.bytes_from_peers += len(reply)
-                by = self.peer_bytes_by_manifest
-            by[mid] = by.get(mid, 0) + len(reply)
-            end = self.clock.now()
-            for dup in sched.on_success(end, req.chunk, req.peer_id, len(reply), max(end - start, 1e-6)):
-                # Popped here: a task cancelled before it first ran never reaches its own ``finally``,
-                # and a stale entry in ``running`` would keep the loop from asking the seeds again.
-                task = running.pop((dup.chunk, dup.peer_id), None)
-                if task is not None and task is not asyncio.current_task():
-                    task.cancel()
-            self._availability_changed(rare=sched.holders(req.chunk) <= self.config.announce_rare)
-            self._tell_children(mid, req.chunk)
-        finally:
-            running.pop((req.chunk, req.peer_id), None)
-            self._note_peers_changed()  # (a task the loop cancels before it first ran never gets here: nor need it)
 
     async def _wait(self, event: asyncio.Event, timeout: float) -> None:
         waiter = asyncio.ensure_future(event.wait())

@@ -346,9 +346,9 @@ def test_news_does_not_wake_a_downloader_with_every_request_out() -> None:
         loop = asyncio.get_running_loop()
         results = []
         for full, news in ((True, True), (True, False), (False, True)):
-            node._download_full = full
-            node._change_waiter = waiter = loop.create_future()
-            node._note_peers_changed(news=news)
+            node.fetcher.full = full
+            node.fetcher.change_waiter = waiter = loop.create_future()
+            node.fetcher.wake(news=news)
             results.append(waiter.done())
         return results[0], results[1], results[2]
 
@@ -453,7 +453,7 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
 
     async def main() -> tuple[dict[tuple[int, str], asyncio.Task[None]], bool, bool]:
         node = _node("a")
-        node.verify_chunk = lambda index, data, ref: None  # type: ignore[method-assign]
+        node.fetcher.verify_chunk = lambda index, data, ref: None
         loop = asyncio.get_running_loop()
         gate: asyncio.Future[None] = loop.create_future()
         sched = ChunkScheduler([100], PeerInfo("a"), SchedulerConfig(endgame_remaining=1), random.Random(0))
@@ -473,12 +473,12 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
         node.transport = SimpleNamespace(get_chunk=get_chunk)  # type: ignore[assignment]
         manifest = SimpleNamespace(chunks=[SimpleNamespace(hash=b"h" * 32, size=100)], version=1)
         running: dict[tuple[int, str], asyncio.Task[None]] = {}
-        winner = asyncio.create_task(node._fetch(sched, manifest, b"m", first, running))  # type: ignore[arg-type]
+        winner = asyncio.create_task(node.fetcher.fetch(sched, manifest, b"m", first, running))  # type: ignore[arg-type]
         running[(first.chunk, first.peer_id)] = winner
         for _ in range(5):
             await asyncio.sleep(0)  # the winner now waits for its reply
         gate.set_result(None)  # its reply is due before the duplicate's task first runs
-        loser = asyncio.create_task(node._fetch(sched, manifest, b"m", dup, running))  # type: ignore[arg-type]
+        loser = asyncio.create_task(node.fetcher.fetch(sched, manifest, b"m", dup, running))  # type: ignore[arg-type]
         running[(dup.chunk, dup.peer_id)] = loser
         for _ in range(5):
             await asyncio.sleep(0)
