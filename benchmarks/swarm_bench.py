@@ -296,8 +296,9 @@ def worker_swarm(role: str, argv: list[str]) -> int:
 def trace_apply() -> None:
     """Print the wall and CPU time of each apply_version (a diagnostic, with --trace)."""
     import patchswarm.swarm.node
+    import patchswarm.swarm.staging
 
-    inner = getattr(patchswarm.swarm.node, "apply_version")  # noqa: B009 - patched below
+    inner = getattr(patchswarm.swarm.staging, "apply_version")  # noqa: B009 - patched below
 
     def timed(*a: Any, **kw: Any) -> Any:
         t, c = time.monotonic(), time.process_time()
@@ -307,7 +308,7 @@ def trace_apply() -> None:
             rec = {"event": "apply", "start": t, "wall": time.monotonic() - t, "cpu": time.process_time() - c}
             print(json.dumps(rec), flush=True)
 
-    setattr(patchswarm.swarm.node, "apply_version", timed)  # noqa: B010 - a diagnostic wrapper
+    setattr(patchswarm.swarm.staging, "apply_version", timed)  # noqa: B010 - a diagnostic wrapper
 
     # Count gossip frames sent and received (the HTTP transport's POSTs).
     import patchswarm.swarm.http

@@ -59,9 +59,9 @@ from patchswarm.protocol.scheduler import SchedulerConfig
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.client_errors import describe
-from patchswarm.swarm.node import apply_chunks_off_loop
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
+from patchswarm.swarm.staging import apply_chunks_off_loop
 
 T = TypeVar("T")
 

@@ -36,7 +36,8 @@ from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, 
 from patchswarm.simulations.network import Backbone, Host, Network, Region
 from patchswarm.simulations.transport import MessageStats, SimNet
 from patchswarm.swarm.download import VerifyChunk
-from patchswarm.swarm.node import ApplyVersion, SwarmNode
+from patchswarm.swarm.node import SwarmNode
+from patchswarm.swarm.staging import ApplyVersion
 from patchswarm.swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
 
 

@@ -25,18 +25,15 @@ from patchswarm.protocol.announce import AnnouncePolicy
 from patchswarm.protocol.catalog import CatalogEntry, plan
 from patchswarm.protocol.chunks import verify_chunk
 from patchswarm.protocol.download import Downloads, retry_delay
-from patchswarm.protocol.errors import ExpiredError, PatchswarmError
+from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.head_follow import HeadFollower
 from patchswarm.protocol.keys import KeyPolicy
-from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.membership import Membership, MemberState, Message, NodeInfo, Send
 from patchswarm.protocol.node_config import NodeConfig
-from patchswarm.protocol.patchfile import apply_version
 from patchswarm.protocol.peers import LiveMembers, PeerView
 from patchswarm.protocol.seeding import SeedPolicy
 from patchswarm.protocol.signed import Envelope
-from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.uploads import UploadPolicy
 from patchswarm.protocol.wire import (
     SEQ_PER_MS,
@@ -49,37 +46,17 @@ from patchswarm.protocol.wire import (
     encode_frame,
 )
 from patchswarm.swarm.download import ChunkFetcher, VerifyChunk
-from patchswarm.swarm.futures import drain, settle
+from patchswarm.swarm.futures import settle
+from patchswarm.swarm.heads import HeadFetcher
 from patchswarm.swarm.node_metrics import Metrics
 from patchswarm.swarm.sources import SwarmSource
+from patchswarm.swarm.staging import ApplyVersion, apply_chunks
 from patchswarm.swarm.stores import ChunkStore, MemoryChunkStore
 from patchswarm.swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
 from patchswarm.swarm.uploads import ChunkServer
 
 log = logging.getLogger("patchswarm.swarm")
 
-# Injection points (the simulator passes size-only checks and a no-op apply for sized placeholders).
-ApplyVersion = Callable[[Held | None, Manifest, list[bytes]], Held | Awaitable[Held]]
-
-
-def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
-    """The production apply: join the verified chunks and apply them to a copy of the held model."""
-    base = held if held is not None and manifest.base_version is not None else None
-    model, digests = apply_version(
-        base.model.clone() if base else None, manifest, b"".join(parts), base_digests=base.digests if base else None
-    )
-    return Held(manifest.version, model, digests)
-
-
-async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
-    """``apply_chunks`` in a worker thread: decoding and hashing a big model takes seconds, during
-    which a rollout daemon must keep answering its API and sidecar (daemon/rollout.py uses this).
-    Not the default: with many nodes on few cores (the loopback benchmark) the extra thread costs
-    more CPU than it saves (measured: 31 -> 40 CPU-s, 1.97x -> 2.2x the bound)."""
-    return await asyncio.to_thread(apply_chunks, held, manifest, parts)
-
-
-MAX_OBJECT_BYTES = 64 << 20
 REJOIN_INTERVAL = 5.0
 
 
@@ -166,6 +143,18 @@ class SwarmNode:
         self.failures = 0  # catch-ups failed in a row (the retry backoff grows with it)
         self.retry_at: float | None = None  # clock time of the next try, while a failed one waits
 
+        self.heads = HeadFetcher(
+            config,
+            config.node_id,
+            clock,
+            self.follow,
+            self.source,
+            self.puller,
+            self.objects,
+            self.partial,
+            self.marks,
+            self._took_head,
+        )
         self.fetcher = ChunkFetcher(
             config,
             self.info,
@@ -338,7 +327,7 @@ class SwarmNode:
             )
         self.fetcher.wake(news=True)
         if self.board is None and self.follow.fetch_for(ann.head_counter):
-            self._spawn(self._fetch_head(prefer=sender.addr, counter=ann.head_counter))
+            self._spawn(self.heads.fetch(prefer=sender.addr, counter=ann.head_counter))
 
     def _apply_membership_events(self) -> None:
         for info, state in self.membership.drain_events():
@@ -492,85 +481,8 @@ class SwarmNode:
 
     async def _head_poll_loop(self) -> None:
         while not self._stopping:
-            await self._fetch_head(prefer=None)
+            await self.heads.fetch(prefer=None)
             await self.clock.sleep(self.config.head_poll_interval)
-
-    async def _fetch_head(self, prefer: str | None, counter: int = -1) -> None:
-        try:
-            await self._fetch_head_once(prefer)
-        finally:
-            self.follow.fetch_ended(counter)
-
-    async def _fetch_head_once(self, prefer: str | None) -> None:
-        before = self.head_counter
-        try:
-            # The root is refreshed (TUF: before a head is trusted) while the head travels: one round
-            # trip instead of two on every new head.  If the refresh fails, the head is not waited for.
-            travelling = asyncio.ensure_future(
-                self.source.get(Board.head_rel(self.config.run_id), 16 << 20, prefer=prefer)
-            )
-            try:
-                await self.puller.refresh_trust()
-            except BaseException:
-                travelling.cancel()
-                travelling.add_done_callback(drain)  # it may have failed already
-                raise
-            data = await travelling
-            if data is None:
-                return
-            # Verified, checked against the high-water mark (rewind, equivocation) and counted when refused.
-            accepted = await self.puller.accept_head(data, newer_than=self.head_counter)
-        except (PatchswarmError, TransportError) as e:
-            self._warn_head_refused(e)
-            # e.g. expired beyond the clock skew: the host reports it; but a source still serving an
-            # expired head does not mark the board frozen while the head this node holds is fresh
-            # (a concurrent fetch may have just accepted a newer one).
-            stale = isinstance(e, ExpiredError) and e.document == "head" and self._head_is_fresh()
-            if isinstance(e, PatchswarmError) and not stale:
-                self.head_error = str(e)
-            return
-        finally:
-            self._keep_trusted()
-        self.head_error = None
-        if not self.follow.accept(accepted, before):
-            return
-        head = self.follow.head
-        assert head is not None
-        self.marks.append(("head", head.version, self.clock.now()))
-        log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
-        self.objects[Board.head_rel(self.config.run_id)] = data
-        self._forget_manifests(head)
-        self._availability_changed()
-        self._wake.set()
-        self._push_head()
-
-    def _head_is_fresh(self) -> bool:
-        """The head this node holds has not expired (beyond the trust's clock skew)."""
-        return self.head is not None and self.puller.is_fresh(self.head)
-
-    def _warn_head_refused(self, e: Exception) -> None:
-        # A frozen board (or any refusal that repeats at every poll) is one warning a minute, not one
-        # per poll: the status and the metrics say it continuously.  A new refusal is always told.
-        what = str(e)
-        if not self.follow.warn(what, self.clock.now()):
-            log.debug("%s: head refused: %s", self.info.node_id, what)
-            return
-        log.warning("%s: head refused: %s", self.info.node_id, what)
-
-    def _keep_trusted(self) -> None:
-        """Serve the certificates and root documents this node has verified: a node asks the peer
-        that served it a head for that head's certificate before it asks the seed."""
-        trust = self.puller.trust
-        if isinstance(trust, TrustState):
-            self.objects.update(self.source.take_trusted(trust))
-
-    def _forget_manifests(self, head: Head) -> None:
-        """Stop serving manifests the head's catalog no longer names (or the node would keep every
-        manifest it ever fetched: about 1 MB per version of a large model)."""
-        named = {Board.manifest_rel(e.manifest_id) for e in head.catalog}
-        named.update(Board.manifest_rel(mid) for mid in self.partial)
-        for rel in [r for r in self.objects if r.startswith("manifests/") and r not in named]:
-            del self.objects[rel]
 
     # ------------------------------------------------------------ fetching versions
 
@@ -613,7 +525,7 @@ class SwarmNode:
             rel = Board.manifest_rel(entry.manifest_id)
             self.objects[rel] = signed  # the bytes that verified, and only those, are served
             self.source.forget(rel)
-            self._keep_trusted()  # the manifest signer's certificate
+            self.heads.keep_trusted()  # the manifest signer's certificate
             prepare = getattr(self.apply, "prepare", None)  # e.g. swarm.staging.StagedApply
             if prepare is not None:
                 prepare(self.held, manifest)
@@ -648,6 +560,12 @@ class SwarmNode:
             if self.head is not None and self.head.version != head.version:
                 break  # a newer head arrived: replan from here
         self.phase = "idle"
+
+    def _took_head(self) -> None:
+        """A newer head was taken: announce it, and wake the catch-up."""
+        self._availability_changed()
+        self._wake.set()
+        self._push_head()
 
     def _got_chunk(self, mid: bytes, chunk: int, rare: bool) -> None:
         """A download verified and stored a chunk: announce it, and tell our stripe's children at once."""

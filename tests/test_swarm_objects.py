@@ -324,7 +324,7 @@ def test_a_failed_root_refresh_does_not_leave_the_head_fetch_running() -> None:
 
         node.source.get = slow_get  # type: ignore[method-assign]
         node.puller.refresh_trust = failing_refresh  # type: ignore[method-assign]
-        await node._fetch_head_once(None)
+        await node.heads.fetch_once(None)
         await asyncio.sleep(0)  # the cancellation lands
         return (
             list(cancelled),
