@@ -1,5 +1,11 @@
-"""The asyncio swarm node: drives the sans-IO cores (membership, chunk scheduler) over a
-Transport and a Clock, so the same node runs on real sockets and in virtual time.
+"""The asyncio swarm node: drives the sans-IO cores over a Transport and a Clock, so the same node
+runs on real sockets and in virtual time.
+
+The rules are in protocol/: membership, the chunk scheduler, and the node's own (announce.py what
+to announce and to whom, uploads.py and seeding.py the upload slots and the seed's serving policy,
+head_follow.py the head followed, download.py what downloads know of their peers).  This module
+holds the node's lifecycle, its gossip and membership loops and the catch-up; serving chunks is in
+swarm/uploads.py, fetching them in swarm/download.py, fetching heads in swarm/heads.py.
 
 A node follows one run: it learns of new heads (gossip, or polling the seed's board), plans
 the fewest-bytes path from the version it holds, fetches each manifest and then every chunk
@@ -142,7 +148,6 @@ class SwarmNode:
         self.error: str | None = None  # why the last catch-up failed (None once one succeeds)
         self.failures = 0  # catch-ups failed in a row (the retry backoff grows with it)
         self.retry_at: float | None = None  # clock time of the next try, while a failed one waits
-
         self.heads = HeadFetcher(
             config,
             config.node_id,
