@@ -191,6 +191,15 @@ class SwarmNode:
         self.fetcher.transport = transport
 
     @property
+    def verify_chunk(self) -> VerifyChunk:
+        """How a received chunk is checked (the simulator's placeholders: by size alone)."""
+        return self.fetcher.verify_chunk
+
+    @verify_chunk.setter
+    def verify_chunk(self, verify: VerifyChunk) -> None:
+        self.fetcher.verify_chunk = verify
+
+    @property
     def head(self) -> Head | None:
         """The head this node follows (verified; a seed: its board's)."""
         return self.follow.head
