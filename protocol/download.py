@@ -113,6 +113,7 @@ class Downloads:
         return True
 
     def touch(self, node_id: str) -> None:
+        """What ``node_id`` holds may have changed (a hint): every download looks at it again."""
         view = self.peers.get(node_id)
         if view is not None:
             self.seq += 1
