@@ -294,8 +294,9 @@ def worker_swarm(role: str, argv: list[str]) -> int:
 def trace_apply() -> None:
     """Print the wall and CPU time of each apply_version (a diagnostic, with --trace)."""
     import patchswarm.swarm.node
+    import patchswarm.swarm.staging
 
-    inner = getattr(patchswarm.swarm.node, "apply_version")  # noqa: B009 - patched below
+    inner = getattr(patchswarm.swarm.staging, "apply_version")  # noqa: B009 - patched below
 
     def timed(*a: Any, **kw: Any) -> Any:
         t, c = time.monotonic(), time.process_time()
@@ -305,7 +306,7 @@ def trace_apply() -> None:
             rec = {"event": "apply", "start": t, "wall": time.monotonic() - t, "cpu": time.process_time() - c}
             print(json.dumps(rec), flush=True)
 
-    setattr(patchswarm.swarm.node, "apply_version", timed)  # noqa: B010 - a diagnostic wrapper
+    setattr(patchswarm.swarm.staging, "apply_version", timed)  # noqa: B010 - a diagnostic wrapper
 
     # Count gossip frames sent and received (the HTTP transport's POSTs).
     import patchswarm.swarm.http
@@ -345,7 +346,7 @@ async def trace(node: Any) -> None:
             "busy": m.busy_replies,
             "peers": len(node.peers),
             "slots": node.upload_slots.in_use,
-            "queued": len(node._upload_queue),
+            "queued": len(node.serving.queue),
             "held": node.held.version if node.held else None,
             **GOSSIP,
         }

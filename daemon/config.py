@@ -25,7 +25,7 @@ from typing import Any
 from patchswarm.daemon.run_rules import check_run_id
 from patchswarm.protocol.files import InputFileError, MissingFileError, read_file
 from patchswarm.protocol.keys import MAX_KEY_FILE_BYTES
-from patchswarm.swarm.node import NodeConfig
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.swarm.serving import ServerLimits
 
 

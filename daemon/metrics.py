@@ -22,8 +22,8 @@ from prometheus_client import (
 )
 
 from patchswarm.daemon.config import bind_errors, split_listen
-from patchswarm.swarm.node import Metrics as NodeMetrics
 from patchswarm.swarm.node import SwarmNode
+from patchswarm.swarm.node_metrics import Metrics as NodeMetrics
 from patchswarm.swarm.serving import ServerLimits, serve_tcp
 
 # Head seen -> version active: a catch-up of a few steps over a slow link takes minutes.

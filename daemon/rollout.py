@@ -58,13 +58,14 @@ from patchswarm.daemon.weightstore import (
 from patchswarm.protocol.head import utc_text
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import load_public_key
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.client_errors import describe
-from patchswarm.swarm.node import NodeConfig, apply_chunks_off_loop
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
+from patchswarm.swarm.staging import apply_chunks_off_loop
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from patchswarm.daemon.head_cli import add_seed_refresh_args, seed_refresher
 
 if TYPE_CHECKING:
     from patchswarm.protocol.held import Held
-    from patchswarm.swarm.node import NodeConfig
+    from patchswarm.protocol.node_config import NodeConfig
     from patchswarm.swarm.server import RunningNode
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
@@ -111,7 +111,7 @@ def add_seed_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConfig:
-    from patchswarm.swarm.node import NodeConfig
+    from patchswarm.protocol.node_config import NodeConfig
 
     # The seed's own slots, line and copy window are separate fields (a trainer seed is tuned apart
     # from the rollout hosts); flags left out keep NodeConfig's defaults.

@@ -28,6 +28,7 @@ from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.membership_messages import Sync
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.signed import Envelope
 from patchswarm.simulations import partitioned
@@ -36,7 +37,9 @@ from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, 
 from patchswarm.simulations.network import Backbone, Host, Network, Region
 from patchswarm.simulations.transport import MessageStats, SimNet
 from patchswarm.swarm.board_files import BoardReader
-from patchswarm.swarm.node import ApplyVersion, NodeConfig, SwarmNode, VerifyChunk
+from patchswarm.swarm.download import VerifyChunk
+from patchswarm.swarm.node import SwarmNode
+from patchswarm.swarm.staging import ApplyVersion
 from patchswarm.swarm.stores import BoardChunkStore, ChunkStore, MemoryChunkStore
 
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.files import read_file
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.simulations.network import Backbone, Host, Region
-from patchswarm.swarm.node import NodeConfig
 
 MAX_HOSTS = 10_000
 MAX_REGIONS = 4

@@ -1,5 +1,11 @@
-"""The asyncio swarm node: drives the sans-IO cores (membership, chunk scheduler) over a
-Transport and a Clock, so the same node runs on real sockets and in virtual time.
+"""The asyncio swarm node: drives the sans-IO cores over a Transport and a Clock, so the same node
+runs on real sockets and in virtual time.
+
+The rules are in protocol/: membership, the chunk scheduler, and the node's own (announce.py what
+to announce and to whom, uploads.py and seeding.py the upload slots and the seed's serving policy,
+head_follow.py the head followed, download.py what downloads know of their peers).  This module
+holds the node's lifecycle, its gossip and membership loops and the catch-up; serving chunks is in
+swarm/uploads.py, fetching them in swarm/download.py, fetching heads in swarm/heads.py.
 
 A node follows one run: it learns of new heads (gossip, or polling the seed's board), plans
 the fewest-bytes path from the version it holds, fetches each manifest and then every chunk
@@ -15,33 +21,27 @@ import collections
 import contextlib
 import inspect
 import logging
-import math
 import random
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
-from patchswarm.protocol import draws
-from patchswarm.protocol.bitfield import Bitfield
-from patchswarm.protocol.board_names import HEAD_TAG, MAX_HEAD_BYTES, head_rel, manifest_rel
+from patchswarm.protocol.announce import AnnouncePolicy
+from patchswarm.protocol.board_names import HEAD_TAG, head_rel, manifest_rel
 from patchswarm.protocol.catalog import CatalogEntry, plan
-from patchswarm.protocol.chunks import ChunkRef, verify_chunk
-from patchswarm.protocol.errors import ChunkError, ExpiredError, PatchswarmError
+from patchswarm.protocol.chunks import verify_chunk
+from patchswarm.protocol.download import Downloads, retry_delay
+from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.head import Head
+from patchswarm.protocol.head_follow import HeadFollower
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy
-from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.membership import Membership
-from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.membership_messages import MemberState, Message, NodeInfo, Send
-from patchswarm.protocol.patchfile import apply_version
-from patchswarm.protocol.ratelimit import TokenBucket, UploadSlots
-from patchswarm.protocol.requesters import RequesterLimits
-from patchswarm.protocol.scheduler import ChunkScheduler
-from patchswarm.protocol.scheduler_types import FailureReason, PeerInfo, Request, SchedulerConfig
+from patchswarm.protocol.node_config import NodeConfig
+from patchswarm.protocol.peers import LiveMembers, PeerView
+from patchswarm.protocol.seeding import SeedPolicy
 from patchswarm.protocol.signed import Envelope
-from patchswarm.protocol.trees import StripeTrees
-from patchswarm.protocol.trust import TrustState
+from patchswarm.protocol.uploads import UploadPolicy
 from patchswarm.protocol.wire import (
     SEQ_PER_MS,
     STALE,
@@ -53,171 +53,20 @@ from patchswarm.protocol.wire import (
     encode_frame,
 )
 from patchswarm.swarm.board_files import BoardReader
-from patchswarm.swarm.futures import drain, settle
+from patchswarm.swarm.download import ChunkFetcher, VerifyChunk
+from patchswarm.swarm.futures import settle
+from patchswarm.swarm.heads import HeadFetcher
+from patchswarm.swarm.node_metrics import Metrics
 from patchswarm.swarm.puller import Puller
 from patchswarm.swarm.sources import SwarmSource
+from patchswarm.swarm.staging import ApplyVersion, apply_chunks
 from patchswarm.swarm.stores import ChunkStore, MemoryChunkStore
 from patchswarm.swarm.transport import Busy, Clock, Handlers, Missing, SendChunk, Transport, TransportError
+from patchswarm.swarm.uploads import ChunkServer
 
 log = logging.getLogger("patchswarm.swarm")
 
-# Injection points (the simulator passes size-only checks and a no-op apply for sized placeholders).
-VerifyChunk = Callable[[int, bytes, ChunkRef], None]
-ApplyVersion = Callable[[Held | None, Manifest, list[bytes]], Held | Awaitable[Held]]
-
-
-def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
-    """The production apply: join the verified chunks and apply them to a copy of the held model."""
-    base = held if held is not None and manifest.base_version is not None else None
-    model, digests = apply_version(
-        base.model.clone() if base else None, manifest, b"".join(parts), base_digests=base.digests if base else None
-    )
-    return Held(manifest.version, model, digests)
-
-
-async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
-    """``apply_chunks`` in a worker thread: decoding and hashing a big model takes seconds, during
-    which a rollout daemon must keep answering its API and sidecar (daemon/rollout.py uses this).
-    Not the default: with many nodes on few cores (the loopback benchmark) the extra thread costs
-    more CPU than it saves (measured: 31 -> 40 CPU-s, 1.97x -> 2.2x the bound)."""
-    return await asyncio.to_thread(apply_chunks, held, manifest, parts)
-
-
-def _hand_over(waiting: collections.deque[asyncio.Future[bool]]) -> bool:
-    """Give a freed upload slot to the first request still waiting in ``waiting``; False: none waits."""
-    while waiting:
-        turn = waiting.popleft()
-        if not turn.done():
-            turn.set_result(True)
-            return True
-    return False
-
-
-MAX_OBJECT_BYTES = 64 << 20
-SEED_HOLD_WINDOWS = 4  # a seed withholds a chunk peers announce for at most this many seed_copy_windows
 REJOIN_INTERVAL = 5.0
-HEAD_WARN_INTERVAL = 60.0  # seconds between two warnings of the same head refusal
-
-
-@dataclass
-class NodeConfig:
-    node_id: str
-    run_id: str
-    cluster_secret: bytes
-    zone: str = ""
-    region: str = ""
-    bootstrap: list[str] = field(default_factory=list)  # swarm addresses of peers (or the seed) to join through
-    seed_urls: list[str] = field(default_factory=list)  # board URLs polled for the head as a fallback
-    is_seed: bool = False
-    upload_rate: float = math.inf  # bytes/s
-    download_rate: float = math.inf
-    upload_burst: float = 0.1  # seconds at upload_rate the upload bucket may send at once
-    # An upload slot is held until the chunk is sent.  A relay passes a chunk on only once it has all of
-    # it, so fewer transfers at once spread chunks sooner; but when a requester's downlink is shared, one
-    # transfer does not fill the uplink.  4 (+ 4 waiting) fills it (simulated 10 Gbit/s swarms: 84% of the
-    # links busy against 65% with 2); the seed serves 6 so its uplink stays full while chunks are new.
-    max_uploads: int = 4
-    # Requests waiting for an upload slot before refusals start.  Short: a request waiting here is one
-    # its node cannot place with an idle holder (simulated swarms: 0.61 -> 0.58 s at N = 300 with 2).
-    upload_queue: int = 2
-    upload_queue_wait: float = 0.5
-    seed_max_uploads: int = 6
-    # The seed's line stays longer: it holds chunks nobody else has, so a request it refuses cannot go to
-    # another holder, and its uplink idles until the refused come back (a seed-bound swarm of 8 paced
-    # hosts, tests/unit/simulations/test_sim_agreement.py: 10.2-12.6 s with a line of 2 against 9.3-9.7 s with 4).
-    seed_upload_queue: int = 4
-    busy_retry_after: float = 0.2
-    # Every transfer has a deadline, max(upload_deadline, chunk bytes / upload_floor_rate): a requester
-    # that stops reading would otherwise hold its slot forever, and a few such connections lock every
-    # honest requester out.  On expiry the connection is aborted and the slot freed; the requester (by
-    # the address it connects from) rests upload_stall_rest s, doubling per stall, up to upload_stall_max_rest.
-    upload_deadline: float = 30.0
-    upload_floor_rate: float = 128 * 1024  # bytes/s (a 4 MiB chunk: 32 s)
-    upload_stall_rest: float = 30.0
-    upload_stall_max_rest: float = 900.0
-    # Uploads one requester (by address) may have under way or waiting at once; 0: all slots but one,
-    # so that a single client never holds them all.
-    uploads_per_requester: int = 0
-    # A seed hands out each chunk at most once per window ("super-seeding"): peers then get it from
-    # each other, and the seed's uplink goes to chunks the swarm does not have yet.
-    seed_copy_window: float = 2.0
-    # A seed serves each manifest to this many requesters, then names some of them to the rest (0:
-    # serves everyone): on a cold start every host asks it at once (see handle_object).
-    seed_object_copies: int = 32
-    head_poll_interval: float = 2.0
-    # A failed catch-up is retried after retry_backoff, doubling per failure up to retry_backoff_max,
-    # each wait drawn between half and all of that (the node's RNG: hosts that failed together, say
-    # on a seed's restart, do not retry in step).  A new head cuts a wait short.
-    retry_backoff: float = 0.5
-    retry_backoff_max: float = 8.0
-    announce_interval: float = 0.01  # a 4 MiB chunk takes 3.4 ms at 10 Gbit/s: news of it should not wait much longer
-    # News of a chunk at most this many peers are known to hold goes out at once, not at the next tick:
-    # a new chunk spreads in hops, and each hop waiting for the tick adds up to announce_interval.  0:
-    # chunks nobody else is known to hold (the first hop from the seed): simulated 1,000 hosts 0.595 ->
-    # 0.577 s with 5% fewer events; 2 was 0.568 s for 11% more events and 21% more gossip.
-    announce_rare: int = 0
-    announce_fanout: int = 6  # peers told at once when availability changes (those that lack what we have first)
-    announce_refresh: float = 0.5  # even without changes, a few random peers hear from us this often
-    announce_sample: int = 0  # >0: choose announcement targets among this many random live members (0: all)
-    head_push: bool = True  # a node that accepts a new head tells announce_fanout peers that lack it at once
-    board_watch_interval: float = 0.1  # how often a seed re-reads its board's head
-    # >0: stripe trees of this fan-out (protocol/trees.py) over the members known when a download
-    # starts: a chunk is asked of its stripe's parent, and a relay tells its children of each chunk
-    # of its stripe at once.  0: every request goes where the scheduler's usual rules say.
-    tree_fanout: int = 0
-    # Trees only where this node's member list has not changed for this long: nodes that plan from
-    # different lists wait on parents that are not relaying their stripe (published as 300 hosts
-    # joined, trees planted at once took 2.8x the bound).  A node that may not plant uses the usual rules.
-    tree_settle: float = 1.0
-    cache_bytes: int = 1 << 30
-    membership: MembershipConfig = field(default_factory=MembershipConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        if self.tree_fanout < 0:
-            raise ValueError("tree_fanout must be >= 0")
-        if not 0 <= self.tree_settle < math.inf:
-            raise ValueError("tree_settle must be finite and >= 0")
-        if not (0 < self.upload_deadline < math.inf and self.upload_floor_rate > 0):
-            raise ValueError("upload_deadline must be finite and > 0, upload_floor_rate > 0")
-        if not 0 <= self.upload_stall_rest <= self.upload_stall_max_rest < math.inf:
-            raise ValueError("upload_stall_rest must be >= 0 and at most upload_stall_max_rest (finite)")
-        if self.uploads_per_requester < 0:
-            raise ValueError("uploads_per_requester must be >= 0")
-        if not 0 < self.retry_backoff <= self.retry_backoff_max < math.inf:
-            raise ValueError("retry_backoff must be > 0 and <= retry_backoff_max, which must be finite")
-
-
-@dataclass(init=False)
-class PeerView:
-    info: NodeInfo
-    ann: Announcement
-    seen: float
-    seq: int  # bumps with every announcement or hint about this peer (refresh only what changed)
-
-    # Written out: compiled, it stores the fields directly (the generated __init__ is interpreted).
-    def __init__(self, info: NodeInfo, ann: Announcement, seen: float, seq: int = 0) -> None:
-        self.info = info
-        self.ann = ann
-        self.seen = seen
-        self.seq = seq
-
-
-@dataclass
-class Metrics:
-    bytes_from_peers: int = 0
-    bytes_from_seed: int = 0
-    bytes_uploaded: int = 0
-    chunks_uploaded: int = 0
-    busy_replies: int = 0
-    hash_failures: int = 0
-    bans: int = 0
-    versions_applied: int = 0
-    apply_failures: int = 0
-    upload_stalls: int = 0  # transfers aborted at their deadline (the requester stopped reading)
-    requester_refusals: int = 0  # requests refused for their requester's share or rest (upload_stall_rest)
-    gossip_stale: int = 0  # authenticated gossip frames refused as too old (or too far ahead)
-    gossip_replayed: int = 0  # authenticated gossip frames refused as repeats of one accepted before
 
 
 class SwarmNode:
@@ -239,7 +88,7 @@ class SwarmNode:
     ) -> None:
         self.config = config
         self.info = NodeInfo(config.node_id, addr, config.zone, config.region)
-        self.transport = transport
+        self._transport = transport
         self.clock = clock
         self.policy = policy
         self.rng = rng
@@ -248,13 +97,8 @@ class SwarmNode:
         self.objects: dict[str, bytes] = {}  # verified board objects this node serves
         self.held = held
         self.on_version = on_version
-        self.verify_chunk = verify_chunk
         self.apply = apply
         self.metrics = Metrics()
-        # Chunk bytes received per manifest id, from the seed and from peers (per-version accounting;
-        # kept out of Metrics, which daemons print as JSON).
-        self.seed_bytes_by_manifest: dict[bytes, int] = {}
-        self.peer_bytes_by_manifest: dict[bytes, int] = {}
         self.membership = Membership(self.info, config.membership, rng, clock.now())
         # Frame freshness (protocol/wire.py): our frames' counter, and the check on the frames we receive.
         self._frame_seq = int(clock.wall() * 1000) * SEQ_PER_MS
@@ -262,61 +106,42 @@ class SwarmNode:
             round(config.membership.frame_window * 1000), round(config.membership.frame_skew * 1000)
         )
         self.peers: dict[str, PeerView] = {}
-        self.head: Head | None = None
-        self.head_counter = -1
+        self.follow = HeadFollower()  # the head held, the fetch under way, refusals warned of
         self.complete: list[bytes] = []  # manifest ids whose chunks this node holds in full (newest last)
-        self.partial: dict[bytes, ChunkScheduler] = {}
+        self.live = LiveMembers()  # live members, kept from membership events
+        self.downloads = Downloads(config, self.info, self.peers, self.live)
+        self.partial = self.downloads.partial  # the downloads under way: manifest id -> its scheduler
         self.applied: list[CatalogEntry] = []  # every catalog step this node applied, in order
         self.phase = "idle"  # idle | fetching | staging (applying and verifying a version off to the side)
-        # Bursts of a tenth of a second: a limit holds over any window longer than that.
-        self.upload_bucket = TokenBucket(config.upload_rate, config.upload_rate * config.upload_burst)
-        self.download_bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
-        slots = config.max_uploads
-        if config.is_seed:
-            # With trees every root keeps max_inflight_per_parent requests here: serve them all at once.
-            slots = max(config.seed_max_uploads, config.tree_fanout * config.scheduler.max_inflight_per_parent)
-        self.upload_slots = UploadSlots(slots)
-        self.requesters = RequesterLimits(
-            config.uploads_per_requester or max(1, slots - 1),
-            rest=config.upload_stall_rest,
-            max_rest=config.upload_stall_max_rest,
-            memory=4 * config.upload_stall_max_rest,  # a requester stalling again within it rests longer
+        self.seeding = SeedPolicy(config, self.peers, self._board_chunk_hashes, rng)
+        self.uploads = UploadPolicy(config, self.seeding)
+        self.upload_bucket = self.uploads.bucket
+        self.upload_slots = self.uploads.slots
+        self.requesters = self.uploads.requesters
+        self.announce = AnnouncePolicy(
+            config, self.info, self.peers, self.live, self.membership, self.seeding, self.partial, rng
         )
         self.source = SwarmSource(self, config.seed_urls)
         self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
         self._wake = asyncio.Event()
-        self._change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
-        self._download_full = False  # it waits with every request it may have in flight out
         self._announce_dirty = False
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
         self._announce_tick: asyncio.Future[None] | None = None  # the announce loop's interval, while it waits
-        self._head_fetching = -1  # the highest head counter a fetch is under way for (one fetch at a time)
-        self._seed_chunk_lists: dict[bytes, list[bytes]] = {}
-        self._seed_chunk_index: dict[bytes, dict[bytes, int]] = {}  # manifest -> chunk hash -> its index
-        self._upload_queue: collections.deque[asyncio.Future[bool]] = collections.deque()
-        self._last_upload_bytes = 0  # typical chunk size, for the time a waiting line takes
-        self._upload_seconds = 0.0  # EWMA of how long one upload held its slot (an unpaced uplink's drain rate)
-        # manifest path -> (when the seed started counting, node ids it gave the manifest to since)
-        self._seed_objects_given: dict[str, tuple[float, list[str]]] = {}
-        self._seed_uploading: dict[str, int] = {}  # requester -> its uploads under way or waiting at this seed
-        # With trees: requester -> its requests waiting behind the transfer under way to it (see _follow)
-        self._sending_to: dict[str, int] = {}
-        self._followers: dict[str, collections.deque[asyncio.Future[bool]]] = {}
-        self._seed_next_return = 0.0  # a seed's next free return time for a refused requester
-        self._seed_served: dict[bytes, tuple[float, tuple[str, ...]]] = {}
-        self._seq = 0
-        # manifest being downloaded -> peers whose announcement or hints changed since its scheduler last heard
-        # (a dict as an ordered set: the same order in every process)
-        self._dirty: dict[bytes, dict[str, None]] = {}
-        self._alive: list[NodeInfo] = []  # live members, kept from membership events (for sampled announcements)
-        self._alive_at: dict[str, int] = {}  # node id -> index in _alive
-        self._members_changed = -math.inf  # when a member last joined _alive or left it (see tree_settle)
-        self._settled_until = -math.inf  # changes up to then are old news (settle_members)
-        self._hints: dict[bytes, dict[str, set[int]]] = {}  # manifest -> peer -> chunks a seed said it holds
-        self._tree_children: dict[bytes, tuple[tuple[str, ...], ...]] = {}  # manifest -> per stripe: our children
         # The loop the node runs on, taken on first use: asyncio.get_running_loop() makes a getpid()
         # system call each time (Python 3.11), and the hot paths below would make hundreds of thousands.
         self._io_loop: asyncio.AbstractEventLoop | None = None
+        self.serving = ChunkServer(
+            config,
+            config.node_id,
+            self.chunks,
+            clock,
+            self.metrics,
+            self.uploads,
+            self.seeding,
+            self._complete,
+            self._availability_changed,
+            self._loop,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -326,10 +151,78 @@ class SwarmNode:
         self.error: str | None = None  # why the last catch-up failed (None once one succeeds)
         self.failures = 0  # catch-ups failed in a row (the retry backoff grows with it)
         self.retry_at: float | None = None  # clock time of the next try, while a failed one waits
-        self.head_error: str | None = None  # why the last head this node checked was refused
-        self._head_warned: dict[str, float] = {}  # refusal message -> clock time of its last warning
+        self.heads = HeadFetcher(
+            config,
+            config.node_id,
+            clock,
+            self.follow,
+            self.source,
+            self.puller,
+            self.objects,
+            self.partial,
+            self.marks,
+            self._took_head,
+        )
+        self.fetcher = ChunkFetcher(
+            config,
+            self.info,
+            self.chunks,
+            clock,
+            transport,
+            self.downloads,
+            self.metrics,
+            rng,
+            verify_chunk,
+            self.marks,
+            self._got_chunk,
+            self._loop,
+        )
+        self.download_bucket = self.fetcher.bucket
+        self.seed_bytes_by_manifest = self.fetcher.seed_bytes_by_manifest  # chunk bytes per manifest id
+        self.peer_bytes_by_manifest = self.fetcher.peer_bytes_by_manifest
 
     # ------------------------------------------------------------ lifecycle
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        """(A partitioned simulation gives its nodes their transport after they are built.)"""
+        self._transport = transport
+        self.fetcher.transport = transport
+
+    @property
+    def verify_chunk(self) -> VerifyChunk:
+        """How a received chunk is checked (the simulator's placeholders: by size alone)."""
+        return self.fetcher.verify_chunk
+
+    @verify_chunk.setter
+    def verify_chunk(self, verify: VerifyChunk) -> None:
+        self.fetcher.verify_chunk = verify
+
+    @property
+    def head(self) -> Head | None:
+        """The head this node follows (verified; a seed: its board's)."""
+        return self.follow.head
+
+    @property
+    def head_counter(self) -> int:
+        return self.follow.counter
+
+    @head_counter.setter
+    def head_counter(self, counter: int) -> None:
+        self.follow.counter = counter
+
+    @property
+    def head_error(self) -> str | None:
+        """Why the last head this node checked was refused (None: it was not)."""
+        return self.follow.error
+
+    @head_error.setter
+    def head_error(self, error: str | None) -> None:
+        self.follow.error = error
 
     def handlers(self) -> Handlers:
         return Handlers(
@@ -339,6 +232,13 @@ class SwarmNode:
             refuse=self.refuse_chunk,
             chunk_from=self.handle_chunk,
         )
+
+    def _complete(self) -> list[bytes]:
+        return self.complete
+
+    def _board_chunk_hashes(self, mid: bytes) -> list[bytes]:
+        assert self.board is not None
+        return [ref.hash for ref in self.board.manifest(mid).chunks]
 
     def _wall(self) -> float:
         return self.clock.wall()
@@ -385,104 +285,9 @@ class SwarmNode:
     # ------------------------------------------------------------ gossip
 
     def announcement(self) -> Announcement:
-        if self.config.is_seed:
-            partial = self._seed_offers()
-            offered = {mid for mid, _ in partial}
-            complete = tuple(m for m in self.complete[-8:] if m not in offered)
-        else:
-            partial = tuple((mid, s.have.to_bytes()) for mid, s in self.partial.items())
-            complete = tuple(self.complete[-8:])
-        return Announcement(
-            run_id=self.config.run_id,
-            head_counter=self.head_counter,
-            version=self.held.version if self.held else -1,
-            complete=complete,
-            partial=partial,
-            seed=self.config.is_seed,
+        return self.announce.announcement(
+            self.head_counter, self.held.version if self.held else -1, self.complete, self.clock.now()
         )
-
-    def _seed_offers(self) -> tuple[tuple[bytes, bytes], ...]:
-        """What a seed offers of the newest versions: chunks it has not handed out within the window,
-        less those it handed out before that peers now announce (see ``_seed_refusal``)."""
-        assert self.board is not None
-        now = self.clock.now()
-        window = self.config.seed_copy_window
-        offers = []
-        for mid in self.complete[-2:]:
-            hashes = self._seed_manifest_chunks(mid)
-            offer = Bitfield(len(hashes))
-            announced: int | None = None  # computed only if some handed-out chunk's window has passed
-            for i, h in enumerate(hashes):
-                last = self._seed_served.get(h, (-math.inf, ()))[0]
-                if now - last < window:
-                    continue
-                if now - last < SEED_HOLD_WINDOWS * window:
-                    if announced is None:
-                        announced = self._announced_bits(mid)
-                    if announced >> i & 1:
-                        continue
-                offer.set(i)
-            offers.append((mid, offer.to_bytes()))
-        return tuple(offers)
-
-    def _announced_bits(self, mid: bytes) -> int:
-        """The chunks of ``mid`` some non-seed peer heard from within the window announces (bit i: chunk i; -1: all)."""
-        bits = 0
-        recent = self.clock.now() - self.config.seed_copy_window
-        for view in self.peers.values():
-            ann = view.ann
-            if ann.seed or view.seen < recent:
-                continue
-            if mid in ann.complete:
-                return -1
-            for m, b in ann.partial:
-                if m == mid:
-                    bits |= int.from_bytes(b, "little")
-        return bits
-
-    def _announced_holders(self, chunk_hash: bytes, limit: int = 4) -> tuple[str, ...]:
-        """Up to ``limit`` non-seed peers heard from within the window that announce holding the chunk (O(peers)).
-
-        Only recent announcements count: a crashed holder stops announcing long before membership
-        declares it dead."""
-        place = self._seed_chunk_place(chunk_hash)
-        if place is None:
-            return ()
-        mid, i, _ = place
-        recent = self.clock.now() - self.config.seed_copy_window
-        holders = []
-        for view in self.peers.values():
-            ann = view.ann
-            if ann.seed or view.seen < recent:
-                continue
-            if mid in ann.complete or any(
-                m == mid and len(b) * 8 > i and b[i >> 3] >> (i & 7) & 1 for m, b in ann.partial
-            ):
-                holders.append(view.info.node_id)
-                if len(holders) >= limit:
-                    break
-        return tuple(holders)
-
-    def _seed_manifest_chunks(self, mid: bytes) -> list[bytes]:
-        hashes = self._seed_chunk_lists.get(mid)
-        if hashes is None:
-            assert self.board is not None
-            hashes = [ref.hash for ref in self.board.manifest(mid).chunks]
-            self._seed_chunk_lists[mid] = hashes
-        return hashes
-
-    def _seed_chunk_place(self, chunk_hash: bytes) -> tuple[bytes, int, int] | None:
-        """(manifest id, first index, chunks in the version) of a chunk in the seed's two newest
-        versions (the older first), or None: a dict lookup, not a scan, on each request the seed gets."""
-        for mid in self.complete[-2:]:
-            hashes = self._seed_manifest_chunks(mid)
-            index = self._seed_chunk_index.get(mid)
-            if index is None:
-                index = self._seed_chunk_index[mid] = {h: i for i, h in reversed(list(enumerate(hashes)))}
-            i = index.get(chunk_hash)
-            if i is not None:
-                return mid, i, len(hashes)
-        return None
 
     def _frame(self, message: Message | None) -> bytes:
         self._frame_seq += 1
@@ -529,10 +334,7 @@ class SwarmNode:
     def _on_announcement(self, sender: NodeInfo, ann: Announcement, now: float) -> None:
         if ann.run_id != self.config.run_id:
             return
-        self._seq += 1
-        self.peers[sender.node_id] = PeerView(sender, ann, now, self._seq)
-        for dirty in self._dirty.values():
-            dirty[sender.node_id] = None
+        self.downloads.heard(sender, ann, now)
         if log.isEnabledFor(logging.DEBUG) and ann.partial:
             log.debug(
                 "%s: hears %s has %s",
@@ -540,49 +342,21 @@ class SwarmNode:
                 sender.node_id,
                 [bin(int.from_bytes(b, "little")).count("1") for _, b in ann.partial],
             )
-        self._note_peers_changed(news=True)
-        if ann.head_counter > max(self.head_counter, self._head_fetching) and self.board is None:
-            # One fetch per newer counter: every peer pushing the same head would otherwise cost a
-            # fetch and a signature check each.  If it fails, the next announcement retries.
-            self._head_fetching = ann.head_counter
-            self._spawn(self._fetch_head(prefer=sender.addr, counter=ann.head_counter))
+        self.fetcher.wake(news=True)
+        if self.board is None and self.follow.fetch_for(ann.head_counter):
+            self._spawn(self.heads.fetch(prefer=sender.addr, counter=ann.head_counter))
 
     def _apply_membership_events(self) -> None:
         for info, state in self.membership.drain_events():
-            self._track_alive(info, state)
+            self.live.track(info, state, self.clock.now())
             if state in (MemberState.DEAD, MemberState.LEFT):
-                self.peers.pop(info.node_id, None)
-                for sched in self.partial.values():
-                    sched.remove_peer(info.node_id)
-                    sched.orphan(info.node_id)
-                self._note_peers_changed()
+                self.downloads.gone(info.node_id)
+                self.fetcher.wake()
 
     def settle_members(self) -> None:
         """Take the membership's news so far as old: a node given the view of a running swarm (a
         simulation's warm start) has known these members for long, as ``tree_settle`` asks."""
-        self._settled_until = self.clock.now()
-
-    def _track_alive(self, info: NodeInfo, state: MemberState) -> None:
-        """Keep ``_alive`` (what ``membership.alive()`` lists, unsorted) without an O(members) walk."""
-        at = self._alive_at.get(info.node_id)
-        if state in (MemberState.ALIVE, MemberState.SUSPECT):
-            if at is None:
-                self._member_changed()
-                self._alive_at[info.node_id] = len(self._alive)
-                self._alive.append(info)
-            else:
-                self._alive[at] = info  # its address may have changed
-        elif at is not None:  # swap-remove
-            self._member_changed()
-            last = self._alive.pop()
-            del self._alive_at[info.node_id]
-            if last.node_id != info.node_id:
-                self._alive[at] = last
-                self._alive_at[last.node_id] = at
-
-    def _member_changed(self) -> None:
-        if (now := self.clock.now()) > self._settled_until:
-            self._members_changed = now
+        self.live.settle(self.clock.now())
 
     async def _membership_loop(self) -> None:
         last_join = self.clock.now()
@@ -624,10 +398,10 @@ class SwarmNode:
                 now = self.clock.now()
             if self._announce_dirty:
                 self._announce_dirty = False
-                targets = self._announce_targets(self.config.announce_fanout)
+                targets = self.announce.targets(self.config.announce_fanout, self.head_counter, self.complete)
             elif now - last_refresh >= self.config.announce_refresh:
                 last_refresh = now
-                targets = self._announce_targets(self.config.membership.gossip_fanout)
+                targets = self.announce.targets(self.config.membership.gossip_fanout, self.head_counter, self.complete)
             else:
                 continue
             frame = self._frame(None)
@@ -646,401 +420,24 @@ class SwarmNode:
         a head spreads in hops, and each hop waiting for the tick would add up to ``announce_interval``."""
         if not self.config.head_push or self._stopping:
             return
-        sample = self.config.announce_sample
-        if 0 < sample < len(self._alive):
-            alive = draws.sample(self.rng, self._alive, sample)
-        else:
-            alive = sorted(self._alive, key=lambda i: i.node_id)
-        behind = []
-        for info in alive:
-            view = self.peers.get(info.node_id)
-            if view is None or view.ann.head_counter < self.head_counter:
-                behind.append(info)
-        draws.shuffle(self.rng, behind)
-        targets = behind[: self.config.announce_fanout]
+        targets = self.announce.behind(self.head_counter)
         if not targets:
             return
         frame = self._frame(None)
         for info in targets:
             self.transport.post(info.addr, frame)
 
-    def _announce_targets(self, count: int) -> list[NodeInfo]:
-        """Peers that lack chunks we hold first ("interested", as BitTorrent says), nearest first, then anyone.
-
-        With ``announce_sample`` > 0 only that many live members, drawn at random, are considered:
-        O(sample) instead of O(members) per announcement (large simulated swarms)."""
-        sample = self.config.announce_sample
-        if 0 < sample < len(self._alive):
-            alive = draws.sample(self.rng, self._alive, sample)
-        else:
-            alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
-        mine = {mid: self._held_bits(mid) for mid in [*self.partial, *self.complete[-2:]]}
-        zone, region = self.info.zone, self.info.region
-
-        def tier(i: NodeInfo) -> tuple[bool, bool]:
-            return i.zone != zone, i.region != region
-
-        interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
-        if interested and not self.config.is_seed:
-            interested += self._stale_nearer(alive, min(map(tier, interested)), tier)
-        draws.shuffle(self.rng, interested)
-        interested.sort(key=tier)
-        chosen = {i.node_id for i in interested}
-        rest = [i for i in alive if i.node_id not in chosen]
-        draws.shuffle(self.rng, rest)
-        return (interested + rest)[:count]
-
-    def _stale_nearer(
-        self, alive: list[NodeInfo], nearest: tuple[bool, bool], tier: Callable[[NodeInfo], tuple[bool, bool]]
-    ) -> list[NodeInfo]:
-        """Peers nearer than every peer known to want our chunks, whose last announcement predates the
-        head we follow: they want this version too, but interest is read from what a peer last told
-        us, so hosts of one region whose views of each other predated the version announced only to
-        far peers that had spoken since (a simulated 3-region swarm: asia hosts took 70-100% of their
-        chunks across the ocean).  Only nearer ones, and only once some peer is known to want our
-        chunks, so that where peers are alike nothing changes (a 30-host one-region swarm was 5%
-        slower); not at a seed, whose one copy of each chunk would then go to its own zone."""
-        head = self.head_counter
-        out = []
-        for i in alive:
-            view = self.peers.get(i.node_id)
-            if view is not None and view.ann.head_counter < head and not view.ann.seed and tier(i) < nearest:
-                out.append(i)
-        return out
-
-    def _held_bits(self, mid: bytes) -> int | None:
-        """Our chunks of a manifest as an int bitmask (None: all of them)."""
-        sched = self.partial.get(mid)
-        return None if sched is None else int.from_bytes(sched.have.to_bytes(), "little")
-
-    def _wants_from_us(self, node_id: str, mine: dict[bytes, int | None]) -> bool:
-        view = self.peers.get(node_id)
-        if view is None:
-            return False
-        for mid, bits in view.ann.partial:
-            if mid in mine:
-                ours = mine[mid]
-                theirs = int.from_bytes(bits, "little")
-                if ours is None or ours & ~theirs:
-                    return True
-        return False
-
-    def _take_hints(self, mid: bytes, chunk: int, holders: tuple[str, ...], missing: int) -> None:
-        """A refusal named peers that got ``chunk``: ask them (``missing``: chunks we still lack)."""
-        if not holders:
-            return
-        hints = self._hints.setdefault(mid, {})
-        # Near the end a hint about a live member that never announced to us still names a holder
-        # worth asking (earlier, many nodes asking the seed's first holder at once only crowd it).
-        last_chunks = missing <= self.config.scheduler.endgame_remaining
-        for holder in holders:
-            if holder != self.info.node_id:
-                hints.setdefault(holder, set()).add(chunk)
-                if last_chunks and holder not in self.peers and holder in self._alive_at:
-                    info = self._alive[self._alive_at[holder]]
-                    ann = Announcement(self.config.run_id, -1, -1)
-                    self.peers[holder] = PeerView(info, ann, self.clock.now())
-                self._touch(holder)
-        self._note_peers_changed()
-
     # ------------------------------------------------------------ serving
 
     async def handle_chunk(
         self, chunk_hash: bytes, requester: str, held: int, send: SendChunk, origin: str = ""
     ) -> Busy | Missing | None:
-        """Answer a chunk request: Busy, Missing, or None after sending the bytes through ``send``.
-
-        The upload slot is held until ``send`` returns, or until the transfer's deadline (see
-        ``_send_within``): the slots bound the transfers under way, so a requester finds a free uplink
-        or is told to come back, instead of every chunk being shared out at once and each taking
-        longer (a relay can pass on only what it has received in full).
-        ``held``: chunks of that version the requester says it holds (-1: not said; see
-        ``_requester_finishing``).  ``origin``: where the request came from (a transport on real
-        sockets passes the address; the node id is unverified): its uploads are capped at
-        ``uploads_per_requester``, and one that stalled rests (``upload_stall_rest``)."""
-        if (refusal := self.refuse_chunk(chunk_hash, requester, held)) is not None:
-            return refusal  # checked before reading the chunk or queueing for a slot
-        key = origin or requester
-        if key and (refusal := self._requester_refusal(key, capped=bool(origin))) is not None:
-            return refusal
-        if key:
-            self.requesters.begin(key)
-        try:
-            withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
-            if self.config.tree_fanout and not self.config.is_seed and requester in self._sending_to:
-                return await self._follow(chunk_hash, requester, withholds, send, key)
-            line = self._may_wait_in_line(requester)
-            if not self.config.is_seed or not requester:
-                return await self._upload(chunk_hash, requester, withholds, send, line=line, key=key)
-            # A seed counts each requester's uploads and waits: see _upload_slot.
-            uploading = self._seed_uploading
-            uploading[requester] = uploading.get(requester, 0) + 1
-            try:
-                return await self._upload(chunk_hash, requester, withholds, send, line=line, key=key)
-            finally:
-                if (left := uploading[requester] - 1) > 0:
-                    uploading[requester] = left
-                else:
-                    del uploading[requester]
-        finally:
-            if key:
-                self.requesters.end(key)
-
-    def _requester_refusal(self, key: str, *, capped: bool) -> Busy | None:
-        """Busy for a requester resting after a stall (until its rest ends) or, ``capped``, holding its
-        share of the uploads already."""
-        if (rest := self.requesters.rest_left(key, self.clock.now())) > 0:
-            retry = rest
-        elif capped and self.requesters.at_share(key):
-            retry = self._busy_retry_after()
-        else:
-            return None
-        self.metrics.busy_replies += 1
-        self.metrics.requester_refusals += 1
-        return Busy(retry)
+        """Answer a chunk request (swarm/uploads.py ``ChunkServer.handle_chunk``)."""
+        return await self.serving.handle_chunk(chunk_hash, requester, held, send, origin)
 
     def refuse_chunk(self, chunk_hash: bytes, requester: str, held: int) -> Busy | Missing | None:
-        """The answer ``handle_chunk`` gives without waiting, or None: the chunk is not here (Missing),
-        a seed withholds it (``_seed_refusal``), or no upload slot is free and there is no place in
-        line for this requester (Busy).  A transport may call this first and spare a refused request
-        the task ``handle_chunk`` runs in (simulated swarms refuse most requests at once); None does
-        not promise a chunk: a request can still be refused after waiting in line."""
-        if chunk_hash not in self.chunks:
-            return Missing()
-        withholds = self.config.is_seed and not self._requester_finishing(chunk_hash, held)
-        if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
-            return refusal
-        if self.config.tree_fanout and not self.config.is_seed and requester in self._sending_to:
-            return None  # it waits behind its own transfer (_follow)
-        if self.upload_slots.in_use < self.upload_slots.capacity or self._line_has_room(
-            self._may_wait_in_line(requester)
-        ):
-            return None
-        self.metrics.busy_replies += 1
-        return Busy(self._busy_retry_after())
-
-    def _may_wait_in_line(self, requester: str) -> bool:
-        """A seed's line is for requesters it is not serving yet (see ``_upload_slot``)."""
-        return not self.config.is_seed or not requester or requester not in self._seed_uploading
-
-    def _line_has_room(self, line: bool) -> bool:
-        room = self.config.seed_upload_queue if self.config.is_seed else self.config.upload_queue
-        return line and len(self._upload_queue) < room
-
-    async def _upload(
-        self,
-        chunk_hash: bytes,
-        requester: str,
-        withholds: bool,
-        send: SendChunk,
-        *,
-        line: bool,
-        slot: bool = False,
-        key: str = "",
-    ) -> Busy | Missing | None:
-        """``handle_chunk`` once the chunk may be served: an upload slot (``line``: or a place in
-        line for one; ``slot``: one handed over already), then the bytes at the upload rate."""
-        if not slot and not await self._upload_slot(line=line):
-            self.metrics.busy_replies += 1
-            return Busy(self._busy_retry_after())
-        tracked = bool(self.config.tree_fanout and requester and not self.config.is_seed)
-        if tracked:
-            self._sending_to[requester] = self._sending_to.get(requester, 0) + 1
-        try:
-            if self.config.is_seed:
-                # Check the window again now that a slot is ours, and only now count the copy as given:
-                # a request refused for want of a slot must not use up the chunk's window.
-                if withholds and (refusal := self._seed_refusal(chunk_hash)) is not None:
-                    return refusal
-                self._seed_served[chunk_hash] = (self.clock.now(), (requester,) if requester else ())
-                self._availability_changed()  # the offer shrank
-            data = self.chunks.get(chunk_hash)
-            if data is None:
-                return Missing()
-            start = self.clock.now()
-            if (pause := self.upload_bucket.reserve(start, len(data)) - start) > 0:
-                await self.clock.sleep(pause)  # (no sleep(0): a loop turn per chunk served, for nothing)
-            self.metrics.bytes_uploaded += len(data)
-            self._last_upload_bytes = len(data)
-            self.metrics.chunks_uploaded += 1
-            if not await self._send_within(send, data, key):
-                return None  # aborted at its deadline: the requester gets nothing more from this request
-            took = self.clock.now() - start
-            self._upload_seconds = took if not self._upload_seconds else 0.7 * self._upload_seconds + 0.3 * took
-            return None
-        finally:
-            if tracked:
-                if (left := self._sending_to[requester] - 1) > 0:
-                    self._sending_to[requester] = left
-                else:
-                    del self._sending_to[requester]
-            self._release_upload_slot(requester if tracked else "")
-
-    async def _follow(
-        self, chunk_hash: bytes, requester: str, withholds: bool, send: SendChunk, key: str = ""
-    ) -> Busy | Missing | None:
-        """With trees, a requester's next request waits behind the transfer under way to it and takes
-        over its slot when it ends, as a second request on one connection would: a child keeps its
-        parent's flow busy without a round trip's gap between chunks, and without a second flow
-        halving the first's rate, which a chunk's every hop down the tree would pay (simulated 100
-        hosts, 4 MiB chunks: 0.520 s with one request per parent, 0.502 s with a second behind it)."""
-        waiting = self._followers.setdefault(requester, collections.deque())
-        try:
-            got = await self._await_turn(waiting, requester)
-        finally:
-            if not waiting and self._followers.get(requester) is waiting:
-                del self._followers[requester]
-        if not got:
-            self.metrics.busy_replies += 1
-            return Busy(self._busy_retry_after())
-        return await self._upload(chunk_hash, requester, withholds, send, line=False, slot=True, key=key)
-
-    async def _send_within(self, send: SendChunk, data: bytes, key: str) -> bool:
-        """``send(data)`` within its deadline, max(``upload_deadline``, bytes / ``upload_floor_rate``);
-        False: it passed, the send was cancelled (a transport aborts the connection then) and the
-        requester rests.  The caller's slot is released once, by the caller, either way.  (Loop time:
-        virtual in simulations, as the line's waits are.)"""
-        cfg = self.config
-        try:
-            async with asyncio.timeout(max(cfg.upload_deadline, len(data) / cfg.upload_floor_rate)):
-                await send(data)
-        except TimeoutError:
-            self.metrics.upload_stalls += 1
-            if key:
-                rest = self.requesters.stalled(key, self.clock.now())
-                log.info(
-                    "%s: upload to %s passed its deadline: aborted, resting it %.0f s", self.info.node_id, key, rest
-                )
-            return False
-        return True
-
-    def _requester_finishing(self, chunk_hash: bytes, held: int) -> bool:
-        """The requester says it lacks at most ``endgame_remaining`` chunks of this chunk's version: a
-        seed serves it even a chunk it withholds.  Its last chunks are the ones the swarm's slowest
-        host waits for, when the holders it heard of are busy or named wrongly (a simulated 1,000-host
-        swarm, cold start: its last host sat 360 ms with two chunks left and no holder it knew of); one more copy of
-        a few chunks costs the seed little.  A requester lying about it only gets served as by a
-        central seed, within the seed's upload slots."""
-        if held < 0:
-            return False
-        place = self._seed_chunk_place(chunk_hash)
-        return place is not None and place[2] - held <= self.config.scheduler.endgame_remaining
-
-    def _seed_refusal(self, chunk_hash: bytes) -> Missing | None:
-        """A seed hands out each chunk once per window; within it, point the requester at the holders.
-
-        The refusal is a Missing with holders, not a Busy: the seed is not loaded, it withholds this
-        chunk, and the requester should ask it for another at once (a Busy would rest the seed for
-        everyone it refused, leaving its uplink idle while chunks nobody holds wait).
-
-        After the window, a chunk handed out before is refused still while live peers announce holding
-        it: on a slow (or loaded) swarm the window passes before the peers have passed the chunk
-        round, and the seed would otherwise serve it again to everyone who has not found a holder yet.
-        It is served again once no live peer announces it (its holders died or never shared it), and
-        after ``SEED_HOLD_WINDOWS`` windows in any case: an announcement is only a claim (a lying or
-        broken peer must not keep the chunk from everyone)."""
-        last, given_to = self._seed_served.get(chunk_hash, (-math.inf, ()))
-        age = self.clock.now() - last
-        if age < self.config.seed_copy_window:
-            self.metrics.busy_replies += 1
-            return Missing(given_to)
-        if age < SEED_HOLD_WINDOWS * self.config.seed_copy_window and (holders := self._announced_holders(chunk_hash)):
-            self.metrics.busy_replies += 1
-            return Missing(holders)
-        return None
-
-    def _busy_retry_after(self) -> float:
-        """When a refused requester should come back: ``busy_retry_after``, or sooner when the line
-        drains sooner.  A paced uplink drains its bucket's backlog (booked by the running uploads)
-        plus the requests waiting at the size of the last chunk served; an unpaced one frees a slot
-        every ``upload time / slots``, from the uploads it timed.  Half of that, so that requesters
-        come back while the line still covers the uplink and it never goes idle; no sooner, since an
-        earlier return only costs both ends another refusal (the loopback benchmark counted 15,000-18,000
-        refusals for 1,600 chunks moved when everyone came back after half the backlog alone).  Telling
-        each of many refused requesters to wait for its share of the uploads instead (refused x upload
-        time) halved the refusals of a simulated 300-host swarm but left uplinks idle: 1.43x the time.
-
-        A seed books the returns (``_seed_return_times``): while it injects new chunks every host asks it
-        for the chunks nobody else holds, so a refusal telling everyone "half the line" brings them
-        all back at once to be refused again."""
-        retry = self.config.busy_retry_after
-        waiting = len(self._upload_queue)
-        now = self.clock.now()
-        if math.isfinite(self.config.upload_rate):
-            per_upload = self._last_upload_bytes / self.config.upload_rate
-            drain = self.upload_bucket.reserve(now, 0) - now + waiting * per_upload
-        elif self._upload_seconds:
-            per_upload = self._upload_seconds / max(1, self.upload_slots.capacity)
-            drain = (waiting + 1) * per_upload
-        else:
-            return retry
-        back = now + max(drain / 2, 0.001)
-        if self.config.is_seed:
-            back = self._seed_return_times(now, back, per_upload)
-        return min(retry, back - now)
-
-    def _seed_return_times(self, now: float, back: float, per_upload: float) -> float:
-        """The seed spaces the requesters it refuses half an upload apart (its slots free one every
-        ``per_upload``), after those it refused before: they come back at twice the rate it can take
-        them, so its line stays full and few are refused twice (a simulated 200-host swarm: 1,000
-        refusals per 20 ms at the seed became ~10; 4 seeds: 25% fewer requests in all, 2% sooner done).
-        Bookings wrap round at ``busy_retry_after`` ahead (everyone told "the longest wait" would come
-        back at once)."""
-        first = back
-        back = max(back, self._seed_next_return)
-        if back - now >= self.config.busy_retry_after:
-            back = first  # the bookings reach the longest wait: start again from the earliest return
-        self._seed_next_return = back + per_upload / 2
-        return back
-
-    async def _upload_slot(self, *, line: bool = True) -> bool:
-        """A free upload slot, or a short wait in line for one: cheaper for everyone than a refusal and a retry.
-
-        First come, first served.  A line ordered by need (fewest chunks held first, the neediest
-        taking the last place from one holding more) was 4% faster on a simulated 1,000-host swarm
-        whose members all knew each other, but 1.8x slower when the version was published as the
-        hosts joined (docs/simulation.md#measured-and-not-adopted).
-
-        ``line=False``: a free slot or nothing.  A seed's line is for requesters it is not serving
-        yet: one it is uploading to (or that waits already) gets a free slot, not a place in line.
-        Otherwise a host keeping several requests at the seed (``max_inflight_seed``) takes several
-        shares of the one copy, and the line stays with those served last, who ask again at once: in
-        a seed-bound swarm of 8 paced hosts (tests/unit/simulations/test_sim_agreement.py) a slow host took 14-24 of
-        the 46 chunks and sat on them, the first it got reached everyone 9 s later, and the time to
-        all was 8.8-11.3 s over 8 seeds; with this rule 8.0-9.1 s, each host taking 2-12 chunks."""
-        if self.upload_slots.acquire():
-            return True
-        if not self._line_has_room(line):
-            return False
-        return await self._await_turn(self._upload_queue)
-
-    async def _await_turn(self, waiting: collections.deque[asyncio.Future[bool]], requester: str = "") -> bool:
-        """Wait in ``waiting`` (the line, or ``requester``'s followers) until a transfer's end hands its
-        slot over (True) or ``upload_queue_wait`` passes (False)."""
-        loop = self._loop()
-        turn: asyncio.Future[bool] = loop.create_future()  # True: _release_upload_slot handed a slot over
-        waiting.append(turn)
-        # The wait's end is a timer answering False (one handle, not a sleeping task and asyncio.wait:
-        # every queued request of a large simulated swarm comes through here).
-        timer = loop.call_later(self.config.upload_queue_wait, settle, turn, False)
-        try:
-            return await turn
-        except asyncio.CancelledError:
-            # Cancelled while waiting: give back a slot already handed over, or leave the line.
-            if turn.done() and not turn.cancelled() and turn.result():
-                self._release_upload_slot(requester)
-            raise
-        finally:
-            timer.cancel()
-            if turn in waiting:
-                waiting.remove(turn)
-
-    def _release_upload_slot(self, requester: str = "") -> None:
-        """Hand the slot to a request waiting behind this requester's transfer, or the line's first, or free it."""
-        followers = self._followers.get(requester) if requester else None
-        if (followers and _hand_over(followers)) or _hand_over(self._upload_queue):
-            return
-        self.upload_slots.release()
+        """The refusal ``handle_chunk`` would answer at once, or None (``ChunkServer.refuse_chunk``)."""
+        return self.serving.refuse_chunk(chunk_hash, requester, held)
 
     async def handle_object(
         self, path: str, requester: str = "", insist: bool = False, *, off_loop: bool = False
@@ -1067,18 +464,9 @@ class SwarmNode:
             return data
         if not requester:
             return data  # a client that does not name itself (older nodes, plain HTTP) cannot follow names
-        now = self.clock.now()
-        since, given = self._seed_objects_given.get(path, (now, []))
-        if now - since > SEED_HOLD_WINDOWS * self.config.seed_copy_window:
-            since, given = now, []  # an anchor's manifest stays for many versions; its first holders may be gone
-        self._seed_objects_given[path] = (since, given)
-        if len(given) >= copies:
-            alive = [self._alive[at].addr for g in given if (at := self._alive_at.get(g)) is not None]
-            if alive:
-                return Missing(tuple(draws.sample(self.rng, alive, min(4, len(alive)))))
-            given.clear()  # every one of them is gone: hand it out afresh
-        if requester in self._alive_at:  # only a requester that can be named counts as a copy given
-            given.append(requester)
+        holders = self.seeding.object_holders(path, requester, self.live, self.clock.now())
+        if holders is not None:
+            return Missing(holders)
         return data
 
     # ------------------------------------------------------------ heads
@@ -1089,11 +477,10 @@ class SwarmNode:
         if data is None:
             return
         head = Head.from_bytes(Envelope.from_bytes(data, HEAD_TAG).body)
-        if head.counter != self.head_counter:
-            self.head, self.head_counter = head, head.counter
+        if self.follow.board_head(head):
             self.complete = [e.manifest_id for e in head.catalog]
             named = {manifest_rel(mid) for mid in self.complete}
-            self._seed_objects_given = {p: a for p, a in self._seed_objects_given.items() if p in named}
+            self.seeding.keep_objects(named)
             self._availability_changed()
             self._push_head()
 
@@ -1111,91 +498,8 @@ class SwarmNode:
 
     async def _head_poll_loop(self) -> None:
         while not self._stopping:
-            await self._fetch_head(prefer=None)
+            await self.heads.fetch(prefer=None)
             await self.clock.sleep(self.config.head_poll_interval)
-
-    async def _fetch_head(self, prefer: str | None, counter: int = -1) -> None:
-        try:
-            await self._fetch_head_once(prefer)
-        finally:
-            if self._head_fetching == counter:
-                self._head_fetching = -1
-
-    async def _fetch_head_once(self, prefer: str | None) -> None:
-        before = self.head_counter
-        try:
-            # The root is refreshed (TUF: before a head is trusted) while the head travels: one round
-            # trip instead of two on every new head.  If the refresh fails, the head is not waited for.
-            travelling = asyncio.ensure_future(
-                self.source.get(head_rel(self.config.run_id), MAX_HEAD_BYTES, prefer=prefer)
-            )
-            try:
-                await self.puller.refresh_trust()
-            except BaseException:
-                travelling.cancel()
-                travelling.add_done_callback(drain)  # it may have failed already
-                raise
-            data = await travelling
-            if data is None:
-                return
-            # Verified, checked against the high-water mark (rewind, equivocation) and counted when refused.
-            accepted = await self.puller.accept_head(data, newer_than=self.head_counter)
-        except (PatchswarmError, TransportError) as e:
-            self._warn_head_refused(e)
-            # e.g. expired beyond the clock skew: the host reports it; but a source still serving an
-            # expired head does not mark the board frozen while the head this node holds is fresh
-            # (a concurrent fetch may have just accepted a newer one).
-            stale = isinstance(e, ExpiredError) and e.document == "head" and self._head_is_fresh()
-            if isinstance(e, PatchswarmError) and not stale:
-                self.head_error = str(e)
-            return
-        finally:
-            self._keep_trusted()
-        self.head_error = None
-        if accepted is None or (self.head_counter != before and accepted.counter <= self.head_counter):
-            return  # (or another fetch accepted this head, or a newer one, while this one was verifying)
-        head = accepted
-        self.head, self.head_counter = head, head.counter
-        self.marks.append(("head", head.version, self.clock.now()))
-        log.debug("%s: head %d (version %d) accepted", self.info.node_id, head.counter, head.version)
-        self.objects[head_rel(self.config.run_id)] = data
-        self._forget_manifests(head)
-        self._availability_changed()
-        self._wake.set()
-        self._push_head()
-
-    def _head_is_fresh(self) -> bool:
-        """The head this node holds has not expired (beyond the trust's clock skew)."""
-        return self.head is not None and self.puller.is_fresh(self.head)
-
-    def _warn_head_refused(self, e: Exception) -> None:
-        # A frozen board (or any refusal that repeats at every poll) is one warning a minute, not one
-        # per poll: the status and the metrics say it continuously.  A new refusal is always told.
-        what, now = str(e), self.clock.now()
-        last = self._head_warned.get(what)
-        if last is not None and now - last < HEAD_WARN_INTERVAL:
-            log.debug("%s: head refused: %s", self.info.node_id, what)
-            return
-        if len(self._head_warned) >= 64:  # refusals from many sources: keep only the recent ones
-            self._head_warned = {k: t for k, t in self._head_warned.items() if now - t < HEAD_WARN_INTERVAL}
-        if len(self._head_warned) < 64:
-            self._head_warned[what] = now
-        log.warning("%s: head refused: %s", self.info.node_id, what)
-
-    def _keep_trusted(self) -> None:
-        """Serve the certificates and root documents this node has verified: a node asks the peer
-        that served it a head for that head's certificate before it asks the seed."""
-        trust = self.puller.trust
-        if isinstance(trust, TrustState):
-            self.objects.update(self.source.take_trusted(trust))
-
-    def _forget_manifests(self, head: Head) -> None:
-        """Stop serving manifests the head's catalog no longer names (or the node would keep every
-        manifest it ever fetched: about 1 MB per version of a large model)."""
-        named = {manifest_rel(e.manifest_id) for e in head.catalog}
-        named.update(manifest_rel(mid) for mid in self.partial)
-        for rel in [r for r in self.objects if r.startswith("manifests/") and r not in named]:
-            del self.objects[rel]
 
     # ------------------------------------------------------------ fetching versions
 
@@ -1226,9 +530,7 @@ class SwarmNode:
 
     def retry_delay(self) -> float:
         """How long to wait after ``failures`` failed catch-ups in a row: bounded, with jitter."""
-        cfg = self.config
-        step = min(cfg.retry_backoff_max, cfg.retry_backoff * 2.0 ** min(self.failures - 1, 32))
-        return step / 2 + self.rng.uniform(0.0, step / 2)
+        return retry_delay(self.config, self.failures, self.rng)
 
     async def _catch_up(self, head: Head) -> None:
         steps = plan(head.catalog, self.held.version if self.held else None, head.version)
@@ -1240,17 +542,22 @@ class SwarmNode:
             rel = manifest_rel(entry.manifest_id)
             self.objects[rel] = signed  # the bytes that verified, and only those, are served
             self.source.forget(rel)
-            self._keep_trusted()  # the manifest signer's certificate
+            self.heads.keep_trusted()  # the manifest signer's certificate
             prepare = getattr(self.apply, "prepare", None)  # e.g. swarm.staging.StagedApply
             if prepare is not None:
                 prepare(self.held, manifest)
             try:
-                parts = await self._download(manifest)
+                parts = await self.fetcher.download(manifest)
             except BaseException:
                 discard = getattr(self.apply, "discard", None)
                 if discard is not None:
                     discard(manifest)
                 raise
+            mid = manifest.manifest_id
+            if mid in self.complete:  # (a retry after a failed activation: downloaded before)
+                self.complete.remove(mid)
+            self.complete.append(mid)
+            self.complete = self.complete[-16:]
             self.marks.append(("chunks", entry.version, self.clock.now()))
             self.phase = "staging"
             applied = self.apply(self.held, manifest, parts)
@@ -1271,270 +578,27 @@ class SwarmNode:
                 break  # a newer head arrived: replan from here
         self.phase = "idle"
 
-    async def _download(self, manifest: Manifest) -> list[bytes]:
-        mid = manifest.manifest_id
-        sizes = [c.size for c in manifest.chunks]
-        have = Bitfield(len(sizes))
-        for i, ref in enumerate(manifest.chunks):
-            if ref.hash in self.chunks:
-                have.set(i)
-        me = PeerInfo(self.info.node_id, self.info.zone, self.info.region)
-        sched = ChunkScheduler(sizes, me, self.config.scheduler, self.rng, have)
-        if (
-            self.config.tree_fanout
-            and not self.config.is_seed
-            and not self.config.membership.max_members  # a bounded view: each host would plan over other members
-            and self.clock.now() - self._members_changed >= self.config.tree_settle
-        ):
-            self._plant_trees(sched, mid)
-        self.partial[mid] = sched
-        self._dirty[mid] = dict.fromkeys(self.peers)
-        pinned = getattr(self.chunks, "pinned", None)
-        if isinstance(pinned, set):
-            pinned.update(ref.hash for ref in manifest.chunks)
-        running: dict[tuple[int, str], asyncio.Task[None]] = {}
-        seed_asked: dict[int, float] = {}  # chunk -> when _ask_seeds_again last put it to the seeds
-        try:
-            while not sched.complete:
-                now = self.clock.now()
-                self._refresh_peers(sched, mid, len(sizes), now)
-                for req in sched.expired(now):
-                    task = running.pop((req.chunk, req.peer_id), None)
-                    if task:
-                        task.cancel()
-                requests = sched.next_requests(now)
-                if not requests and not running and self._ask_seeds_again(sched, len(sizes), seed_asked, now):
-                    requests = sched.next_requests(now)
-                for req in requests:
-                    running[(req.chunk, req.peer_id)] = self._loop().create_task(
-                        self._fetch(sched, manifest, mid, req, running)
-                    )
-                if sched.complete:
-                    break
-                self._download_full = sched.full
-                deadline = sched.next_deadline()
-                timeout = 0.25 if deadline is None else max(0.005, min(0.25, deadline - self.clock.now()))
-                await self._until_change(timeout)
-        finally:
-            self._download_full = False
-            for task in running.values():
-                task.cancel()
-            del self.partial[mid]
-            self._hints.pop(mid, None)
-            self._tree_children.pop(mid, None)
-            self._dirty.pop(mid, None)
-            if isinstance(pinned, set):
-                pinned.difference_update(ref.hash for ref in manifest.chunks)
-        parts = []
-        for ref in manifest.chunks:
-            data = self.chunks.get(ref.hash)
-            if data is None:
-                raise ChunkError(-1, "a verified chunk was evicted before assembly")
-            parts.append(data)
-        if mid in self.complete:  # (a retry after a failed activation: downloaded before)
-            self.complete.remove(mid)
-        self.complete.append(mid)
-        self.complete = self.complete[-16:]
-        return parts
+    def _took_head(self) -> None:
+        """A newer head was taken: announce it, and wake the catch-up."""
+        self._availability_changed()
+        self._wake.set()
+        self._push_head()
 
-    def _plant_trees(self, sched: ChunkScheduler, mid: bytes) -> None:
-        """Stripe trees over the non-seed members of this node's region it knows of (itself included).
-        A flow across regions runs at window / RTT, so a tree stays in its region; where no seed is in
-        the region, its roots fetch by the usual rules (from holders anywhere, or the seed)."""
-        me = self.info
-        members = [me.node_id]
-        seed_here = False
-        for info in self._alive:
-            view = self.peers.get(info.node_id)
-            if view is not None and view.ann.seed:
-                seed_here = seed_here or info.region == me.region
-            elif info.region == me.region:
-                members.append(info.node_id)
-        trees = StripeTrees.build(mid, members, self.config.tree_fanout)
-        parents = trees.parents(me.node_id)
-        sched.set_parents(parents if seed_here else tuple("" if p is None else p for p in parents))
-        self._tree_children[mid] = trees.children(me.node_id)
+    def _got_chunk(self, mid: bytes, chunk: int, rare: bool) -> None:
+        """A download verified and stored a chunk: announce it, and tell our stripe's children at once."""
+        self._availability_changed(rare=rare)
+        self._tell_children(mid, chunk)
 
     def _tell_children(self, mid: bytes, chunk: int) -> None:
         """A relay's news of a chunk of its stripe goes to that stripe's children at once."""
-        children = self._tree_children.get(mid)
-        if not children:
-            return
-        kids = children[chunk % len(children)]
+        kids = self.downloads.children(mid, chunk)
         if not kids:
             return
         frame = self._frame(None)
         for child in kids:
-            at = self._alive_at.get(child)
-            if at is not None:
-                self.transport.post(self._alive[at].addr, frame)
-
-    def _ask_seeds_again(self, sched: ChunkScheduler, nchunks: int, asked: dict[int, float], now: float) -> bool:
-        """Nothing in flight, nothing to ask, and only the last ``endgame_remaining`` chunks left: the
-        seeds hold every chunk, so take back what their refusals (a withheld chunk reads as MISSING
-        for ``failure_backoff``) said, at most every ``busy_retry_after`` per chunk; a seed serves a
-        finishing requester what it withholds from others (``_requester_finishing``).  Without this a
-        node that heard of no holder of its last chunks sat idle until the refusals aged (a simulated
-        1,000-host swarm, cold start: the last host sat 360 ms with two chunks left).  Only at the end:
-        earlier, asking the seed again while holders exist costs it copies (16 hosts, 50 ms copy
-        windows: 1.5-1.6 copies against 1.1).  True when there is something to ask now."""
-        if not 0 < nchunks - sched.held_count <= self.config.scheduler.endgame_remaining:
-            return False
-        left = [c for c in range(nchunks) if not sched.holds(c)]
-        seeds = [view.info.node_id for view in self.peers.values() if view.ann.seed]
-        due = [c for c in left if now >= asked.get(c, -math.inf) + self.config.busy_retry_after]
-        for c in due:
-            asked[c] = now
-            for seed in seeds:
-                sched.on_have(seed, c, now)
-        return bool(due and seeds)
-
-    def _note_peers_changed(self, *, news: bool = False) -> None:
-        """Wake the download loop.  ``news`` (an announcement): not while every request it may have in
-        flight is out, since it could start none; a fetch that ends wakes it, and the news is
-        waiting in ``_dirty`` then (simulated swarms: most announcements reach a full downloader)."""
-        waiter = self._change_waiter
-        if news and self._download_full:
-            return
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _until_change(self, timeout: float) -> None:
-        """Wait until what peers hold changes, a fetch ends (``_fetch`` wakes it on its way out), or
-        ``timeout`` (loop) seconds pass.
-
-        One future and one timer rather than helper tasks or callbacks on every fetch: a download
-        loop wakes about once per chunk, so this is on the hot path of large (simulated) swarms."""
-        loop = self._loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        timer = loop.call_later(max(0.0, timeout), settle, fut, None)
-        self._change_waiter = fut
-        try:
-            await fut
-        finally:
-            self._change_waiter = None
-            timer.cancel()
-
-    def _touch(self, node_id: str) -> None:
-        view = self.peers.get(node_id)
-        if view is not None:
-            self._seq += 1
-            view.seq = self._seq
-            for dirty in self._dirty.values():
-                dirty[node_id] = None
-
-    def _refresh_peers(self, sched: ChunkScheduler, mid: bytes, nchunks: int, now: float) -> None:
-        """Tell the scheduler who holds what: announcements, plus the seed's hints not yet announced.
-
-        Only peers whose announcement or hints changed since the last call are looked at, so one
-        wake-up costs O(changes), not O(peers)."""
-        hints = self._hints.get(mid, {})
-        changed = self._dirty.get(mid)
-        if not changed:
-            return
-        self._dirty[mid] = {}
-        for node_id in changed:
-            view = self.peers.get(node_id)
-            if view is None:
-                continue
-            ann = view.ann
-            peer = PeerInfo(view.info.node_id, view.info.zone, view.info.region, is_seed=ann.seed)
-            bits = None
-            for partial_mid, partial_bits in ann.partial:  # (usually one: no dict per peer and wake)
-                if partial_mid == mid:
-                    bits = partial_bits
-            if bits is None and (ann.seed or mid in ann.complete):
-                sched.update_peer(peer, None, now)
-                continue
-            hinted = hints.get(view.info.node_id)
-            if bits is None and not hinted:
-                continue
-            try:
-                has = Bitfield.mask_from_bytes(nchunks, bits) if bits is not None else 0
-            except PatchswarmError:
-                continue  # a malformed bitfield: ignore that claim
-            for i in hinted or ():
-                has |= 1 << i
-            sched.update_peer(peer, has, now)
-
-    async def _fetch(
-        self,
-        sched: ChunkScheduler,
-        manifest: Manifest,
-        mid: bytes,
-        req: Request,
-        running: dict[tuple[int, str], asyncio.Task[None]],
-    ) -> None:
-        ref = manifest.chunks[req.chunk]
-        view = self.peers.get(req.peer_id)
-        try:
-            if view is None:
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
-                return
-            now = self.clock.now()
-            if (pause := self.download_bucket.reserve(now, ref.size) - now) > 0:
-                await self.clock.sleep(pause)
-            start = self.clock.now()
-            try:
-                timeout = max(req.deadline - start, 0.05)
-                reply = await self.transport.get_chunk(
-                    view.info.addr, ref.hash, ref.size, timeout, self.info.node_id, sched.held_count
-                )
-            except TransportError:
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.ERROR)
-                return
-
-            log.debug(
-                "%s: chunk %d from %s -> %s after %.3fs",
-                self.info.node_id,
-                req.chunk,
-                req.peer_id,
-                type(reply).__name__,
-                self.clock.now() - start,
-            )
-            if isinstance(reply, Busy):
-                self.metrics.busy_replies += 1
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
-                self._take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
-                return
-            if isinstance(reply, Missing):
-                self._hints.get(mid, {}).get(req.peer_id, set()).discard(req.chunk)
-                self._touch(req.peer_id)
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
-                self._take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
-                return
-            try:
-                self.verify_chunk(req.chunk, reply, ref)
-            except ChunkError as e:
-                self.metrics.hash_failures += 1
-                self.metrics.bans += 1
-                log.warning("%s: %s from %s: banned", self.info.node_id, e, req.peer_id)
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.HASH)
-                return
-            if sched.holds(req.chunk):
-                return  # an endgame duplicate lost the race
-            self.chunks.put(ref.hash, reply)
-            if sched.held_count == 0:
-                self.marks.append(("chunk", manifest.version, self.clock.now()))
-            if view.ann.seed:
-                self.metrics.bytes_from_seed += len(reply)
-                by = self.seed_bytes_by_manifest
-            else:
-                self.metrics.bytes_from_peers += len(reply)
-                by = self.peer_bytes_by_manifest
-            by[mid] = by.get(mid, 0) + len(reply)
-            end = self.clock.now()
-            for dup in sched.on_success(end, req.chunk, req.peer_id, len(reply), max(end - start, 1e-6)):
-                # Popped here: a task cancelled before it first ran never reaches its own ``finally``,
-                # and a stale entry in ``running`` would keep the loop from asking the seeds again.
-                task = running.pop((dup.chunk, dup.peer_id), None)
-                if task is not None and task is not asyncio.current_task():
-                    task.cancel()
-            self._availability_changed(rare=sched.holders(req.chunk) <= self.config.announce_rare)
-            self._tell_children(mid, req.chunk)
-        finally:
-            running.pop((req.chunk, req.peer_id), None)
-            self._note_peers_changed()  # (a task the loop cancels before it first ran never gets here: nor need it)
+            info = self.live.get(child)
+            if info is not None:
+                self.transport.post(info.addr, frame)
 
     async def _wait(self, event: asyncio.Event, timeout: float) -> None:
         waiter = asyncio.ensure_future(event.wait())

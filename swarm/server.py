@@ -10,12 +10,13 @@ from aiohttp import web
 
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.swarm.board_files import BoardFiles
 from patchswarm.swarm.board_http import board_app
 from patchswarm.swarm.http import HttpTransport, add_routes
-from patchswarm.swarm.node import ApplyVersion, NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, serve_tcp
-from patchswarm.swarm.staging import StagedApply
+from patchswarm.swarm.staging import ApplyVersion, StagedApply
 from patchswarm.swarm.stores import BoardChunkStore
 from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
 

@@ -39,10 +39,11 @@ from patchswarm.protocol.board_names import chunk_rel, head_rel
 from patchswarm.protocol.files import write_atomic
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
 from patchswarm.protocol.membership_messages import NodeInfo, Ping
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.trust import Certificate
 from patchswarm.protocol.wire import Announcement, GossipFrame, encode_frame
 from patchswarm.swarm.http import HttpTransport
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.stores import BoardChunkStore
 from patchswarm.swarm.transport import SystemClock

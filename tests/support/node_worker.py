@@ -18,8 +18,8 @@ import random
 import sys
 
 from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.trust import TrustState
-from patchswarm.swarm.node import NodeConfig
 from patchswarm.swarm.server import start_http_node
 from tests.support.swarmkit import FAST_MEMBERSHIP, RUN, SECRET
 

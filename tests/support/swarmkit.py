@@ -16,9 +16,9 @@ from patchswarm.daemon.served_format import ServedFormat
 from patchswarm.protocol.board_names import HEAD_TAG, head_rel
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, TrustState
-from patchswarm.swarm.node import NodeConfig
 from patchswarm.swarm.server import RunningNode, start_http_node
 
 SECRET = b"test-cluster-secret-0123456789ab"

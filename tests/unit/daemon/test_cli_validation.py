@@ -24,9 +24,9 @@ from patchswarm.daemon.config import split_listen as parse_listen
 from patchswarm.daemon.swarm_cli import HELP_DEFAULTS
 from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.chunks import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.patchfile import open_file
 from patchswarm.protocol.safetensors_io import save_safetensors
-from patchswarm.swarm.node import NodeConfig
 from tests.support.helpers import adam_like_pair
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -27,7 +27,7 @@ def test_defaults_and_units() -> None:
 
 def test_budgets_reach_the_node_and_default_to_the_swarms_own() -> None:
     from patchswarm.daemon.rollout import swarm_budgets
-    from patchswarm.swarm.node import NodeConfig
+    from patchswarm.protocol.node_config import NodeConfig
 
     defaults = NodeConfig("n", "run-1", b"s" * 16)
     assert NodeConfig("n", "run-1", b"s" * 16, **swarm_budgets(from_mapping(MINIMAL, {}))) == defaults

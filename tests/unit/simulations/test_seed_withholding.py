@@ -1,12 +1,12 @@
 """A seed keeps a chunk it handed out from being served again while peers announce holding it
-(swarm/node.py ``_seed_refusal``), even once ``seed_copy_window`` has passed: on a slow or loaded
+(protocol/seeding.py ``SeedPolicy.refusal``), even once ``seed_copy_window`` has passed: on a slow or loaded
 swarm the window passes before the peers have passed the chunks round."""
 
 from __future__ import annotations
 
 import pytest
 
-import patchswarm.swarm.node
+import patchswarm.protocol.seeding
 from patchswarm.simulations.network import Host, Region
 from patchswarm.simulations.placeholder import placeholder_held
 from patchswarm.simulations.runner import StreamResult, simulate_stream
@@ -49,7 +49,7 @@ def test_a_short_copy_window_does_not_make_the_seed_serve_chunks_peers_announce(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     held = [egress(w) for w in WINDOWS]
-    monkeypatch.setattr(patchswarm.swarm.node, "SEED_HOLD_WINDOWS", 1)  # the window alone decides again
+    monkeypatch.setattr(patchswarm.protocol.seeding, "SEED_HOLD_WINDOWS", 1)  # the window alone decides again
     window_only = [egress(w) for w in WINDOWS]
     for w, a, b in zip(WINDOWS, held, window_only, strict=True):
         print(

@@ -36,12 +36,12 @@ import torch
 
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.protocol.held import Held
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.trust import Certificate
 from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.network import Host, Region
 from patchswarm.simulations.runner import SwarmResult, SwarmSetup, payload_bytes, simulate_swarm
-from patchswarm.swarm.node import NodeConfig
 from patchswarm.swarm.server import RunningNode, start_http_node
 from tests.support.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 

@@ -139,11 +139,12 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
     import contextlib
     import random
 
+    from patchswarm.protocol.node_config import NodeConfig
     from patchswarm.protocol.trust import TrustState
     from patchswarm.simulations.clock import SimClock, run_virtual
     from patchswarm.simulations.network import Network
     from patchswarm.simulations.transport import SimNet
-    from patchswarm.swarm.node import NodeConfig, SwarmNode
+    from patchswarm.swarm.node import SwarmNode
 
     data = b"c" * 10_000
 
@@ -163,7 +164,7 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
             await asyncio.sleep(0.01)
             queued = asyncio.ensure_future(node.handle_chunk(b"h", "y", -1, send))
             await asyncio.sleep(0.01)
-            seen.append((node.upload_slots.in_use, len(node._upload_queue)))
+            seen.append((node.upload_slots.in_use, len(node.serving.queue)))
             if handed_over:
                 # Cancel it right after `first` hands it the slot, before it runs again.
                 first.add_done_callback(lambda _, q=queued: q.cancel())  # type: ignore[misc]
@@ -173,7 +174,7 @@ def test_a_request_cancelled_while_queued_for_an_upload_slot_loses_no_slot() -> 
             with contextlib.suppress(asyncio.CancelledError):
                 await queued
             assert queued.cancelled() and not sent
-            seen.append((node.upload_slots.in_use, len(node._upload_queue)))
+            seen.append((node.upload_slots.in_use, len(node.serving.queue)))
             assert await node.handle_chunk(b"h", "z", -1, send) is None  # the slot is still there to take
             assert sent.pop() == data
         net.close()

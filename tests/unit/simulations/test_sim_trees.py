@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.trust import TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual
@@ -18,7 +19,7 @@ from patchswarm.simulations.placeholder import placeholder_held
 from patchswarm.simulations.runner import StreamResult, simulate_stream
 from patchswarm.simulations.synthetic import synthetic_setup
 from patchswarm.simulations.transport import SimNet
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from tests.support.sim_streams import stream
 from tests.support.swarmkit import RUN, SECRET
 
@@ -63,7 +64,7 @@ def test_a_requesters_next_request_waits_behind_its_transfer_and_takes_over_the_
         assert await first is None and await second is None
         with contextlib.suppress(asyncio.CancelledError):
             await third
-        assert node.upload_slots.in_use == 0 and not node._followers and not node._sending_to
+        assert node.upload_slots.in_use == 0 and not node.serving.followers and not node.uploads.sending_to
         # A follower cancelled just as the slot is handed to it passes the slot on (none is lost).
         first = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, sender("x4")))
         await asyncio.sleep(0.01)

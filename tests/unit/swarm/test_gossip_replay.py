@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.membership_messages import NodeInfo, Ping
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.wire import (
     REPLAY_BITS,
@@ -31,7 +32,7 @@ from patchswarm.simulations.clock import SimClock, run_virtual
 from patchswarm.simulations.network import Host, Network, Region
 from patchswarm.simulations.transport import SimNet
 from patchswarm.swarm.http import PREFIX
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from tests.support.node_worker_client import NodeWorker
 from tests.support.swarmkit import RUN, SECRET
 

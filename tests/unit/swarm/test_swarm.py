@@ -66,7 +66,7 @@ async def test_late_joiner_and_stale_node_take_the_byte_minimal_path(tmp_path: P
         held3 = Held(3, s.served[3].clone(), s.served[3].digests())
         import random
 
-        from patchswarm.swarm.node import NodeConfig
+        from patchswarm.protocol.node_config import NodeConfig
         from tests.support.swarmkit import FAST_MEMBERSHIP, SECRET
 
         cfg = NodeConfig(

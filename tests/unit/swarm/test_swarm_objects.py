@@ -22,12 +22,13 @@ from patchswarm.protocol.board_names import HEAD_TAG, MANIFEST_TAG, cert_rel, he
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.membership_messages import MemberState, NodeInfo
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import Certificate, RootDocument, TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual
 from patchswarm.simulations.synthetic import synthetic_setup
 from patchswarm.swarm import sources
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.sources import SwarmSource
 from patchswarm.swarm.transport import Missing, TransportError
 from tests.support.sim_streams import stream
@@ -278,11 +279,11 @@ def test_a_seed_names_only_live_holders_and_counts_afresh(tmp_path: Path) -> Non
             cfg, "sim://s", NO_TRANSPORT, SimClock(0.0), TrustState(b"k" * 32), random.Random(0), board=board
         )
         for x in "abcde":
-            seed._track_alive(NodeInfo(x, f"sim://{x}"), MemberState.ALIVE)
+            seed.live.track(NodeInfo(x, f"sim://{x}"), MemberState.ALIVE, seed.clock.now())
         got = [await seed.handle_object(rel, x) for x in ("stranger", "a", "b", "c")]
         got.append(await seed.handle_object(rel, "c", insist=True))
         for x in "ab":
-            seed._track_alive(NodeInfo(x, f"sim://{x}"), MemberState.DEAD)
+            seed.live.track(NodeInfo(x, f"sim://{x}"), MemberState.DEAD, seed.clock.now())
         got += [await seed.handle_object(rel, x) for x in "cde"]  # a and b gone: c and d are served, e told of them
         await asyncio.sleep(8.5)
         got.append(await seed.handle_object(rel, "e"))  # counted afresh
@@ -324,7 +325,7 @@ def test_a_failed_root_refresh_does_not_leave_the_head_fetch_running() -> None:
 
         node.source.get = slow_get  # type: ignore[method-assign]
         node.puller.refresh_trust = failing_refresh  # type: ignore[method-assign]
-        await node._fetch_head_once(None)
+        await node.heads.fetch_once(None)
         await asyncio.sleep(0)  # the cancellation lands
         return (
             list(cancelled),

@@ -17,7 +17,8 @@ import pytest
 from patchswarm.protocol.board_names import manifest_rel
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import SignedManifest
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.protocol.node_config import NodeConfig
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.server import start_http_node
 from tests.support.swarmkit import FAST_MEMBERSHIP, RUN, SECRET, Swarm
 

@@ -9,8 +9,7 @@ from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.patchfile import Version, build_version
 from patchswarm.protocol.served import ServedModel
-from patchswarm.swarm.node import apply_chunks
-from patchswarm.swarm.staging import StagedApply
+from patchswarm.swarm.staging import StagedApply, apply_chunks
 from tests.support.helpers import adam_like_pair
 
 RUN = "staging-test"

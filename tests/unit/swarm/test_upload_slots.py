@@ -20,13 +20,14 @@ from aiohttp.test_utils import make_mocked_request
 
 from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.membership_messages import NodeInfo
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.requesters import RequesterLimits
 from patchswarm.protocol.trust import TrustState
 from patchswarm.simulations.clock import SimClock, run_virtual
 from patchswarm.simulations.network import Host, Network, Region
 from patchswarm.simulations.transport import SimNet
 from patchswarm.swarm.http import HELD_HEADER, NODE_HEADER, PREFIX, HttpTransport, _origin, add_routes
-from patchswarm.swarm.node import NodeConfig, SwarmNode
+from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, TransportError
 from tests.support.node_worker_client import NodeWorker
 from tests.support.swarmkit import RUN, SECRET
@@ -55,7 +56,7 @@ def test_an_unpaced_node_holds_its_slot_while_the_chunk_travels() -> None:
         assert await first == b"x" * MB
         done = loop.time()
         again = await c.get_chunk("sim://a", b"h", MB, 60.0, "c")
-        busy_after_timing = node._busy_retry_after()
+        busy_after_timing = node.serving.busy_retry_after()
         net.close()
         return done, refused, again, busy_after_timing
 
@@ -127,7 +128,7 @@ def test_a_seed_keeps_its_own_longer_line() -> None:
         seed.chunks.put(b"h", b"x" * MB)
         net.register("sim://s", "s", seed.handlers())
         # Finishing requesters (held = its last chunk's place): the seed does not withhold from them.
-        seed._seed_chunk_place = lambda h: (b"m", 0, 1)  # type: ignore[method-assign]
+        seed.seeding.chunk_place = lambda h, complete: (b"m", 0, 1)  # type: ignore[method-assign]
         asks = [asyncio.ensure_future(net.transport(x).get_chunk("sim://s", b"h", MB, 60.0, x, held=0)) for x in "bcd"]
         replies = list(await asyncio.gather(*asks))
         net.close()
@@ -146,7 +147,7 @@ def _seed_on(net: SimNet, slots: int, line: int) -> SwarmNode:
     seed = SwarmNode(cfg, "sim://s", net.transport("s"), SimClock(EPOCH), TrustState(b"k" * 32), random.Random(0))
     seed.chunks.put(b"h", b"x" * MB)
     net.register("sim://s", "s", seed.handlers())
-    seed._seed_chunk_place = lambda h: (b"m", 0, 1)  # type: ignore[method-assign]
+    seed.seeding.chunk_place = lambda h, complete: (b"m", 0, 1)  # type: ignore[method-assign]
     return seed
 
 
@@ -167,7 +168,7 @@ def test_a_seed_line_is_for_requesters_it_is_not_serving() -> None:
         await asyncio.sleep(0.01)
         c1 = asyncio.ensure_future(ask["c"].get_chunk("sim://s", b"h", MB, 60.0, "c", held=0))
         replies = {"b": [await b1, await b2], "c": [await c1]}
-        assert seed._seed_uploading == {}  # every count given back
+        assert seed.uploads.seed_uploading == {}  # every count given back
         net.close()
         return replies
 
@@ -317,8 +318,8 @@ def test_a_seed_books_the_returns_of_those_it_refuses() -> None:
         seed = _node("s", is_seed=True, seed_max_uploads=6, busy_retry_after=0.02)
         peer = _node("p", max_uploads=6, busy_retry_after=0.02)
         for node in (seed, peer):
-            node._upload_seconds = 0.012
-        return [seed._busy_retry_after() for _ in range(12)], [peer._busy_retry_after() for _ in range(3)]
+            node.uploads.upload_seconds = 0.012
+        return [seed.serving.busy_retry_after() for _ in range(12)], [peer.serving.busy_retry_after() for _ in range(3)]
 
     seed_waits, peer_waits = run_virtual(main())
     # 1 ms (half of one slot's 2 ms), then 1 ms more for each requester refused before.
@@ -331,8 +332,8 @@ def test_a_seed_wraps_its_bookings_at_the_longest_wait() -> None:
 
     async def main() -> list[float]:
         seed = _node("s", is_seed=True, seed_max_uploads=6, busy_retry_after=0.005)
-        seed._upload_seconds = 0.012
-        return [seed._busy_retry_after() for _ in range(6)]
+        seed.uploads.upload_seconds = 0.012
+        return [seed.serving.busy_retry_after() for _ in range(6)]
 
     assert run_virtual(main()) == pytest.approx([0.001, 0.002, 0.003, 0.004, 0.001, 0.002])
 
@@ -346,9 +347,9 @@ def test_news_does_not_wake_a_downloader_with_every_request_out() -> None:
         loop = asyncio.get_running_loop()
         results = []
         for full, news in ((True, True), (True, False), (False, True)):
-            node._download_full = full
-            node._change_waiter = waiter = loop.create_future()
-            node._note_peers_changed(news=news)
+            node.fetcher.full = full
+            node.fetcher.change_waiter = waiter = loop.create_future()
+            node.fetcher.wake(news=news)
             results.append(waiter.done())
         return results[0], results[1], results[2]
 
@@ -366,8 +367,8 @@ def test_a_seed_serves_a_finishing_requester_a_chunk_it_withholds() -> None:
         for h in hashes:
             seed.chunks.put(h, b"z" * 100)
         seed.complete = [b"m"]
-        seed._seed_chunk_lists[b"m"] = hashes
-        seed._seed_served[hashes[0]] = (seed.clock.now(), ("x",))
+        seed.seeding.chunk_lists[b"m"] = hashes
+        seed.seeding.served[hashes[0]] = (seed.clock.now(), ("x",))
         sent: list[bytes] = []
 
         async def send(data: bytes) -> None:
@@ -388,10 +389,10 @@ def test_a_stuck_downloader_asks_the_seeds_again() -> None:
     (``failure_backoff``).  With nothing in flight, no one else to ask and at most
     ``endgame_remaining`` (3) chunks left, the downloader takes that back (the seed holds every chunk),
     at most every ``busy_retry_after`` per chunk; with more left it waits for holders."""
+    from patchswarm.protocol.peers import PeerView
     from patchswarm.protocol.scheduler import ChunkScheduler
     from patchswarm.protocol.scheduler_types import FailureReason, PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
-    from patchswarm.swarm.node import PeerView
 
     async def main(n: int) -> tuple[bool, list[tuple[int, str]], bool, bool]:
         node = _node("a", busy_retry_after=0.2)
@@ -403,12 +404,12 @@ def test_a_stuck_downloader_asks_the_seeds_again() -> None:
         for r in sched.next_requests(0.0):
             sched.on_failure(0.01, r.chunk, "seed", FailureReason.MISSING)
         assert sched.next_requests(0.02) == []  # stuck
-        took_back = node._ask_seeds_again(sched, n, asked, 0.02)
+        took_back = node.downloads.ask_seeds_again(sched, n, asked, 0.02)
         again = [(r.chunk, r.peer_id) for r in sched.next_requests(0.02)]
         for c, _ in again:
             sched.on_failure(0.03, c, "seed", FailureReason.MISSING)
-        too_soon = node._ask_seeds_again(sched, n, asked, 0.1)
-        later = node._ask_seeds_again(sched, n, asked, 0.25)
+        too_soon = node.downloads.ask_seeds_again(sched, n, asked, 0.1)
+        later = node.downloads.ask_seeds_again(sched, n, asked, 0.25)
         return took_back, sorted(again), too_soon, later
 
     assert run_virtual(main(3)) == (True, [(c, "seed") for c in range(3)], False, True)
@@ -448,14 +449,14 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
     virtual instant)."""
     from types import SimpleNamespace
 
+    from patchswarm.protocol.peers import PeerView
     from patchswarm.protocol.scheduler import ChunkScheduler
     from patchswarm.protocol.scheduler_types import PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
-    from patchswarm.swarm.node import PeerView
 
     async def main() -> tuple[dict[tuple[int, str], asyncio.Task[None]], bool, bool]:
         node = _node("a")
-        node.verify_chunk = lambda index, data, ref: None  # type: ignore[method-assign]
+        node.fetcher.verify_chunk = lambda index, data, ref: None
         loop = asyncio.get_running_loop()
         gate: asyncio.Future[None] = loop.create_future()
         sched = ChunkScheduler([100], PeerInfo("a"), SchedulerConfig(endgame_remaining=1), random.Random(0))
@@ -475,12 +476,12 @@ def test_a_duplicate_cancelled_before_it_ran_leaves_the_download_loop_nothing_to
         node.transport = SimpleNamespace(get_chunk=get_chunk)  # type: ignore[assignment]
         manifest = SimpleNamespace(chunks=[SimpleNamespace(hash=b"h" * 32, size=100)], version=1)
         running: dict[tuple[int, str], asyncio.Task[None]] = {}
-        winner = asyncio.create_task(node._fetch(sched, manifest, b"m", first, running))  # type: ignore[arg-type]
+        winner = asyncio.create_task(node.fetcher.fetch(sched, manifest, b"m", first, running))  # type: ignore[arg-type]
         running[(first.chunk, first.peer_id)] = winner
         for _ in range(5):
             await asyncio.sleep(0)  # the winner now waits for its reply
         gate.set_result(None)  # its reply is due before the duplicate's task first runs
-        loser = asyncio.create_task(node._fetch(sched, manifest, b"m", dup, running))  # type: ignore[arg-type]
+        loser = asyncio.create_task(node.fetcher.fetch(sched, manifest, b"m", dup, running))  # type: ignore[arg-type]
         running[(dup.chunk, dup.peer_id)] = loser
         for _ in range(5):
             await asyncio.sleep(0)
@@ -502,11 +503,11 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
     nearer (our region, asia) than every peer known to want our chunks, not when it is as far as they
     are, and never by a seed (whose one copy of each chunk would go to its neighbours)."""
     from patchswarm.protocol.bitfield import Bitfield
+    from patchswarm.protocol.peers import PeerView
     from patchswarm.protocol.scheduler import ChunkScheduler
     from patchswarm.protocol.scheduler_types import PeerInfo, SchedulerConfig
     from patchswarm.protocol.wire import Announcement
     from patchswarm.simulations.runner import _warm
-    from patchswarm.swarm.node import PeerView
 
     async def main() -> set[str]:
         me = _node("me", region="asia", is_seed=is_seed)
@@ -522,7 +523,7 @@ def test_a_stale_view_of_a_nearer_peer_counts_as_interest(near_region: str, is_s
             me.peers[far] = PeerView(NodeInfo(far, f"sim://{far}", region="us"), ann, 0.0)
         stale = Announcement(RUN, 4, 1)  # spoke before head 5: no partial download listed
         me.peers["near"] = PeerView(NodeInfo("near", "sim://near", region=near_region), stale, 0.0)
-        return {i.node_id for i in me._announce_targets(2)}
+        return {i.node_id for i in me.announce.targets(2, me.head_counter, me.complete)}
 
     targets = run_virtual(main())
     assert ("near" in targets) == told_near
@@ -637,7 +638,12 @@ async def _at_once(data: bytes) -> None:
 def _no_slot_leaked(node: SwarmNode) -> None:
     assert node.upload_slots.in_use == 0
     assert node.requesters.busy_requesters == 0
-    assert not node._upload_queue and not node._followers and not node._sending_to and not node._seed_uploading
+    assert (
+        not node.serving.queue
+        and not node.serving.followers
+        and not node.uploads.sending_to
+        and not node.uploads.seed_uploading
+    )
 
 
 def test_a_transfer_past_its_deadline_frees_its_slot_once_and_rests_the_requester() -> None:
@@ -710,7 +716,7 @@ def test_a_follower_takes_over_a_stalled_transfers_slot_and_nothing_leaks() -> N
 
         second = asyncio.ensure_future(node.handle_chunk(b"h", "x", -1, record))
         await asyncio.sleep(0.1)
-        assert len(node._followers["x"]) == 1
+        assert len(node.serving.followers["x"]) == 1
         assert await first is None
         assert await second is None
         assert sent == [b"x" * 1000]
