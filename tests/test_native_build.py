@@ -89,12 +89,3 @@ def test_a_swarm_run_has_the_same_events_requests_and_times() -> None:
     assert "60/60 hosts" in same[False]
     assert same[True] == same[False]
 
-
-def test_a_partitioned_swarm_run_is_the_same_in_both_builds() -> None:
-    """The same run in two node processes (simulations/partitioned.py compiled or not): the same figures."""
-    args = ["benchmarks/sim_bench.py", "swarm", "--hosts", "60", "--patch-mb", "100", "--chunk-mib", "4"]
-    outs = {native: run(native, *args, "--partitions", "2") for native in (False, True)}
-    machine = re.compile(r"wall [\d.]+ s \(cpu [\d.]+ s\)|\(\d+/s wall\)|peak RSS [\d.]+ GB, .*$", re.M)
-    same = {native: machine.sub("", text) for native, text in outs.items()}
-    assert "60/60 hosts" in same[False]
-    assert same[True] == same[False]
