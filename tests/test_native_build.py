@@ -88,4 +88,3 @@ def test_a_swarm_run_has_the_same_events_requests_and_times() -> None:
     assert "native (" in outs[True] and "interpreted" in outs[False]
     assert "60/60 hosts" in same[False]
     assert same[True] == same[False]
-
