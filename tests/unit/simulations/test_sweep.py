@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -34,3 +35,9 @@ def test_ray_missing_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     with pytest.raises(SweepError, match=r"pip install 'patchswarm\[ray\]'"):
         run_all(square, [(1,)], ray_address="local")
+
+
+def test_a_study_without_ray_loads_no_ray() -> None:
+    code = "import sys, patchswarm.daemon.simulate_cli, patchswarm.simulations.study; print('ray' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout == "False\n"
