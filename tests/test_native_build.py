@@ -30,10 +30,11 @@ def _why_not() -> str | None:
         return "no native build (make native needs a C compiler and Python.h)"
     for package in PACKAGES:
         src = sorted(p.relative_to(ROOT) for p in (ROOT / package).rglob("*.py"))
-        if src != sorted(p.relative_to(NATIVE) for p in (NATIVE / package).rglob("*.py")):
+        copy = NATIVE / "patchswarm"  # (the build copies each package folder to patchswarm/<package>)
+        if src != sorted(p.relative_to(copy) for p in (copy / package).rglob("*.py")):
             return f"build/native has other {package}/ files than the source: run make native"
         for rel in src:
-            if (ROOT / rel).read_bytes() != (NATIVE / rel).read_bytes():
+            if (ROOT / rel).read_bytes() != (copy / rel).read_bytes():
                 return f"build/native is older than {rel}: run make native"
     return None
 
