@@ -26,8 +26,9 @@ PACKAGES = ("protocol", "swarm", "simulations", "daemon")
 
 # Where a large simulation spends its CPU (py-spy, docs/simulation.md section 5): the scheduler,
 # membership and wire decoding, the node's download and gossip paths, the flow model and its
-# transport.  (The virtual-time loop, simulations/clock.py, runs on asyncio's own scheduling: a compiled
-# copy of it bought ~5% of the CPU at 1,000 hosts, docs/simulation.md section 3.)
+# transport, and the virtual-time loop's scheduling
+# (simulations/clock.py itself cannot be: its loop subclasses asyncio's classes; its per-callback work
+# is in loop_core.py).
 NATIVE_MODULES = (
     "patchswarm/protocol/bitfield.py",
     "patchswarm/protocol/draws.py",
@@ -41,6 +42,7 @@ NATIVE_MODULES = (
     "patchswarm/swarm/sources.py",
     "patchswarm/swarm/staging.py",
     "patchswarm/swarm/stores.py",
+    "patchswarm/simulations/loop_core.py",
     "patchswarm/simulations/network.py",
     "patchswarm/simulations/network_share.py",
     "patchswarm/simulations/transport.py",

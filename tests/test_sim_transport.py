@@ -81,14 +81,18 @@ async def _timers_and_a_failing_callback() -> tuple[list[object], float]:
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_debug_mode_runs_the_same(debug: bool) -> None:
-    """Timers, a cancelled one and failing callbacks run the same with and without asyncio's debug checks."""
+def test_debug_mode_runs_the_same_on_asyncio_s_own_handles(debug: bool) -> None:
+    """In debug mode asyncio's checked call_soon/call_at and handles feed the same queue and heap."""
 
-    async def main() -> tuple[list[object], float]:
-        assert asyncio.get_running_loop().get_debug() == debug
-        return await _timers_and_a_failing_callback()
+    async def main() -> tuple[tuple[list[object], float], bool]:
+        loop = asyncio.get_running_loop()
+        assert loop.get_debug() == debug
+        native = isinstance(loop.call_later(1, print), asyncio.TimerHandle)
+        return await _timers_and_a_failing_callback(), native
 
-    assert run_virtual(main(), debug=debug) == (["ZeroDivisionError", "ZeroDivisionError", "a", "b"], 0.3)
+    result, asyncio_handles = run_virtual(main(), debug=debug)
+    assert result == (["ZeroDivisionError", "ZeroDivisionError", "a", "b"], 0.3)
+    assert asyncio_handles == debug
 
 
 def test_a_task_factory_set_on_the_loop_makes_its_tasks() -> None:
@@ -357,3 +361,64 @@ def test_a_crashed_host_stops_its_flows_and_answers_nothing() -> None:
     failed_at, sent, received = run_virtual(main())
     assert failed_at == pytest.approx(0.52)
     assert sent == pytest.approx(500_000) and received == pytest.approx(500_000)  # the moved half counts
+
+
+class _StockLoop(VirtualTimeLoop):
+    """VirtualTimeLoop on asyncio's own scheduling code (its heap of handles, its ``_run_once``): the reference."""
+
+    _LEAN = ("time",)  # the core's clock only
+    call_soon = asyncio.SelectorEventLoop.call_soon  # type: ignore[assignment]
+    call_at = asyncio.SelectorEventLoop.call_at  # type: ignore[assignment]
+    call_later = asyncio.SelectorEventLoop.call_later  # type: ignore[assignment]
+    _run_once = asyncio.SelectorEventLoop._run_once  # type: ignore[attr-defined]
+    _timer_handle_cancelled = asyncio.SelectorEventLoop._timer_handle_cancelled  # type: ignore[attr-defined]
+
+    def _jump(self, timeout: float) -> None:
+        core = self._core
+        target = core.now + timeout
+        scheduled = self._scheduled  # type: ignore[attr-defined]
+        if scheduled and abs(scheduled[0].when() - target) <= 1e-6 * max(1.0, abs(target)):
+            target = scheduled[0].when()
+        core.now = max(core.now, target)
+        core.jumps += 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_callbacks_run_in_the_order_asyncio_runs_them(seed: int) -> None:
+    """The loop's lean scheduling keeps asyncio's order exactly, ties and cancelled timers included (a
+    simulation's result depends on the order of same-instant callbacks)."""
+    import random
+
+    async def main() -> list[tuple[float, int]]:
+        rng = random.Random(seed)
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[float, int]] = []
+        timers: list[asyncio.TimerHandle] = []
+
+        async def worker(i: int) -> None:
+            for _ in range(30):
+                await asyncio.sleep(rng.choice([0.0, 0.001, 0.001, 0.002, 0.0035]))  # many ties
+                seen.append((loop.time(), i))
+                if rng.random() < 0.3:
+                    timers.append(loop.call_later(rng.choice([0.001, 0.002]), seen.append, (loop.time(), -i)))
+                if timers and rng.random() < 0.2:
+                    timers.pop(rng.randrange(len(timers))).cancel()
+                if rng.random() < 0.1:
+                    try:
+                        async with asyncio.timeout(0.0015):
+                            await asyncio.sleep(0.002)
+                    except TimeoutError:
+                        seen.append((loop.time(), 1000 + i))
+
+        await asyncio.gather(*(worker(i) for i in range(60)))
+        return seen
+
+    def run(loop: VirtualTimeLoop) -> tuple[list[tuple[float, int]], int]:
+        try:
+            return loop.run_until_complete(main()), loop.jumps
+        finally:
+            loop.close()
+
+    lean, stock = run(VirtualTimeLoop()), run(_StockLoop())
+    assert len(lean[0]) > 1800
+    assert lean == stock
