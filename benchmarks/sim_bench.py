@@ -170,9 +170,9 @@ class GcTimer:
 
 
 def _cpu() -> float:
-    """CPU seconds of this process and of its children that ended (a partitioned run's, --partitions)."""
+    """CPU seconds of this process."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system
 
 
 def placeholder_bench(
@@ -190,7 +190,6 @@ def placeholder_bench(
     cold: bool = False,
     down_rate: float | None = None,
     seed_rate: float | None = None,
-    partitions: int = 1,
 ) -> None:
     """Real nodes, placeholder payloads: ``hosts`` peers and a seed, at ``rate`` both ways unless
     ``down_rate`` (the peers' downlinks) or ``seed_rate`` (the seed's uplink) say otherwise.
@@ -218,12 +217,9 @@ def placeholder_bench(
             quantum=quantum,
             membership=MembershipConfig(**membership) if membership else None,
             warm_membership=not cold,
-            partitions=partitions,
         )
     cpu = _cpu() - cpu0
-    # (a partitioned run: the largest of its processes; its wall time is the figure, CPU is theirs together)
-    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    processes = f", {partitions} node processes + the flow model's" if partitions > 1 else ""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     links = f"{rate * 8 / 1e9:g} Gbit/s"
     if down != rate:
         links += f" up, {down * 8 / 1e9:g} down"
@@ -234,7 +230,7 @@ def placeholder_bench(
         f"{links}, {latency * 1e3:g} ms: wall {r.wall_seconds:.1f} s (cpu {cpu:.1f} s), "
         f"{r.events} events ({r.events / r.wall_seconds:.0f}/s wall), "
         f"{r.messages.chunk_requests} chunk requests, {r.messages.gossip_messages} gossip messages, "
-        f"peak RSS {rss / 2**20:.2f} GB, {gc_time}, {build_label()}{processes}"
+        f"peak RSS {rss / 2**20:.2f} GB, {gc_time}, {build_label()}"
     )
     for v in r.versions:
         ratio = v.time_to_all / v.lower_bound if v.lower_bound else math.inf
@@ -286,7 +282,6 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--sched", action="append", default=[], metavar="FIELD=JSON", help="a SchedulerConfig field")
     w.add_argument("--quantum", type=float, default=0.0, help="network event batching, seconds (0: exact)")
     w.add_argument("--cold", action="store_true", help="publish as the nodes join (membership still spreading)")
-    w.add_argument("--partitions", type=int, default=1, help="run the nodes in this many processes (with --hosts)")
     return p
 
 
@@ -306,7 +301,7 @@ def run(a: argparse.Namespace) -> None:
             member["max_members"] = BOUNDED_VIEW
             print(f"(more than {BOUNDED_VIEW_ABOVE} hosts: membership max_members={BOUNDED_VIEW}; --member to change)")
         args = (a.hosts, a.patch_mb, a.chunk_mib, a.versions, a.interval, a.rate, a.latency, a.seed)
-        placeholder_bench(*args, options, a.quantum, member, a.cold, a.down_rate, a.seed_rate, a.partitions)
+        placeholder_bench(*args, options, a.quantum, member, a.cold, a.down_rate, a.seed_rate)
     else:
         swarm_bench(a.peers, a.seed)
 

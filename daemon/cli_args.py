@@ -164,6 +164,21 @@ def _is_host(host: str) -> bool:
     return len(host) <= 253 and all(_HOST_LABEL.fullmatch(p) for p in labels)
 
 
+workers = bounded(int, "a whole number", 1, 1024)
+
+
+def ray_address(text: str) -> str:
+    """Where ``simulate --ray`` finds its cluster: ``local`` (a Ray instance started for the study), ``auto``
+    (the one ``ray start`` runs on this machine), or its head's HOST:PORT, optionally as ray://HOST:PORT."""
+    if text in ("local", "auto"):
+        return text
+    hostport = text.removeprefix("ray://")
+    if not hostport.rpartition(":")[0]:
+        raise argparse.ArgumentTypeError(f"expected local, auto or HOST:PORT, got {text!r}")
+    listen(hostport)
+    return text
+
+
 def path(text: str) -> str:
     """A file name: not empty, no NUL (whether the file is usable is checked when it is read)."""
     if not text or "\0" in text:

@@ -1,9 +1,10 @@
-"""``patchswarm simulate SCENARIO.toml --out DIR [--seed S] [--sweep key=v1,v2,...]``: a bandwidth study.
+"""``patchswarm simulate SCENARIO.toml --out DIR [--seed S] [--workers N | --ray ADDRESS] [--sweep key=v1,v2,...]``.
 
 Runs every strategy of the scenario (full checkpoint from a central store, patch from a central
 seed, patch over the swarm) on the same hosts, with the Kumar-Ross bound beside them, and
 writes results.csv, summary.json, PNG plots and report.md into DIR (simulations/study.py).
-Several ``--sweep`` flags form a grid (every combination of their values).
+Several ``--sweep`` flags form a grid (every combination of their values); ``--workers N`` runs
+its points on N local processes, ``--ray ADDRESS`` on a Ray cluster (simulations/sweep.py).
 """
 
 from __future__ import annotations
@@ -50,11 +51,19 @@ def add_simulate_parser(sub: Any) -> None:
         help="results.csv, summary.json, *.png, report.md go here",
     )
     sm.add_argument("--seed", type=scenario_value("run.seed"), metavar="S", help="RNG seed (overrides run.seed)")
-    sm.add_argument(
-        "--partitions",
-        type=scenario_value("run.partitions"),
-        metavar="P",
-        help="run the swarm's nodes in P processes, for wall time on P cores (overrides run.partitions)",
+    where = sm.add_mutually_exclusive_group()
+    where.add_argument(
+        "--workers",
+        type=cli_args.workers,
+        default=1,
+        metavar="N",
+        help="run the sweep points on N local processes (default 1: in this one); the results are the same",
+    )
+    where.add_argument(
+        "--ray",
+        type=cli_args.ray_address,
+        metavar="ADDRESS",
+        help="run the sweep points on a Ray cluster: HOST:PORT of its head, auto, or local (needs patchswarm[ray])",
     )
     sm.add_argument(
         "--sweep",
@@ -73,13 +82,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from patchswarm.daemon.user_error import UserError
     from patchswarm.simulations.plots import PlotsUnavailable
     from patchswarm.simulations.study import run_study  # the simulator loads only for this command
+    from patchswarm.simulations.sweep import SweepError
 
     err = Console(stderr=True, soft_wrap=True, emoji=False)
     out = Console(soft_wrap=True, emoji=False)
 
     words = ["patchswarm", "simulate", args.scenario, "--out", args.out]
     words += ["--seed", str(args.seed)] if args.seed is not None else []
-    words += ["--partitions", str(args.partitions)] if args.partitions is not None else []
+    words += ["--workers", str(args.workers)] if args.workers != 1 else []
+    words += ["--ray", args.ray] if args.ray is not None else []
     for sweep in args.sweep:
         words += ["--sweep", sweep]
     command = shlex.join(words)
@@ -112,8 +123,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         try:
             points = run_study(
                 args.scenario, args.out, seed=args.seed, sweeps=args.sweep, command=command, progress=progress,
-                on_points=on_points, partitions=args.partitions,
+                on_points=on_points, workers=args.workers, ray_address=args.ray,
             )  # fmt: skip
+        except SweepError as e:
+            raise UserError(str(e)) from None
         except PlotsUnavailable as e:
             raise UserError(f"wrote {args.out}/results.csv, summary.json and report.md, but no plots: {e}") from None
     for p in points:

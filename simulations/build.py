@@ -26,7 +26,7 @@ PACKAGES = ("protocol", "swarm", "simulations", "daemon")
 
 # Where a large simulation spends its CPU (py-spy, docs/simulation.md#where-the-cpu-goes): the scheduler,
 # membership and wire decoding, the node's download and gossip paths, the flow model and its
-# transport (and a partitioned run's, partitioned.py), and the virtual-time loop's scheduling
+# transport, and the virtual-time loop's scheduling
 # (simulations/clock.py itself cannot be: its loop subclasses asyncio's classes; its per-callback work
 # is in loop_core.py).
 NATIVE_MODULES = (
@@ -54,7 +54,6 @@ NATIVE_MODULES = (
     "patchswarm/simulations/loop_core.py",
     "patchswarm/simulations/network.py",
     "patchswarm/simulations/network_share.py",
-    "patchswarm/simulations/partitioned.py",
     "patchswarm/simulations/transport.py",
     "patchswarm/swarm/download.py",
     "patchswarm/swarm/futures.py",

@@ -205,10 +205,7 @@ class Network:
         on_done: Callable[[Flow], None] | None = None,
         tag: object = None,
     ) -> Flow:
-        """Start a flow at ``now``: it turns active after the latency and ``on_done`` runs from advance().
-
-        ``now`` may be behind the network while the flow's activation is not (the partitioned runner
-        reports flows a window late: simulations/partitioned.py)."""
+        """Start a flow at ``now``: it turns active after the latency and ``on_done`` runs from advance()."""
         if nbytes < 0:
             raise ValueError("a flow cannot carry a negative number of bytes")
         lat, links = self._route(self._host(src).region, self._host(dst).region)

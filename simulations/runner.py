@@ -1,10 +1,14 @@
 """Real swarm nodes in virtual time: a seed serving a board and N peers on a simulated network.
 
-``run_swarm`` builds one ``SimNet`` over a ``Network``, one ``swarm.node.SwarmNode`` per host
-(the seed with the board and its chunk files, the peers with nothing), starts them all at
-virtual time 0 and waits until every peer holds ``version`` (or ``deadline`` virtual seconds
-pass).  The nodes are the production ones: same gossip, same chunk scheduler, same
-verification and patch application; only the Transport and Clock are simulated.
+One run function, ``_run``, builds the world once: one ``SimNet`` over a ``Network``, one
+``swarm.node.SwarmNode`` per host (the seed with the board and its chunk files, the peers with
+what they start from), starts them all at virtual time 0 and runs until every peer holds every
+version asked for (or the deadline passes), publishing the versions on the seed's board and
+crashing and reviving hosts (``Churn``) as told.  Its two uses: ``run_swarm`` (one version the
+board already names, a ``SwarmResult``) and ``run_stream`` (versions published every T seconds,
+churn, a ``StreamResult`` with one row per host and version).  The nodes are the production
+ones: same gossip, same chunk scheduler, same verification and patch application; only the
+Transport and Clock are simulated.
 
 Per-host rate limits belong to the network (``Host.up``/``Host.down``); the nodes' own token
 buckets are left unlimited so that the model, not the node, is the bottleneck.
@@ -31,7 +35,6 @@ from patchswarm.protocol.membership_messages import Sync
 from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.signed import Envelope
-from patchswarm.simulations import partitioned
 from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from patchswarm.simulations.network import Backbone, Host, Network, Region
@@ -101,135 +104,7 @@ def payload_bytes(board: BoardReader, run_id: str, version: int, base: int | Non
     return sum(e.size for e in plan(head.catalog, base, version))
 
 
-async def run_swarm(
-    setup: SwarmSetup,
-    seed_host: Host,
-    peers: Sequence[Host],
-    version: int,
-    *,
-    regions: Sequence[Region] = (),
-    backbones: Sequence[Backbone] = (),
-    window: float | None = None,
-    seed: int = 0,
-    deadline: float = 600.0,
-    membership: MembershipConfig | None = None,
-    node_options: dict[str, Any] | None = None,
-    host_options: Mapping[str, dict[str, Any]] | None = None,
-    gossip_flows: bool = False,
-    start_from: Held | None = None,
-) -> SwarmResult:
-    """Simulate on the running (virtual-time) loop; see ``simulate_swarm`` for the synchronous entry.
-
-    ``start_from``: the version every peer holds at the start (None: nothing).  ``node_options``:
-    NodeConfig fields for every node; ``host_options``: more, per host id (e.g. a node-enforced
-    ``upload_rate`` per host, as loopback daemons have).  ``deadline``: virtual seconds before giving up.
-    """
-    kw: dict[str, Any] = {} if window is None else {"window": window}
-    network = Network([seed_host, *peers], regions, backbones, **kw)
-    net = SimNet(network, gossip_flows=gossip_flows)
-    clock = SimClock(setup.epoch)
-    t0 = clock.now()
-    base = NodeConfig(
-        "",
-        setup.run_id,
-        setup.cluster_secret,
-        membership=membership or MembershipConfig(),
-        **(node_options or {}),
-    )
-    reached: dict[str, float] = {}
-    everyone = asyncio.Event()
-
-    def recorder(node_id: str) -> Callable[[Held], None]:
-        def on_version(held: Held) -> None:
-            if held.version >= version and node_id not in reached:
-                reached[node_id] = clock.now() - t0
-                if len(reached) == len(peers):
-                    everyone.set()
-
-        return on_version
-
-    def addr(host: Host) -> str:
-        return f"sim://{host.id}"
-
-    per_host = host_options or {}
-    seed_node = _seed_node(setup, base, per_host.get(seed_host.id, {}), seed_host, net, clock, seed)
-    nodes = [seed_node]
-    for i, h in enumerate(peers):
-        held = Held(start_from.version, start_from.model.clone(), list(start_from.digests)) if start_from else None
-        bootstrap = [addr(seed_host), *(addr(p) for p in peers[max(0, i - 2) : i])]
-        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap, **per_host.get(h.id, {}))
-        nodes.append(
-            SwarmNode(
-                cfg,
-                addr(h),
-                net.transport(h.id),
-                clock,
-                setup.policy(),
-                random.Random(f"{seed}:{h.id}"),
-                held=held,
-                on_version=recorder(h.id),
-                **setup.hooks(),
-            )
-        )
-    for node in nodes:
-        net.register(node.info.addr, node.config.node_id, node.handlers())
-    try:
-        for node in nodes:
-            await node.start()
-        if peers:
-            try:
-                async with asyncio.timeout(deadline):
-                    await everyone.wait()
-            except TimeoutError:
-                pass
-    finally:
-        for node in nodes:
-            await node.stop(leave=False)
-            await node.transport.close()
-        net.close()
-    size = payload_bytes(setup.board, setup.run_id, version, start_from.version if start_from else None)
-    loop = asyncio.get_running_loop()
-    return SwarmResult(
-        version=version,
-        seed=seed,
-        payload_bytes=size,
-        reached=dict(sorted(reached.items())),
-        time_to_all=max(reached.values()) if len(reached) == len(peers) and peers else float("inf"),
-        lower_bound=kumar_ross(size, seed_host.up, [p.up for p in peers], [p.down for p in peers]),
-        sent=dict(sorted(network.traffic.sent.items())),
-        from_seed={n.config.node_id: n.metrics.bytes_from_seed for n in nodes[1:]},
-        from_peers={n.config.node_id: n.metrics.bytes_from_peers for n in nodes[1:]},
-        seed_uploaded=seed_node.metrics.bytes_uploaded,
-        messages=net.stats,
-        errors={n.config.node_id: n.error for n in nodes if n.error},
-        roots={n.config.node_id: state_root(n.held.model.specs, n.held.digests) for n in nodes[1:] if n.held},
-        loop_jumps=loop.jumps if isinstance(loop, VirtualTimeLoop) else 0,
-    )
-
-
-def _seed_node(
-    setup: SwarmSetup, base: NodeConfig, options: Mapping[str, Any], host: Host, net: SimNet, clock: SimClock, seed: int
-) -> SwarmNode:
-    """The seed's node: serves the setup's board and chunk store from ``host``; ``options``: its NodeConfig fields."""
-    return SwarmNode(
-        replace(base, node_id=host.id, region=host.region, is_seed=True, **options),
-        f"sim://{host.id}",
-        net.transport(host.id),
-        clock,
-        setup.policy(),
-        random.Random(f"{seed}:{host.id}"),
-        chunks=setup.seed_store(),
-        board=setup.board,
-        **setup.hooks(),
-    )
-
-
-def simulate_swarm(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], version: int, **kw: Any) -> SwarmResult:
-    """Run ``run_swarm`` on a fresh virtual-time loop (no wall-clock waiting) and return its result."""
-    return run_virtual(run_swarm(setup, seed_host, peers, version, **kw))
-
-
-# ---------------------------------------------------------------- a stream of versions, with churn
+# ---------------------------------------------------------------- what a run is given and gives back
 
 
 # NodeConfig fields a stream run sets unless node_options says otherwise: choose announcement targets
@@ -319,71 +194,69 @@ class StreamResult:
         return all(r.done < float("inf") for r in self.rows)
 
 
-async def run_stream(
+# ---------------------------------------------------------------- the one run: build the world, run it, stop it
+
+
+@dataclass
+class _World:
+    """A finished run: the network, the nodes (live and crashed) and what the run recorded."""
+
+    network: Network
+    net: SimNet
+    seed_node: SwarmNode
+    nodes: dict[str, SwarmNode]  # host id -> its node at the end (its last life), in the order the peers were given
+    retired: list[SwarmNode]  # crashed incarnations (their byte counters still count)
+    published: dict[int, float]  # version -> virtual seconds when the head named it
+    done: dict[tuple[str, int], float]  # (host, version) -> virtual seconds when the host first held it
+    outages: list[Outage]
+    events: int  # how often virtual time moved during the run
+    end: float  # virtual seconds when the run stopped
+    wall: float
+
+
+async def _run(
     setup: SwarmSetup,
     seed_host: Host,
     peers: Sequence[Host],
     *,
     versions: Sequence[int],
     interval: float,
-    regions: Sequence[Region] = (),
-    backbones: Sequence[Backbone] = (),
-    window: float | None = None,
-    quantum: float = 0.0,
-    seed: int = 0,
-    churn: Churn | None = None,
-    start_from: Held | None = None,
-    deadline: float = 600.0,
-    membership: MembershipConfig | None = None,
-    node_options: dict[str, Any] | None = None,
-    host_options: Mapping[str, dict[str, Any]] | None = None,
-    gossip_flows: bool = False,
-    progress: Callable[[float, int, int], None] | None = None,
-    pace_seed: bool = True,
-    warm_membership: bool = True,
-    partitions: int = 1,
-) -> StreamResult:
-    """Publish ``versions`` one every ``interval`` virtual seconds (the first at 0) on the seed's
-    board (its head first moved to ``start_from``'s version, or to ``versions[0]``), and run the
-    seed plus ``peers`` until every peer held every version or ``deadline`` virtual seconds passed
-    after the last publication.  See ``simulate_stream``.
+    publish: bool,
+    regions: Sequence[Region],
+    backbones: Sequence[Backbone],
+    window: float | None,
+    quantum: float,
+    seed: int,
+    churn: Churn | None,
+    start_from: Held | None,
+    deadline: float,
+    membership: MembershipConfig | None,
+    node_options: Mapping[str, Any],
+    host_options: Mapping[str, Mapping[str, Any]],
+    gossip_flows: bool,
+    progress: Callable[[float, int, int], None] | None,
+    warm_membership: bool,
+) -> _World:
+    """Build the world once (network, seed node, one node per peer), start it at virtual time 0, run it
+    until every peer held every one of ``versions`` or the deadline passed, and stop it.
 
-    ``warm_membership``: the hosts were up before the first publication, so each node starts knowing
-    every member, as after the anti-entropy syncs of a running swarm (``_warm``).  Off: every node
-    joins at 0 through the seed and the two hosts before it, and the first version spreads while
-    the membership still does (a cold start: at 1,000 hosts some hosts were still unknown to 95% of
-    the others when the rest had the version).
-
-    ``partitions`` > 1: the nodes run in that many forked processes, the flow model in this one
-    (simulations/partitioned.py: what differs from one process, and what it does not support)."""
-    if setup.publish is None:
-        raise ValueError("a stream needs a setup that can move its head (SwarmSetup.publish)")
-    if interval < 0:
-        raise ValueError("interval must be >= 0")
-    if partitions < 1:
-        raise ValueError("partitions must be >= 1")
+    ``publish``: move the seed's board to each version, one every ``interval`` (the first at 0), and
+    count the deadline from the last publication; off: the board already names the versions (they
+    count as published at 0) and the deadline counts from when every node has started."""
     wall0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     jumps0 = loop.jumps if isinstance(loop, VirtualTimeLoop) else 0
     kw: dict[str, Any] = {} if window is None else {"window": window}
     network = Network([seed_host, *peers], regions, backbones, quantum=quantum, **kw)
-    why = partitioned.supported(network, churn=churn, gossip_flows=gossip_flows, quantum=quantum)
-    if partitions > 1 and why:
-        raise ValueError(f"a run in several partitions does not support {why}")
     net = SimNet(network, gossip_flows=gossip_flows)
     clock = SimClock(setup.epoch)
     t0 = clock.now()
-    options = {**SIM_NODE_DEFAULTS, **(node_options or {})}
-    per_host = dict(host_options or {})
-    if pace_seed and math.isfinite(seed_host.up):
-        # The seed sends one chunk after another at its link rate (its token bucket holds the upload slot
-        # meanwhile) instead of starting every requested chunk at once: under max-min sharing those would
-        # all finish together at the end, and no peer could relay any of them before.
-        per_host[seed_host.id] = {"upload_rate": seed_host.up, "upload_burst": 0.0, **per_host.get(seed_host.id, {})}
-    base = NodeConfig("", setup.run_id, setup.cluster_secret, membership=membership or MembershipConfig(), **options)
+    base = NodeConfig(
+        "", setup.run_id, setup.cluster_secret, membership=membership or MembershipConfig(), **node_options
+    )
     order = [h.id for h in peers]
     by_id = {h.id: h for h in peers}
-    published: dict[int, float] = {}
+    published: dict[int, float] = {} if publish else dict.fromkeys(versions, 0.0)
     done: dict[tuple[str, int], float] = {}
     total_rows = len(peers) * len(versions)
     everyone = asyncio.Event()
@@ -410,7 +283,7 @@ async def run_stream(
 
     nodes: dict[str, SwarmNode] = {}
     lives: dict[str, int] = {}
-    retired: list[SwarmNode] = []  # crashed incarnations (their byte counters still count)
+    retired: list[SwarmNode] = []
     outages: list[Outage] = []
     down_since: dict[str, float] = {}
     pick = random.Random(f"{seed}:bootstrap")
@@ -422,7 +295,7 @@ async def run_stream(
         h = by_id[host_id]
         life = lives.get(host_id, 0)
         lives[host_id] = life + 1
-        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap, **per_host.get(h.id, {}))
+        cfg = replace(base, node_id=h.id, region=h.region, bootstrap=bootstrap, **host_options.get(h.id, {}))
         rng = random.Random(f"{seed}:{h.id}" if life == 0 else f"{seed}:{h.id}:{life}")
         node = SwarmNode(
             cfg,
@@ -441,26 +314,36 @@ async def run_stream(
         return node
 
     with long_lived():  # the nodes live as long as the run: kept out of the collector's scans
-        seed_node = _seed_node(setup, base, per_host.get(seed_host.id, {}), seed_host, net, clock, seed)
+        seed_node = SwarmNode(
+            replace(
+                base, node_id=seed_host.id, region=seed_host.region, is_seed=True, **host_options.get(seed_host.id, {})
+            ),
+            addr(seed_host.id),
+            net.transport(seed_host.id),
+            clock,
+            setup.policy(),
+            random.Random(f"{seed}:{seed_host.id}"),
+            chunks=setup.seed_store(),
+            board=setup.board,
+            **setup.hooks(),
+        )
         for i, hid in enumerate(order):
             make(hid, clone(start_from), [addr(seed_host.id), *(addr(p) for p in order[max(0, i - 2) : i])])
         net.register(seed_node.info.addr, seed_host.id, seed_node.handlers())
-        if warm_membership and partitions == 1:  # (partitioned: each process warms its own nodes)
+        if warm_membership:
             _warm([seed_node, *nodes.values()], clock.now(), random.Random(f"{seed}:warm"))
     tasks: list[asyncio.Task[None]] = []
 
-    async def publisher(board: bool = True, hosts: Callable[[str], bool] = lambda hid: True) -> None:
-        """Publish each version on time (``board``: this process holds the seed's board; else only note
-        the time), and count ``hosts`` already holding it as done."""
+    async def publisher() -> None:
+        """Publish each version on time, and count the hosts already holding it as done."""
         assert setup.publish is not None
         for i, v in enumerate(versions):
             await asyncio.sleep(t0 + i * interval - clock.now())
-            if board:
-                setup.publish(v)
-                seed_node.board_changed()  # as a publisher's notification would: no wait for the seed's next board read
+            setup.publish(v)
+            seed_node.board_changed()  # as a publisher's notification would: no wait for the seed's next board read
             published[v] = i * interval
             for hid, node in nodes.items():  # hosts already holding it (or newer) have it now
-                if hosts(hid) and node.held is not None and node.held.version >= v:
+                if node.held is not None and node.held.version >= v:
                     done.setdefault((hid, v), published[v])
             if len(done) == total_rows:
                 everyone.set()
@@ -505,54 +388,15 @@ async def run_stream(
         await asyncio.sleep(t0 + at - clock.now())
         await (revive(hid) if up else kill(hid))
 
-    # The head starts at what the hosts hold (a board reused from an earlier run may be further on).
-    setup.publish(start_from.version if start_from is not None else versions[0])
-    if partitions > 1:
-        owner = partitioned.assign(seed_host.id, order, partitions)
-        everybody = {seed_host.id: seed_node, **nodes}
-
-        async def start(index: int) -> None:
-            nonlocal progress
-            progress = None  # (the parent reports progress: it knows every partition's rows)
-            if warm_membership:
-                with long_lived():
-                    rng = random.Random(f"{seed}:warm")
-                    _warm(list(everybody.values()), clock.now(), rng, lambda node: owner[node.config.node_id] == index)
-            for hid, node in everybody.items():
-                if owner[hid] == index:
-                    await node.start()
-            mine = owner[seed_host.id] == index
-            tasks.append(asyncio.create_task(publisher(board=mine, hosts=lambda hid: owner[hid] == index)))
-
-        tally = await partitioned.run_partitioned(
-            net, everybody, owner, start, lambda: done, lambda: published, total_rows, t0, last_at + deadline, progress
-        )
-        for v in sorted(tally.published):  # this process's board follows the seed's (the result reads its head)
-            setup.publish(v)
-        published.update(tally.published)
-        done.update(tally.done)
-        end = tally.end - t0
-        return _stream_result(
-            setup,
-            seed_host,
-            peers,
-            versions,
-            published,
-            done,
-            list(nodes.values()),
-            seed_node,
-            net,
-            [],
-            tally.jumps,
-            end,
-            time.perf_counter() - wall0,
-            t0=t0,
-        )
+    if publish:  # the head starts at what the hosts hold (a board reused from an earlier run may be further on)
+        assert setup.publish is not None
+        setup.publish(start_from.version if start_from is not None else versions[0])
     try:
         await seed_node.start()
         for hid in order:
             await nodes[hid].start()
-        tasks.append(asyncio.create_task(publisher()))
+        if publish:
+            tasks.append(asyncio.create_task(publisher()))
         if churn is not None:
             for at, hid, down_for in churn.schedule:
                 if hid not in by_id:
@@ -565,7 +409,7 @@ async def run_stream(
             if churn.rate > 0:
                 tasks.extend(asyncio.create_task(poisson(hid, churn)) for hid in order)
         try:
-            async with asyncio.timeout_at(last_at + deadline):
+            async with asyncio.timeout_at((last_at if publish else clock.now()) + deadline):
                 await everyone.wait()
         except TimeoutError:
             pass
@@ -581,44 +425,168 @@ async def run_stream(
         net.close()
     end = clock.now() - t0
     outages.extend(Outage(hid, at, float("inf")) for hid, at in down_since.items())  # still down at the end
-    return _stream_result(
-        setup,
-        seed_host,
-        peers,
-        versions,
-        published,
-        done,
-        [*nodes.values(), *retired],
-        seed_node,
-        net,
-        outages,
-        (loop.jumps if isinstance(loop, VirtualTimeLoop) else 0) - jumps0,
-        end,
-        time.perf_counter() - wall0,
+    events = (loop.jumps if isinstance(loop, VirtualTimeLoop) else 0) - jumps0
+    return _World(
+        network, net, seed_node, nodes, retired, published, done, outages, events, end, time.perf_counter() - wall0
     )
 
 
-def _stream_result(
+# ---------------------------------------------------------------- one version to every peer
+
+
+async def run_swarm(
     setup: SwarmSetup,
     seed_host: Host,
     peers: Sequence[Host],
+    version: int,
+    *,
+    regions: Sequence[Region] = (),
+    backbones: Sequence[Backbone] = (),
+    window: float | None = None,
+    seed: int = 0,
+    deadline: float = 600.0,
+    membership: MembershipConfig | None = None,
+    node_options: dict[str, Any] | None = None,
+    host_options: Mapping[str, dict[str, Any]] | None = None,
+    gossip_flows: bool = False,
+    start_from: Held | None = None,
+) -> SwarmResult:
+    """Simulate on the running (virtual-time) loop; see ``simulate_swarm`` for the synchronous entry.
+
+    The board already names ``version``; the run ends when every peer holds it.  ``start_from``: the
+    version every peer holds at the start (None: nothing).  ``node_options``: NodeConfig fields for
+    every node; ``host_options``: more, per host id (e.g. a node-enforced ``upload_rate`` per host, as
+    loopback daemons have).  ``deadline``: virtual seconds, from when every node has started, before
+    giving up.
+    """
+    w = await _run(
+        setup,
+        seed_host,
+        peers,
+        versions=[version],
+        interval=0.0,
+        publish=False,
+        regions=regions,
+        backbones=backbones,
+        window=window,
+        quantum=0.0,
+        seed=seed,
+        churn=None,
+        start_from=start_from,
+        deadline=deadline,
+        membership=membership,
+        node_options=node_options or {},
+        host_options=host_options or {},
+        gossip_flows=gossip_flows,
+        progress=None,
+        warm_membership=False,
+    )
+    reached = {hid: w.done[(hid, version)] for hid in (p.id for p in peers) if (hid, version) in w.done}
+    size = payload_bytes(setup.board, setup.run_id, version, start_from.version if start_from else None)
+    nodes = [w.seed_node, *w.nodes.values()]
+    return SwarmResult(
+        version=version,
+        seed=seed,
+        payload_bytes=size,
+        reached=dict(sorted(reached.items())),
+        time_to_all=max(reached.values()) if len(reached) == len(peers) and peers else float("inf"),
+        lower_bound=kumar_ross(size, seed_host.up, [p.up for p in peers], [p.down for p in peers]),
+        sent=dict(sorted(w.network.traffic.sent.items())),
+        from_seed={n.config.node_id: n.metrics.bytes_from_seed for n in nodes[1:]},
+        from_peers={n.config.node_id: n.metrics.bytes_from_peers for n in nodes[1:]},
+        seed_uploaded=w.seed_node.metrics.bytes_uploaded,
+        messages=w.net.stats,
+        errors={n.config.node_id: n.error for n in nodes if n.error},
+        roots={n.config.node_id: state_root(n.held.model.specs, n.held.digests) for n in nodes[1:] if n.held},
+        loop_jumps=w.events,
+    )
+
+
+def simulate_swarm(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], version: int, **kw: Any) -> SwarmResult:
+    """Run ``run_swarm`` on a fresh virtual-time loop (no wall-clock waiting) and return its result."""
+    return run_virtual(run_swarm(setup, seed_host, peers, version, **kw))
+
+
+# ---------------------------------------------------------------- a stream of versions, with churn
+
+
+async def run_stream(
+    setup: SwarmSetup,
+    seed_host: Host,
+    peers: Sequence[Host],
+    *,
     versions: Sequence[int],
-    published: dict[int, float],
-    done: dict[tuple[str, int], float],
-    nodes: list[SwarmNode],
-    seed_node: SwarmNode,
-    net: SimNet,
-    outages: list[Outage],
-    events: int,
-    end: float,
-    wall: float,
-    t0: float | None = None,
+    interval: float,
+    regions: Sequence[Region] = (),
+    backbones: Sequence[Backbone] = (),
+    window: float | None = None,
+    quantum: float = 0.0,
+    seed: int = 0,
+    churn: Churn | None = None,
+    start_from: Held | None = None,
+    deadline: float = 600.0,
+    membership: MembershipConfig | None = None,
+    node_options: dict[str, Any] | None = None,
+    host_options: Mapping[str, dict[str, Any]] | None = None,
+    gossip_flows: bool = False,
+    progress: Callable[[float, int, int], None] | None = None,
+    pace_seed: bool = True,
+    warm_membership: bool = True,
+) -> StreamResult:
+    """Publish ``versions`` one every ``interval`` virtual seconds (the first at 0) on the seed's
+    board (its head first moved to ``start_from``'s version, or to ``versions[0]``), and run the
+    seed plus ``peers`` until every peer held every version or ``deadline`` virtual seconds passed
+    after the last publication.  See ``simulate_stream``.
+
+    ``warm_membership``: the hosts were up before the first publication, so each node starts knowing
+    every member, as after the anti-entropy syncs of a running swarm (``_warm``).  Off: every node
+    joins at 0 through the seed and the two hosts before it, and the first version spreads while
+    the membership still does (a cold start: at 1,000 hosts some hosts were still unknown to 95% of
+    the others when the rest had the version)."""
+    if setup.publish is None:
+        raise ValueError("a stream needs a setup that can move its head (SwarmSetup.publish)")
+    if interval < 0:
+        raise ValueError("interval must be >= 0")
+    per_host = dict(host_options or {})
+    if pace_seed and math.isfinite(seed_host.up):
+        # The seed sends one chunk after another at its link rate (its token bucket holds the upload slot
+        # meanwhile) instead of starting every requested chunk at once: under max-min sharing those would
+        # all finish together at the end, and no peer could relay any of them before.
+        per_host[seed_host.id] = {"upload_rate": seed_host.up, "upload_burst": 0.0, **per_host.get(seed_host.id, {})}
+    w = await _run(
+        setup,
+        seed_host,
+        peers,
+        versions=versions,
+        interval=interval,
+        publish=True,
+        regions=regions,
+        backbones=backbones,
+        window=window,
+        quantum=quantum,
+        seed=seed,
+        churn=churn,
+        start_from=start_from,
+        deadline=deadline,
+        membership=membership,
+        node_options={**SIM_NODE_DEFAULTS, **(node_options or {})},
+        host_options=per_host,
+        gossip_flows=gossip_flows,
+        progress=progress,
+        warm_membership=warm_membership,
+    )
+    return _stream_result(setup, seed_host, peers, versions, w)
+
+
+def _stream_result(
+    setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], versions: Sequence[int], w: _World
 ) -> StreamResult:
     head = Head.from_bytes(Envelope.from_bytes(setup.board.read(head_rel(setup.run_id)) or b"", HEAD_TAG).body)
     entries = {e.version: e for e in head.catalog}
     from_seed: dict[tuple[str, int], int] = {}
     from_peers: dict[tuple[str, int], int] = {}
     mids = {e.manifest_id: e.version for e in head.catalog}
+    nodes = [*w.nodes.values(), *w.retired]
     for node in nodes:
         hid = node.config.node_id
         for counts, into in (
@@ -634,10 +602,10 @@ def _stream_result(
     stats: list[VersionStats] = []
     ups, downs = [p.up for p in peers], [p.down for p in peers]
     for v in versions:
-        at = published.get(v, inf)
+        at = w.published.get(v, inf)
         vrows = [
             HostVersion(
-                p.id, v, at, done.get((p.id, v), inf), from_seed.get((p.id, v), 0), from_peers.get((p.id, v), 0)
+                p.id, v, at, w.done.get((p.id, v), inf), from_seed.get((p.id, v), 0), from_peers.get((p.id, v), 0)
             )
             for p in peers
         ]
@@ -657,60 +625,21 @@ def _stream_result(
             )
         )
     errors = {n.config.node_id: n.error for n in nodes if n.error}
-    if t0 is None:
-        t0 = seed_node.clock.now() - end
-    marks = {n.config.node_id: tuple((w, v, t - t0) for w, v, t in n.marks) for n in nodes}
+    t0 = w.seed_node.clock.now() - w.end
+    marks = {n.config.node_id: tuple((step, v, t - t0) for step, v, t in n.marks) for n in nodes}
     return StreamResult(
         rows=tuple(rows),
         versions=tuple(stats),
-        seed_uploaded=seed_node.metrics.bytes_uploaded,
-        sent=dict(sorted(net.network.traffic.sent.items())),
-        messages=net.stats,
+        seed_uploaded=w.seed_node.metrics.bytes_uploaded,
+        sent=dict(sorted(w.network.traffic.sent.items())),
+        messages=w.net.stats,
         errors=dict(sorted(errors.items())),
-        outages=tuple(sorted(outages, key=lambda o: (o.down, o.host))),
-        events=events,
-        end=end,
-        wall_seconds=wall,
+        outages=tuple(sorted(w.outages, key=lambda o: (o.down, o.host))),
+        events=w.events,
+        end=w.end,
+        wall_seconds=w.wall,
         marks=marks,
     )
-
-
-WARM_HEARD_PER_MEMBER = 4  # a bounded view of k is warmed with this many x k members drawn at random
-
-
-def _warm(
-    nodes: Sequence[SwarmNode], now: float, rng: random.Random, only: Callable[[SwarmNode], bool] | None = None
-) -> None:
-    """Give every node the membership of a running swarm, as one anti-entropy sync from an up-to-date
-    member would (in-process: no frame limit), with nothing left to gossip about it.  ``nodes[0]``
-    is the seed, every node's join contact.
-
-    Full membership: every member.  A bounded view of k keeps the k lowest-ranked members it heard
-    of, the rank a hash per pair of nodes, so a uniformly random k-subset however many it heard of:
-    it is given the seed and ``WARM_HEARD_PER_MEMBER`` x k others drawn at random, the same kind of
-    view for O(k) updates per node instead of O(N) (at 3,000 hosts the full warm-up was 24% of a
-    run's CPU; at 10,000 it is 10^8 updates).  ``only``: warm just those nodes (each process of a
-    partitioned run warms its own), with the same random draws."""
-    updates = [n.membership.local() for n in nodes]
-    by_id = sorted(range(len(nodes)), key=lambda j: updates[j].info.node_id)
-    everyone = tuple(updates[j] for j in by_id)
-    place = [0] * len(nodes)  # node -> its place in everyone (sorting a sample's places sorts it by id)
-    for p, j in enumerate(by_id):
-        place[j] = p
-    for i, node in enumerate(nodes):
-        sender = nodes[1 if i == 0 else 0].info
-        k = node.config.membership.max_members
-        picked: set[int] | None = None
-        if k and WARM_HEARD_PER_MEMBER * k < len(nodes) - 1:
-            picked = set(rng.sample(range(len(nodes)), WARM_HEARD_PER_MEMBER * k + 1)) | {0}  # (drawn for every node)
-            picked.discard(i)
-        if only is None or only(node):
-            heard = everyone if picked is None else tuple(everyone[p] for p in sorted(place[j] for j in picked))
-            node.membership.receive(now, sender, Sync(heard, reply=False))
-    for node in nodes:
-        if only is None or only(node):
-            node.membership.settle()  # those joins are old news in a running swarm: nothing to gossip round
-            node.settle_members()
 
 
 def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], **kw: Any) -> StreamResult:
@@ -725,3 +654,36 @@ def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], *
     ``gossip_flows``, ``progress(virtual_now, rows_done, rows_total)``.
     """
     return run_virtual(run_stream(setup, seed_host, peers, **kw))
+
+
+WARM_HEARD_PER_MEMBER = 4  # a bounded view of k is warmed with this many x k members drawn at random
+
+
+def _warm(nodes: Sequence[SwarmNode], now: float, rng: random.Random) -> None:
+    """Give every node the membership of a running swarm, as one anti-entropy sync from an up-to-date
+    member would (in-process: no frame limit), with nothing left to gossip about it.  ``nodes[0]``
+    is the seed, every node's join contact.
+
+    Full membership: every member.  A bounded view of k keeps the k lowest-ranked members it heard
+    of, the rank a hash per pair of nodes, so a uniformly random k-subset however many it heard of:
+    it is given the seed and ``WARM_HEARD_PER_MEMBER`` x k others drawn at random, the same kind of
+    view for O(k) updates per node instead of O(N) (at 3,000 hosts the full warm-up was 24% of a
+    run's CPU; at 10,000 it is 10^8 updates)."""
+    updates = [n.membership.local() for n in nodes]
+    by_id = sorted(range(len(nodes)), key=lambda j: updates[j].info.node_id)
+    everyone = tuple(updates[j] for j in by_id)
+    place = [0] * len(nodes)  # node -> its place in everyone (sorting a sample's places sorts it by id)
+    for p, j in enumerate(by_id):
+        place[j] = p
+    for i, node in enumerate(nodes):
+        sender = nodes[1 if i == 0 else 0].info
+        k = node.config.membership.max_members
+        picked: set[int] | None = None
+        if k and WARM_HEARD_PER_MEMBER * k < len(nodes) - 1:
+            picked = set(rng.sample(range(len(nodes)), WARM_HEARD_PER_MEMBER * k + 1)) | {0}  # (drawn for every node)
+            picked.discard(i)
+        heard = everyone if picked is None else tuple(everyone[p] for p in sorted(place[j] for j in picked))
+        node.membership.receive(now, sender, Sync(heard, reply=False))
+    for node in nodes:
+        node.membership.settle()  # those joins are old news in a running swarm: nothing to gossip round
+        node.settle_members()

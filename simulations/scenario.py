@@ -128,9 +128,6 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
             "duration", 3600.0, 1e-3, 1e9, "swarm: virtual s after the last publication before giving up"
         ),
         "strategies": _Field("strategies", STRATEGIES, doc=f"which of {', '.join(STRATEGIES)} to run"),
-        "partitions": _Field(
-            "int", 1, 1, 64, "swarm: processes its nodes run in (wall time on several cores); churn: always 1"
-        ),
     },
     # Absent keys leave the node's own defaults (NodeConfig, SchedulerConfig); these read them.
     "swarm": {
@@ -264,7 +261,6 @@ class Scenario:
     rng_seed: int
     deadline: float
     strategies: tuple[str, ...]
-    partitions: int
     swarm: tuple[tuple[str, float], ...]  # NodeConfig/SchedulerConfig overrides given in the file, sorted
     raw: Mapping[str, Any]
 
@@ -464,7 +460,6 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
         rng_seed=run["seed"],
         deadline=run["deadline"],
         strategies=run["strategies"],
-        partitions=run["partitions"],
         swarm=tuple(sorted((k, v) for k, v in sec["swarm"].items() if k in _table("swarm", raw.get("swarm", {})))),
         raw=raw,
     )

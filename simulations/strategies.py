@@ -225,7 +225,6 @@ def swarm(
         node_options=node_options(s),
         membership=MembershipConfig(max_members=int(members)) if members else None,
         progress=progress,
-        partitions=1 if churn else s.partitions,  # (a partitioned run has no churn: simulations/partitioned.py)
     )
     rows = {(r.host, r.version): r for r in result.rows}
     outcomes = tuple(

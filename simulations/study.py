@@ -1,7 +1,8 @@
 """A bandwidth study: one scenario (and its sweep points), every strategy on the same hosts and churn.
 
 ``run_study`` expands the sweep (several ``--sweep`` keys form a grid: every combination), checks
-every point before running any, runs each point's strategies and the bound, and writes into
+every point before running any, runs each point's strategies and the bound (the points here, on
+local processes or on a Ray cluster: simulations/sweep.py), and writes into
 ``out``: results.csv (one row per point, strategy, version and host), summary.json, the plots
 (simulations.plots) and report.md.  Nothing in results.csv depends on the wall clock, so the same
 scenario and seed give a byte-identical file; wall seconds live in summary.json only.
@@ -30,6 +31,7 @@ from patchswarm.simulations.scenario import (
 )
 from patchswarm.simulations.scenario import load as load_scenario
 from patchswarm.simulations.strategies import StrategyRun, bound, central, swarm
+from patchswarm.simulations.sweep import run_all
 
 # (point index, strategy, fraction of that strategy done) -> None
 Progress = Callable[[int, str, float], None]
@@ -69,15 +71,13 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def expand(
-    raw: Mapping[str, Any], sweeps: Sequence[tuple[str, list[Any]]], seed: int | None, partitions: int | None = None
+    raw: Mapping[str, Any], sweeps: Sequence[tuple[str, list[Any]]], seed: int | None
 ) -> list[tuple[tuple[tuple[str, Any], ...], Scenario]]:
     """Every point of the grid as (params, scenario), validated before anything runs."""
     keys = [k for k, _ in sweeps]
     if len(set(keys)) != len(keys):
         raise ScenarioError("--sweep", f"a key is swept twice: {keys}")
     base: dict[str, Any] = {} if seed is None else {"run.seed": seed}
-    if partitions is not None:
-        base["run.partitions"] = partitions
     combos = list(itertools.product(*(values for _, values in sweeps)))
     if len(combos) > 256:
         raise ScenarioError("--sweep", f"{len(combos)} points; at most 256")
@@ -201,20 +201,35 @@ def run_study(
     seed: int | None = None,
     sweeps: Sequence[str] = (),
     command: str = "",
-    partitions: int | None = None,
+    workers: int = 1,
+    ray_address: str | None = None,
     progress: Progress | None = None,
     on_points: Callable[[int], None] | None = None,
 ) -> list[Point]:
-    """Run the study and write its outputs into ``out`` (created if needed); returns the points."""
+    """Run the study and write its outputs into ``out`` (created if needed); returns the points.
+
+    ``workers`` > 1: the sweep points run on that many local processes; ``ray_address``: on that Ray
+    cluster ("local": one started for the study), simulations.sweep.  The outputs are the same, but
+    for wall seconds; ``progress`` then hears of each point when it is done, not during it."""
     from patchswarm.simulations import plots  # matplotlib only when writing
 
     base = load_scenario(scenario_path)
-    grid = expand(base.raw, [parse_sweep(t) for t in sweeps], seed, partitions)
+    grid = expand(base.raw, [parse_sweep(t) for t in sweeps], seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if on_points is not None:
         on_points(sum(len(s.strategies) for _, s in grid))  # units of progress: strategy runs
-    points = [run_point(i, params, s, progress) for i, (params, s) in enumerate(grid)]
+    if workers == 1 and ray_address is None:
+        points = [run_point(i, params, s, progress) for i, (params, s) in enumerate(grid)]
+    else:
+
+        def finished(i: int) -> None:
+            if progress is not None:
+                for name in grid[i][1].strategies:
+                    progress(i, name, 1.0)
+
+        calls = [(i, params, s, None) for i, (params, s) in enumerate(grid)]
+        points = run_all(run_point, calls, workers=workers, ray_address=ray_address, finished=finished)
     write_results(points, out / "results.csv")
     meta = {"scenario": base.name, "scenario_file": str(scenario_path), "command": command,
             "sweep": [parse_sweep(t)[0] for t in sweeps], "build": build_label()}  # fmt: skip

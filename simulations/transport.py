@@ -58,18 +58,6 @@ class MessageStats:
         self.gossip_bytes += nbytes
         self.per_host_gossip_bytes[host] = self.per_host_gossip_bytes.get(host, 0) + nbytes
 
-    def add(self, other: MessageStats) -> None:
-        """Add ``other``'s counts to these (a partitioned run's processes: simulations/partitioned.py)."""
-        self.gossip_messages += other.gossip_messages
-        self.gossip_bytes += other.gossip_bytes
-        self.chunk_requests += other.chunk_requests
-        self.chunk_bytes += other.chunk_bytes
-        self.object_requests += other.object_requests
-        self.object_bytes += other.object_bytes
-        self.failures += other.failures
-        for host, n in other.per_host_gossip_bytes.items():
-            self.per_host_gossip_bytes[host] = self.per_host_gossip_bytes.get(host, 0) + n
-
 
 class SimNet:
     """The asyncio side of a Network: endpoints by address, flows as awaitables."""
@@ -453,11 +441,6 @@ async def _serve(handler: Awaitable[T]) -> T:
 
 
 _PLACEHOLDERS: dict[int, bytes] = {}
-
-
-def is_placeholder(data: bytes) -> bool:
-    """Whether ``data`` is the shared placeholder of its size (made by ``placeholder_bytes``)."""
-    return _PLACEHOLDERS.get(len(data)) is data
 
 
 def placeholder_bytes(size: int) -> bytes:

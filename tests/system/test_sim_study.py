@@ -119,22 +119,6 @@ def test_a_sweep_gives_one_point_per_value_and_plots_against_it(tmp_path: Path) 
     assert len(rows(out)) == (8 + 16) * 2
 
 
-def test_partitions_run_the_swarm_in_several_processes(tmp_path: Path, runs: list[Path]) -> None:
-    out = tmp_path / "two"
-    r = simulate(
-        str(SMALL), "--out", str(out), "--seed", "3", "--partitions", "2", "--sweep", "run.strategies=['swarm']"
-    )
-    assert r.returncode == 0, r.stderr
-    swarm = [row for row in rows(out) if row["strategy"] == "swarm"]
-    one = {
-        (row["version"], row["host"]): float(row["completion_s"]) for row in rows(runs[0]) if row["strategy"] == "swarm"
-    }
-    assert len(swarm) == len(one) and all(math.isfinite(float(row["completion_s"])) for row in swarm)
-    # not the same run (simulations/partitioned.py), but the same swarm: times to all within 15%
-    assert max(float(row["completion_s"]) for row in swarm) == pytest.approx(max(one.values()), rel=0.15)
-    assert " --seed 3 --partitions 2 --sweep " in json.loads((out / "summary.json").read_text())["command"]
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -69,7 +69,10 @@ ACCEPTED: list[tuple[Callable[[str], Any], str, Any]] = [
     (cli_args.board, "new-board", "new-board"),
     (cli_args.board, "/tmp", "/tmp"),
     (simulate_cli.scenario_value("run.seed"), "0", 0),
-    (simulate_cli.scenario_value("run.partitions"), "64", 64),
+    (cli_args.workers, "64", 64),
+    (cli_args.ray_address, "local", "local"),
+    (cli_args.ray_address, "10.0.0.1:6379", "10.0.0.1:6379"),
+    (cli_args.ray_address, "ray://head.example:10001", "ray://head.example:10001"),
 ]
 
 REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
@@ -128,7 +131,10 @@ REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
     (cli_args.output_path, "missing/out", "no directory 'missing' to write 'out' in"),
     (cli_args.board, __file__, "is not a directory"),
     (simulate_cli.scenario_value("run.seed"), "-1", "run.seed"),
-    (simulate_cli.scenario_value("run.partitions"), "65", "run.partitions"),
+    (cli_args.workers, "0", "outside 1..1024"),
+    (cli_args.ray_address, "head.example", "expected local, auto or HOST:PORT"),
+    (cli_args.ray_address, "ray://:10001", "expected local, auto or HOST:PORT"),
+    (cli_args.ray_address, "bad host:6379", "not a host name"),
 ]
 
 
@@ -255,7 +261,7 @@ TEMPLATES: dict[str, list[str]] = {
     "node": ["--listen", "127.0.0.1:0", "--run", "run-1", "--trust", "root.key.pub", "--bootstrap", "http://h:1"],
     "daemon": ["--config", "daemon.toml"],
     "head": ["refresh", "--board", "board", "--key", "key", "--run-id", "run-1", "--head-ttl", "60"],
-    "simulate": ["scenario.toml", "--out", "out", "--seed", "3", "--partitions", "2"],
+    "simulate": ["scenario.toml", "--out", "out", "--seed", "3", "--workers", "2"],
 }
 
 
@@ -434,7 +440,12 @@ def test_help_imports_nothing_heavy(tmp_path: Path) -> None:
         ),
         (["node", "--listen", "::1:80", "--run", "r", "--trust", "t"], "argument --listen"),
         (["seed", "--board", "out.psw", "--upload-rate", "nan"], "argument --upload-rate"),
-        (["simulate", "s.toml", "--out", "out.psw", "--partitions", "0"], "argument --partitions: run.partitions"),
+        (["simulate", "s.toml", "--out", "out.psw", "--workers", "0"], "argument --workers: 0 is outside 1..1024"),
+        (["simulate", "s.toml", "--out", "out.psw", "--ray", "nowhere"], "argument --ray: expected local, auto"),
+        (
+            ["simulate", "s.toml", "--out", "out.psw", "--workers", "2", "--ray", "local"],
+            "argument --ray: not allowed with argument --workers",
+        ),
     ],
 )
 def test_usage_errors_exit_2_in_one_line_naming_the_argument(
