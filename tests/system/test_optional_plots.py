@@ -24,7 +24,8 @@ def test_matplotlib_is_an_extra_and_dev_installs_it() -> None:
 
 def test_importing_the_cli_and_the_daemon_loads_no_matplotlib() -> None:
     code = (
-        "import sys, daemon.cli, daemon.rollout, daemon.sidecar, daemon.status_cli, daemon.simulate_cli; "
+        "import sys, patchswarm.daemon.cli, patchswarm.daemon.rollout, patchswarm.daemon.sidecar, "
+        "patchswarm.daemon.status_cli, patchswarm.daemon.simulate_cli; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
