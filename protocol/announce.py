@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from patchswarm.protocol import draws
 from patchswarm.protocol.membership import Membership
 from patchswarm.protocol.membership_messages import NodeInfo
 from patchswarm.protocol.node_config import NodeConfig
@@ -71,7 +70,7 @@ class AnnouncePolicy:
         each hop waiting for the tick would add up to ``announce_interval``)."""
         sample = self.config.announce_sample
         if 0 < sample < len(self.live):
-            alive = draws.sample(self.rng, self.live.members, sample)
+            alive = self.rng.sample(self.live.members, sample)
         else:
             alive = sorted(self.live.members, key=lambda i: i.node_id)
         behind = []
@@ -79,7 +78,7 @@ class AnnouncePolicy:
             view = self.peers.get(info.node_id)
             if view is None or view.ann.head_counter < head_counter:
                 behind.append(info)
-        draws.shuffle(self.rng, behind)
+        self.rng.shuffle(behind)
         return behind[: self.config.announce_fanout]
 
     def targets(self, count: int, head_counter: int, complete: list[bytes]) -> list[NodeInfo]:
@@ -89,7 +88,7 @@ class AnnouncePolicy:
         O(sample) instead of O(members) per announcement (large simulated swarms)."""
         sample = self.config.announce_sample
         if 0 < sample < len(self.live):
-            alive = draws.sample(self.rng, self.live.members, sample)
+            alive = self.rng.sample(self.live.members, sample)
         else:
             alive = sorted(self.membership.alive(), key=lambda i: i.node_id)
         mine = {mid: self._held_bits(mid) for mid in [*self.partial, *complete[-2:]]}
@@ -101,11 +100,11 @@ class AnnouncePolicy:
         interested = [i for i in alive if self._wants_from_us(i.node_id, mine)]
         if interested and not self.config.is_seed:
             interested += self._stale_nearer(alive, min(map(tier, interested)), tier, head_counter)
-        draws.shuffle(self.rng, interested)
+        self.rng.shuffle(interested)
         interested.sort(key=tier)
         chosen = {i.node_id for i in interested}
         rest = [i for i in alive if i.node_id not in chosen]
-        draws.shuffle(self.rng, rest)
+        self.rng.shuffle(rest)
         return (interested + rest)[:count]
 
     def _stale_nearer(

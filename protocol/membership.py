@@ -51,7 +51,6 @@ import hashlib
 import math
 import random
 
-from patchswarm.protocol import draws
 from patchswarm.protocol.membership_config import MembershipConfig, suspicion_bounds, suspicion_timeout
 from patchswarm.protocol.membership_index import _InfoView, _SortedIds
 from patchswarm.protocol.membership_messages import (
@@ -317,7 +316,7 @@ class Membership:
                 if m is not None and m.state <= SUSPECT:
                     return m.info
             self._probe_order = sorted(self._members)
-            draws.shuffle(self._rng, self._probe_order)
+            self._rng.shuffle(self._probe_order)
             self._probe_index = 0
         return None
 
@@ -417,7 +416,7 @@ class Membership:
             m.rank = rank
             bisect.insort(self._ranks, (rank, u.info.node_id))
             self._heard.pop(u.info.node_id, None)
-        pos = draws.randint(self._rng, 0, len(self._probe_order))
+        pos = self._rng.randint(0, len(self._probe_order))
         self._probe_order.insert(pos, u.info.node_id)
         if pos < self._probe_index:
             self._probe_index += 1
@@ -559,7 +558,7 @@ class Membership:
         if len(known) > MAX_SYNC_MEMBERS:  # more than a frame may list: our own record and a random sample
             me = self._me.node_id
             others = [u for u in known if u.info.node_id != me]
-            keep = draws.sample(self._rng, others, MAX_SYNC_MEMBERS - 1) + [self.local()]
+            keep = self._rng.sample(others, MAX_SYNC_MEMBERS - 1) + [self.local()]
             known = sorted(keep, key=lambda u: u.info.node_id)
         return Send(to, Sync(tuple(known), reply, self._take()))
 
@@ -575,7 +574,7 @@ class Membership:
         """``k`` random members of an index (by node_id, less ``skip``): the draws a sample over the
         filtered, sorted member list makes, without building that list."""
         pool = _InfoView(among.ids, self._members, skip)
-        return draws.sample(self._rng, pool, min(k, len(pool)))
+        return self._rng.sample(pool, min(k, len(pool)))
 
     def _track(self, node_id: str, old: MemberState | None, new: MemberState | None) -> None:
         """Move a member between the state indexes (``None``: not a member)."""

@@ -8,22 +8,14 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     """A node's identity, locality labels and address (the address is opaque to this module)."""
 
     node_id: str
     addr: str
-    zone: str
-    region: str
-
-    # __init__ written out (init=False) here and below: the native build compiles its stores
-    # (simulations/build.py) where the generated one stays interpreted (protocol/wire.py too).
-    def __init__(self, node_id: str, addr: str, zone: str = "", region: str = "") -> None:
-        object.__setattr__(self, "node_id", node_id)
-        object.__setattr__(self, "addr", addr)
-        object.__setattr__(self, "zone", zone)
-        object.__setattr__(self, "region", region)
+    zone: str = ""
+    region: str = ""
 
 
 class MemberState(IntEnum):
@@ -35,20 +27,14 @@ class MemberState(IntEnum):
     LEFT = 3
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Update:
     """A gossiped fact about one member.  ``origin``: the node that asserted it (counts suspicions)."""
 
     info: NodeInfo
     incarnation: int
     state: MemberState
-    origin: str
-
-    def __init__(self, info: NodeInfo, incarnation: int, state: MemberState, origin: str = "") -> None:
-        object.__setattr__(self, "info", info)
-        object.__setattr__(self, "incarnation", incarnation)
-        object.__setattr__(self, "state", state)
-        object.__setattr__(self, "origin", origin)
+    origin: str = ""
 
 
 @dataclass(frozen=True, slots=True)

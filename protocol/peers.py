@@ -14,19 +14,12 @@ from patchswarm.protocol.membership_messages import MemberState, NodeInfo
 from patchswarm.protocol.wire import Announcement
 
 
-@dataclass(init=False)
+@dataclass
 class PeerView:
     info: NodeInfo
     ann: Announcement
     seen: float
-    seq: int  # bumps with every announcement or hint about this peer (refresh only what changed)
-
-    # Written out: compiled, it stores the fields directly (the generated __init__ is interpreted).
-    def __init__(self, info: NodeInfo, ann: Announcement, seen: float, seq: int = 0) -> None:
-        self.info = info
-        self.ann = ann
-        self.seen = seen
-        self.seq = seq
+    seq: int = 0  # bumps with every announcement or hint about this peer (refresh only what changed)
 
 
 class LiveMembers:

@@ -75,7 +75,6 @@ from __future__ import annotations
 import heapq
 import math
 
-from patchswarm.protocol import draws
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.scheduler_placement import ChunkPlacement, _Round
 from patchswarm.protocol.scheduler_state import _ALL, _MIN_ELAPSED, _NO_FLIGHTS, _Flight, _indices, _Peer
@@ -328,7 +327,7 @@ class ChunkScheduler(ChunkPlacement):
                     candidates.append(c)
             if not candidates:
                 break
-            c = draws.choice(self._rng, candidates)
+            c = self._rng.choice(candidates)
             peer = self._choose(c, scan)
             assert peer is not None
             out.append(self._issue(c, peer, scan, duplicate=False))

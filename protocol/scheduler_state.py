@@ -14,7 +14,6 @@ import math
 import random
 from dataclasses import dataclass
 
-from patchswarm.protocol import draws
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.scheduler_types import PeerInfo, Request, SchedulerConfig
 
@@ -136,7 +135,7 @@ class SchedulerState:
         self._avail = [0] * n  # non-seed peers with an explicit bitfield holding each chunk
         self._n_full = 0  # non-seed peers holding everything (has=None): add to every chunk
         self._perm = list(range(n))
-        draws.shuffle(rng, self._perm)  # the random tiebreak among equally rare chunks
+        rng.shuffle(self._perm)  # the random tiebreak among equally rare chunks
         self._rank = [0] * n
         for r, c in enumerate(self._perm):
             self._rank[c] = r

@@ -16,20 +16,12 @@ class FailureReason(enum.Enum):
     MISSING = "missing"  # the peer says it does not hold the chunk: clear that bit
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class PeerInfo:
     peer_id: str
-    zone: str
-    region: str
-    is_seed: bool  # the trainer seed: has everything, asked only as a last resort
-
-    # __init__ written out (init=False) here and below: the native build compiles its stores
-    # (simulations/build.py) where the generated one stays interpreted, ~20x the cost per object.
-    def __init__(self, peer_id: str, zone: str = "", region: str = "", is_seed: bool = False) -> None:
-        object.__setattr__(self, "peer_id", peer_id)
-        object.__setattr__(self, "zone", zone)
-        object.__setattr__(self, "region", region)
-        object.__setattr__(self, "is_seed", is_seed)
+    zone: str = ""
+    region: str = ""
+    is_seed: bool = False  # the trainer seed: has everything, asked only as a last resort
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,15 +93,9 @@ class SchedulerConfig:
             raise ValueError("rate_alpha must be in (0, 1]")
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Request:
     chunk: int
     peer_id: str
     deadline: float
-    duplicate: bool  # endgame duplicate
-
-    def __init__(self, chunk: int, peer_id: str, deadline: float, duplicate: bool = False) -> None:
-        object.__setattr__(self, "chunk", chunk)
-        object.__setattr__(self, "peer_id", peer_id)
-        object.__setattr__(self, "deadline", deadline)
-        object.__setattr__(self, "duplicate", duplicate)
+    duplicate: bool = False  # endgame duplicate

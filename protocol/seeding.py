@@ -14,7 +14,6 @@ import math
 import random
 from collections.abc import Callable
 
-from patchswarm.protocol import draws
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.peers import LiveMembers, PeerView
@@ -197,7 +196,7 @@ class SeedPolicy:
         if len(given) >= self.config.seed_object_copies:
             alive = [info.addr for g in given if (info := live.get(g)) is not None]
             if alive:
-                return tuple(draws.sample(self.rng, alive, min(4, len(alive))))
+                return tuple(self.rng.sample(alive, min(4, len(alive))))
             given.clear()  # every one of them is gone: hand it out afresh
         if requester in live:  # only a requester that can be named counts as a copy given
             given.append(requester)

@@ -54,52 +54,25 @@ class WireError(FormatError):
     """A gossip frame that is unauthenticated, malformed or out of bounds."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Announcement:
     """What a node tells every peer it talks to: its run, head, held version and chunk availability."""
 
     run_id: str
     head_counter: int  # -1: no head yet
     version: int  # applied version, -1: none
-    complete: tuple[bytes, ...]  # manifest ids whose chunks it holds and serves in full
-    partial: tuple[tuple[bytes, bytes], ...]  # (manifest id, bitfield) of downloads in progress
-    seed: bool  # holds every chunk of the board
-
-    # __init__ written out (init=False) here and below: the native build compiles its stores
-    # (simulations/build.py) where the generated one stays interpreted, ~20x the cost per object.
-    def __init__(
-        self,
-        run_id: str,
-        head_counter: int,
-        version: int,
-        complete: tuple[bytes, ...] = (),
-        partial: tuple[tuple[bytes, bytes], ...] = (),
-        seed: bool = False,
-    ) -> None:
-        object.__setattr__(self, "run_id", run_id)
-        object.__setattr__(self, "head_counter", head_counter)
-        object.__setattr__(self, "version", version)
-        object.__setattr__(self, "complete", complete)
-        object.__setattr__(self, "partial", partial)
-        object.__setattr__(self, "seed", seed)
+    complete: tuple[bytes, ...] = ()  # manifest ids whose chunks it holds and serves in full
+    partial: tuple[tuple[bytes, bytes], ...] = ()  # (manifest id, bitfield) of downloads in progress
+    seed: bool = False  # holds every chunk of the board
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class GossipFrame:
     sender: NodeInfo
     announcement: Announcement
     message: Message | None  # None: an availability push only
-    sent_ms: int  # the sender's wall clock, ms
-    seq: int  # the sender's frame counter (see the module docstring)
-
-    def __init__(
-        self, sender: NodeInfo, announcement: Announcement, message: Message | None, sent_ms: int = 0, seq: int = 0
-    ) -> None:
-        object.__setattr__(self, "sender", sender)
-        object.__setattr__(self, "announcement", announcement)
-        object.__setattr__(self, "message", message)
-        object.__setattr__(self, "sent_ms", sent_ms)
-        object.__setattr__(self, "seq", seq)
+    sent_ms: int = 0  # the sender's wall clock, ms
+    seq: int = 0  # the sender's frame counter (see the module docstring)
 
 
 def mac(secret: bytes, body: bytes) -> bytes:

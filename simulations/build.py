@@ -33,7 +33,6 @@ NATIVE_MODULES = (
     "patchswarm/protocol/announce.py",
     "patchswarm/protocol/bitfield.py",
     "patchswarm/protocol/download.py",
-    "patchswarm/protocol/draws.py",
     "patchswarm/protocol/head_follow.py",
     "patchswarm/protocol/membership.py",
     "patchswarm/protocol/membership_config.py",

@@ -21,7 +21,6 @@ from typing import Protocol
 
 import blake3
 
-from patchswarm.protocol import draws
 from patchswarm.protocol.board_names import (
     MANIFEST_TAG,
     ROOT_TAG,
@@ -153,7 +152,7 @@ class SwarmSource:
             views = holders or views
         others = [v.info.addr for v in views if v.info.addr not in addrs]
         want = max(0, PEER_TRIES - len(addrs))
-        picked = draws.sample(node.rng, others, min(want, len(others)))
+        picked = node.rng.sample(others, min(want, len(others)))
         seeds = sorted(v.info.addr for v in views if v.ann.seed and v.info.addr not in addrs)
         return addrs + picked + seeds[:1]
 
