@@ -164,6 +164,8 @@ class SwarmSource:
             ok = self._is_manifest(name, data)
         elif isinstance(name, CertName):
             ok = self._is_certificate(name, data)
+        elif rel.startswith(("manifests/", "certs/")):
+            ok = False  # a name no manifest or certificate can have (a forged head's odd-length key id)
         else:
             return True
         if not ok:
