@@ -336,3 +336,18 @@ def test_a_failed_root_refresh_does_not_leave_the_head_fetch_running() -> None:
     cancelled, error, when = run_virtual(main())
     assert cancelled == [head_rel(RUN)]
     assert error == "root 2 is not signed by root 1" and when < 1.0
+
+
+@pytest.mark.asyncio
+async def test_a_liar_s_answer_for_an_odd_length_key_s_certificate_is_refused_and_the_next_source_asked() -> None:
+    """A head envelope's key id is any bytes: a certificate asked for under a name no certificate can
+    have (31 bytes of key) is checked like any answer, and a liar's is refused (the issue 32 review)."""
+    head, cert = head_rel(RUN), cert_rel(b"\x01" * 31)  # a forged head's signer: 31 bytes
+    liar = {cert: b"not a certificate"}
+    t = Recorder(have={f"p{i}": dict(liar) for i in range(5)} | {"seed": dict(liar)})
+    t.have["p4"][head] = b"head"
+    src = source(t)
+    await src.get(head, 1 << 20, prefer="p4")
+    assert await src.get(cert, 1 << 16) is None  # refused, every source asked, nothing held
+    assert src.refused >= 1
+    assert cert not in src.fetched
