@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", action="append", default=[], choices=("size", "speed", "hash"))
     args = ap.parse_args(argv)
 
-    print(f"command: `python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}`")
+    print(f"command: `python -m benchmarks.codec_bench {' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"machine: {machine()}")
     if "size" not in args.skip:
         t0 = time.perf_counter()
