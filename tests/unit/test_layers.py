@@ -235,3 +235,31 @@ def test_the_checker_finds_a_circle_hidden_in_a_function() -> None:
 def test_the_checker_refuses_the_top_level_package_inside_the_layers() -> None:
     sources = {"patchswarm.swarm.a": "from patchswarm import Publisher\n"}
     assert check(sources) == ["patchswarm.swarm.a (line 1) imports patchswarm: swarm/ may import only protocol, swarm"]
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Imports of a test module by a test module under ``root``/tests (its helpers belong in tests/support)."""
+    found = []
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            found += [
+                f"{path.relative_to(root)} (line {node.lineno}) imports {name}"
+                for name in names
+                if name.startswith("tests.") and name.rsplit(".", 1)[-1].startswith("test_")
+            ]
+    return found
+
+
+def test_no_imports_of_test_modules_another() -> None:
+    found = imports_of_test_modules(ROOT)
+    assert found == [], "\n".join(found)
+
+
+def test_the_checker_finds_a_test_module_imported_by_another(tmp_path: Path) -> None:
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_a.py").write_text("from tests.unit.test_b import helper\n")
+    (tmp_path / "tests" / "unit" / "test_b.py").write_text("from tests.support.boards import Keys\n")
+    assert imports_of_test_modules(tmp_path) == ["tests/unit/test_a.py (line 1) imports tests.unit.test_b"]
