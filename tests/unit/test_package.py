@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,13 @@ def test_the_layers_import_under_the_package_name_from_the_folders() -> None:
 def test_the_console_script_is_the_cli() -> None:
     [script] = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "patchswarm"]
     assert script.value == "patchswarm.daemon.cli:main"
+
+
+def test_the_architecture_page_lists_every_module_once() -> None:
+    """docs/architecture.md has one line per module under its layer's heading: a new module gets its line."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    for layer in ("protocol", "swarm", "daemon", "simulations"):
+        section = page.split(f"### {layer}/\n", 1)[1].split("\n### ", 1)[0]
+        listed = re.findall(r"^- `(\w+\.py)`", section, re.M)
+        modules = sorted(p.name for p in (ROOT / layer).glob("*.py") if p.name != "__init__.py")
+        assert sorted(listed) == modules, layer
