@@ -27,7 +27,7 @@ import torch
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.files import InputFileError, MissingFileError, read_file
 from patchswarm.protocol.safetensors_io import load_safetensors
-from patchswarm.protocol.served import raw_bytes
+from patchswarm.protocol.served import ServedModel, raw_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -242,3 +242,20 @@ def _untie(d: Path, tensors: dict[str, torch.Tensor], config_text: str | None) -
             )
         del tensors[alias]
     return [(alias, source)]
+
+
+def read_served(path: str | os.PathLike[str]) -> ServedModel:
+    """A served version from a checkpoint directory (its checkpoint metadata included) or from a
+    safetensors file (its header metadata, as ``save_safetensors`` writes it)."""
+    if not Path(path).is_dir():
+        return load_safetensors(path)
+    ck = read_checkpoint(path)
+    return ServedModel.from_tensors(ck.tensors, ck.metadata())
+
+
+def wants_directory(out: str, *, like_dir: bool = False, metadata: dict[str, str] | None = None) -> bool:
+    """Whether an output path names a checkpoint directory: it is one, ends in '/', the input was one
+    (``like_dir``), or the version carries checkpoint files and the name is not a .safetensors file."""
+    if out.endswith("/") or os.path.isdir(out) or like_dir:
+        return True
+    return bool(metadata and FILES_KEY in metadata and not out.endswith(".safetensors"))

@@ -18,6 +18,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -210,7 +211,7 @@ def _write_shard(path: Path, tensors: list[tuple[TensorSpec, torch.Tensor]]) -> 
         fh.write(head)
         for spec, buf in tensors:
             if spec.nbytes:
-                fh.write(memoryview(buf.cpu().contiguous().numpy()))
+                fh.write(buf.cpu().contiguous().numpy().data)
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -271,3 +272,39 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
             raise
         shutil.rmtree(old)
     fsync_dir(target.parent)
+
+
+_VERSION_DIR = re.compile(r"v([0-9]{1,20})")
+_LEFTOVER = re.compile(r"v[0-9]{1,20}\.(tmp|old)-[0-9a-f]{12}|\.current\.tmp-[0-9a-f]{12}")
+CURRENT = "current"
+
+
+def export_version(model: ServedModel, root: str | os.PathLike[str], version: int, keep: int = 2) -> Path:
+    """The daemon's ``export.dir``: write ``root/v<version>``, repoint the symlink ``root/current`` at it
+    (atomically: a new link renamed over the old), and remove all but the newest ``keep`` versions
+    (never the current one) and what an interrupted export left behind."""
+    top = Path(root)
+    top.mkdir(parents=True, exist_ok=True)
+    name = f"v{version}"
+    write_checkpoint(model, top / name)
+    link = top / f".{CURRENT}.tmp-{secrets.token_hex(6)}"
+    os.symlink(name, link)  # relative: the export directory can move or be mounted elsewhere
+    try:
+        os.replace(link, top / CURRENT)
+    except BaseException:
+        link.unlink(missing_ok=True)
+        raise
+    fsync_dir(top)
+    entries = os.listdir(top)
+    versions = sorted(int(m.group(1)) for n in entries if (m := _VERSION_DIR.fullmatch(n)))
+    for v in versions[:-keep]:
+        if v != version:
+            shutil.rmtree(top / f"v{v}", ignore_errors=True)
+    for n in entries:
+        if _LEFTOVER.fullmatch(n):
+            p = top / n
+            if p.is_symlink() or not p.is_dir():
+                p.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+    return top / name

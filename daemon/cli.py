@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
     from patchswarm.daemon.board import Board
     from patchswarm.daemon.publisher import Publisher
+    from patchswarm.daemon.served_format import ServedFormat
     from patchswarm.protocol.keys import SigningKey, TrustedKeys
+    from patchswarm.protocol.served import ServedModel
     from patchswarm.protocol.trust import RootDocument
 
 
@@ -123,12 +125,12 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from patchswarm.daemon.checkpoint import read_served
     from patchswarm.protocol.keys import SigningKey
     from patchswarm.protocol.patchfile import build_version, write_file
-    from patchswarm.protocol.safetensors_io import load_safetensors
 
-    base = load_safetensors(args.base)
-    target = load_safetensors(args.target)
+    base = read_served(args.base)
+    target = read_served(args.target)
     key = SigningKey.load(args.key) if args.key else None
     with _progress("diff+encode", target.nbytes) as advance:
         v = build_version(
@@ -157,19 +159,33 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    from patchswarm.daemon.checkpoint import read_served
     from patchswarm.protocol.patchfile import apply_version, open_file, read_patch_file
-    from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 
     policy = _trust(args.trust)
     data = read_patch_file(args.patch)
     v = open_file(data, policy, now_ms=_now_ms())
-    base = load_safetensors(args.base)
+    base = read_served(args.base)
     model, _ = apply_version(base, v.manifest, v.payload)
-    save_safetensors(model, args.output)
+    _write_model(model, args.output, like_dir=os.path.isdir(args.base))
     if policy is None:  # after the work: an error stays the only line of a failed run
         warn("no --trust given: signature not checked (integrity still is)")
     say(f"{args.output}: version {v.manifest.version} verified (root {v.manifest.target_root.hex()[:16]})")
     return 0
+
+
+def _write_model(model: ServedModel, out: str, *, like_dir: bool = False) -> str:
+    """Write a served version to ``out``: a checkpoint directory or a safetensors file (checkpoint.py's
+    ``wants_directory`` decides); the words that say which."""
+    from patchswarm.daemon.checkpoint import wants_directory
+    from patchswarm.daemon.checkpoint_writer import write_checkpoint
+    from patchswarm.protocol.safetensors_io import save_safetensors
+
+    if wants_directory(out, like_dir=like_dir, metadata=model.metadata):
+        written = write_checkpoint(model, out.rstrip("/"))
+        return f"checkpoint directory, {len(written.shards)} shard(s)"
+    save_safetensors(model, out)
+    return "safetensors file"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -321,10 +337,10 @@ def cmd_rotate_root(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from patchswarm.daemon.checkpoint import read_checkpoint
     from patchswarm.daemon.publisher import PublishInfo
-    from patchswarm.protocol.safetensors_io import load_safetensors
 
-    model = load_safetensors(args.model)
+    ckpt = read_checkpoint(args.model)
     from patchswarm.protocol.board_names import MAX_DOC_BYTES
     from patchswarm.protocol.files import read_file
 
@@ -333,20 +349,36 @@ def cmd_publish(args: argparse.Namespace) -> int:
         pub = _publisher(args, cert)
     except ValueError as e:
         raise UserError(str(e)) from None
-    tensors = {s.name: model.typed(i) for i, s in enumerate(model.specs)}
-    info = pub.publish(tensors, anchor=args.anchor)
+    info = pub.publish(ckpt.tensors, anchor=args.anchor, metadata=ckpt.metadata())
     pub.close()
     assert isinstance(info, PublishInfo)
     say(
-        f"published version {info.version} of run {args.run_id!r}: {100 * info.changed_fraction:.3f}% changed, "
+        f"published version {info.version} of run {args.run_id!r} (served {_format_label(pub.format)}): "
+        f"{100 * info.changed_fraction:.3f}% changed, "
         f"patch {info.patch_bytes:,} bytes" + (f", anchor {info.anchor_bytes:,} bytes" if info.anchor_bytes else "")
     )
     return 0
 
 
+def _format_label(fmt: ServedFormat) -> str:
+    if fmt.name != "fp8_e4m3":
+        return fmt.name.replace("_", "-")
+    return f"fp8-e4m3, {f'{fmt.block}x{fmt.block} block' if fmt.block else 'per-tensor'} scales"
+
+
+def _served_format(args: argparse.Namespace) -> ServedFormat:
+    from patchswarm.daemon.served_format import ServedFormat
+
+    if args.fp8_block is not None and args.served_format != "fp8_e4m3":
+        raise UserError("--fp8-block applies to --served-format fp8-e4m3 only")
+    if args.served_format != "fp8_e4m3":
+        return ServedFormat(args.served_format)
+    block = 128 if args.fp8_block is None else args.fp8_block
+    return ServedFormat(args.served_format, block=block or None)
+
+
 def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
     from patchswarm.daemon.publisher import Publisher
-    from patchswarm.daemon.served_format import ServedFormat
     from patchswarm.protocol.keys import SigningKey
 
     return Publisher(
@@ -356,7 +388,7 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
         anchor_every=args.anchor_every,
         certificate=cert,
         chunk_size=args.chunk_size,
-        served_format=ServedFormat("as_is"),
+        served_format=_served_format(args),
         head_ttl=args.head_ttl,
         refresh=False,  # one version and exit: `patchswarm seed --key` or `head refresh` keeps the head fresh
     )
@@ -461,10 +493,10 @@ def _run_from(url: str, run: str | None) -> tuple[str, str]:
 def cmd_pull(args: argparse.Namespace) -> int:
     import asyncio
 
+    from patchswarm.daemon.checkpoint import read_served
     from patchswarm.daemon.pull_state import PullState
     from patchswarm.protocol.held import Held
     from patchswarm.protocol.keys import load_public_key
-    from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
     from patchswarm.protocol.trust import TrustState
     from patchswarm.swarm.board_sources import source_for
     from patchswarm.swarm.puller import Puller
@@ -474,7 +506,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     state = PullState.load(Path(args.state), run) if args.state else None
     if state:
         state.restore_into(trust)
-    have = load_safetensors(args.have) if args.have else None
+    have = read_served(args.have) if args.have else None
 
     async def go() -> tuple[Held, Puller]:
         src = source_for(url)
@@ -489,12 +521,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
             await src.close()
 
     held, puller = asyncio.run(go())
-    save_safetensors(held.model, args.to)
+    wrote = _write_model(held.model, args.to)
     if args.state:
         PullState(puller.tracker).save(Path(args.state), trust)
     steps = ", ".join(f"{e.kind.value} {e.version}" for e in puller.stats.steps) or "nothing (already current)"
     fetched = puller.stats.bytes_fetched
-    say(f"{args.to}: version {held.version} of run {run!r} verified; fetched {fetched:,} bytes via {steps}")
+    say(f"{args.to}: version {held.version} of run {run!r} verified ({wrote}); fetched {fetched:,} bytes via {steps}")
     return 0
 
 
@@ -573,8 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--new-root", type=path, required=True, metavar="NEW_ROOT.key.pub")
     rr.set_defaults(func=cmd_rotate_root)
 
-    pb = sub.add_parser("publish", help="publish a served version from a safetensors file onto a board")
-    pb.add_argument("model", type=path, metavar="MODEL.safetensors")
+    pb = sub.add_parser("publish", help="publish a served version of a checkpoint onto a board")
+    pb.add_argument("model", type=path, metavar="MODEL", help="checkpoint directory or .safetensors file")
     pb.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
     pb.add_argument("--key", type=path, required=True, metavar="KEY")
     pb.add_argument("--run-id", type=cli_args.run_id, required=True)
@@ -582,6 +614,19 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--anchor", action="store_true", help="also publish this version as a full anchor")
     pb.add_argument("--anchor-every", type=cli_args.anchor_every, default=10, metavar="N")
     pb.add_argument("--chunk-size", type=cli_args.chunk_size, default=1 << 20, metavar="BYTES")
+    pb.add_argument(
+        "--served-format",
+        type=cli_args.served_format,
+        default="bf16",
+        metavar="|".join(cli_args.SERVED_FORMATS),
+        help="the dtype hosts serve (default bf16; as-is ships the file's own dtypes)",
+    )
+    pb.add_argument(
+        "--fp8-block",
+        type=cli_args.fp8_block,
+        metavar="N|per-tensor",
+        help="fp8-e4m3 scales: NxN blocks (default 128) or one per tensor",
+    )
     add_head_ttl_arg(pb)
     pb.set_defaults(func=cmd_publish)
 
@@ -623,14 +668,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--from", dest="source", type=path, required=True, metavar="URL", help="board URL or directory")
     pl.add_argument("--run", type=cli_args.run_id, metavar="RUN", help="run id (or give --from as BOARD/runs/RUN)")
     pl.add_argument("--trust", type=path, required=True, metavar="ROOT.pub")
-    pl.add_argument("--to", type=out, required=True, metavar="OUT.safetensors")
-    pl.add_argument("--have", type=path, metavar="OLD.safetensors", help="a version already held (patches from it)")
+    pl.add_argument(
+        "--to",
+        type=cli_args.output_target,
+        required=True,
+        metavar="OUT",
+        help="a .safetensors file or a checkpoint directory (DIR/; the default when the run ships checkpoints)",
+    )
+    pl.add_argument(
+        "--have", type=path, metavar="OLD", help="a version already held, file or directory (patches from it)"
+    )
     pl.add_argument("--state", type=out, metavar="FILE", help="persist the high-water mark here (refuses rewinds)")
     pl.set_defaults(func=cmd_pull, check=_check_pull)
 
     d = sub.add_parser("diff", help="encode TARGET against BASE into a self-contained patch file")
-    d.add_argument("base", type=path, metavar="BASE.safetensors")
-    d.add_argument("target", type=path, metavar="TARGET.safetensors")
+    d.add_argument("base", type=path, metavar="BASE", help="checkpoint directory or .safetensors file")
+    d.add_argument("target", type=path, metavar="TARGET", help="checkpoint directory or .safetensors file")
     d.add_argument("-o", "--output", type=out, required=True, metavar="PATCH")
     d.add_argument("--key", type=path, metavar="KEY", help="sign the manifest with this key")
     d.add_argument("--run-id", type=cli_args.run_id, default="local")
@@ -641,9 +694,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_diff, check=_check_diff)
 
     a = sub.add_parser("apply", help="apply PATCH to BASE and write the verified result to OUT")
-    a.add_argument("base", type=path, metavar="BASE.safetensors")
+    a.add_argument("base", type=path, metavar="BASE", help="checkpoint directory or .safetensors file")
     a.add_argument("patch", type=path, metavar="PATCH")
-    a.add_argument("-o", "--output", type=out, required=True, metavar="OUT.safetensors")
+    a.add_argument(
+        "-o",
+        "--output",
+        type=cli_args.output_target,
+        required=True,
+        metavar="OUT",
+        help="file, or DIR/ for a checkpoint",
+    )
     a.add_argument(
         "--trust", type=path, action="append", metavar="KEY.pub", help="accept only patches signed by this key"
     )

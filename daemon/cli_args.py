@@ -201,3 +201,34 @@ def board(text: str) -> str:
     if os.path.exists(path(text)) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
     return text
+
+
+def output_target(text: str) -> str:
+    """A file or a checkpoint directory to create or replace (a directory when it exists or ends in '/'),
+    in a directory that exists."""
+    parent = os.path.dirname(path(text).rstrip("/")) or "."
+    if not text.rstrip("/"):
+        raise argparse.ArgumentTypeError(f"expected a file or directory name, got {text!r}")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"no directory {parent!r} to write {os.path.basename(text.rstrip('/'))!r} in")
+    return text
+
+
+# --served-format spellings on the command line -> ServedFormat names (daemon/served_format.py)
+SERVED_FORMATS = {"bf16": "bf16", "fp16": "fp16", "fp8-e4m3": "fp8_e4m3", "as-is": "as_is"}
+MAX_FP8_BLOCK = 4096
+
+
+def served_format(text: str) -> str:
+    """A served format: bf16, fp16, fp8-e4m3 or as-is (the ServedFormat name it stands for)."""
+    name = SERVED_FORMATS.get(text) or SERVED_FORMATS.get(text.replace("_", "-"))
+    if name is None:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(SERVED_FORMATS)}, got {text!r}")
+    return name
+
+
+def fp8_block(text: str) -> int:
+    """fp8 scale granularity: a square block size (128 as DeepSeek-V3 checkpoints), or per-tensor (0)."""
+    if text == "per-tensor":
+        return 0
+    return bounded(int, "a block size or per-tensor", 1, MAX_FP8_BLOCK)(text)

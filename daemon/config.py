@@ -404,6 +404,16 @@ SCHEMA: list[Key] = [
     ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
     Key(
+        "export",
+        "dir",
+        parse_str,
+        "",
+        "Also write each activated version here as a Hugging Face checkpoint directory, v<N>, with the "
+        "symlink current pointing at the newest (the last 2 kept), for an engine to cold-start from with "
+        "its normal loader; empty = off. A failed export is logged and shown in the status reason; serving "
+        "goes on (docs/models.md).",
+    ),
+    Key(
         "metrics",
         "listen",
         parse_listen,

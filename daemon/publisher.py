@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -211,11 +212,23 @@ class Publisher:
         return wanted
 
     def publish(
-        self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], *, anchor: bool = False
+        self,
+        model_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        anchor: bool = False,
+        metadata: Mapping[str, str] | None = None,
     ) -> PublishInfo | Future[PublishInfo]:
-        """Publish the next version; in background mode returns a Future once the served copy is taken."""
+        """Publish the next version; in background mode returns a Future once the served copy is taken.
+
+        ``metadata`` goes into the version's signed manifest (e.g. a checkpoint's ``checkpoint.files``,
+        docs/models.md); ``served.format`` (and ``served.quantization_config`` for fp8) is added."""
         if not isinstance(anchor, bool):
             raise ValueError(f"anchor must be True or False, not {anchor!r}")
+        if metadata is not None and not (
+            isinstance(metadata, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        ):
+            raise ValueError("metadata must map strings to strings")
         if not isinstance(model_or_state, torch.nn.Module | Mapping):
             raise ValueError(f"model_or_state must be a module or a state dict, not {type(model_or_state).__name__}")
         start = self.clock()
@@ -224,6 +237,7 @@ class Publisher:
             raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
         with stages.time("cast"):
             target = cast_served(self.format, state_dict_of(model_or_state), self._buffers, self.served_on_host)
+            target.model.metadata = served_metadata(self.format, metadata)
             if self._queue is not None:
                 target.fill_all()  # the served copy is taken before returning; else cast while diffing
         with self._counter_lock:
@@ -508,6 +522,17 @@ class Publisher:
         if self._dropped:
             self.board.collect_garbage(self._catalog)
             self._dropped = []
+
+
+def served_metadata(fmt: ServedFormat, metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """A version's manifest metadata: the caller's, plus the served format it was cast to."""
+    out = dict(metadata or {})
+    out["served.format"] = fmt.name
+    quant = getattr(fmt, "quantization_config", None)  # fp8 formats say how engines dequantize
+    config = quant() if callable(quant) else None
+    if config:
+        out["served.quantization_config"] = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return out
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

@@ -30,6 +30,7 @@ import aiohttp
 
 from patchswarm.daemon import systemd
 from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
+from patchswarm.daemon.checkpoint_writer import export_version
 from patchswarm.daemon.config import ConfigError, DaemonConfig, bind_errors
 from patchswarm.daemon.engine import SHM_DIR, store_lock_path
 from patchswarm.daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
@@ -55,6 +56,7 @@ from patchswarm.daemon.weightstore import (
     check_registration,
     diff_updates,
 )
+from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.head import utc_text
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import load_public_key
@@ -88,6 +90,7 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
 log = logging.getLogger("patchswarm.daemon")
 FAULT_ENV = "PATCHSWARM_FAULT_AT"
 HEAD_REFUSED = "head refused"  # status reason prefix while the newest head fails verification
+EXPORT_FAILED = "export.dir"  # status reason prefix while the last checkpoint export failed
 AWAITING_ENGINE = "waiting for the engine to register its buffer (POST /v1/store)"
 
 
@@ -338,6 +341,22 @@ class RolloutDaemon:
         self.status.update(
             phase=Phase.IDLE, version=held.version, root=state_root(held.model.specs, held.digests).hex()
         )
+        await self._export(held)
+
+    async def _export(self, held: Held) -> None:
+        """``export.dir``: the activated version as a checkpoint directory (docs/models.md), written off
+        the loop before the node moves on (so its buffers stay as they are); a failure is reported in
+        the status reason and logged, and serving goes on."""
+        if not self.cfg["export.dir"]:
+            return
+        try:
+            await off_loop(export_version, held.model, self.cfg["export.dir"], held.version)
+        except (OSError, PatchswarmError, ValueError) as e:
+            log.warning("export failed: %s", e, extra={"version": held.version})
+            self.status.update(reason=f"{EXPORT_FAILED}: version {held.version}: {e}")
+            return
+        if (self.status.reason or "").startswith(EXPORT_FAILED):
+            self.status.update(reason=None)
 
     async def _activate(self, held: Held) -> bool:
         """Write ``held`` into the store; False when an engine store has no buffer to write into yet."""
