@@ -66,6 +66,13 @@ ACCEPTED: list[tuple[Callable[[str], Any], str, Any]] = [
     (cli_args.path, "a b/c", "a b/c"),
     (cli_args.output_path, "new.psw", "new.psw"),
     (cli_args.output_path, "/tmp/new.psw", "/tmp/new.psw"),
+    (cli_args.output_target, "new-dir/", "new-dir/"),
+    (cli_args.output_target, "/tmp", "/tmp"),
+    (cli_args.served_format, "fp8-e4m3", "fp8_e4m3"),
+    (cli_args.served_format, "as-is", "as_is"),
+    (cli_args.served_format, "bf16", "bf16"),
+    (cli_args.fp8_block, "per-tensor", 0),
+    (cli_args.fp8_block, "128", 128),
     (cli_args.board, "new-board", "new-board"),
     (cli_args.board, "/tmp", "/tmp"),
     (simulate_cli.scenario_value("run.seed"), "0", 0),
@@ -76,6 +83,11 @@ ACCEPTED: list[tuple[Callable[[str], Any], str, Any]] = [
 ]
 
 REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
+    (cli_args.output_target, "no-such-dir/x/", "no directory"),
+    (cli_args.output_target, "/", "expected a file or directory name"),
+    (cli_args.served_format, "fp32", "expected one of bf16, fp16, fp8-e4m3, as-is"),
+    (cli_args.fp8_block, "0", "outside"),
+    (cli_args.fp8_block, "blocks", "not a block size"),
     (cli_args.chunk_size, str(MIN_CHUNK_SIZE - 1), "outside"),
     (cli_args.chunk_size, str(MAX_CHUNK_SIZE + 1), "outside"),
     (cli_args.chunk_size, "1.5", "not a whole number"),
