@@ -297,14 +297,11 @@ def export_version(model: ServedModel, root: str | os.PathLike[str], version: in
     fsync_dir(top)
     entries = os.listdir(top)
     versions = sorted(int(m.group(1)) for n in entries if (m := _VERSION_DIR.fullmatch(n)))
-    for v in versions[:-keep]:
-        if v != version:
-            shutil.rmtree(top / f"v{v}", ignore_errors=True)
-    for n in entries:
-        if _LEFTOVER.fullmatch(n):
-            p = top / n
-            if p.is_symlink() or not p.is_dir():
-                p.unlink(missing_ok=True)
-            else:
-                shutil.rmtree(p, ignore_errors=True)
+    old = [f"v{v}" for v in versions[:-keep] if v != version]
+    for n in old + [n for n in entries if _LEFTOVER.fullmatch(n)]:
+        p = top / n
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
     return top / name

@@ -31,6 +31,10 @@ _EXPORTS = {
     "SigningKey": "patchswarm.protocol.keys",
     "TrustedKeys": "patchswarm.protocol.keys",
     "load_public_key": "patchswarm.protocol.keys",
+    # Hugging Face checkpoints in and out (docs/models.md)
+    "Checkpoint": "patchswarm.daemon.checkpoint",
+    "read_checkpoint": "patchswarm.daemon.checkpoint",
+    "write_checkpoint": "patchswarm.daemon.checkpoint_writer",
     # the served model and the patch format
     "ServedModel": "patchswarm.protocol.served",
     "TensorSpec": "patchswarm.protocol.served",
@@ -53,6 +57,7 @@ _EXPORTS = {
 
 __all__ = [
     "Board",
+    "Checkpoint",
     "DaemonClient",
     "Held",
     "PatchswarmError",
@@ -73,13 +78,17 @@ __all__ = [
     "load_public_key",
     "make_sidecar_app",
     "open_file",
+    "read_checkpoint",
     "source_for",
     "start_sidecar",
+    "write_checkpoint",
     "write_file",
 ]  # = sorted(_EXPORTS) (tests/unit/test_package.py)
 
 if TYPE_CHECKING:
     from patchswarm.daemon.board import Board
+    from patchswarm.daemon.checkpoint import Checkpoint, read_checkpoint
+    from patchswarm.daemon.checkpoint_writer import write_checkpoint
     from patchswarm.daemon.engine_client import DaemonClient
     from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
     from patchswarm.daemon.sidecar import VersionConstraint, VersionGate, make_sidecar_app, start_sidecar

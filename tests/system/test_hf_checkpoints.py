@@ -173,16 +173,28 @@ async def test_daemon_exports_each_version_as_a_checkpoint_directory(tmp_path: P
     d = make_daemon(sw, "d1", tmp_path, extra=f'[export]\ndir = "{export}"\n')
     d.start()
     try:
-        for step in range(1, 4):
+        for step in range(1, 5):
             if step > 1:
+                if step == 3:  # a file where v3 goes: the export fails, serving does not
+                    (export / "v3").write_text("in the way")
                 publish(step)
-            await d.wait_version(step)
+            st = await d.wait_version(step)
+            if step == 3:
+                for _ in range(600):
+                    st = await d.status()
+                    if st is not None and (st["reason"] or "").startswith("export.dir: version 3"):
+                        break
+                    await asyncio.sleep(0.05)
+                assert st is not None and "not a directory" in st["reason"] and st["version"] == 3, st
+                assert os.readlink(export / "current") == "v2"
+                continue
             await wait_export(export, step)
             st = await d.status()
-            assert st is not None and "export" not in (st["reason"] or "")
+            assert st is not None and "export" not in (st["reason"] or "")  # a success clears the reason
             assert_loads_bitwise(export / "current", bf16_state(model))
-        assert sorted(p.name for p in export.iterdir()) == ["current", "v2", "v3"]  # the last 2 kept
+        assert sorted(p.name for p in export.iterdir()) == ["current", "v3", "v4"]  # the last 2 kept
         assert await d.stop() == 0
+        assert "export failed" in d.log.read_text()
     finally:
         d.cleanup()
         await sw.close()
