@@ -157,7 +157,9 @@ def _read_sharded(d: Path) -> dict[str, torch.Tensor]:
         by_shard.setdefault(shard, set()).add(name)
     missing = sorted(s for s in by_shard if not (d / s).is_file())
     if missing:
-        raise CheckpointError(f"{where}: shard {missing[0]} is missing ({len(missing)} of {len(by_shard)} missing)")
+        raise CheckpointError(
+            f"{where}: shard {missing[0]} is missing or not a file ({len(missing)} of {len(by_shard)} shards)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(by_shard):
         try:
@@ -254,8 +256,10 @@ def read_served(path: str | os.PathLike[str]) -> ServedModel:
 
 
 def wants_directory(out: str, *, like_dir: bool = False, metadata: dict[str, str] | None = None) -> bool:
-    """Whether an output path names a checkpoint directory: it is one, ends in '/', the input was one
-    (``like_dir``), or the version carries checkpoint files and the name is not a .safetensors file."""
-    if out.endswith("/") or os.path.isdir(out) or like_dir:
+    """Whether an output path names a checkpoint directory: it is one or ends in '/'; or, unless it
+    ends in .safetensors, the input was one (``like_dir``) or the version carries checkpoint files."""
+    if out.endswith("/") or os.path.isdir(out):
         return True
-    return bool(metadata and FILES_KEY in metadata and not out.endswith(".safetensors"))
+    if out.endswith(".safetensors"):
+        return False
+    return like_dir or bool(metadata and FILES_KEY in metadata)

@@ -380,7 +380,9 @@ def test_diff_and_apply_take_checkpoint_directories(tmp_path: Path, capsys: pyte
     assert same(read_checkpoint(tmp_path / "out").tensors, tensors(1))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
     assert main(["apply", str(tmp_path / "a"), str(tmp_path / "p.psw"), "-o", str(tmp_path / "f.safetensors")]) == 0
-    assert same(read_checkpoint(tmp_path / "f.safetensors").tensors, tensors(1))
+    assert (tmp_path / "f.safetensors").is_file() and same(
+        read_checkpoint(tmp_path / "f.safetensors").tensors, tensors(1)
+    )
 
 
 def test_publish_names_the_served_format_and_refuses_a_stray_fp8_block(
