@@ -753,7 +753,7 @@ class ShardedPublish:
         deltas: list[TensorDelta] | None = None
         if all(p.deltas is not None for p in parts):
             deltas = [parts[pi].deltas[i] for _, pi, i in order]  # type: ignore[index]
-        metadata: dict[str, str] = {}
+        metadata = served_metadata(pub.format, None)  # as a one-process publish of the same state
         served = ServedModel(specs, data, metadata)
         with pub._lock:
             if pub._prev_version != self.base_version:
