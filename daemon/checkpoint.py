@@ -64,10 +64,6 @@ class Checkpoint:
         return out
 
 
-def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
-    return Path(path).is_dir()
-
-
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """The checkpoint at ``path`` (a directory or a .safetensors file); CheckpointError if it is not one."""
     p = Path(path)
