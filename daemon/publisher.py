@@ -205,8 +205,11 @@ class Publisher:
         """Publish the next version as an anchor as well (e.g. before scaling up the fleet)."""
         self._anchor_requested = True
 
+    def _anchor_due(self, version: int, anchor: bool) -> bool:
+        return anchor or self._anchor_requested or version == 1 or version % self.anchor_every == 0
+
     def _wants_anchor(self, version: int, anchor: bool) -> bool:
-        wanted = anchor or self._anchor_requested or version == 1 or version % self.anchor_every == 0
+        wanted = self._anchor_due(version, anchor)
         self._anchor_requested = False
         return wanted
 
@@ -222,15 +225,26 @@ class Publisher:
         stages = Stages()
         if self._sharded is not None:
             raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
+        state = state_dict_of(model_or_state)
         with stages.time("cast"):
-            target = cast_served(self.format, state_dict_of(model_or_state), self._buffers, self.served_on_host)
-            if self._queue is not None:
-                target.fill_all()  # the served copy is taken before returning; else cast while diffing
+            # fp8 scales: those of the version this one follows (kept in memory, else read from it).
+            self.format.follow(self._version, self._prev, state.keys())
+            if self.format.refresh_at_anchor and self._anchor_due(self._version + 1, anchor):
+                self.format.reset()
+            try:
+                target = cast_served(self.format, state, self._buffers, self.served_on_host)
+                if self._queue is not None:
+                    target.fill_all()  # the served copy is taken before returning; else cast while diffing
+            except BaseException:
+                self.format.basis = None  # scales half updated: the next publish reads them from the chain
+                raise
         with self._counter_lock:
             if self._sharded is not None:
+                self.format.basis = None
                 raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
             self._version += 1
             version = self._version
+            self.format.basis = version
         anchor = self._wants_anchor(version, anchor) or bool(
             self.format.refreshed and len(self.format.refreshed) * 2 > len(target.model)
         )
@@ -242,6 +256,7 @@ class Publisher:
         except queue.Full:
             with self._counter_lock:
                 self._version -= 1
+            self.format.basis = None
             raise PublisherBehindError(
                 f"publisher is {self._queue.maxsize} versions behind training; version {version} was not taken"
             ) from None
@@ -374,6 +389,7 @@ class Publisher:
                 return self._commit(version, target.model, target.owned, prepared, anchor, start, stages, refreshed=0)
             except BaseException:
                 prepared.settle()
+                self.format.basis = None  # its scales are of a version that is not on the board
                 raise
 
     def _commit(
@@ -394,6 +410,7 @@ class Publisher:
         assert self._lock.locked()
         if refreshed * 2 > len(served):
             anchor = True  # most fp8 scales moved: the patch is dense anyway
+        served.metadata.update(self.format.metadata(served.specs))  # served.format, quantization_config
         patchable = prepared.has_deltas and self._prev is not None and self._prev.specs == served.specs
         encoded_patch = None
         if patchable:  # else a new layout, which only an anchor reaches
@@ -625,11 +642,17 @@ class ShardedPublish:
         with pub._counter_lock:
             r = pub._ranks.get(rank)
             if r is None:
-                fmt = dataclasses.replace(pub.format, scales={}, refreshed=[])
+                fmt = dataclasses.replace(pub.format, scales={}, refreshed=[], basis=None, converted=frozenset())
                 r = pub._ranks[rank] = _Rank(fmt)
         stages = Stages()
         with stages.time("cast"):
+            # fp8 scales: the rank's own when it made the base from these tensors, else the base's.
+            r.format.follow(self.base_version, pub._prev, state.keys())
+            if self.anchor and r.format.refresh_at_anchor:
+                r.format.reset()
+            r.format.basis = None  # until this shard is cast
             target = cast_served(r.format, state, r.buffers, pub.served_on_host)
+            r.format.basis = self.version
         served = target.model
         base, base_digests = self._base(r, served.specs)
         prepared = prepare(base, base_digests, target, stages)
