@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -411,22 +412,34 @@ def test_anchors_keep_or_refresh_scales_and_the_patch_to_them_is_right(tmp_path:
     assert changed[True] > 2 * changed[False]
 
 
-def test_sharded_fp8_with_tensors_moving_between_ranks_matches_one_publisher(tmp_path: Path) -> None:
+def test_sharded_background_and_mixed_fp8_publishers_write_the_same_manifests(tmp_path: Path) -> None:
+    """Ranks whose tensors move (versions 2 and 4) or stay (5), a plain version between sharded
+    ones (3), a background publisher: every fp8 value is what one foreground publisher computes."""
     key = SigningKey.generate()
     t0 = time.time()
     kw = {"run_id": RUN, "anchor_every": 100, "refresh": False, "clock": lambda: t0}
-    plain = Publisher(tmp_path / "plain", key, served_format=ServedFormat("fp8_e4m3", block=128), **kw)  # type: ignore[arg-type]
-    sharded = Publisher(tmp_path / "sharded", key, served_format=ServedFormat("fp8_e4m3", block=128), **kw)  # type: ignore[arg-type]
+
+    def publisher(name: str, **more: object) -> Publisher:
+        return Publisher(tmp_path / name, key, served_format=ServedFormat("fp8_e4m3", block=128), **kw, **more)  # type: ignore[arg-type]
+
+    plain, mixed, background = publisher("plain"), publisher("mixed"), publisher("background", background=True)
     for v, state in enumerate(states(5, seed=4), start=1):
         a = plain.publish(state)
-        names = sorted(state)
-        with sharded.begin_sharded(2) as shard:
-            for rank in range(2):  # the split shifts every version: tensors change ranks
-                shard.add(rank, {n: state[n] for i, n in enumerate(names) if (i + v) % 2 == rank})
-            b = shard.finalize()
-        assert isinstance(a, PublishInfo) and b.manifest_id == a.manifest_id, v
-    plain.close()
-    sharded.close()
+        assert isinstance(a, PublishInfo)
+        if v == 3:
+            b = mixed.publish(state)
+            assert isinstance(b, PublishInfo)
+        else:
+            names = sorted(state)
+            with mixed.begin_sharded(2) as shard:
+                for rank in range(2):
+                    shard.add(rank, {n: state[n] for i, n in enumerate(names) if (i + v // 2) % 2 == rank})
+                b = shard.finalize()
+        c = background.publish(state)
+        assert isinstance(c, Future)
+        assert b.manifest_id == a.manifest_id == c.result(timeout=60).manifest_id, v
+    for p in (plain, mixed, background):
+        p.close()
 
 
 def test_fp8_with_nothing_selected_is_refused_before_anything_is_written(tmp_path: Path) -> None:
