@@ -67,14 +67,24 @@ def weight_of_scale(name: str) -> str | None:
     return None
 
 
-def amax(x: torch.Tensor, block: int | None) -> torch.Tensor:
-    """abs max of a float32 matrix: a 0-d tensor, or one per ``block`` x ``block`` tile (edges partial)."""
-    if block is None:
-        return x.abs().amax()
+def _tiles(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` as [rows/block, block, cols/block, block] tiles: a view when the sides divide, else
+    zero-padded (zeros never raise an amax)."""
     r, c = x.shape
     pr, pc = math.ceil(r / block) * block, math.ceil(c / block) * block
-    padded = torch.nn.functional.pad(x.abs(), (0, pc - c, 0, pr - r))  # zeros never raise an amax
-    return padded.reshape(pr // block, block, pc // block, block).amax(dim=(1, 3))
+    if (pr, pc) != (r, c):
+        x = torch.nn.functional.pad(x, (0, pc - c, 0, pr - r))
+    return x.reshape(pr // block, block, pc // block, block)
+
+
+def amax(x: torch.Tensor, block: int | None) -> torch.Tensor:
+    """abs max of a float32 matrix: a 0-d tensor, or one per ``block`` x ``block`` tile (edges partial).
+    Max and min reductions, no |x| temporary: read passes only."""
+    if block is None:
+        lo, hi = torch.aminmax(x)
+        return torch.maximum(hi, -lo)
+    t = _tiles(x, block)
+    return torch.maximum(t.amax(dim=(1, 3)), -t.amin(dim=(1, 3)))
 
 
 def expand(scale: torch.Tensor, shape: torch.Size | tuple[int, ...], block: int | None) -> torch.Tensor:
@@ -101,6 +111,10 @@ def drifted(a: torch.Tensor, scale: torch.Tensor, drift: float) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, block: int | None) -> torch.Tensor:
     """float32 matrix -> float8_e4m3fn with x ~= q * scale (round to nearest; clamped, so never NaN)."""
+    if block is not None and x.shape[0] % block == 0 and x.shape[1] % block == 0:
+        r, c = x.shape  # whole tiles: divide through a broadcast view, no expanded scale
+        y = x.reshape(r // block, block, c // block, block) / scale[:, None, :, None]
+        return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(r, c)
     return (x / expand(scale, x.shape, block)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
