@@ -4,7 +4,8 @@ Engines read an fp8 checkpoint as ``<module>.weight`` (``float8_e4m3fn``) plus a
 that MULTIPLIES the fp8 values back (w ~= q * scale):
 
 - per tensor: ``<module>.weight_scale``, one value (vLLM and SGLang ``Fp8Config`` without
-  ``weight_block_size``; shape [] here, which vLLM's per-tensor loader accepts);
+  ``weight_block_size``; shape [] here, as AutoFP8 wrote them: vLLM's loaders reshape a 0-d
+  scale to [1], vllm/model_executor/parameter.py);
 - 128x128 blocks: ``<module>.weight_scale_inv``, [ceil(rows/128), ceil(cols/128)], block (i, j)
   scaling rows 128i.. and columns 128j..; partial blocks at the edges are scaled by the amax
   of what is there.  Despite the name it is a multiplier too (DeepSeek-V3's README_WEIGHTS.md:
@@ -14,7 +15,8 @@ that MULTIPLIES the fp8 values back (w ~= q * scale):
 Sources read (none copied): vllm-project/vllm vllm/model_executor/layers/quantization/fp8.py
 (Fp8Config.from_config, Fp8LinearMethod/Fp8MoEMethod.create_weights), deepseek-ai/DeepSeek-V3
 README_WEIGHTS.md, huggingface/transformers src/transformers/integrations/finegrained_fp8.py
-and utils/quantization_config.py (FineGrainedFP8Config).  Names that do not end in ``.weight``
+and utils/quantization_config.py (FineGrainedFP8Config), sgl-project/sglang
+python/sglang/srt/layers/quantization/fp8.py (Fp8Config.from_config).  Names that do not end in ``.weight``
 (tests, non-HF trainers) get ``<name>.scale`` whatever the scaling.
 """
 
