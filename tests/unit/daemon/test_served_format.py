@@ -115,12 +115,15 @@ def test_block_scale_shapes_cover_partial_tiles(rows: int, cols: int) -> None:
     exponent=st.integers(-35, 35),
     seed=st.integers(0, 2**16),
     zero_rows=st.integers(0, 70),
+    growth=st.floats(0.1, 10.0),
 )
 def test_any_finite_matrix_round_trips_without_nan_or_inf(
-    rows: int, cols: int, block: int | None, exponent: int, seed: int, zero_rows: int
+    rows: int, cols: int, block: int | None, exponent: int, seed: int, zero_rows: int, growth: float
 ) -> None:
     """Random shapes and magnitudes (1e-35 to 1e35, zero tiles included): no NaN or inf, within
-    rounding, and the scales read back from the served version are bitwise the format's own."""
+    rounding, and the scales read back from the served version are bitwise the format's own.
+    Values that then grow or shrink under the fixed scales are never clipped: the scales of
+    tiles that would clip are refreshed."""
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 10.0**exponent
     w[:zero_rows] = 0
     fmt = ServedFormat("fp8_e4m3", block=block, quantize=fp8.ALL_MATRICES)
@@ -134,6 +137,9 @@ def test_any_finite_matrix_round_trips_without_nan_or_inf(
     # Converting the same values again with the recovered scales changes nothing.
     again = ServedFormat("fp8_e4m3", block=block, quantize=fp8.ALL_MATRICES, scales=got).convert({"w": w})
     assert torch.equal(again["w"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(again["w.scale"], scale)
+    moved = fmt.convert({"w": w * growth})
+    assert within_rounding(w * growth, moved["w"], moved["w.scale"], block)
+    assert (fmt.refreshed == ["w"]) == (not torch.equal(moved["w.scale"], scale))
 
 
 def test_quantize_clamps_to_the_fp8_range_instead_of_nan() -> None:
