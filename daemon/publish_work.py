@@ -20,7 +20,7 @@ import blake3
 import numpy as np
 import torch
 
-from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.daemon.served_format import ServedFormat, check_fp16
 from patchswarm.protocol.codec import TensorDelta, diff_tensor
 from patchswarm.protocol.diffscan import Changes
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, word_view
@@ -269,6 +269,8 @@ def cast_served(fmt: ServedFormat, state: Mapping[str, torch.Tensor], buffers: B
     sources: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         t = t.detach()
+        if fmt.name == "fp16" and t.is_floating_point():
+            check_fp16(name, t)  # an extra read of the masters, fp16 only: inf is never served silently
         dtype = served_float if served_float is not None and t.is_floating_point() else t.dtype
         where = host if on_host else t.device
         out[name] = buffers.take(name, dtype, t.shape, where, pinned=on_host and t.is_cuda)

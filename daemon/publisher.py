@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -206,8 +205,11 @@ class Publisher:
         """Publish the next version as an anchor as well (e.g. before scaling up the fleet)."""
         self._anchor_requested = True
 
+    def _anchor_due(self, version: int, anchor: bool) -> bool:
+        return anchor or self._anchor_requested or version == 1 or version % self.anchor_every == 0
+
     def _wants_anchor(self, version: int, anchor: bool) -> bool:
-        wanted = anchor or self._anchor_requested or version == 1 or version % self.anchor_every == 0
+        wanted = self._anchor_due(version, anchor)
         self._anchor_requested = False
         return wanted
 
@@ -235,16 +237,27 @@ class Publisher:
         stages = Stages()
         if self._sharded is not None:
             raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
+        state = state_dict_of(model_or_state)
         with stages.time("cast"):
-            target = cast_served(self.format, state_dict_of(model_or_state), self._buffers, self.served_on_host)
-            target.model.metadata = served_metadata(self.format, metadata)
-            if self._queue is not None:
-                target.fill_all()  # the served copy is taken before returning; else cast while diffing
+            # fp8 scales: those of the version this one follows (kept in memory, else read from it).
+            self.format.follow(self._version, self._prev, state.keys())
+            if self.format.refresh_at_anchor and self._anchor_due(self._version + 1, anchor):
+                self.format.reset()
+            try:
+                target = cast_served(self.format, state, self._buffers, self.served_on_host)
+                target.model.metadata = dict(metadata or {})  # (the format's keys are added at commit)
+                if self._queue is not None:
+                    target.fill_all()  # the served copy is taken before returning; else cast while diffing
+            except BaseException:
+                self.format.basis = None  # scales half updated: the next publish reads them from the chain
+                raise
         with self._counter_lock:
             if self._sharded is not None:
+                self.format.basis = None
                 raise RuntimeError(f"sharded version {self._sharded.version} is open: finalize or abort it first")
             self._version += 1
             version = self._version
+            self.format.basis = version
         anchor = self._wants_anchor(version, anchor) or bool(
             self.format.refreshed and len(self.format.refreshed) * 2 > len(target.model)
         )
@@ -256,6 +269,7 @@ class Publisher:
         except queue.Full:
             with self._counter_lock:
                 self._version -= 1
+            self.format.basis = None
             raise PublisherBehindError(
                 f"publisher is {self._queue.maxsize} versions behind training; version {version} was not taken"
             ) from None
@@ -388,6 +402,7 @@ class Publisher:
                 return self._commit(version, target.model, target.owned, prepared, anchor, start, stages, refreshed=0)
             except BaseException:
                 prepared.settle()
+                self.format.basis = None  # its scales are of a version that is not on the board
                 raise
 
     def _commit(
@@ -408,6 +423,7 @@ class Publisher:
         assert self._lock.locked()
         if refreshed * 2 > len(served):
             anchor = True  # most fp8 scales moved: the patch is dense anyway
+        served.metadata.update(self.format.metadata(served.specs))  # served.format, quantization_config
         patchable = prepared.has_deltas and self._prev is not None and self._prev.specs == served.specs
         encoded_patch = None
         if patchable:  # else a new layout, which only an anchor reaches
@@ -522,17 +538,6 @@ class Publisher:
         if self._dropped:
             self.board.collect_garbage(self._catalog)
             self._dropped = []
-
-
-def served_metadata(fmt: ServedFormat, metadata: Mapping[str, str] | None) -> dict[str, str]:
-    """A version's manifest metadata: the caller's, plus the served format it was cast to."""
-    out = dict(metadata or {})
-    out["served.format"] = fmt.name
-    quant = getattr(fmt, "quantization_config", None)  # fp8 formats say how engines dequantize
-    config = quant() if callable(quant) else None
-    if config:
-        out["served.quantization_config"] = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return out
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -650,11 +655,17 @@ class ShardedPublish:
         with pub._counter_lock:
             r = pub._ranks.get(rank)
             if r is None:
-                fmt = dataclasses.replace(pub.format, scales={}, refreshed=[])
+                fmt = dataclasses.replace(pub.format, scales={}, refreshed=[], basis=None, converted=frozenset())
                 r = pub._ranks[rank] = _Rank(fmt)
         stages = Stages()
         with stages.time("cast"):
+            # fp8 scales: the rank's own when it made the base from these tensors, else the base's.
+            r.format.follow(self.base_version, pub._prev, state.keys())
+            if self.anchor and r.format.refresh_at_anchor:
+                r.format.reset()
+            r.format.basis = None  # until this shard is cast
             target = cast_served(r.format, state, r.buffers, pub.served_on_host)
+            r.format.basis = self.version
         served = target.model
         base, base_digests = self._base(r, served.specs)
         prepared = prepare(base, base_digests, target, stages)
@@ -753,7 +764,7 @@ class ShardedPublish:
         deltas: list[TensorDelta] | None = None
         if all(p.deltas is not None for p in parts):
             deltas = [parts[pi].deltas[i] for _, pi, i in order]  # type: ignore[index]
-        metadata = served_metadata(pub.format, None)  # as a one-process publish of the same state
+        metadata: dict[str, str] = {}  # the format's keys are added at commit, as for a one-process publish
         served = ServedModel(specs, data, metadata)
         with pub._lock:
             if pub._prev_version != self.base_version:

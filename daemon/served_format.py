@@ -1,37 +1,84 @@
 """Casting FP32 master weights to the served format, on whatever device they live.
 
-bf16 and fp16 are plain casts.  fp8 e4m3 keeps its scales FIXED between refreshes: if scales
-were recomputed every step, every value under a changed scale would change and the patch would
-be dense.  A tensor's scale is refreshed only when its values drift past the threshold (they
-would clip, or use too little of the range); that tensor then ships densely once.
-Scales are exported as F32 tensors named ``<name>.scale`` (a scalar for per-tensor scaling,
-a [rows/B, cols/B] grid for block scaling).
+bf16 and fp16 are plain casts of floating tensors; integer and bool tensors are served as they
+are in every format (no float format represents them); ``as_is`` keeps every tensor's bits.
+fp16 refuses a tensor with a value beyond its range (65504) rather than serving inf.
+
+fp8 e4m3 quantizes the tensors its selection names (daemon/fp8.py: by default the linear
+weights inside decoder layers, as engines quantize them) and serves the other floating tensors
+as bf16.  Its scales stay FIXED between refreshes: recomputed every step, every value under a
+moved scale would change and the patch would be dense.  A scale (a whole tensor's, or one
+128x128 tile's) is refreshed only when its values drift past the threshold (they would clip,
+or use under 1-drift of the range); that tensor, or tile, then ships densely once.  Anchors keep
+the scales unless ``refresh_at_anchor`` (docs/models.md, "Served formats", says why).
+
+The scales of version N+1 are those of version N whatever process made N: ``follow`` takes
+them from N's served tensors (the Publisher's previous version, rebuilt from the board when it
+resumes a run), so a publisher per version and one long-lived publisher write the same bytes.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from patchswarm.daemon import fp8
+from patchswarm.protocol.served import ServedModel, TensorSpec
+
+FP8_MAX = fp8.FP8_MAX
 FORMATS = ("bf16", "fp16", "fp8_e4m3", "as_is")  # as_is: tensors already hold served values
+FP16_MAX = 65504.0
+MAX_BLOCK = 1 << 16
 
 
 @dataclass
 class ServedFormat:
-    name: str = "bf16"
-    block: int | None = None  # fp8 only: None = per-tensor scale, else square block size
+    name: str = "bf16"  # also accepted as spelled on the command line: fp8-e4m3
+    block: int | None = None  # fp8 only: None = per-tensor scale, else square block size (engines: 128)
     drift: float = 0.25  # fp8 only: refresh a scale when amax leaves [scale*448*(1-drift), scale*448]
     headroom: float = 0.05  # fp8 only: new scales leave this much range above amax, so growth does not clip
-    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantize: tuple[str, ...] = fp8.DEFAULT_QUANTIZE  # fp8 only: names quantized (fnmatch patterns)...
+    keep: tuple[str, ...] = fp8.DEFAULT_KEEP  # ...unless they match one of these
+    refresh_at_anchor: bool = False  # fp8 only: an anchor recomputes every scale
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # weight name -> its current scale
     refreshed: list[str] = field(default_factory=list)  # names whose scale changed in the last convert
+    basis: int | None = None  # version whose scales ``scales`` holds (None: not known, follow re-reads)
+    converted: frozenset[str] = frozenset()  # names of the last convert
 
     def __post_init__(self) -> None:
+        if isinstance(self.name, str):
+            self.name = self.name.replace("-", "_")
         if self.name not in FORMATS:
             raise ValueError(f"served format must be one of {', '.join(FORMATS)}, not {self.name!r}")
+        if self.block is not None and (
+            isinstance(self.block, bool) or not isinstance(self.block, int) or not 1 <= self.block <= MAX_BLOCK
+        ):
+            raise ValueError(f"block must be a whole number from 1 to {MAX_BLOCK}, or None, not {self.block!r}")
+        for what, value in (("drift", self.drift), ("headroom", self.headroom)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+                raise ValueError(f"{what} must be a number in [0, 1), not {value!r}")
+        for what, pats in (("quantize", self.quantize), ("keep", self.keep)):
+            if not isinstance(pats, tuple | list) or not all(isinstance(p, str) and p for p in pats):
+                raise ValueError(f"{what} must be a list of name patterns, not {pats!r}")
+        self.quantize, self.keep = tuple(self.quantize), tuple(self.keep)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.name == "fp8_e4m3"
+
+    def selects(self, name: str, t: torch.Tensor) -> bool:
+        """Whether fp8 quantizes this tensor (a floating, non-empty matrix its patterns name)."""
+        return (
+            self.is_fp8
+            and t.is_floating_point()
+            and t.dim() == 2
+            and t.numel() > 0
+            and fp8.matches(name, self.quantize)
+            and not fp8.matches(name, self.keep)
+        )
 
     def convert(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.refreshed = []
@@ -41,49 +88,121 @@ class ServedFormat:
             if not t.is_floating_point() or self.name == "as_is":
                 out[name] = t.clone()
             elif self.name == "fp16":
+                check_fp16(name, t)
                 out[name] = t.to(torch.float16)
-            elif self.name == "fp8_e4m3" and self._quantizable(t):
+            elif self.selects(name, t):
                 q, scale = self._fp8(name, t)
                 out[name] = q
-                out[f"{name}.scale"] = scale
+                out[fp8.scale_name(name, self.block)] = scale
             else:
                 out[name] = t.to(torch.bfloat16)
+        if self.is_fp8:
+            self.converted = frozenset(state)
+            clash = sorted(n for n in state if self.selects(n, state[n]) and fp8.scale_name(n, self.block) in state)
+            if clash:
+                raise ValueError(f"{clash[0]!r} has a tensor named like its fp8 scale already in the state")
         return out
 
-    @staticmethod
-    def _quantizable(t: torch.Tensor) -> bool:
-        return t.dim() == 2 and min(t.shape) >= 16
-
     def reset(self) -> None:
-        """Forget scales (an anchor may refresh them all)."""
+        """Forget scales (the next convert recomputes every one)."""
         self.scales.clear()
+
+    def follow(self, version: int | None, model: ServedModel | None, names: Iterable[str]) -> None:
+        """Make ``scales`` those of ``model``, served version ``version`` (the next one's base), unless
+        this format made that version from the same tensor names (its scales are then those)."""
+        if not self.is_fp8:
+            return
+        if version is not None and self.basis == version and self.converted == frozenset(names):
+            return
+        self.scales = scales_of(model) if model is not None else {}
+        self.basis = version
 
     def _fp8(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = t.float()
-        amax = self._amax(x)
-        scale = self.scales.get(name)
-        if scale is None or scale.shape != amax.shape or scale.device != amax.device or self._drifted(amax, scale):
-            scale = torch.where(amax > 0, amax * (1 + self.headroom) / FP8_MAX, torch.ones_like(amax))
-            self.scales[name] = scale
+        a = fp8.amax(x, self.block)
+        if not bool(torch.isfinite(a).all()):
+            raise ValueError(f"{name} holds inf or NaN: fp8 e4m3 cannot serve it")
+        old = self.scales.get(name)
+        if old is not None and old.shape == a.shape and old.dtype == torch.float32:
+            scale = old.to(a.device)
+            moved = fp8.drifted(a, scale, self.drift)
+            if bool(moved.any()):
+                scale = torch.where(moved, fp8.fresh_scale(a, self.headroom), scale)
+                if not torch.equal(scale, old.to(a.device)):
+                    self.refreshed.append(name)
+        else:  # no scale yet, or one of another layout (block size changed)
+            scale = fp8.fresh_scale(a, self.headroom)
             self.refreshed.append(name)
-        q = (x / self._expand(scale, x.shape)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return q, scale.clone()
+        self.scales[name] = scale
+        return fp8.quantize(x, scale, self.block), scale.clone()
 
-    def _amax(self, x: torch.Tensor) -> torch.Tensor:
-        if self.block is None:
-            return x.abs().amax()
-        b = self.block
-        r, c = x.shape
-        pr, pc = math.ceil(r / b) * b, math.ceil(c / b) * b
-        padded = torch.nn.functional.pad(x.abs(), (0, pc - c, 0, pr - r))
-        return padded.reshape(pr // b, b, pc // b, b).amax(dim=(1, 3))
+    # ------------------------------------------------------------ what engines need to know
 
-    def _expand(self, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        if self.block is None:
-            return scale
-        b = self.block
-        return scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[: shape[0], : shape[1]]
+    def quantization_config(self, specs: Iterable[TensorSpec] | None = None) -> dict[str, object] | None:
+        """config.json's ``quantization_config`` for this format (None unless fp8).
 
-    def _drifted(self, amax: torch.Tensor, scale: torch.Tensor) -> bool:
-        ratio = amax / (scale * FP8_MAX)
-        return bool(((ratio > 1.0) | (ratio < 1.0 - self.drift)).any())
+        With ``specs`` (a served version's), modules inside decoder layers whose 2-D ``.weight`` was
+        left unquantized although engines would quantize it (a narrowed selection) are listed as
+        ``modules_to_not_convert``, which vLLM and SGLang read as ``ignored_layers``.
+        """
+        if not self.is_fp8:
+            return None
+        cfg: dict[str, object] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        if self.block is not None:
+            cfg["weight_block_size"] = [self.block, self.block]
+        if specs is not None:
+            specs = list(specs)
+            quantized = {fp8.weight_of_scale(s.name) for s in specs if s.dtype == "F32"}
+            skipped = sorted(
+                s.name[: -len(".weight")]
+                for s in specs
+                if s.name.endswith(".weight")
+                and len(s.shape) == 2
+                and s.name not in quantized
+                and fp8.matches(s.name, fp8.DEFAULT_QUANTIZE)
+                and not fp8.matches(s.name, fp8.DEFAULT_KEEP)
+            )
+            if skipped:
+                cfg["modules_to_not_convert"] = skipped
+        return cfg
+
+    def metadata(self, specs: list[TensorSpec]) -> dict[str, str]:
+        """``served.format`` and, for fp8, ``served.quantization_config`` (JSON) of a served version.
+
+        Refuses an fp8 version that quantized nothing: its selection matched no tensor (names that
+        are not checkpoint names need ``quantize=fp8.ALL_MATRICES`` or patterns of their own).
+        """
+        meta = {"served.format": self.name}
+        if self.is_fp8:
+            if not any(s.dtype == "F8_E4M3" for s in specs):
+                raise ValueError(
+                    "served format fp8_e4m3 quantized no tensor: no floating matrix matches "
+                    f"{list(self.quantize)} (give ServedFormat(..., quantize=...) patterns that name the weights)"
+                )
+            meta["served.quantization_config"] = json.dumps(
+                self.quantization_config(specs), sort_keys=True, separators=(",", ":")
+            )
+        return meta
+
+
+def scales_of(model: ServedModel) -> dict[str, torch.Tensor]:
+    """The fp8 scales a served version holds: {weight name: F32 scale}, copied (buffers get recycled)."""
+    index = {s.name: i for i, s in enumerate(model.specs)}
+    out: dict[str, torch.Tensor] = {}
+    for i, s in enumerate(model.specs):
+        weight = fp8.weight_of_scale(s.name)
+        j = index.get(weight) if weight is not None else None
+        if s.dtype == "F32" and j is not None and model.specs[j].dtype == "F8_E4M3" and len(s.shape) in (0, 2):
+            out[model.specs[j].name] = model.typed(i).clone()
+    return out
+
+
+def check_fp16(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor with finite values fp16 cannot hold (they would become inf)."""
+    if t.numel() == 0 or t.dtype == torch.float16:
+        return
+    a = t.abs().amax()
+    if bool(a > FP16_MAX):
+        finite = t.abs()[torch.isfinite(t)]  # inf stays inf in fp16, NaN stays NaN: only finite ones overflow
+        if finite.numel() and bool(finite.amax() > FP16_MAX):
+            raise ValueError(f"{name} holds values beyond fp16's range ({FP16_MAX:g}): serve it as bf16")

@@ -27,6 +27,7 @@ _EXPORTS = {
     "PublishInfo": "patchswarm.daemon.publisher",
     "ShardedPublish": "patchswarm.daemon.publisher",
     "ShardPart": "patchswarm.daemon.publisher",
+    "ServedFormat": "patchswarm.daemon.served_format",
     "Board": "patchswarm.daemon.board",
     "SigningKey": "patchswarm.protocol.keys",
     "TrustedKeys": "patchswarm.protocol.keys",
@@ -64,6 +65,7 @@ __all__ = [
     "PublishInfo",
     "Publisher",
     "Puller",
+    "ServedFormat",
     "ServedModel",
     "ShardPart",
     "ShardedPublish",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
     from patchswarm.daemon.checkpoint_writer import write_checkpoint
     from patchswarm.daemon.engine_client import DaemonClient
     from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
+    from patchswarm.daemon.served_format import ServedFormat
     from patchswarm.daemon.sidecar import VersionConstraint, VersionGate, make_sidecar_app, start_sidecar
     from patchswarm.protocol.errors import PatchswarmError
     from patchswarm.protocol.held import Held

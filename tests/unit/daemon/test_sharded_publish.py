@@ -21,6 +21,7 @@ from hypothesis import given, settings
 
 from patchswarm.daemon import publish_work
 from patchswarm.daemon.board import Board
+from patchswarm.daemon.fp8 import ALL_MATRICES
 from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
 from patchswarm.daemon.served_format import ServedFormat
 from patchswarm.protocol.board_names import chunk_rel
@@ -321,7 +322,9 @@ def test_blockwise_cast_scan_hash_matches_whole_tensors(
     """Tiny blocks: changes only in a late block, only in the first, nowhere, odd tails, every dtype."""
     monkeypatch.setattr(publish_work, "BLOCK_BYTES", 64)
     key = SigningKey.generate()
-    pub = Publisher(tmp_path / "blocks", key, run_id=RUN, served_format=fmt, anchor_every=100)
+    # fp8 over names that are not checkpoint names: every floating matrix is selected.
+    served = ServedFormat(fmt, quantize=ALL_MATRICES)
+    pub = Publisher(tmp_path / "blocks", key, run_id=RUN, served_format=served, anchor_every=100)
     g = torch.Generator().manual_seed(7)
     state = {
         "a.late": torch.randn(40, 33, generator=g),
@@ -334,7 +337,7 @@ def test_blockwise_cast_scan_hash_matches_whole_tensors(
         "h.f64": torch.randn(13, dtype=torch.float64, generator=g),
     }
     want: list[ServedModel] = []
-    reference = ServedFormat(fmt)
+    reference = ServedFormat(fmt, quantize=ALL_MATRICES)
     for step in range(4):
         if step:
             state["a.late"].view(-1)[-3:] += 0.5 * step
@@ -423,9 +426,9 @@ def test_fp8_master_weights_on_the_gpu_publish_what_they_serve(tmp_path: Path) -
     """fp8 e4m3 with fixed block scales computed on the GPU: every version pulled from the board is
     bitwise the GPU's own conversion (scales included), from nothing and from the version before."""
     key = SigningKey.generate()
-    fmt = ServedFormat("fp8_e4m3", block=16)
-    pub = Publisher(tmp_path, key, run_id=RUN, anchor_every=100, served_format=fmt)  # anchors refresh scales
-    ref = ServedFormat("fp8_e4m3", block=16)
+    fmt = ServedFormat("fp8_e4m3", block=16, quantize=ALL_MATRICES)
+    pub = Publisher(tmp_path, key, run_id=RUN, anchor_every=100, served_format=fmt)
+    ref = ServedFormat("fp8_e4m3", block=16, quantize=ALL_MATRICES)
     held: Held | None = None
     for v, state in enumerate(train_states(VERSIONS, seed=5), start=1):
         on_gpu = {k: t.to("cuda") for k, t in state.items()}
