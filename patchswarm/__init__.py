@@ -27,6 +27,8 @@ _EXPORTS = {
     "PublishInfo": "patchswarm.daemon.publisher",
     "ShardedPublish": "patchswarm.daemon.publisher",
     "ShardPart": "patchswarm.daemon.publisher",
+    "DistPublisher": "patchswarm.daemon.publish_dist",
+    "DistPublishError": "patchswarm.daemon.publish_dist",
     "Board": "patchswarm.daemon.board",
     "SigningKey": "patchswarm.protocol.keys",
     "TrustedKeys": "patchswarm.protocol.keys",
@@ -54,6 +56,8 @@ _EXPORTS = {
 __all__ = [
     "Board",
     "DaemonClient",
+    "DistPublishError",
+    "DistPublisher",
     "Held",
     "PatchswarmError",
     "PublishInfo",
@@ -81,6 +85,7 @@ __all__ = [
 if TYPE_CHECKING:
     from patchswarm.daemon.board import Board
     from patchswarm.daemon.engine_client import DaemonClient
+    from patchswarm.daemon.publish_dist import DistPublisher, DistPublishError
     from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
     from patchswarm.daemon.sidecar import VersionConstraint, VersionGate, make_sidecar_app, start_sidecar
     from patchswarm.protocol.errors import PatchswarmError
