@@ -88,9 +88,15 @@ class _SlicePart:
     spec: TensorSpec  # the canonical (whole) tensor, served dtype
     start: int  # first element of the slice in the canonical tensor
     numel: int
-    positions: torch.Tensor | None = None  # changed elements, relative to start (int32 or int64)
+    gaps: torch.Tensor | None = None  # changed elements: gaps between positions from start (zstd likes them)
     new: torch.Tensor | None = None  # their new words
     data: torch.Tensor | None = None  # the slice's served bytes, when there are no changes to send
+
+    def positions(self) -> torch.Tensor:
+        """Changed elements, relative to ``start`` (int64)."""
+        if self.gaps is None:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cumsum(self.gaps.to(torch.int64), 0)
 
 
 @dataclass(slots=True)
@@ -407,11 +413,11 @@ class DistPublisher:
                 with stages.time("diff"):
                     ch = scan(word_view(prev[2], local_spec), word_view(data, local_spec))
                 width = local_spec.dt.width
-                if len(ch) * (8 + width) < numel * width:
-                    small = numel < (1 << 31)
-                    sp.positions = ch.positions.to(torch.int32) if small else ch.positions.clone()
+                if len(ch) * (8 + width) <= numel * width:  # an empty slice too: nothing to send
+                    gaps = torch.diff(ch.positions, prepend=ch.positions.new_zeros(1))
+                    sp.gaps = gaps.to(torch.int32) if numel < (1 << 31) else gaps
                     sp.new = ch.new.clone()
-            if sp.positions is None:
+            if sp.gaps is None:
                 sp.data = data
             out_slices.append(sp)
         with stages.time("cast"):
@@ -522,7 +528,7 @@ class DistPublisher:
             if base is None:
                 raise RuntimeError(f"tensor {name!r}: ranks sent changes, but there is no base to apply them to")
             assert old is not None
-            pos = torch.cat([sp.positions.to(torch.int64) + sp.start for _, sp in got if sp.positions is not None])
+            pos = torch.cat([sp.positions() + sp.start for _, sp in got])
             new = torch.cat([sp.new for _, sp in got if sp.new is not None])
             if pos.numel() == 0:
                 same = diff_tensor(spec, base, base, changes=Changes(pos, new, new))  # SAME, without a scan
@@ -537,10 +543,10 @@ class DistPublisher:
             if sp.data is not None:
                 region.copy_(sp.data)
                 continue
-            if base is None or sp.positions is None or sp.new is None:
+            if base is None or sp.gaps is None or sp.new is None:
                 raise RuntimeError(f"tensor {name!r}: rank {rank} sent changes, but there is no base to apply them to")
             region.copy_(base[sp.start * w : (sp.start + sp.numel) * w])
-            word_view(data, spec)[sp.positions.to(torch.int64) + sp.start] = sp.new
+            word_view(data, spec)[sp.positions() + sp.start] = sp.new
         return spec, data, diff_tensor(spec, base, data) if base is not None else None, bytes_digest(data)
 
     def _commit(self, plan: _Plan, joined: _Joined, parts: list[_Part], start: float) -> PublishInfo:
