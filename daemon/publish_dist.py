@@ -160,6 +160,7 @@ class DistPublisher:
         # Publishing rank only: the served bytes of every sliced tensor of _full_version.
         self._full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]] = {}
         self._full_version: int | None = None
+        self._spare = Buffers()
         self.last_gathered_bytes = 0  # bytes the publishing rank received for the last version
         self.last_sent_bytes = 0  # bytes this rank sent for the last version (its parts, pickled)
 
@@ -232,7 +233,7 @@ class DistPublisher:
             return self._run(plan, said, whole, slices, error, start)
         except BaseException:
             self._fmt.scales, self._slice_scales = saved  # the next try decides again from the same scales
-            if self._pub is not None:
+            if self._pub is not None and self._full_version != plan.version:  # not written: give the number back
                 with self._pub._counter_lock:
                     if self._pub._version == plan.version:
                         self._pub._version -= 1
@@ -522,6 +523,8 @@ class DistPublisher:
         if at != spec.numel:
             raise ValueError(f"tensor {name!r}: the ranks' rows cover {at} of its {spec.numel} elements")
         old = self._full.get(name) if plan.full_base else None
+        if old is None:  # a resumed run: the publisher rebuilt the previous version from the board
+            old = self._from_chain(plan, spec)
         base = old[1] if old is not None and old[0] == spec else None
         w = spec.dt.width
         if all(sp.data is None for _, sp in got):  # changes only: the common case
@@ -533,7 +536,8 @@ class DistPublisher:
             if pos.numel() == 0:
                 same = diff_tensor(spec, base, base, changes=Changes(pos, new, new))  # SAME, without a scan
                 return spec, base, same, old[2]
-            data = base.clone()
+            data = self._spare.take(name, torch.uint8, base.shape, base.device)
+            data.copy_(base)
             word_view(data, spec)[pos] = new
             delta = diff_tensor(spec, base, data, changes=Changes(pos, word_view(base, spec)[pos], new))
             return spec, data, delta, bytes_digest(data)
@@ -548,6 +552,18 @@ class DistPublisher:
             region.copy_(base[sp.start * w : (sp.start + sp.numel) * w])
             word_view(data, spec)[sp.positions() + sp.start] = sp.new
         return spec, data, diff_tensor(spec, base, data) if base is not None else None, bytes_digest(data)
+
+    def _from_chain(self, plan: _Plan, spec: TensorSpec) -> tuple[TensorSpec, torch.Tensor, bytes] | None:
+        """``spec``'s tensor of the publisher's previous version, when it holds its bytes (not a placeholder)."""
+        pub = self._pub
+        assert pub is not None
+        prev, digests = pub._prev, pub._prev_digests
+        if prev is None or digests is None or pub._prev_version != plan.base_version or plan.base_version is None:
+            return None
+        i = next((i for i, s in enumerate(prev.specs) if s.name == spec.name), None)
+        if i is None or prev.specs[i] != spec or prev.data[i].device.type == "meta":
+            return None
+        return spec, prev.data[i], digests[i]
 
     def _commit(self, plan: _Plan, joined: _Joined, parts: list[_Part], start: float) -> PublishInfo:
         pub = self._pub
@@ -565,6 +581,10 @@ class DistPublisher:
             info = pub._commit(
                 plan.version, served, False, prepared, joined.anchor, start, stages, refreshed=joined.refreshed
             )
+        kept = {id(new[1]) for new in joined.full.values()}  # unchanged tensors carry on as they are
+        replaced = [self._full[n] for n in sorted(self._full) if id(self._full[n][1]) not in kept]
+        if replaced:  # the bytes of the version before, no longer read: the next version's copies go there
+            self._spare.give(ServedModel([old[0] for old in replaced], [old[1] for old in replaced]))
         self._full, self._full_version = joined.full, plan.version
         return info
 

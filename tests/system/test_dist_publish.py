@@ -74,6 +74,7 @@ SCENARIOS: dict[str, tuple[int, int, dict[str, Any]]] = {  # name -> (versions, 
     "fp8": (4, 2, {"name": "fp8_e4m3"}),
     "fp8_block": (4, 2, {"name": "fp8_e4m3", "block": 8}),
     "failing": (3, 3, {"name": "bf16"}),
+    "resumed": (3, 4, {"name": "bf16"}),  # version 1 by a one-process Publisher, then two ranks go on
 }
 
 
@@ -83,7 +84,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("dist")
     SigningKey.generate().save(tmp / "key")
     torch.save({"t0": time.time()}, tmp / "job.pt")
-    mp.spawn(_rank_main, args=(str(tmp),), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(str(tmp),), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
     return tmp
 
 
@@ -127,19 +128,27 @@ def _rank_main(rank: int, root: str) -> None:
         for scenario, (versions, seed, fmt) in SCENARIOS.items():
             where = tmp / scenario
             where.mkdir(exist_ok=True)
-            out: dict[str, Any] = {"ids": [], "errors": [], "gathered": [], "served": []}
+            out: dict[str, Any] = {"ids": [], "errors": [], "gathered": [], "served": [], "anchor": []}
+            weights = states(versions, seed) if scenario != "fsdp" else []
             try:
+                if scenario == "resumed":
+                    if rank == 0:
+                        first = _publisher(where / "board", SigningKey.load(tmp / "key"), t0, fmt)
+                        out["ids"].append(first.publish(weights[0]).manifest_id.hex())  # type: ignore[union-attr]
+                        first.close()
+                    weights = weights[1:]
                 pub = _publisher(where / "board", SigningKey.load(tmp / "key"), t0, fmt) if rank == 0 else None
                 dp = DistPublisher(pub)
                 if scenario == "fsdp":
                     _fsdp(dp, out, where, rank)
-                for v, w in enumerate(states(versions, seed) if scenario != "fsdp" else [], start=1):
+                for v, w in enumerate(weights, start=1):
                     if scenario == "failing" and v == 2:
                         _failures(dp, out, where, rank, w)
                     info = dp.publish(_part(scenario, w, rank))
                     out["ids"].append(info.manifest_id.hex())
                     out["gathered"].append(dp.last_gathered_bytes)
                     out["served"].append(info.served_bytes)
+                    out["anchor"].append(info.anchor_bytes)
             except Exception as e:  # reported by the test that reads this scenario
                 out["crash"] = repr(e)
             (where / f"rank{rank}.json").write_text(json.dumps(out))
@@ -156,7 +165,9 @@ def _part(scenario: str, w: Mapping[str, torch.Tensor], rank: int) -> dict[str, 
     mesh = init_device_mesh("cpu", (WORLD,))
     out: dict[str, torch.Tensor] = {}
     for n, t in w.items():
-        if n == "d.norm.weight":
+        if scenario == "resumed":
+            out[n] = distribute_tensor(t, mesh, [Shard(0)])
+        elif n == "d.norm.weight":
             out[n] = distribute_tensor(t, mesh, [Replicate()])
         elif n == "a.embed.weight" and rank == 1:
             out[n] = t  # a whole tensor on one rank, next to the DTensors
@@ -198,7 +209,7 @@ def _fsdp(dp: DistPublisher, out: dict[str, Any], tmp: Path, rank: int) -> None:
         loss.backward()
         opt.step()
         state = model.state_dict()
-        oracle.append({k: v.full_tensor().clone() for k, v in state.items()})  # type: ignore[attr-defined]
+        oracle.append({k: v.full_tensor().clone() for k, v in state.items()})
         info = dp.publish(state)
         out["ids"].append(info.manifest_id.hex())
     if rank == 0:
@@ -212,7 +223,8 @@ def check_same_board(tmp: Path, scenario: str, weights: list[dict[str, torch.Ten
     got = results(tmp, scenario)
     versions, seed, _ = SCENARIOS[scenario]
     plain, ids = one_process(tmp, scenario, states(versions, seed) if weights is None else weights)
-    assert got[0]["ids"] == got[1]["ids"] == ids  # every rank got every version's PublishInfo
+    skip = 1 if scenario == "resumed" else 0  # rank 1 was not there for version 1
+    assert got[0]["ids"] == ids and got[1]["ids"] == ids[skip:]  # every rank got every version's PublishInfo
     dist_files = file_bytes(Board(tmp / scenario / "board"))
     assert dist_files == file_bytes(plain) and len(dist_files) > 3
     return got
@@ -247,3 +259,10 @@ def test_a_failing_rank_fails_every_rank_and_writes_nothing(ranks: Path) -> None
         assert "version 2 not published: rank 1:" in second
     # The failed tries gave their version number back: the board is the one-process board.
     check_same_board(ranks, "failing")
+
+
+def test_ranks_go_on_from_a_run_on_the_board_with_a_patch(ranks: Path) -> None:
+    """A resumed Publisher rebuilt version 1 from the board: the ranks' first version patches it
+    (the publishing rank diffs the gathered rows against it), no new anchor."""
+    got = check_same_board(ranks, "resumed")
+    assert got[0]["anchor"] == [None, None]
