@@ -161,6 +161,7 @@ class DistPublisher:
         self._full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]] = {}
         self._full_version: int | None = None
         self._spare = Buffers()
+        self._requested = False
         self.last_gathered_bytes = 0  # bytes the publishing rank received for the last version
         self.last_sent_bytes = 0  # bytes this rank sent for the last version (its parts, pickled)
 
@@ -237,6 +238,7 @@ class DistPublisher:
                 with self._pub._counter_lock:
                     if self._pub._version == plan.version:
                         self._pub._version -= 1
+                self._pub._anchor_requested |= self._requested
             raise
 
     def _plan(self, said: list[tuple[bool, list[tuple[str, tuple[int, ...], str]], str | None]]) -> _Plan | str:
@@ -253,6 +255,7 @@ class DistPublisher:
                     raise RuntimeError(f"sharded version {pub._sharded.version} is open: finalize or abort it first")
                 pub._version += 1
                 version, base = pub._version, pub._prev_version
+            self._requested = pub._anchor_requested  # given back with the version number if nothing is written
             wanted = pub._wants_anchor(version, any(a for a, _, _ in said))
         except Exception as e:
             return f"version not published: rank {self.rank}: {_text(e)}"
@@ -287,9 +290,10 @@ class DistPublisher:
         if error is not None:
             part = _Part(self.rank, error=_text(error))
         data, part.data = part.data, None
+        t = time.perf_counter()
         gathered = self._gather(part, None)
-        if data is not None:  # an anchor: the whole tensors' bytes travel as they are
-            sent = self._gather(None, data)
+        if plan.anchor:  # every rank, a failed one too (with nothing): the whole tensors' bytes, as they are
+            sent = self._gather(None, data or [])
             if gathered is not None and sent is not None:
                 for p, d in zip(gathered, sent, strict=True):
                     assert isinstance(p, _Part) and isinstance(d, list)
@@ -299,11 +303,13 @@ class DistPublisher:
         parts: list[_Part] = []
         if gathered is not None:  # the publishing rank
             parts = [p for p in gathered if isinstance(p, _Part)]
+            stages.add("gather", time.perf_counter() - t)
             bad = [f"rank {p.rank}: {p.error}" for p in parts if p.error is not None]
             outcome = _failed(plan, bad) if bad else None
             if outcome is None:
                 try:
-                    joined = self._join(plan, parts)
+                    with stages.time("join"):
+                        joined = self._join(plan, parts)
                     outcome = "bytes" if joined.missing else None
                 except Exception as e:
                     outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
@@ -319,7 +325,7 @@ class DistPublisher:
                     outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
         if outcome is None and joined is not None:
             try:
-                outcome = self._commit(plan, joined, parts, start)
+                outcome = self._commit(plan, joined, parts, start, stages)
             except Exception as e:
                 outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
         outcome = self._broadcast(outcome)
@@ -565,10 +571,12 @@ class DistPublisher:
             return None
         return spec, prev.data[i], digests[i]
 
-    def _commit(self, plan: _Plan, joined: _Joined, parts: list[_Part], start: float) -> PublishInfo:
+    def _commit(self, plan: _Plan, joined: _Joined, parts: list[_Part], start: float, mine: Stages) -> PublishInfo:
         pub = self._pub
         assert pub is not None
         stages = Stages()
+        for k in ("gather", "join"):  # the publishing rank's own: waiting for the parts, rebuilding sliced tensors
+            stages.add(k, mine.seconds.get(k, 0.0))
         for p in parts:
             for k, v in p.stages.items():
                 stages.add(k, v)

@@ -121,7 +121,7 @@ def _publisher(root: Path, key: SigningKey, t0: float, fmt: Mapping[str, Any]) -
 def _rank_main(rank: int, root: str) -> None:
     tmp = Path(root)
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
     )
     try:
         t0 = torch.load(tmp / "job.pt")["t0"]
@@ -142,7 +142,7 @@ def _rank_main(rank: int, root: str) -> None:
                 if scenario == "fsdp":
                     _fsdp(dp, out, where, rank)
                 for v, w in enumerate(weights, start=1):
-                    if scenario == "failing" and v == 2:
+                    if scenario == "failing" and v <= 2:  # version 1 is an anchor, 2 a patch
                         _failures(dp, out, where, rank, w)
                     info = dp.publish(_part(scenario, w, rank))
                     out["ids"].append(info.manifest_id.hex())
@@ -177,11 +177,20 @@ def _part(scenario: str, w: Mapping[str, torch.Tensor], rank: int) -> dict[str, 
 
 
 def _failures(dp: DistPublisher, out: dict[str, Any], tmp: Path, rank: int, w: Mapping[str, torch.Tensor]) -> None:
-    """Rank 1 fails twice: before the version is planned (a bad state dict), and while working on its
-    part (a dtype the served formats do not have).  Every rank raises; the board does not move."""
+    """Rank 1 fails: before the version is planned (a bad state dict, a DTensor sharded on dim 1), and
+    while working on its part (a dtype the served formats do not have).  Every rank raises; the board
+    does not move."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     board = Board(tmp / "board")
     before = file_bytes(board) if rank == 0 else None
-    bad: list[dict[str, Any]] = [{"x": "not a tensor"}, {"x": torch.zeros(3, dtype=torch.complex64)}]
+    columns = distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (WORLD,)), [Shard(1)])  # every rank
+    bad: list[dict[str, Any]] = [
+        {"x": "not a tensor"},
+        {"x": torch.zeros(3, dtype=torch.complex64)},
+        {"cols": columns},
+    ]
     for b in bad:
         try:
             dp.publish(b if rank == 1 else split(w, rank))
@@ -252,11 +261,14 @@ def test_fp8_scales_over_dtensor_slices_match_one_process(ranks: Path) -> None:
 
 def test_a_failing_rank_fails_every_rank_and_writes_nothing(ranks: Path) -> None:
     got = results(ranks, "failing")
-    assert got[0]["unchanged"] == [True, True]
+    assert got[0]["unchanged"] == [True] * 6
     for r in range(WORLD):
-        first, second = got[r]["errors"]
-        assert "rank 1: ValueError: x: not a tensor" in first
-        assert "version 2 not published: rank 1:" in second
+        errors = got[r]["errors"]
+        assert len(errors) == 6
+        for v, (first, second, third) in enumerate(zip(errors[::3], errors[1::3], errors[2::3], strict=True), start=1):
+            assert "rank 1: ValueError: x: not a tensor" in first
+            assert f"version {v} not published: rank 1:" in second
+            assert "rank 1: ValueError: cols: placement S(1) is not supported (Shard(0) or Replicate)" in third
     # The failed tries gave their version number back: the board is the one-process board.
     check_same_board(ranks, "failing")
 
