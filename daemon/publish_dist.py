@@ -406,7 +406,9 @@ class DistPublisher:
         for name, (s, q, spec) in typed.items():
             row = math.prod(s.shape[1:])
             start, numel = s.start_row * row, q.numel()
-            data = raw_bytes(q.detach().to("cpu")).clone()
+            data = raw_bytes(q.detach().to("cpu"))
+            if data.untyped_storage().data_ptr() == s.local.untyped_storage().data_ptr():
+                data = data.clone()  # already in the served dtype: the copy is taken, as publish() does
             local_spec = TensorSpec(name, spec.dtype, (numel,))
             new_slices[name] = (start, local_spec, data)
             sp = _SlicePart(spec, start, numel)
