@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import torch
 import torch.distributed as dist
 import zstandard
@@ -225,13 +226,14 @@ class DistPublisher:
             whole, slices = split_state(state_dict_of(model_or_state))
         except Exception as e:
             error = e
-        said = self._all_gather((anchor, describe(slices), _text(error)))
+        mine = describe(slices)
+        said = self._all_gather((anchor, blake3.blake3(pickle.dumps(mine)).digest(), _text(error)))
         plan = self._broadcast(self._plan(said) if self._pub is not None else None)
         if isinstance(plan, str):
             raise DistPublishError(plan) from error
         saved = (dict(self._fmt.scales), dict(self._slice_scales))
         try:
-            return self._run(plan, said, whole, slices, error, start)
+            return self._run(plan, self._described(said, mine), whole, slices, error, start)
         except BaseException:
             self._fmt.scales, self._slice_scales = saved  # the next try decides again from the same scales
             if self._pub is not None and self._full_version != plan.version:  # not written: give the number back
@@ -241,7 +243,22 @@ class DistPublisher:
                 self._pub._anchor_requested |= self._requested
             raise
 
-    def _plan(self, said: list[tuple[bool, list[tuple[str, tuple[int, ...], str]], str | None]]) -> _Plan | str:
+    def _described(
+        self, said: list[tuple[bool, bytes, str | None]], mine: list[tuple[str, tuple[int, ...], str]]
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every sliced tensor's canonical shape and source dtype, the same on every rank (fp8 only: the
+        amax all-reduce needs one layout).  Ranks said only a digest of theirs: under FSDP every rank
+        holds rows of the same tensors, so nothing more travels; otherwise the lists are gathered."""
+        if self._fmt.name != "fp8_e4m3":
+            return {}
+        lists = [mine] if len({d for _, d, _ in said}) == 1 else self._all_gather(mine)
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for listed in lists:
+            for name, shape, dtype in listed:
+                out.setdefault(name, (tuple(shape), dtype))
+        return out
+
+    def _plan(self, said: list[tuple[bool, bytes, str | None]]) -> _Plan | str:
         """Publishing rank: the version every rank works on, or why none is published."""
         errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(said) if e is not None]
         if errors:
@@ -264,17 +281,13 @@ class DistPublisher:
     def _run(
         self,
         plan: _Plan,
-        said: list[tuple[bool, list[tuple[str, tuple[int, ...], str]], str | None]],
+        described: dict[str, tuple[tuple[int, ...], str]],
         whole: dict[str, torch.Tensor],
         slices: list[RowSlice],
         error: BaseException | None,
         start: float,
     ) -> PublishInfo:
         stages = Stages()
-        described: dict[str, tuple[tuple[int, ...], str]] = {}
-        for _, ds, _ in said:
-            for name, shape, dtype in ds:
-                described.setdefault(name, (tuple(shape), dtype))
         quantized = quantized_rows(self._fmt, described)  # the same on every rank: it depends only on what all said
         amax: dict[str, torch.Tensor] = {}
         if quantized:
