@@ -28,6 +28,8 @@ _EXPORTS = {
     "ShardedPublish": "patchswarm.daemon.publisher",
     "ShardPart": "patchswarm.daemon.publisher",
     "ServedFormat": "patchswarm.daemon.served_format",
+    "DistPublisher": "patchswarm.daemon.publish_dist",
+    "DistPublishError": "patchswarm.daemon.publish_dist",
     "Board": "patchswarm.daemon.board",
     "SigningKey": "patchswarm.protocol.keys",
     "TrustedKeys": "patchswarm.protocol.keys",
@@ -60,6 +62,8 @@ __all__ = [
     "Board",
     "Checkpoint",
     "DaemonClient",
+    "DistPublishError",
+    "DistPublisher",
     "Held",
     "PatchswarmError",
     "PublishInfo",
@@ -92,6 +96,7 @@ if TYPE_CHECKING:
     from patchswarm.daemon.checkpoint import Checkpoint, read_checkpoint
     from patchswarm.daemon.checkpoint_writer import write_checkpoint
     from patchswarm.daemon.engine_client import DaemonClient
+    from patchswarm.daemon.publish_dist import DistPublisher, DistPublishError
     from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
     from patchswarm.daemon.served_format import ServedFormat
     from patchswarm.daemon.sidecar import VersionConstraint, VersionGate, make_sidecar_app, start_sidecar

@@ -1,0 +1,165 @@
+"""A rank's part of a sharded state dict: whole tensors, and the rows of DTensors sharded on dim 0
+(FSDP2's ``fully_shard``), with fp8 scales agreed over the whole tensor.
+
+FSDP2 shards every parameter on dim 0 over a 1-D mesh the way ``torch.chunk`` splits rows: each
+rank holds ceil(rows / ranks) rows, the last ranks fewer or none
+(https://github.com/pytorch/pytorch/blob/main/torch/distributed/tensor/placement_types.py,
+``Shard._split_tensor``).  A rank's rows are therefore one contiguous run of the canonical
+tensor's elements, starting at ``first_row * row_elements``.
+
+fp8 scales are fixed per tensor (or per block) from the WHOLE tensor's amax, so that a sharded
+trainer serves the bytes a single process would: each rank contributes its rows' amax (the block
+grid of the whole tensor, zero where its rows do not reach) and an all-reduce (MAX) combines them.
+The decision and the arithmetic are ServedFormat's (fixed scales, refreshed past the drift
+threshold, headroom above amax), applied to that amax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from patchswarm.daemon.served_format import FP8_MAX, ServedFormat
+
+
+@dataclass(slots=True)
+class RowSlice:
+    """A rank's rows of a tensor sharded on dim 0."""
+
+    name: str
+    local: torch.Tensor
+    shape: tuple[int, ...]  # the canonical tensor's
+    start_row: int
+
+
+def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[RowSlice]]:
+    """Split a rank's state dict into whole tensors and rows of DTensors sharded on dim 0.
+
+    A replicated DTensor counts as whole on the mesh's first rank only; a DTensor on a mesh
+    this rank is not part of is someone else's.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    whole: dict[str, torch.Tensor] = {}
+    slices: list[RowSlice] = []
+    for name, t in state.items():
+        if not isinstance(name, str):
+            raise ValueError(f"state dict keys must be strings, not {type(name).__name__}")
+        if isinstance(t, DTensor):
+            mesh = t.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(f"{name}: DTensors on a {mesh.ndim}-D device mesh are not supported (1-D meshes only)")
+            coord = mesh.get_coordinate()
+            if coord is None:
+                continue
+            (p,) = t.placements
+            local = t.to_local()
+            if isinstance(p, Replicate):
+                if coord[0] == 0:
+                    whole[name] = local
+            elif isinstance(p, Shard) and p.dim == 0 and t.dim() > 0:
+                shape = tuple(t.shape)
+                per = -(-shape[0] // mesh.size())  # torch.chunk's rows per rank; the last may have fewer or none
+                first = min(coord[0] * per, shape[0])
+                rows = min(per, shape[0] - first)
+                if tuple(local.shape) != (rows, *shape[1:]):
+                    raise ValueError(
+                        f"{name}: rank {coord[0]}'s shard has shape {tuple(local.shape)}, not torch.chunk's "
+                        f"{(rows, *shape[1:])} of {shape}"
+                    )
+                slices.append(RowSlice(name, local, shape, first))
+            else:
+                raise ValueError(f"{name}: placement {p} is not supported (Shard(0) or Replicate)")
+        elif isinstance(t, torch.Tensor):
+            whole[name] = t
+        else:
+            raise ValueError(f"{name}: not a tensor but {type(t).__name__}")
+    return whole, slices
+
+
+def describe(slices: list[RowSlice]) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(s.name, s.shape, str(s.local.dtype).removeprefix("torch.")) for s in slices]
+
+
+def grid_shape(shape: tuple[int, ...], block: int | None) -> tuple[int, ...]:
+    if block is None:
+        return ()
+    return (math.ceil(shape[0] / block), math.ceil(shape[1] / block))
+
+
+def amax_part(s: RowSlice, block: int | None) -> torch.Tensor:
+    """This rank's rows' share of the whole tensor's amax: a scalar, or the whole block grid with
+    zeros in the blocks these rows do not reach (amax is never below zero, so MAX over ranks is exact)."""
+    x = s.local.detach().float().abs()
+    if block is None:
+        return x.amax() if x.numel() else torch.zeros((), device=x.device)
+    cols = s.shape[1]
+    grid = torch.zeros(grid_shape(s.shape, block), dtype=torch.float32, device=x.device)
+    n = x.shape[0]
+    if n == 0:
+        return grid
+    top = s.start_row % block  # rows of the first block above this slice
+    height = math.ceil((top + n) / block) * block
+    width = math.ceil(cols / block) * block
+    padded = torch.nn.functional.pad(x, (0, width - cols, top, height - top - n))
+    first = s.start_row // block
+    grid[first : first + height // block] = padded.reshape(height // block, block, width // block, block).amax(
+        dim=(1, 3)
+    )
+    return grid
+
+
+def _drifted(amax: torch.Tensor, scale: torch.Tensor, drift: float) -> bool:
+    ratio = amax / (scale * FP8_MAX)
+    return bool(((ratio > 1.0) | (ratio < 1.0 - drift)).any())
+
+
+def quantized_rows(
+    fmt: ServedFormat, described: Mapping[str, tuple[tuple[int, ...], str]]
+) -> dict[str, tuple[str, torch.dtype]]:
+    """Sliced tensors the served format quantizes: name -> (scale tensor name, served dtype).
+
+    Asks ServedFormat itself, on a shape-only (meta) tensor of the canonical shape, so the
+    decision and the scale's name are the format's own.
+    """
+    out: dict[str, tuple[str, torch.dtype]] = {}
+    if fmt.name != "fp8_e4m3":
+        return out
+    for name in sorted(described):
+        shape, dtype = described[name]
+        probe = ServedFormat(fmt.name, block=fmt.block)
+        got = probe.convert({name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")})
+        extra = [k for k in got if k != name]
+        if extra:
+            out[name] = (extra[0], got[name].dtype)
+    return out
+
+
+def fp8_rows(
+    fmt: ServedFormat, scales: dict[str, torch.Tensor], s: RowSlice, amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """fp8 rows of a sliced tensor under the scale every rank agrees on (from the whole tensor's amax);
+    ``scales`` holds the current scales by tensor name (the same on every rank).
+
+    The rule is ServedFormat's (fixed scales, refreshed past the drift threshold, headroom
+    above amax), applied to the whole tensor's amax instead of the rows'.
+    """
+    scale = scales.get(s.name)
+    moved = 0
+    if scale is None or scale.shape != amax.shape or scale.device != amax.device or _drifted(amax, scale, fmt.drift):
+        scale = torch.where(amax > 0, amax * (1 + fmt.headroom) / FP8_MAX, torch.ones_like(amax))
+        scales[s.name] = scale
+        moved = 1
+    x = s.local.detach().float()
+    if fmt.block is None:
+        div = scale.to(x.device)
+    else:
+        b, n, cols = fmt.block, x.shape[0], s.shape[1]
+        first = s.start_row // b  # only the block rows these rows fall in: no grid of the whole tensor
+        grid = scale[first : -(-(s.start_row + n) // b)].to(x.device)
+        div = grid.repeat_interleave(b, 0).repeat_interleave(b, 1)[s.start_row - first * b :][:n, :cols]
+    q = (x / div).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.clone(), moved

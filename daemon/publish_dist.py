@@ -1,0 +1,647 @@
+"""Sharded trainers across processes: the ranks of a torch.distributed process group publish one
+version together, without gathering the model.
+
+    pub = Publisher(board, key, run_id="run-7", served_format="bf16") if rank == 0 else None
+    dp = DistPublisher(pub)                  # on every rank, collectively (one rank holds the Publisher)
+    for step in training:
+        ...
+        info = dp.publish(model)              # every rank, collectively; every rank gets the PublishInfo
+
+A rank's state dict holds whole tensors (tensor-partitioned ranks: disjoint names, as with the
+thread-based ``ShardedPublish``), DTensors sharded on dim 0 (FSDP2's ``fully_shard``, uneven last
+shard included) or replicated DTensors, on a 1-D device mesh.  Each rank casts its part to the
+served format and diffs it against its own previous served part; only small results travel to
+the publishing rank (docs/board.md, "Sharded trainers"):
+
+- whole tensors: per-tensor deltas, digests and specs (hashed on the rank); their served bytes
+  only for a version that carries an anchor;
+- slices of DTensors: the changed elements (positions in the slice and new values), or the
+  slice's served bytes when that is smaller.  A manifest digest covers a WHOLE tensor, so the
+  publishing rank keeps the served bytes of every sliced tensor of the previous version, applies
+  the changes, hashes the tensors that changed and makes their deltas.
+
+Versions, anchors and failures are agreed collectively: a rank that raises makes every rank
+raise, with nothing written; the board moves only once every rank's part has arrived.  fp8 scales
+of sliced tensors are fixed from the amax of the whole tensor (an all-reduce of each rank's
+contribution), so every rank makes the same refresh decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import torch
+import torch.distributed as dist
+import zstandard
+
+from patchswarm.daemon.dtensor_slices import (
+    RowSlice,
+    amax_part,
+    describe,
+    fp8_rows,
+    grid_shape,
+    quantized_rows,
+    split_state,
+)
+from patchswarm.daemon.publish_work import (
+    Buffers,
+    Prepared,
+    Served,
+    Stages,
+    cast_served,
+    prepare,
+    state_dict_of,
+    work_pool,
+)
+from patchswarm.daemon.publisher import Publisher, PublishInfo
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.codec import TensorDelta, diff_tensor
+from patchswarm.protocol.diffscan import Changes, scan
+from patchswarm.protocol.dtypes import from_torch
+from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, raw_bytes, word_view
+
+_ZSTD = zstandard.ZstdCompressor(level=1)
+
+
+class DistPublishError(RuntimeError):
+    """A collective publish failed on some rank (or on the publishing rank's commit): nothing was written."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    version: int
+    base_version: int | None
+    anchor: bool
+    full_base: bool  # the publishing rank holds the sliced tensors of base_version: slices may send changes
+
+
+@dataclass(slots=True)
+class _SlicePart:
+    """One rank's rows of a tensor sharded on dim 0: the changes since its slice of the base, or its bytes."""
+
+    spec: TensorSpec  # the canonical (whole) tensor, served dtype
+    start: int  # first element of the slice in the canonical tensor
+    numel: int
+    gaps: torch.Tensor | None = None  # changed elements: gaps between positions from start (zstd likes them)
+    new: torch.Tensor | None = None  # their new words
+    data: torch.Tensor | None = None  # the slice's served bytes, when there are no changes to send
+
+    def positions(self) -> torch.Tensor:
+        """Changed elements, relative to ``start`` (int64)."""
+        if self.gaps is None:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cumsum(self.gaps.to(torch.int64), 0)
+
+
+@dataclass(slots=True)
+class _Part:
+    """What one rank hands the publishing rank: small, whatever the size of its tensors."""
+
+    rank: int
+    error: str | None = None
+    specs: list[TensorSpec] = field(default_factory=list)  # whole tensors, sorted by name
+    digests: list[bytes] = field(default_factory=list)
+    deltas: list[TensorDelta] | None = None  # against the base version; None: no base
+    data: list[torch.Tensor] | None = None  # served bytes of the whole tensors (anchors only)
+    refreshed: int = 0
+    slices: list[_SlicePart] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Mine:
+    """A rank's previous served parts: the bases of its next deltas."""
+
+    version: int | None = None
+    whole: ServedModel | None = None
+    digests: list[bytes] | None = None
+    slices: dict[str, tuple[int, TensorSpec, torch.Tensor]] = field(
+        default_factory=dict
+    )  # name -> (start, spec, bytes)
+    owned: bool = False  # whole's buffers came from this rank's Buffers: reusable once replaced
+
+
+class DistPublisher:
+    """One version per collective ``publish`` call over the ranks of ``group`` (default: the world).
+
+    Construct it on every rank, collectively; exactly one rank passes its :class:`Publisher`
+    (board, key, served format, anchor policy) and writes.  That Publisher is then used only
+    through this object: whole tensors of the other ranks are not kept in its process, so its
+    own ``publish`` cannot diff against them.
+    """
+
+    def __init__(self, publisher: Publisher | None, *, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistPublisher needs an initialized torch.distributed process group")
+        if publisher is not None and not isinstance(publisher, Publisher):
+            raise ValueError(f"publisher must be a Publisher or None, not {type(publisher).__name__}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        # The publishing rank's served format, its fixed scales left behind (each rank keeps its own).
+        fmt = None if publisher is None else dataclasses.replace(publisher.format, scales={}, refreshed=[])
+        said = self._all_gather(fmt)
+        holders = [r for r, f in enumerate(said) if f is not None]
+        if len(holders) != 1:
+            raise ValueError(f"exactly one rank must hold the Publisher, not ranks {holders}")
+        self.publisher_rank = holders[0]
+        self._src = self.publisher_rank if group is None else dist.get_global_rank(group, self.publisher_rank)
+        self._pub = publisher
+        self._fmt: ServedFormat = said[self.publisher_rank]  # whole tensors' scales
+        self._slice_scales: dict[str, torch.Tensor] = {}  # sliced fp8 tensors' scales (the same on every rank)
+        self._buffers = Buffers()
+        self._mine = _Mine()
+        # Publishing rank only: the served bytes of every sliced tensor of _full_version.
+        self._full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]] = {}
+        self._full_version: int | None = None
+        self._spare = Buffers()
+        self._requested = False
+        self.last_gathered_bytes = 0  # bytes the publishing rank received for the last version
+        self.last_sent_bytes = 0  # bytes this rank sent for the last version (its parts, pickled)
+
+    # ------------------------------------------------------------ collectives
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._src, group=self.group)
+        return box[0]
+
+    def _gather(self, part: _Part | None, data: list[torch.Tensor] | None) -> list[_Part | list[torch.Tensor]] | None:
+        """A part (zstd-compressed: stream pieces are uncompressed, about 12 bytes per changed element)
+        or served bytes (raw: compressing them would cost more time than the wire saves), gathered on
+        the publishing rank (None elsewhere)."""
+        if part is not None:
+            blob = _ZSTD.compress(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
+        else:
+            blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+        self.last_sent_bytes += len(blob)
+        out: list[Any] | None = [None] * self.world_size if self.rank == self.publisher_rank else None
+        dist.gather_object(blob, out, dst=self._src, group=self.group)
+        if out is None:
+            return None
+        self.last_gathered_bytes += sum(len(b) for b in out)
+        if part is not None:
+            return [pickle.loads(zstandard.ZstdDecompressor().decompress(b)) for b in out]
+        return [pickle.loads(b) for b in out]
+
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------ the collective publish
+
+    def publish(
+        self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], *, anchor: bool = False
+    ) -> PublishInfo:
+        """Publish the next version; every rank of the group calls this with its own part.
+
+        ``anchor=True`` on any rank makes the version an anchor.  Raises DistPublishError on
+        every rank, with nothing written, if any rank fails.
+        """
+        if not isinstance(anchor, bool):
+            raise ValueError(f"anchor must be True or False, not {anchor!r}")
+        self.last_gathered_bytes = self.last_sent_bytes = 0
+        start = self._pub.clock() if self._pub is not None else time.time()
+        error: BaseException | None = None
+        whole: dict[str, torch.Tensor] = {}
+        slices: list[RowSlice] = []
+        try:
+            if not isinstance(model_or_state, torch.nn.Module | Mapping):
+                raise ValueError(
+                    f"model_or_state must be a module or a state dict, not {type(model_or_state).__name__}"
+                )
+            whole, slices = split_state(state_dict_of(model_or_state))
+        except Exception as e:
+            error = e
+        mine = describe(slices)
+        said = self._all_gather((anchor, blake3.blake3(pickle.dumps(mine)).digest(), _text(error)))
+        plan = self._broadcast(self._plan(said) if self._pub is not None else None)
+        if isinstance(plan, str):
+            raise DistPublishError(plan) from error
+        saved = (dict(self._fmt.scales), dict(self._slice_scales))
+        try:
+            return self._run(plan, self._described(said, mine), whole, slices, error, start)
+        except BaseException:
+            self._fmt.scales, self._slice_scales = saved  # the next try decides again from the same scales
+            if self._pub is not None and self._full_version != plan.version:  # not written: give the number back
+                with self._pub._counter_lock:
+                    if self._pub._version == plan.version:
+                        self._pub._version -= 1
+                self._pub._anchor_requested |= self._requested
+            raise
+
+    def _described(
+        self, said: list[tuple[bool, bytes, str | None]], mine: list[tuple[str, tuple[int, ...], str]]
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every sliced tensor's canonical shape and source dtype, the same on every rank (fp8 only: the
+        amax all-reduce needs one layout).  Ranks said only a digest of theirs: under FSDP every rank
+        holds rows of the same tensors, so nothing more travels; otherwise the lists are gathered."""
+        if self._fmt.name != "fp8_e4m3":
+            return {}
+        lists = [mine] if len({d for _, d, _ in said}) == 1 else self._all_gather(mine)
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for listed in lists:
+            for name, shape, dtype in listed:
+                out.setdefault(name, (tuple(shape), dtype))
+        return out
+
+    def _plan(self, said: list[tuple[bool, bytes, str | None]]) -> _Plan | str:
+        """Publishing rank: the version every rank works on, or why none is published."""
+        errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(said) if e is not None]
+        if errors:
+            return "version not published: " + "; ".join(errors)
+        pub = self._pub
+        assert pub is not None
+        try:
+            pub.flush()
+            with pub._counter_lock:
+                if pub._sharded is not None:
+                    raise RuntimeError(f"sharded version {pub._sharded.version} is open: finalize or abort it first")
+                pub._version += 1
+                version, base = pub._version, pub._prev_version
+            self._requested = pub._anchor_requested  # given back with the version number if nothing is written
+            wanted = pub._wants_anchor(version, any(a for a, _, _ in said))
+        except Exception as e:
+            return f"version not published: rank {self.rank}: {_text(e)}"
+        return _Plan(version, base, wanted, base is not None and self._full_version == base)
+
+    def _run(
+        self,
+        plan: _Plan,
+        described: dict[str, tuple[tuple[int, ...], str]],
+        whole: dict[str, torch.Tensor],
+        slices: list[RowSlice],
+        error: BaseException | None,
+        start: float,
+    ) -> PublishInfo:
+        stages = Stages()
+        quantized = quantized_rows(self._fmt, described)  # the same on every rank: it depends only on what all said
+        amax: dict[str, torch.Tensor] = {}
+        if quantized:
+            amax, error = self._agree_amax(quantized, described, slices)
+        part = _Part(self.rank)
+        target: Served | None = None
+        mine: _Mine | None = None
+        if error is None:
+            try:
+                part, target, mine = self._make_part(plan, whole, slices, quantized, amax, stages)
+            except Exception as e:
+                error = e
+        if error is not None:
+            part = _Part(self.rank, error=_text(error))
+        data, part.data = part.data, None
+        t = time.perf_counter()
+        gathered = self._gather(part, None)
+        if plan.anchor:  # every rank, a failed one too (with nothing): the whole tensors' bytes, as they are
+            sent = self._gather(None, data or [])
+            if gathered is not None and sent is not None:
+                for p, d in zip(gathered, sent, strict=True):
+                    assert isinstance(p, _Part) and isinstance(d, list)
+                    p.data = d
+        outcome: Any = None
+        joined: _Joined | None = None
+        parts: list[_Part] = []
+        if gathered is not None:  # the publishing rank
+            parts = [p for p in gathered if isinstance(p, _Part)]
+            stages.add("gather", time.perf_counter() - t)
+            bad = [f"rank {p.rank}: {p.error}" for p in parts if p.error is not None]
+            outcome = _failed(plan, bad) if bad else None
+            if outcome is None:
+                try:
+                    with stages.time("join"):
+                        joined = self._join(plan, parts)
+                    outcome = "bytes" if joined.missing else None
+                except Exception as e:
+                    outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
+        outcome = self._broadcast(outcome)
+        if outcome == "bytes":  # an anchor decided after the ranks worked (a new layout, most fp8 scales moved)
+            got = self._gather(None, target.model.data if target is not None else [])
+            outcome = None
+            if got is not None:
+                assert joined is not None
+                try:
+                    joined.fill(parts, [d for d in got if isinstance(d, list)])
+                except Exception as e:
+                    outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
+        if outcome is None and joined is not None:
+            try:
+                outcome = self._commit(plan, joined, parts, start, stages)
+            except Exception as e:
+                outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
+        outcome = self._broadcast(outcome)
+        if isinstance(outcome, str):
+            raise DistPublishError(outcome) from error
+        if not isinstance(outcome, PublishInfo):
+            raise DistPublishError(f"version {plan.version}: the publishing rank answered {type(outcome).__name__}")
+        assert mine is not None
+        old = self._mine
+        self._mine = mine
+        if old.whole is not None and old.owned:
+            self._buffers.give(old.whole)  # the next cast reuses its buffers
+        return outcome
+
+    # ------------------------------------------------------------ every rank: its own part
+
+    def _agree_amax(
+        self,
+        quantized: Mapping[str, tuple[str, torch.dtype]],
+        described: Mapping[str, tuple[tuple[int, ...], str]],
+        slices: list[RowSlice],
+    ) -> tuple[dict[str, torch.Tensor], BaseException | None]:
+        """The whole tensors' amax (a scalar, or the block grid) from every rank's rows: one all-reduce
+        (MAX) over all of them.  A rank that fails here still takes part (with zeros) and reports later."""
+        mine = {s.name: s for s in slices}
+        dev = self._device()
+        names = sorted(quantized)
+        shapes = [grid_shape(described[n][0], self._fmt.block) for n in names]
+        sizes = [math.prod(g) for g in shapes]
+        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=dev)
+        error: BaseException | None = None
+        at = 0
+        for name, size in zip(names, sizes, strict=True):
+            s = mine.get(name)
+            if s is not None and error is None:
+                try:
+                    flat[at : at + size] = amax_part(s, self._fmt.block).reshape(-1).to(dev)
+                except Exception as e:
+                    error = e
+            at += size
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+        out: dict[str, torch.Tensor] = {}
+        at = 0
+        for name, grid, size in zip(names, shapes, sizes, strict=True):
+            out[name] = flat[at : at + size].reshape(grid).clone()
+            at += size
+        return out, error
+
+    def _make_part(
+        self,
+        plan: _Plan,
+        whole: dict[str, torch.Tensor],
+        slices: list[RowSlice],
+        quantized: Mapping[str, tuple[str, torch.dtype]],
+        amax: Mapping[str, torch.Tensor],
+        stages: Stages,
+    ) -> tuple[_Part, Served, _Mine]:
+        mine = self._mine
+        extras: dict[str, torch.Tensor] = {}  # served already: fp8 scales of sliced tensors
+        refreshed = 0
+        out_slices: list[_SlicePart] = []
+        new_slices: dict[str, tuple[int, TensorSpec, torch.Tensor]] = {}
+        with stages.time("cast"):
+            typed: dict[str, tuple[RowSlice, torch.Tensor, TensorSpec]] = {}
+            elementwise = dataclasses.replace(self._fmt, scales={}, refreshed=[])
+            for s in slices:
+                if s.name in quantized:
+                    scale_name, dtype = quantized[s.name]
+                    q, scale, moved = fp8_rows(self._fmt, self._slice_scales, s, amax[s.name])
+                    if s.start_row == 0 and s.local.shape[0] > 0:  # the first rows' rank ships the scale
+                        extras[scale_name] = scale
+                        refreshed += moved
+                else:
+                    q = elementwise.convert({s.name: s.local})[s.name]
+                    dtype = q.dtype
+                spec = TensorSpec(s.name, from_torch(dtype).name, s.shape)
+                typed[s.name] = (s, q, spec)
+        for name, (s, q, spec) in typed.items():
+            row = math.prod(s.shape[1:])
+            start, numel = s.start_row * row, q.numel()
+            data = raw_bytes(q.detach().to("cpu"))
+            if data.untyped_storage().data_ptr() == s.local.untyped_storage().data_ptr():
+                data = data.clone()  # already in the served dtype: the copy is taken, as publish() does
+            local_spec = TensorSpec(name, spec.dtype, (numel,))
+            new_slices[name] = (start, local_spec, data)
+            sp = _SlicePart(spec, start, numel)
+            prev = mine.slices.get(name)
+            if (
+                plan.full_base
+                and mine.version == plan.base_version
+                and prev is not None
+                and prev[:2] == (start, local_spec)
+            ):
+                with stages.time("diff"):
+                    ch = scan(word_view(prev[2], local_spec), word_view(data, local_spec))
+                width = local_spec.dt.width
+                if len(ch) * (8 + width) <= numel * width:  # an empty slice too: nothing to send
+                    gaps = torch.diff(ch.positions, prepend=ch.positions.new_zeros(1))
+                    sp.gaps = gaps.to(torch.int32) if numel < (1 << 31) else gaps
+                    sp.new = ch.new.clone()
+            if sp.gaps is None:
+                sp.data = data
+            out_slices.append(sp)
+        with stages.time("cast"):
+            target = cast_served(self._fmt, whole, self._buffers, on_host=True)
+            refreshed += len(self._fmt.refreshed)
+            if extras:
+                target.fill_all()
+                merged = dict(zip((x.name for x in target.model.specs), target.model.data, strict=True))
+                add = ServedModel.from_tensors({k: v.detach().to("cpu").clone() for k, v in extras.items()})
+                merged.update(zip((x.name for x in add.specs), add.data, strict=True))
+                specs = sorted([*target.model.specs, *add.specs], key=lambda x: x.name)
+                target = Served(ServedModel(specs, [merged[x.name] for x in specs]), False, [None] * len(specs))
+        served = target.model
+        base = digests = None
+        if mine.version == plan.base_version and mine.whole is not None and mine.whole.specs == served.specs:
+            base, digests = mine.whole, mine.digests
+        prepared = prepare(base, digests, target, stages)
+        try:
+            deltas = list(prepared.deltas()) if prepared.has_deltas else None
+            final = prepared.digests()
+        except BaseException:
+            prepared.settle()
+            raise
+        stages.add("prepare", prepared.seconds)
+        part = _Part(
+            self.rank,
+            specs=served.specs,
+            digests=final,
+            deltas=deltas,
+            data=served.data if plan.anchor else None,
+            refreshed=refreshed,
+            slices=out_slices,
+            stages=dict(stages.seconds),
+        )
+        return part, target, _Mine(plan.version, served, final, new_slices, target.owned)
+
+    # ------------------------------------------------------------ the publishing rank: one version
+
+    def _join(self, plan: _Plan, parts: list[_Part]) -> _Joined:
+        """Merge the ranks' parts: whole tensors as they came, sliced tensors rebuilt from the previous
+        version's bytes and the changes (hashed and diffed here, where the whole tensor is)."""
+        pub = self._pub
+        assert pub is not None
+        owner: dict[str, int] = {}
+        entries: dict[str, tuple[TensorSpec, bytes, TensorDelta | None, torch.Tensor | None]] = {}
+        for p in parts:
+            if len(p.digests) != len(p.specs) or (p.deltas is not None and len(p.deltas) != len(p.specs)):
+                raise ValueError(f"rank {p.rank}'s part is malformed")
+            for i, s in enumerate(p.specs):
+                if s.name in owner:
+                    raise ValueError(f"tensor {s.name!r} is in the parts of ranks {owner[s.name]} and {p.rank}")
+                owner[s.name] = p.rank
+                delta = p.deltas[i] if p.deltas is not None else None
+                entries[s.name] = (s, p.digests[i], delta, p.data[i] if p.data is not None else None)
+        rows: dict[str, list[tuple[int, _SlicePart]]] = {}
+        for p in parts:
+            for sp in p.slices:
+                if sp.spec.name in owner:
+                    raise ValueError(
+                        f"tensor {sp.spec.name!r} is whole on rank {owner[sp.spec.name]} and sliced on rank {p.rank}"
+                    )
+                rows.setdefault(sp.spec.name, []).append((p.rank, sp))
+        jobs = {name: work_pool().submit(self._join_tensor, plan, name, got) for name, got in rows.items()}
+        full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]] = {}
+        for name, job in jobs.items():
+            spec, data, delta, digest = job.result()
+            entries[name] = (spec, digest, delta, data)
+            full[name] = (spec, data, digest)
+        names = sorted(entries)
+        specs = [entries[n][0] for n in names]
+        deltas: list[TensorDelta] | None = []
+        for n in names:
+            d = entries[n][2]
+            if d is None or deltas is None:
+                deltas = None
+            else:
+                deltas.append(d)
+        refreshed = sum(p.refreshed for p in parts)
+        patchable = deltas is not None and pub._prev is not None and pub._prev.specs == specs
+        anchor = plan.anchor or refreshed * 2 > len(specs) or not patchable
+        sent = [entries[n][3] for n in names]
+        missing = anchor and any(d is None for d in sent)
+        placeholder = [
+            d if d is not None else torch.empty(s.nbytes, dtype=torch.uint8, device="meta")
+            for s, d in zip(specs, sent, strict=True)
+        ]
+        return _Joined(specs, placeholder, [entries[n][1] for n in names], deltas, anchor, refreshed, missing, full)
+
+    def _join_tensor(
+        self, plan: _Plan, name: str, got: list[tuple[int, _SlicePart]]
+    ) -> tuple[TensorSpec, torch.Tensor, TensorDelta | None, bytes]:
+        specs = {sp.spec for _, sp in got}
+        if len(specs) != 1:
+            raise ValueError(f"tensor {name!r}: ranks disagree on its shape or dtype: {sorted(map(str, specs))}")
+        (spec,) = specs
+        got = sorted(got, key=lambda rs: rs[1].start)
+        at = 0
+        for rank, sp in got:
+            if sp.start != at or sp.numel < 0:
+                raise ValueError(f"tensor {name!r}: rank {rank}'s rows start at element {sp.start}, expected {at}")
+            at += sp.numel
+        if at != spec.numel:
+            raise ValueError(f"tensor {name!r}: the ranks' rows cover {at} of its {spec.numel} elements")
+        old = self._full.get(name) if plan.full_base else None
+        if old is None:  # a resumed run: the publisher rebuilt the previous version from the board
+            old = self._from_chain(plan, spec)
+        base = old[1] if old is not None and old[0] == spec else None
+        w = spec.dt.width
+        if all(sp.data is None for _, sp in got):  # changes only: the common case
+            if base is None:
+                raise RuntimeError(f"tensor {name!r}: ranks sent changes, but there is no base to apply them to")
+            assert old is not None
+            pos = torch.cat([sp.positions() + sp.start for _, sp in got])
+            new = torch.cat([sp.new for _, sp in got if sp.new is not None])
+            if pos.numel() == 0:
+                same = diff_tensor(spec, base, base, changes=Changes(pos, new, new))  # SAME, without a scan
+                return spec, base, same, old[2]
+            data = self._spare.take(name, torch.uint8, base.shape, base.device)
+            data.copy_(base)
+            word_view(data, spec)[pos] = new
+            delta = diff_tensor(spec, base, data, changes=Changes(pos, word_view(base, spec)[pos], new))
+            return spec, data, delta, bytes_digest(data)
+        data = torch.empty(spec.nbytes, dtype=torch.uint8)
+        for rank, sp in got:
+            region = data[sp.start * w : (sp.start + sp.numel) * w]
+            if sp.data is not None:
+                region.copy_(sp.data)
+                continue
+            if base is None or sp.gaps is None or sp.new is None:
+                raise RuntimeError(f"tensor {name!r}: rank {rank} sent changes, but there is no base to apply them to")
+            region.copy_(base[sp.start * w : (sp.start + sp.numel) * w])
+            word_view(data, spec)[sp.positions() + sp.start] = sp.new
+        return spec, data, diff_tensor(spec, base, data) if base is not None else None, bytes_digest(data)
+
+    def _from_chain(self, plan: _Plan, spec: TensorSpec) -> tuple[TensorSpec, torch.Tensor, bytes] | None:
+        """``spec``'s tensor of the publisher's previous version, when it holds its bytes (not a placeholder)."""
+        pub = self._pub
+        assert pub is not None
+        prev, digests = pub._prev, pub._prev_digests
+        if prev is None or digests is None or pub._prev_version != plan.base_version or plan.base_version is None:
+            return None
+        i = next((i for i, s in enumerate(prev.specs) if s.name == spec.name), None)
+        if i is None or prev.specs[i] != spec or prev.data[i].device.type == "meta":
+            return None
+        return spec, prev.data[i], digests[i]
+
+    def _commit(self, plan: _Plan, joined: _Joined, parts: list[_Part], start: float, mine: Stages) -> PublishInfo:
+        pub = self._pub
+        assert pub is not None
+        stages = Stages()
+        for k in ("gather", "join"):  # the publishing rank's own: waiting for the parts, rebuilding sliced tensors
+            stages.add(k, mine.seconds.get(k, 0.0))
+        for p in parts:
+            for k, v in p.stages.items():
+                stages.add(k, v)
+        served = ServedModel(joined.specs, joined.data)
+        prepared = Prepared.ready(joined.deltas, joined.digests)
+        with pub._lock:
+            if pub._prev_version != plan.base_version:
+                raise RuntimeError(f"the chain moved to version {pub._prev_version} since version {plan.version} began")
+            # owned=False: the whole tensors' bytes are copies that arrived, or placeholders
+            info = pub._commit(
+                plan.version, served, False, prepared, joined.anchor, start, stages, refreshed=joined.refreshed
+            )
+        kept = {id(new[1]) for new in joined.full.values()}  # unchanged tensors carry on as they are
+        replaced = [self._full[n] for n in sorted(self._full) if id(self._full[n][1]) not in kept]
+        if replaced:  # the bytes of the version before, no longer read: the next version's copies go there
+            self._spare.give(ServedModel([old[0] for old in replaced], [old[1] for old in replaced]))
+        self._full, self._full_version = joined.full, plan.version
+        return info
+
+
+@dataclass(slots=True)
+class _Joined:
+    """One version put together on the publishing rank, not yet written."""
+
+    specs: list[TensorSpec]
+    data: list[torch.Tensor]  # meta placeholders for whole tensors whose bytes did not travel
+    digests: list[bytes]
+    deltas: list[TensorDelta] | None
+    anchor: bool
+    refreshed: int
+    missing: bool  # an anchor that needs bytes the ranks did not send
+    full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]]
+
+    def fill(self, parts: list[_Part], sent: list[list[torch.Tensor]]) -> None:
+        at = {s.name: i for i, s in enumerate(self.specs)}
+        for p, data in zip(parts, sent, strict=True):
+            if len(data) != len(p.specs):
+                raise ValueError(f"rank {p.rank} sent {len(data)} tensors, not {len(p.specs)}")
+            for s, d in zip(p.specs, data, strict=True):
+                if d.dtype != torch.uint8 or d.dim() != 1 or d.numel() != s.nbytes:
+                    raise ValueError(f"rank {p.rank} sent {s.name!r} with the wrong size")
+                self.data[at[s.name]] = d
+        self.missing = False
+
+
+def _failed(plan: _Plan, why: list[str]) -> str:
+    return f"version {plan.version} not published: " + "; ".join(why)
+
+
+def _text(e: BaseException | None) -> str | None:
+    if e is None:
+        return None
+    return f"{type(e).__name__}: {e}"[:2000]

@@ -1,0 +1,284 @@
+"""Sharded trainers across processes: two gloo ranks publish together (DistPublisher).
+
+Each test spawns two real trainer processes (torch.distributed, gloo, a FileStore rendezvous);
+rank 0 holds the Publisher.  The result must be byte for byte the board a one-process Publisher
+leaves from the same weights, with the same key and clock: every file (chunks, manifests, head),
+and each version's manifest id as the ranks saw it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.publish_dist import DistPublisher, DistPublishError
+from patchswarm.daemon.publisher import Publisher, PublishInfo
+from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.keys import SigningKey
+from tests.support.boards import board_files
+
+# Starting two processes that import torch is most of the time (over 20 s on a loaded 2-core host).
+pytestmark = pytest.mark.slow
+
+RUN = "dist"
+WORLD = 2
+
+
+# ---------------------------------------------------------------- what the parent computes
+
+
+def states(versions: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """FP32 weights per version: a dense first version, then sparse RL-like changes, and a dense change
+    of one tensor in version 3.  Rows of 37, 21 and 1 split unevenly over two ranks (1 row: rank 1 has none)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "a.embed.weight": (256, 64),
+        "b.proj.weight": (37, 64),
+        "c.proj.weight": (21, 64),
+        "c.proj.bias": (21,),
+        "d.norm.weight": (64,),
+        "e.tiny.weight": (1, 5),
+    }
+    cur = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    out = [{n: t.clone() for n, t in cur.items()}]
+    for v in range(1, versions):
+        for _n, t in cur.items():
+            flat = t.view(-1)
+            hit = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+            flat[hit] += torch.randn(hit.numel(), generator=g) * 0.1
+        if v == 2:
+            cur["c.proj.weight"] *= 1.5  # dense, and past the fp8 drift threshold
+        out.append({n: t.clone() for n, t in cur.items()})
+    return out
+
+
+def split(state: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    names = sorted(state)
+    return {n: state[n] for i, n in enumerate(names) if i % WORLD == rank}
+
+
+SCENARIOS: dict[str, tuple[int, int, dict[str, Any]]] = {  # name -> (versions, seed, served format)
+    "partitioned": (3, 0, {"name": "bf16"}),
+    "dtensor": (4, 1, {"name": "bf16"}),
+    "fsdp": (3, 0, {"name": "bf16"}),
+    "fp8": (4, 2, {"name": "fp8_e4m3"}),
+    "fp8_block": (4, 2, {"name": "fp8_e4m3", "block": 8}),
+    "failing": (3, 3, {"name": "bf16"}),
+    "resumed": (3, 4, {"name": "bf16"}),  # version 1 by a one-process Publisher, then two ranks go on
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run of two trainer processes over every scenario (starting processes is the slow part)."""
+    tmp = tmp_path_factory.mktemp("dist")
+    SigningKey.generate().save(tmp / "key")
+    torch.save({"t0": time.time()}, tmp / "job.pt")
+    mp.spawn(_rank_main, args=(str(tmp),), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
+    return tmp
+
+
+def results(tmp: Path, scenario: str) -> list[Any]:
+    got = [json.loads((tmp / scenario / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, g in enumerate(got):
+        assert g.get("crash") is None, f"rank {r}: {g['crash']}"
+    return got
+
+
+def one_process(tmp: Path, scenario: str, weights: list[dict[str, torch.Tensor]]) -> tuple[Board, list[str]]:
+    t0 = torch.load(tmp / "job.pt")["t0"]
+    pub = _publisher(tmp / scenario / "plain", SigningKey.load(tmp / "key"), t0, SCENARIOS[scenario][2])
+    ids = []
+    for w in weights:
+        info = pub.publish(w)
+        assert isinstance(info, PublishInfo)
+        ids.append(info.manifest_id.hex())
+    return pub.board, ids
+
+
+def file_bytes(board: Board) -> dict[str, bytes]:
+    return {n: board.path(n).read_bytes() for n in board_files(board)}
+
+
+def _publisher(root: Path, key: SigningKey, t0: float, fmt: Mapping[str, Any]) -> Publisher:
+    served = ServedFormat(fmt["name"], block=fmt.get("block"))
+    return Publisher(root, key, run_id=RUN, anchor_every=4, served_format=served, clock=lambda: t0, refresh=False)
+
+
+# ---------------------------------------------------------------- what each rank runs
+
+
+def _rank_main(rank: int, root: str) -> None:
+    tmp = Path(root)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
+    )
+    try:
+        t0 = torch.load(tmp / "job.pt")["t0"]
+        for scenario, (versions, seed, fmt) in SCENARIOS.items():
+            where = tmp / scenario
+            where.mkdir(exist_ok=True)
+            out: dict[str, Any] = {"ids": [], "errors": [], "gathered": [], "served": [], "anchor": []}
+            weights = states(versions, seed) if scenario != "fsdp" else []
+            try:
+                if scenario == "resumed":
+                    if rank == 0:
+                        first = _publisher(where / "board", SigningKey.load(tmp / "key"), t0, fmt)
+                        out["ids"].append(first.publish(weights[0]).manifest_id.hex())  # type: ignore[union-attr]
+                        first.close()
+                    weights = weights[1:]
+                pub = _publisher(where / "board", SigningKey.load(tmp / "key"), t0, fmt) if rank == 0 else None
+                dp = DistPublisher(pub)
+                if scenario == "fsdp":
+                    _fsdp(dp, out, where, rank)
+                for v, w in enumerate(weights, start=1):
+                    if scenario == "failing" and v <= 2:  # version 1 is an anchor, 2 a patch
+                        _failures(dp, out, where, rank, w)
+                    info = dp.publish(_part(scenario, w, rank))
+                    out["ids"].append(info.manifest_id.hex())
+                    out["gathered"].append(dp.last_gathered_bytes)
+                    out["served"].append(info.served_bytes)
+                    out["anchor"].append(info.anchor_bytes)
+            except Exception as e:  # reported by the test that reads this scenario
+                out["crash"] = repr(e)
+            (where / f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _part(scenario: str, w: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    if scenario in ("partitioned", "failing"):
+        return split(w, rank)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out: dict[str, torch.Tensor] = {}
+    for n, t in w.items():
+        if scenario == "resumed":
+            out[n] = distribute_tensor(t, mesh, [Shard(0)])
+        elif n == "e.tiny.weight" and scenario == "fp8_block":
+            dt = distribute_tensor(t, mesh, [Shard(0)])  # collective: every rank makes it
+            if rank == 0:  # rank 1 holds none of its one row and leaves it out: the ranks' lists differ
+                out[n] = dt
+        elif n == "d.norm.weight":
+            out[n] = distribute_tensor(t, mesh, [Replicate()])
+        elif n == "a.embed.weight" and rank == 1:
+            out[n] = t  # a whole tensor on one rank, next to the DTensors
+        elif n != "a.embed.weight":
+            out[n] = distribute_tensor(t, mesh, [Shard(0)])
+    return out
+
+
+def _failures(dp: DistPublisher, out: dict[str, Any], tmp: Path, rank: int, w: Mapping[str, torch.Tensor]) -> None:
+    """Rank 1 fails: before the version is planned (a bad state dict, a DTensor sharded on dim 1), and
+    while working on its part (a dtype the served formats do not have).  Every rank raises; the board
+    does not move."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    board = Board(tmp / "board")
+    before = file_bytes(board) if rank == 0 else None
+    columns = distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (WORLD,)), [Shard(1)])  # every rank
+    bad: list[dict[str, Any]] = [
+        {"x": "not a tensor"},
+        {"x": torch.zeros(3, dtype=torch.complex64)},
+        {"cols": columns},
+    ]
+    for b in bad:
+        try:
+            dp.publish(b if rank == 1 else split(w, rank))
+        except DistPublishError as e:
+            out["errors"].append(str(e))
+        if rank == 0:
+            out.setdefault("unchanged", []).append(file_bytes(board) == before)
+
+
+def _fsdp(dp: DistPublisher, out: dict[str, Any], tmp: Path, rank: int) -> None:
+    """FSDP2 (fully_shard, CPU, gloo): a few AdamW steps; the state dict's DTensors are published as they
+    are.  The full weights (gathered here only as the test's oracle) go to a file for the parent."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 37), torch.nn.GELU(), torch.nn.Linear(37, 21))
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    oracle = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 24, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state = model.state_dict()
+        oracle.append({k: v.full_tensor().clone() for k, v in state.items()})
+        info = dp.publish(state)
+        out["ids"].append(info.manifest_id.hex())
+    if rank == 0:
+        torch.save(oracle, tmp / "oracle.pt")
+
+
+# ---------------------------------------------------------------- tests
+
+
+def check_same_board(tmp: Path, scenario: str, weights: list[dict[str, torch.Tensor]] | None = None) -> list[Any]:
+    got = results(tmp, scenario)
+    versions, seed, _ = SCENARIOS[scenario]
+    plain, ids = one_process(tmp, scenario, states(versions, seed) if weights is None else weights)
+    skip = 1 if scenario == "resumed" else 0  # rank 1 was not there for version 1
+    assert got[0]["ids"] == ids and got[1]["ids"] == ids[skip:]  # every rank got every version's PublishInfo
+    dist_files = file_bytes(Board(tmp / scenario / "board"))
+    assert dist_files == file_bytes(plain) and len(dist_files) > 3
+    return got
+
+
+def test_two_tensor_partitioned_ranks_publish_the_one_process_board(ranks: Path) -> None:
+    got = check_same_board(ranks, "partitioned")
+    # Version 2 is a sparse patch: what travelled is the ranks' deltas, not their tensors.
+    assert got[0]["gathered"][1] < got[0]["served"][1] / 2
+
+
+def test_dtensor_shards_uneven_and_replicated_publish_the_one_process_board(ranks: Path) -> None:
+    got = check_same_board(ranks, "dtensor")
+    assert got[0]["gathered"][1] < got[0]["served"][1] / 2  # sparse changes: positions and values only
+
+
+def test_fsdp2_state_dicts_publish_the_one_process_board(ranks: Path) -> None:
+    check_same_board(ranks, "fsdp", torch.load(ranks / "fsdp" / "oracle.pt"))
+
+
+def test_fp8_scales_over_dtensor_slices_match_one_process(ranks: Path) -> None:
+    check_same_board(ranks, "fp8")  # per-tensor scales
+    check_same_board(ranks, "fp8_block")  # 8x8 blocks: slices of 37 and 21 rows cut through blocks
+
+
+def test_a_failing_rank_fails_every_rank_and_writes_nothing(ranks: Path) -> None:
+    got = results(ranks, "failing")
+    assert got[0]["unchanged"] == [True] * 6
+    for r in range(WORLD):
+        errors = got[r]["errors"]
+        assert len(errors) == 6
+        for v, (first, second, third) in enumerate(zip(errors[::3], errors[1::3], errors[2::3], strict=True), start=1):
+            assert "rank 1: ValueError: x: not a tensor" in first
+            assert f"version {v} not published: rank 1:" in second
+            assert "rank 1: ValueError: cols: placement S(1) is not supported (Shard(0) or Replicate)" in third
+    # The failed tries gave their version number back: the board is the one-process board.
+    check_same_board(ranks, "failing")
+
+
+def test_ranks_go_on_from_a_run_on_the_board_with_a_patch(ranks: Path) -> None:
+    """A resumed Publisher rebuilt version 1 from the board: the ranks' first version patches it
+    (the publishing rank diffs the gathered rows against it), no new anchor."""
+    got = check_same_board(ranks, "resumed")
+    assert got[0]["anchor"] == [None, None]
