@@ -43,6 +43,7 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+ENGINES = ("vllm", "sglang")
 SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_inv", "input_scale")
 
 _LAYER = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
@@ -328,9 +329,20 @@ class _Emit:
 
 
 def builtin_plan(
-    config: Mapping[str, Any], canonical_specs: Sequence[TensorSpec], tp: int, *, expert_parallel: bool = False
+    config: Mapping[str, Any],
+    canonical_specs: Sequence[TensorSpec],
+    tp: int,
+    *,
+    expert_parallel: bool = False,
+    engine: str = "vllm",
 ) -> LayoutPlan:
-    """The plan of ``config``'s family for ``tp`` ranks (MoE experts expert-parallel if asked), checked."""
+    """The plan of ``config``'s family for ``tp`` ranks (MoE experts expert-parallel if asked), checked.
+
+    ``engine`` "sglang" differs only in DeepSeek's fused MLA input projection: SGLang names it
+    ``fused_qkv_a_proj_with_mqa`` and keeps a single per-tensor scale for it (so a per-tensor fp8
+    checkpoint is refused there; block scales are concatenated as vLLM does)."""
+    if engine not in ENGINES:
+        raise PlanError(f"layout plan: engine {engine[:32]!r} is not one of {', '.join(ENGINES)}")
     family = family_of(config)
     if expert_parallel and family not in MOE:
         raise PlanError(f"layout plan: expert parallelism asked for {family}, which has no experts")
@@ -344,7 +356,7 @@ def builtin_plan(
         num_experts = _cfg_int(config, "num_experts" if family == "qwen3_moe" else "n_routed_experts")
     layer_prefixes = sorted({m.group(1) for n in names if (m := _LAYER.match(n))})
     for prefix in layer_prefixes:
-        _attention(em, prefix, family, heads, kv_heads)
+        _attention(em, prefix, family, heads, kv_heads, engine)
         _mlp(em, prefix)
         if em.spec(f"{prefix}mlp.experts.0.gate_proj.weight") is not None:
             em.experts(prefix, num_experts, expert_parallel)
@@ -365,10 +377,10 @@ def builtin_plan(
     return plan
 
 
-def _attention(em: _Emit, prefix: str, family: str, heads: int, kv_heads: int) -> None:
+def _attention(em: _Emit, prefix: str, family: str, heads: int, kv_heads: int, engine: str) -> None:
     q = em.spec(f"{prefix}self_attn.q_proj.weight")
     if family.startswith("deepseek"):
-        _mla(em, prefix, heads)
+        _mla(em, prefix, heads, engine)
     elif q is not None:
         k = em.spec(f"{prefix}self_attn.k_proj.weight")
         if k is None:
@@ -385,14 +397,19 @@ def _attention(em: _Emit, prefix: str, family: str, heads: int, kv_heads: int) -
     em.row(prefix, "self_attn.o_proj")
 
 
-def _mla(em: _Emit, prefix: str, heads: int) -> None:
+def _mla(em: _Emit, prefix: str, heads: int, engine: str) -> None:
     a = f"{prefix}self_attn."
     kv_a = em.spec(a + "kv_a_proj_with_mqa.weight")
     q_a = em.spec(a + "q_a_proj.weight")
     if kv_a is not None and q_a is not None:
+        fused = "self_attn.fused_qkv_a_proj"
+        if engine == "sglang":
+            fused += "_with_mqa"
+            if em.spec(a + "q_a_proj.weight_scale") is not None:
+                raise PlanError(f"layout plan: SGLang keeps one per-tensor scale for {prefix}{fused}: use block scales")
         em.column(
             prefix,
-            "self_attn.fused_qkv_a_proj",
+            fused,
             [
                 Shard("self_attn.q_a_proj", q_a.shape[0], "whole"),
                 Shard("self_attn.kv_a_proj_with_mqa", kv_a.shape[0], "whole"),

@@ -135,3 +135,13 @@ def test_tied_checkpoint_keeping_lm_head_ignores_it() -> None:
     plan = builtin_plan(cfg, ServedModel.from_tensors(t).specs, 2)
     assert "lm_head.weight" in plan.ignored
     assert all(s.name != "lm_head.weight" for s in plan.rank_specs(0))
+
+
+def test_sglang_names_the_fused_mla_projection_its_way() -> None:
+    cfg = deepseek_config()
+    model = ServedModel.from_tensors(canonical(cfg))
+    names = {s.name for s in builtin_plan(cfg, model.specs, 2, engine="sglang").rank_specs(1)}
+    assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in names
+    assert "model.layers.0.self_attn.fused_qkv_a_proj.weight" not in names
+    with pytest.raises(PlanError, match="engine 'trt' is not one of vllm, sglang"):
+        builtin_plan(cfg, model.specs, 2, engine="trt")
