@@ -250,11 +250,7 @@ class _Emit:
             local = num_experts
             moe_tp = tp
         i_tp = _divide(inter, moe_tp, f"{prefix}mlp.experts: moe_intermediate_size")
-        if (
-            moe_tp > 1
-            and i_tp % BLOCK
-            and any(n.startswith(f"{prefix}mlp.experts.") and n.endswith("weight_scale_inv") for n in self.by_name)
-        ):
+        if moe_tp > 1 and i_tp % BLOCK and f"{prefix}mlp.experts.0.gate_proj.weight_scale_inv" in self.by_name:
             raise PlanError(
                 f"layout plan: {prefix}mlp.experts: {i_tp} rows per rank do not fill {BLOCK}-row fp8 scale blocks"
             )
