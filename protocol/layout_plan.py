@@ -174,7 +174,9 @@ class PlanBuilder:
         self.ignored.add(source)
 
     def build(self) -> LayoutPlan:
-        return LayoutPlan(self.world, self.params, self.pieces, frozenset(self.ignored), self.family)
+        return LayoutPlan(
+            self.world, [dict(p) for p in self.params], list(self.pieces), frozenset(self.ignored), self.family
+        )
 
 
 # ---------------------------------------------------------------- checking

@@ -285,3 +285,32 @@ def test_route_refuses_bad_slots() -> None:
     with pytest.raises(PlanError, match="two changes for a"):
         ch = SlotChange(0, torch.zeros(1, dtype=torch.int64), one, one)
         router.route([ch, ch])
+
+
+def test_crowded_boxes_checked_on_the_grid() -> None:
+    # 80 column strips of one row range: more open boxes than the sweep keeps, the grid decides
+    b = PlanBuilder(1)
+    b.param(0, "x", (2, 80), BF)
+    for k in range(80):
+        b.place(f"c{k:02d}", 0, "x", full_box((2, 1)), ((0, 2), (k, k + 1)))
+    specs = [TensorSpec(f"c{k:02d}", BF, (2, 1)) for k in range(80)]
+    b.build().check(specs)
+    b2 = PlanBuilder(1)
+    b2.param(0, "x", (2, 80), BF)
+    for k in range(80):
+        b2.place(f"c{k:02d}", 0, "x", full_box((2, 1)), ((0, 2), (min(k, 78), min(k, 78) + 1)))
+    with pytest.raises(PlanError, match="a region of x on rank 0 is written by two pieces"):
+        b2.build().check(specs)
+
+
+def test_overlapping_pieces_across_ranks_cover() -> None:
+    b = PlanBuilder(2)
+    b.param(0, "x", (3, 2), BF)
+    b.param(1, "x", (3, 2), BF)
+    b.place("a", 0, "x", ((0, 3), (0, 2)), full_box((3, 2)))
+    b.place("a", 1, "x", ((1, 4), (0, 2)), full_box((3, 2)))
+    b.build().check(_specs(a=(4, 2)))
+    b.pieces.pop()
+    b.place("a", 1, "x", ((0, 3), (0, 2)), full_box((3, 2)))
+    with pytest.raises(PlanError, match="part of a is mapped to no rank"):
+        b.build().check(_specs(a=(4, 2)))
