@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,3 +168,20 @@ def test_fuzz_fields(rule: int, key: str, value: Any) -> None:
         pf.expand(_SMALL.specs, 2)
     except PlanError as e:
         assert "\n" not in str(e)
+
+
+def test_the_documented_example_parses_and_applies() -> None:
+    page = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
+    block = page.split("## Layout plans", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
+    cfg = qwen3_moe_config(num_attention_heads=32, num_key_value_heads=4, head_dim=2, num_experts=128)
+    cfg.update(hidden_size=64, moe_intermediate_size=4, num_hidden_layers=1, vocab_size=100)
+    t = canonical(cfg)
+    model = ServedModel.from_tensors(t)
+    pf = parse_plan_file(block.encode())
+    for ep in (False, True):
+        plan = pf.expand(model.specs, 4, expert_parallel=ep)
+        got = rank_model(plan, model, 3)
+        want = expected_rank(cfg, t, 4, 3, ep=ep)
+        assert [s.name for s in got.specs] == sorted(want)
+        for i, s in enumerate(got.specs):
+            assert torch.equal(got.typed(i).view(torch.int16), want[s.name].view(torch.int16)), s.name
