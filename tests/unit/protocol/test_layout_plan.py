@@ -204,7 +204,7 @@ CASES = [
 
 @pytest.mark.parametrize(("cfg", "tp", "ep"), CASES)
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31), density=st.sampled_from([0.0005, 0.01, 0.3]), dense_every=st.sampled_from([0, 7]))
+@given(seed=st.integers(0, 2**31), density=st.sampled_from([0.0005, 0.01, 0.3]), dense_every=st.sampled_from([0, 1, 7]))
 def test_routing_builtin(cfg: dict[str, Any], tp: int, ep: bool, seed: int, density: float, dense_every: int) -> None:
     model = ServedModel.from_tensors(canonical(cfg, seed=1))
     plan = builtin_plan(cfg, model.specs, tp, expert_parallel=ep)
@@ -314,3 +314,27 @@ def test_overlapping_pieces_across_ranks_cover() -> None:
     b.place("a", 1, "x", ((0, 3), (0, 2)), full_box((3, 2)))
     with pytest.raises(PlanError, match="part of a is mapped to no rank"):
         b.build().check(_specs(a=(4, 2)))
+
+
+def test_dense_changes_covering_a_parameter_go_whole() -> None:
+    cfg = llama_config()
+    model = ServedModel.from_tensors(canonical(cfg))
+    plan = builtin_plan(cfg, model.specs, 2)
+    names = [s.name for s in model.specs]
+    router = Router(plan, model.specs)
+
+    def dense(name: str) -> SlotChange:
+        i = names.index(name)
+        w = word_view(model.data[i], model.specs[i])
+        return SlotChange(i, None, w + 1, w)
+
+    a = "model.layers.0.self_attn."
+    routed = router.route([dense(a + "q_proj.weight"), dense(a + "k_proj.weight"), dense(a + "v_proj.weight")])
+    assert [c.positions for c in routed[1]] == [None]  # qkv_proj whole
+    routed = router.route([dense(a + "q_proj.weight"), dense(a + "k_proj.weight")])
+    (qkv,) = routed[0]
+    assert qkv.positions is not None and qkv.positions.numel() == (32 + 16) * 64  # v untouched
+    # the embedding's padded rows are sent as zeros in a whole update
+    (emb,) = router.route([dense("model.embed_tokens.weight")])[1]
+    assert emb.positions is None and emb.new.numel() == 256 * 64
+    assert not bool(emb.new.reshape(256, 64)[500 - 256 :].any())
