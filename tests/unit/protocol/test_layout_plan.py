@@ -338,3 +338,28 @@ def test_dense_changes_covering_a_parameter_go_whole() -> None:
     (emb,) = router.route([dense("model.embed_tokens.weight")])[1]
     assert emb.positions is None and emb.new.numel() == 256 * 64
     assert not bool(emb.new.reshape(256, 64)[500 - 256 :].any())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_routing_on_cuda_matches_host() -> None:
+    cfg = qwen3_moe_config()
+    model = ServedModel.from_tensors(canonical(cfg))
+    plan = builtin_plan(cfg, model.specs, 4)
+    gen = torch.Generator().manual_seed(5)
+    _, changes = _random_changes(model, gen, 0.05, 5)
+    host = Router(plan, model.specs).route(changes)
+    cuda = [
+        SlotChange(c.slot, None if c.positions is None else c.positions.cuda(), c.new.cuda(), c.old.cuda())
+        for c in changes
+    ]
+    dev = Router(plan, model.specs).route(cuda)
+    for h, d in zip(host, dev, strict=True):
+        assert [c.slot for c in h] == [c.slot for c in d]
+        for a, b in zip(h, d, strict=True):
+            assert b.new.device.type == "cuda"
+            assert (a.positions is None) == (b.positions is None)
+            if a.positions is not None and b.positions is not None:
+                assert torch.equal(a.positions, b.positions.cpu())
+            assert torch.equal(a.new, b.new.cpu()) and torch.equal(a.old, b.old.cpu())
+    gpu_model = ServedModel(list(model.specs), [d.cuda() for d in model.data])
+    assert rank_model(plan, gpu_model, 2).data[0].device.type == "cuda"

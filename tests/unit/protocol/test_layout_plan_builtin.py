@@ -145,3 +145,12 @@ def test_sglang_names_the_fused_mla_projection_its_way() -> None:
     assert "model.layers.0.self_attn.fused_qkv_a_proj.weight" not in names
     with pytest.raises(PlanError, match="engine 'trt' is not one of vllm, sglang"):
         builtin_plan(cfg, model.specs, 2, engine="trt")
+
+
+def test_padded_vocabulary_not_divisible_refused() -> None:
+    cfg = llama_config(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8, intermediate_size=96)
+    model = ServedModel.from_tensors(canonical(cfg))
+    with pytest.raises(
+        PlanError, match=r"^layout plan: lm_head.weight: padded vocabulary \(512\) does not divide by 3$"
+    ):
+        builtin_plan(cfg, model.specs, 3)
