@@ -67,12 +67,12 @@ def family_of(config: Mapping[str, Any]) -> str:
     )
 
 
-def _cfg_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+def _cfg_int(config: Mapping[str, Any], key: str, default: int | None = None, top: int = 1 << 20) -> int:
     v = config.get(key, default)
     if v is None and default is not None:
         v = default
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 1 << 40:
-        raise PlanError(f"layout plan: config.json {key} is {str(v)[:32]}, not a positive integer")
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= top:
+        raise PlanError(f"layout plan: config.json {key} is {str(v)[:32]}, not an integer 1..{top}")
     return v
 
 
@@ -230,7 +230,7 @@ class _Emit:
         per = _divide(padded, self.tp, f"{name}: padded vocabulary")
         rest = s.shape[1:]
         for r in range(self.tp):
-            self.b.param(r, name, (per, *rest), s.dtype)
+            self.b.param(r, name, (per, *rest), s.dtype, padded=True)
             a, b = r * per, min((r + 1) * per, vocab)
             if a < b:
                 self.b.place(name, r, name, ((a, b), *full_box(rest)), ((0, b - a), *full_box(rest)))

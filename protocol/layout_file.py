@@ -256,7 +256,7 @@ def _apply(
         n = _even(total, world, f"{name} dim {dim}")
         local = tuple(n if k == dim else s for k, s in enumerate(shape))
         for r in range(world):
-            b.param(r, out, local, spec.dtype)
+            b.param(r, out, local, spec.dtype, padded=kind == "vocab")
             a, z = r * n, min((r + 1) * n, size)
             if a < z:
                 b.place(name, r, out, _along(shape, dim, (a, z)), _along(local, dim, (0, z - a)))

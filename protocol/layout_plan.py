@@ -105,6 +105,7 @@ class LayoutPlan:
     pieces: list[Piece]
     ignored: frozenset[str] = frozenset()
     family: str = ""
+    padded: frozenset[tuple[int, str]] = frozenset()  # (rank, param) that may hold padding (vocabulary rows)
     _by_source: dict[str, list[Piece]] | None = field(default=None, repr=False, compare=False)
 
     def rank_specs(self, rank: int) -> list[TensorSpec]:
@@ -145,11 +146,15 @@ class PlanBuilder:
         self.params: list[dict[str, TensorSpec]] = [{} for _ in range(world)]
         self.pieces: list[Piece] = []
         self.ignored: set[str] = set()
+        self.padded: set[tuple[int, str]] = set()
 
-    def param(self, rank: int, name: str, shape: Sequence[int], dtype: str) -> None:
+    def param(self, rank: int, name: str, shape: Sequence[int], dtype: str, *, padded: bool = False) -> None:
+        """Declare a runtime parameter; ``padded``: regions no piece covers are padding (else refused)."""
         if not 0 <= rank < self.world:
             raise PlanError(f"layout plan: {name}: rank {rank} outside a world of {self.world}")
         spec = TensorSpec(name, dtype, tuple(int(n) for n in shape))
+        if padded:
+            self.padded.add((rank, name))
         have = self.params[rank].get(name)
         if have is None:
             if len(spec.shape) > MAX_DIMS or any(n < 0 for n in spec.shape):
@@ -175,7 +180,12 @@ class PlanBuilder:
 
     def build(self) -> LayoutPlan:
         return LayoutPlan(
-            self.world, [dict(p) for p in self.params], list(self.pieces), frozenset(self.ignored), self.family
+            self.world,
+            [dict(p) for p in self.params],
+            list(self.pieces),
+            frozenset(self.ignored),
+            self.family,
+            frozenset(self.padded),
         )
 
 
@@ -210,6 +220,14 @@ def check_plan(plan: LayoutPlan, canonical_specs: Sequence[TensorSpec]) -> None:
     for (rank, param), boxes in sorted(runtime_boxes.items()):
         if len(boxes) > 1 and not _disjoint(plan.params[rank][param].shape, boxes, f"{param} on rank {rank}"):
             raise PlanError(f"layout plan: a region of {param} on rank {rank} is written by two pieces")
+    # disjoint now: pieces adding up to less than the parameter's size leave a hole
+    for rank, params in enumerate(plan.params):
+        for name, pspec in sorted(params.items()):
+            if (rank, name) in plan.padded:
+                continue
+            covered = sum(math.prod(box_extents(b)) for b in runtime_boxes.get((rank, name), ()))
+            if covered < pspec.numel:
+                raise PlanError(f"layout plan: part of {name} on rank {rank} is written by no piece (not padding)")
 
 
 def _check_piece(plan: LayoutPlan, p: Piece, by_name: dict[str, TensorSpec]) -> None:

@@ -126,7 +126,7 @@ def test_maps_a_tensor_the_checkpoint_lacks_refused() -> None:
 
 def test_rank_specs_sorted_and_padding_zero() -> None:
     b = PlanBuilder(1)
-    b.param(0, "z", (6,), BF)
+    b.param(0, "z", (6,), BF, padded=True)
     b.param(0, "m", (1,), BF)
     b.place("a", 0, "z", ((0, 4),), ((1, 5),))
     b.place("s", 0, "m", (), ((0, 1),))
@@ -235,7 +235,7 @@ def nd_plans(draw: st.DrawFn) -> tuple[LayoutPlan, ServedModel]:
         src = (*full_box(shape[:d]), (r * n, (r + 1) * n), *full_box(shape[d + 1 :]))
         dst = (*full_box(local[:d]), (0, 1), (partner, partner + n), *full_box(local[d + 1 :]))
         b.place("a", r, "p", src, dst)
-        b.param(r, "s", (3,), BF)
+        b.param(r, "s", (3,), BF, padded=True)
         b.place("c", r, "s", (), ((r % 3, r % 3 + 1),))
     pshape = list(shape)
     pshape[d] = partner
@@ -363,3 +363,11 @@ def test_routing_on_cuda_matches_host() -> None:
             assert torch.equal(a.new, b.new.cpu()) and torch.equal(a.old, b.old.cpu())
     gpu_model = ServedModel(list(model.specs), [d.cuda() for d in model.data])
     assert rank_model(plan, gpu_model, 2).data[0].device.type == "cuda"
+
+
+def test_hole_outside_padding_refused() -> None:
+    b = PlanBuilder(1)
+    b.param(0, "z", (6,), BF)
+    b.place("a", 0, "z", ((0, 4),), ((1, 5),))
+    with pytest.raises(PlanError, match=r"^layout plan: part of z on rank 0 is written by no piece \(not padding\)$"):
+        b.build().check(_specs(a=(4,)))

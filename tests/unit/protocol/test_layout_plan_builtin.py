@@ -154,3 +154,18 @@ def test_padded_vocabulary_not_divisible_refused() -> None:
         PlanError, match=r"^layout plan: lm_head.weight: padded vocabulary \(512\) does not divide by 3$"
     ):
         builtin_plan(cfg, model.specs, 3)
+
+
+def test_fewer_experts_than_the_config_says_refused() -> None:
+    cfg = qwen3_moe_config()
+    t = {n: x for n, x in canonical(cfg).items() if ".experts.7." not in n}
+    with pytest.raises(
+        PlanError, match=r"part of model.layers.0.mlp.experts.w13_weight on rank 0 is written by no piece"
+    ):
+        builtin_plan(cfg, ServedModel.from_tensors(t).specs, 2)
+
+
+def test_absurd_config_sizes_refused() -> None:
+    cfg = qwen3_moe_config(num_experts=1 << 40)
+    with pytest.raises(PlanError, match=r"config.json num_experts is 1099511627776"):
+        builtin_plan(cfg, ServedModel.from_tensors(canonical(qwen3_moe_config())).specs, 2)
