@@ -351,6 +351,16 @@ def builtin_plan(
     if family in MOE:
         num_experts = _cfg_int(config, "num_experts" if family == "qwen3_moe" else "n_routed_experts")
     layer_prefixes = sorted({m.group(1) for n in names if (m := _LAYER.match(n))})
+    if "num_hidden_layers" in config:
+        # layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction layers: the serving
+        # model skips them (vLLM loads them only for speculative decoding)
+        layers = _cfg_int(config, "num_hidden_layers")
+        for name in names:
+            m = _LAYER.match(name)
+            if m is not None and int(m.group(1).split(".")[2]) >= layers:
+                em.b.ignore(name)
+                em.done.add(name)
+        layer_prefixes = [p for p in layer_prefixes if int(p.split(".")[2]) < layers]
     for prefix in layer_prefixes:
         _attention(em, prefix, family, heads, kv_heads, engine)
         _mlp(em, prefix)

@@ -169,3 +169,15 @@ def test_absurd_config_sizes_refused() -> None:
     cfg = qwen3_moe_config(num_experts=1 << 40)
     with pytest.raises(PlanError, match=r"config.json num_experts is 1099511627776"):
         builtin_plan(cfg, ServedModel.from_tensors(canonical(qwen3_moe_config())).specs, 2)
+
+
+def test_deepseek_mtp_layer_ignored() -> None:
+    cfg = deepseek_config()
+    t = canonical(cfg)
+    extra = canonical({**cfg, "num_hidden_layers": 3}, seed=1)
+    mtp = {n: x for n, x in extra.items() if n.startswith("model.layers.2.")}
+    mtp["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
+    mtp["model.layers.2.enorm.weight"] = torch.zeros(64, dtype=torch.bfloat16)
+    plan = builtin_plan(cfg, ServedModel.from_tensors({**t, **mtp}).specs, 2)
+    assert set(mtp) <= plan.ignored
+    assert not any(s.name.startswith("model.layers.2.") for s in plan.rank_specs(0))
