@@ -12,7 +12,7 @@ import torch
 from patchswarm.protocol.errors import PlanError
 from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.layout_plan import rank_model
-from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.served import ServedModel, TensorSpec
 from tests.support.layout_models import canonical, expected_rank, llama_config, qwen3_moe_config
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -149,3 +149,68 @@ def test_fp8_blocks_that_do_not_divide_refused() -> None:
     model = ServedModel.from_tensors(_fp8(cfg, block=True))
     with pytest.raises(PlanError, match=r"self_attn.q_proj: 64 rows per rank do not fill 128-row blocks"):
         builtin_plan(cfg, model.specs, 4)
+
+
+def _deepseek_v3_specs(layers: int) -> list[TensorSpec]:
+    """DeepSeek-V3's real shapes (block fp8), first layer dense, the rest MoE; specs only, no bytes."""
+    cd = lambda n: -(-n // 128)  # noqa: E731
+    h, nh, ql, kl, rope, nope, vd, inter, mi, ne, vocab = 7168, 128, 1536, 512, 64, 128, 128, 18432, 2048, 256, 129280
+    out: list[TensorSpec] = []
+
+    def lin(name: str, rows: int, cols: int) -> None:
+        out.append(TensorSpec(name + ".weight", "F8_E4M3", (rows, cols)))
+        out.append(TensorSpec(name + ".weight_scale_inv", "F32", (cd(rows), cd(cols))))
+
+    out += [
+        TensorSpec("model.embed_tokens.weight", "BF16", (vocab, h)),
+        TensorSpec("lm_head.weight", "BF16", (vocab, h)),
+    ]
+    out.append(TensorSpec("model.norm.weight", "BF16", (h,)))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n, size in [("input_layernorm", h), ("post_attention_layernorm", h)]:
+            out.append(TensorSpec(f"{p}{n}.weight", "BF16", (size,)))
+        for n, size in [("q_a_layernorm", ql), ("kv_a_layernorm", kl)]:
+            out.append(TensorSpec(f"{p}self_attn.{n}.weight", "BF16", (size,)))
+        lin(p + "self_attn.q_a_proj", ql, h)
+        lin(p + "self_attn.q_b_proj", nh * (nope + rope), ql)
+        lin(p + "self_attn.kv_a_proj_with_mqa", kl + rope, h)
+        lin(p + "self_attn.kv_b_proj", nh * (nope + vd), kl)
+        lin(p + "self_attn.o_proj", h, nh * vd)
+        if i == 0:
+            for n in ("gate_proj", "up_proj"):
+                lin(f"{p}mlp.{n}", inter, h)
+            lin(p + "mlp.down_proj", h, inter)
+            continue
+        out.append(TensorSpec(p + "mlp.gate.weight", "BF16", (ne, h)))
+        out.append(TensorSpec(p + "mlp.gate.e_score_correction_bias", "F32", (ne,)))
+        for m in ("shared_experts", *(f"experts.{e}" for e in range(ne))):
+            lin(f"{p}mlp.{m}.gate_proj", mi, h)
+            lin(f"{p}mlp.{m}.up_proj", mi, h)
+            lin(f"{p}mlp.{m}.down_proj", h, mi)
+    return sorted(out, key=lambda s: s.name)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_deepseek_v3_real_shapes_at_tp8(ep: bool) -> None:
+    cfg = {"model_type": "deepseek_v3", "num_attention_heads": 128, "num_key_value_heads": 128}
+    cfg |= {"n_routed_experts": 256, "num_hidden_layers": 2}
+    plan = builtin_plan(cfg, _deepseek_v3_specs(2), 8, expert_parallel=ep)
+    shapes = {s.name: (s.dtype, list(s.shape)) for s in plan.rank_specs(5)}
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    # vLLM: fused_qkv_a_proj replicated (1536 + 576 rows, scales 12 + 5 blocks), q_b / kv_b by heads
+    assert shapes[a + "fused_qkv_a_proj.weight"] == ("F8_E4M3", [2112, 7168])
+    assert shapes[a + "fused_qkv_a_proj.weight_scale_inv"] == ("F32", [17, 56])
+    assert shapes[a + "q_b_proj.weight"] == ("F8_E4M3", [3072, 1536])
+    assert shapes[a + "kv_b_proj.weight_scale_inv"] == ("F32", [32, 4])
+    assert shapes[a + "o_proj.weight_scale_inv"] == ("F32", [56, 16])
+    assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == ("F8_E4M3", [4608, 7168])
+    assert shapes[m + "shared_experts.gate_up_proj.weight_scale_inv"] == ("F32", [4, 56])
+    assert shapes["lm_head.weight"] == ("BF16", [16160, 7168])
+    if ep:
+        assert shapes[m + "experts.w13_weight"] == ("F8_E4M3", [32, 4096, 7168])
+        assert shapes[m + "experts.w2_weight_scale_inv"] == ("F32", [32, 56, 16])
+    else:
+        assert shapes[m + "experts.w13_weight"] == ("F8_E4M3", [256, 512, 7168])
+        assert shapes[m + "experts.w13_weight_scale_inv"] == ("F32", [256, 4, 56])
+        assert shapes[m + "experts.w2_weight_scale_inv"] == ("F32", [256, 56, 2])
