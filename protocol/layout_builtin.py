@@ -349,7 +349,9 @@ def builtin_plan(
     names = [s.name for s in canonical_specs]
     num_experts = 0
     if family in MOE:
-        num_experts = _cfg_int(config, "num_experts" if family == "qwen3_moe" else "n_routed_experts")
+        # Qwen3-MoE says num_experts (transformers 5 writes num_local_experts), DeepSeek n_routed_experts
+        key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), "num_experts")
+        num_experts = _cfg_int(config, key)
     layer_prefixes = sorted({m.group(1) for n in names if (m := _LAYER.match(n))})
     if "num_hidden_layers" in config:
         # layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction layers: the serving
