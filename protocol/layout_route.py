@@ -152,8 +152,8 @@ def _coords(positions: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tenso
 
 
 def _sparse(spec: TensorSpec, r: _Route, ch: SlotChange) -> SlotChange | None:
-    pos = ch.positions
-    assert pos is not None
+    assert ch.positions is not None
+    pos = ch.positions if ch.positions.dtype == torch.int64 else ch.positions.long()
     if r.src_full and r.dst_full:
         return SlotChange(r.slot, pos, ch.new, ch.old)
     if r.src_contiguous:
