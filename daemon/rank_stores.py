@@ -1,0 +1,391 @@
+"""Rank stores: one daemon feeding N weight stores, one per tensor-parallel rank (docs/weightstore.md section 10).
+
+The daemon keeps one canonical host shadow (Hugging Face tensor names); a layout plan maps it to
+each rank's runtime parameters (protocol/layout_plan.py).  Every rank store is a ``WeightStore``
+holding only its rank's parameters.  A version is applied to the ranks as one activation:
+
+1. the canonical sparse updates are routed to ranks (slot, positions, new, old) and every rank
+   stages them on its device, before any fence moves;
+2. one journal (daemon/journal.py format 2) holding every rank's writes is written and fsynced;
+3. rank by rank: fence odd, scatter, gather-compare, publish that rank's version (each rank
+   writes inside its own fence; an engine's rank k observes only rank k's fence);
+4. the journal is removed.  The host's version (status, the sidecar gate, /v1/wait) moves only
+   once every rank holds the version.
+
+A kill -9 anywhere leaves a journal that ``journal.recover_ranks`` rolls forward on every rank (or
+back on every rank), so after a restart all ranks hold one version.  Store names: ``<store.name>``
+for one rank (existing deployments keep their store), ``<store.name>.r<k>`` for N > 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from patchswarm.daemon import journal
+from patchswarm.daemon.engine import SHM_DIR, SharedSegment
+from patchswarm.daemon.store_format import (
+    KIND_ENGINE_BUFFER,
+    KIND_HOST,
+    JournalError,
+    StoreError,
+    StoreLayout,
+    StoreMissingError,
+    StoreState,
+    StoreTooSmallError,
+    StoreVerifyError,
+    TensorUpdate,
+)
+from patchswarm.daemon.weightstore import WeightStore
+from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
+
+log = logging.getLogger("patchswarm.store")
+
+
+class PlanRefused(StoreError):
+    """The layout plan does not fit the model (or store.ranks); nothing was written."""
+
+
+class Sharder(Protocol):
+    """What the daemon needs of a layout plan: the rank layouts, each rank's model, and routing of
+    canonical sparse updates to (rank slot, positions, new, old)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def check(self, canonical: list[TensorSpec]) -> None:
+        """Raise ValueError (one line) if the plan cannot serve a model of these tensors."""
+
+    def rank_specs(self, rank: int) -> list[TensorSpec]: ...
+
+    def rank_model(self, model: ServedModel, rank: int) -> ServedModel: ...
+
+    def route(self, updates: list[TensorUpdate]) -> list[list[TensorUpdate]]:
+        """Canonical updates (slot = canonical tensor index) -> per rank, updates of its slots."""
+
+
+def rank_store_names(base: str, ranks: int) -> list[str]:
+    """``base`` for one rank (an existing deployment keeps its store), ``base.r<k>`` otherwise."""
+    return [base] if ranks == 1 else [f"{base}.r{k}" for k in range(ranks)]
+
+
+def merge_slot_updates(updates: list[TensorUpdate], specs: list[TensorSpec]) -> list[TensorUpdate]:
+    """One update per slot (several canonical tensors fused into one runtime parameter route to
+    one slot; a store takes each slot once).  Dense parts become explicit positions when merged."""
+    by_slot: dict[int, list[TensorUpdate]] = {}
+    for u in updates:
+        by_slot.setdefault(u.slot, []).append(u)
+    out = []
+    for slot in sorted(by_slot):
+        parts = by_slot[slot]
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        pos = [
+            torch.arange(specs[slot].numel, dtype=torch.int64) if u.positions is None else u.positions for u in parts
+        ]
+        out.append(
+            TensorUpdate(slot, torch.cat(pos), torch.cat([u.new for u in parts]), torch.cat([u.old for u in parts]))
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RanksApplied:
+    pause_s: float  # the longest single rank's fence odd -> even
+    total_pause_s: float  # first fence odd -> last fence even (ranks are written one after another)
+    journal_s: float
+    journal_bytes: int
+    changed: int
+
+
+def _kill_at(point: str) -> Callable[[str], None]:
+    def fault(reached: str) -> None:
+        if reached == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return fault
+
+
+def _no_fault(point: str) -> None:
+    pass
+
+
+class RankStores:
+    """The daemon's N rank stores (``stores[k]`` is None until created); the caller serialises calls."""
+
+    def __init__(
+        self, base_name: str, ranks: int, journal_dir: Path, *, engine_kind: bool, group: str = "", capacity: int = 0
+    ) -> None:
+        self.journal_dir = journal_dir
+        self.names = rank_store_names(base_name, ranks)
+        self.engine_kind = engine_kind
+        self.group = group
+        self.capacity = capacity  # store.size, per rank store (0: exactly the rank's parameters)
+        self.stores: list[WeightStore | None] = [None] * ranks
+        self.sharder: Sharder | None = None
+        self.roots: list[bytes | None] = [None] * ranks  # each rank's root of the version the host holds
+        # Crash tests: called at "journal_tmp", "journaled", "between_ranks", "all_flipped"; store
+        # points are "rank<k>:<point>" (odd, mid_write, written, flipped, loading).
+        self.fault: Callable[[str], None] = _no_fault
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def arm_faults(self, point: str | None) -> None:
+        """Crash tests only: SIGKILL this process when an activation reaches ``point``."""
+        if not point:
+            return
+        self.fault = _kill_at(point)
+
+    # ------------------------------------------------------------ start-up
+
+    def open_existing(self) -> None:
+        """Re-attach to the rank stores a previous daemon left (engine buffers re-imported if alive)."""
+        want = KIND_ENGINE_BUFFER if self.engine_kind else KIND_HOST
+        for k, name in enumerate(self.names):
+            try:
+                store = WeightStore.open(name)
+            except StoreMissingError:
+                continue
+            except StoreError as e:
+                raise StoreError(f"rank {k} store {name}: {e}") from None
+            if store.kind != want:
+                store.close()
+                what = "an engine-buffer" if store.kind == KIND_ENGINE_BUFFER else "a host shared-memory"
+                raise StoreError(
+                    f"store.kind: {name} (rank {k}) is {what} store of another store.kind: "
+                    "stop its engine and remove the store, or change store.name"
+                )
+            self.stores[k] = store
+
+    def recover(self) -> int | None:
+        """Finish or undo a journaled activation on every rank and verify what each holds.
+
+        Returns the version every rank holds (verified), or None when a load is needed first.
+        A rank whose engine is gone, or missing, cannot take part: the others are then reloaded
+        too (a journal cannot be finished on part of the ranks)."""
+        present = [s for s in self.stores if s is not None and s.data is not None]
+        if len(present) != len(self):
+            for s in present:
+                s.mark_failed()
+            journal.remove_journal(self.journal_dir)
+            return None
+        try:
+            journal.recover_ranks(present, self.journal_dir)
+        except StoreError as e:
+            log.error("rank store recovery failed: %s; every rank will be reloaded", e)
+            for s in present:
+                s.mark_failed()
+            journal.remove_journal(self.journal_dir)
+            return None
+        return self.common_version()
+
+    def common_version(self) -> int | None:
+        """The version every rank store holds (READY, fence closed), or None."""
+        versions = set()
+        for s in self.stores:
+            if s is None or s.data is None:
+                return None
+            h = s.header()
+            if h.state != StoreState.READY or not h.stable:
+                return None
+            versions.add(h.version)
+        return versions.pop() if len(versions) == 1 else None
+
+    # ------------------------------------------------------------ layouts
+
+    def prepare(self, sharder: Sharder, canonical: list[TensorSpec]) -> None:
+        """Check the plan against the model, then make every rank store exist with its rank's layout.
+
+        Everything is checked before any store is created or written: a bad plan, a world size that
+        is not store.ranks, or a rank larger than store.size is refused (PlanRefused/StoreTooSmallError)
+        with nothing touched.  An existing host store laid out for another plan or world size is
+        recreated (one log line); an engine store is refused (its engine allocated for that layout).
+        """
+        if sharder.world_size != len(self):
+            raise PlanRefused(f"store.plan: the plan is for {sharder.world_size} ranks, store.ranks is {len(self)}")
+        try:
+            sharder.check(canonical)
+        except ValueError as e:
+            raise PlanRefused(f"store.plan: {e}") from None
+        layouts = [StoreLayout.from_specs(sharder.rank_specs(k)) for k in range(len(self))]
+        for lay in layouts:
+            if self.capacity and lay.nbytes > self.capacity:
+                raise StoreTooSmallError(lay.nbytes, self.capacity)
+        stale = [k for k, s in enumerate(self.stores) if s is not None and s.layout.specs != layouts[k].specs]
+        if stale and self.engine_kind:
+            k = stale[0]
+            raise StoreError(
+                f"store.name: {self.names[k]} (rank {k}) is laid out for another plan or world size: stop its "
+                "engine and remove the store, or change store.name"
+            )
+        for k in stale:
+            old = self.stores[k]
+            assert old is not None
+            log.warning(
+                "rank store %s (rank %d) was laid out for another plan or world size (%d tensors, %d bytes; "
+                "this plan: %d tensors, %d bytes): recreated",
+                self.names[k], k, len(old.layout.slots), old.layout.nbytes, len(layouts[k].slots), layouts[k].nbytes,
+            )  # fmt: skip
+            old.destroy()
+            self.stores[k] = None
+            self.roots[k] = None
+        for k, lay in enumerate(layouts):
+            if self.stores[k] is None:
+                # (open_existing found no store by this name, or a segment whose creation never finished)
+                SharedSegment.path_for(self.names[k], SHM_DIR).unlink(missing_ok=True)
+                cap = None if self.engine_kind or not self.capacity else self.capacity
+                self.stores[k] = WeightStore.create(
+                    self.names[k], lay, capacity=cap, engine_buffer=self.engine_kind, group=self.group
+                )
+        self.sharder = sharder
+
+    def store(self, rank: int) -> WeightStore | None:
+        return self.stores[rank]
+
+    # ------------------------------------------------------------ writing
+
+    def apply(self, version: int, model: ServedModel, updates: list[TensorUpdate] | None) -> RanksApplied | None:
+        """Make every rank that has a buffer hold ``version`` (canonical ``model``).
+
+        Ranks READY at the version the host held take ``updates`` (canonical sparse updates, shadow
+        -> model) in place under one journal; the others (EMPTY, FAILED, never loaded) are loaded
+        whole.  ``updates`` None: every rank is loaded whole unless it holds the version already.
+        Returns the in-place activation's figures, or None when there was none.
+        """
+        sharder = self.sharder
+        assert sharder is not None, "prepare first"
+        roots: list[bytes] = []
+        incremental: list[int] = []
+        loads: dict[int, ServedModel] = {}  # (only the ranks loaded whole keep their model)
+        for k, s in enumerate(self.stores):
+            m = sharder.rank_model(model, k)
+            roots.append(m.root())
+            if s is None or s.data is None:
+                continue  # an engine rank not registered yet: loaded when it registers
+            h = s.header()
+            ready = h.state == StoreState.READY and h.stable
+            if ready and h.version == version and h.root == roots[k]:
+                continue  # holds it already (verified at start-up, or activated earlier)
+            if updates is not None and ready and self.roots[k] == h.root:
+                incremental.append(k)
+            else:
+                loads[k] = m
+        stats = self._activate(incremental, version, roots, updates or []) if incremental else None
+        for k, m in loads.items():
+            self._load(k, m, version, roots[k])
+        self.roots = list[bytes | None](roots)
+        return stats
+
+    def _load(self, k: int, m: ServedModel, version: int, root: bytes) -> None:
+        s = self._rank(k)
+        s.fault = self._rank_fault(k)
+        s.load(m, version, root)
+        log.info("rank %d store %s loaded version %s", k, self.names[k], version, extra={"version": version})
+
+    def _rank(self, k: int) -> WeightStore:
+        s = self.stores[k]
+        if s is None:
+            raise StoreError(f"rank {k} store {self.names[k]} does not exist yet")
+        return s
+
+    def _activate(
+        self, ranks: list[int], version: int, roots: list[bytes], updates: list[TensorUpdate]
+    ) -> RanksApplied:
+        sharder = self.sharder
+        assert sharder is not None
+        routed = sharder.route(updates)
+        stores = {k: self._rank(k) for k in ranks}
+        per_rank = {k: merge_slot_updates(routed[k], stores[k].layout.specs) for k in ranks}
+        bases = {k: stores[k].header() for k in ranks}
+        # Every rank stages (moves its updates to its device) before any fence goes odd.
+        staged = {k: stores[k].stage(per_rank[k]) for k in ranks}
+        for k in ranks:
+            stores[k].fault = self._rank_fault(k)
+        # One journal for every rank taking part (all ranks, unless an engine rank is being reloaded).
+        entries = [
+            journal.Journal(stores[k].layout.layout_hash, (b.version, b.root), (version, roots[k]), per_rank[k])
+            for k, b in bases.items()
+        ]
+        t0 = time.perf_counter()
+        jbytes = journal.write_rank_journal(self.journal_dir, entries, fault=self.fault)
+        t1 = time.perf_counter()
+        self.fault("journaled")
+        longest = 0.0
+        try:
+            for i, k in enumerate(ranks):
+                a = time.perf_counter()
+                stores[k].write_fenced(bases[k], version, roots[k], staged[k])
+                longest = max(longest, time.perf_counter() - a)
+                if i == 0 and len(ranks) > 1:
+                    self.fault("between_ranks")
+        except StoreVerifyError as e:
+            # That rank restored its base; bring every rank to one version (forward if the others
+            # verify, else back) from the journal, still on disk.
+            log.error("rank activation of version %s failed: %s; recovering every rank from the journal", version, e)
+            journal.recover_ranks([stores[k] for k in ranks], self.journal_dir)
+            raise
+        t2 = time.perf_counter()
+        self.fault("all_flipped")
+        with contextlib.suppress(JournalError):  # a journal left behind only re-applies what the ranks hold
+            journal.remove_journal(self.journal_dir)
+        changed = sum(u.count for st in staged.values() for u in st)
+        return RanksApplied(longest, t2 - t1, t1 - t0, jbytes, changed)
+
+    def _rank_fault(self, k: int) -> Callable[[str], None]:
+        return lambda point: self.fault(f"rank{k}:{point}")
+
+    def load_rank(self, k: int, version: int, model: ServedModel) -> None:
+        """Load one rank (an engine buffer just registered) with the version the host holds."""
+        sharder = self.sharder
+        assert sharder is not None
+        m = sharder.rank_model(model, k)
+        root = m.root()
+        self._load(k, m, version, root)
+        self.roots[k] = root
+
+    # ------------------------------------------------------------ reporting
+
+    def entries(self) -> list[dict[str, Any]]:
+        """status.ranks: each rank's store, version, state root and state."""
+        out = []
+        for k, (name, s) in enumerate(zip(self.names, self.stores, strict=True)):
+            if s is None:
+                out.append({"rank": k, "store": name, "version": None, "root": None, "state": "absent"})
+                continue
+            h = s.header()
+            ready = h.state == StoreState.READY and h.stable and (s.data is not None)
+            state = h.state.name.lower() if s.data is not None or not self.engine_kind else "waiting_for_buffer"
+            out.append(
+                {
+                    "rank": k,
+                    "store": name,
+                    "version": h.version if ready else None,
+                    "root": h.root.hex() if ready else None,
+                    "state": state,
+                }
+            )
+        return out
+
+    def rank_roots(self) -> list[bytes]:
+        """Each rank's state root computed where its weights live (store.digests on its device)."""
+        out = []
+        for s in self.stores:
+            assert s is not None
+            out.append(state_root(s.layout.specs, s.digests()))
+        return out
+
+    def close(self) -> None:
+        for s in self.stores:
+            if s is not None:
+                s.close()
