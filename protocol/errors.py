@@ -105,3 +105,8 @@ class PublisherBehindError(PatchswarmError):
 
 class MissingError(PatchswarmError):
     """A file the head or a manifest names is not on the board (or no source has it)."""
+
+
+class PlanError(PatchswarmError):
+    """A layout plan that cannot be applied: a tensor unmapped, regions that overlap or leave a hole,
+    sizes that do not divide, a plan file that is malformed.  One line, raised before anything is written."""

@@ -1,0 +1,206 @@
+"""Routing a version's changes from canonical tensors to the ranks' runtime parameters.
+
+A change to a canonical tensor (sparse: flat positions ascending with new and old words; dense: the
+whole tensor) becomes, for every rank holding a piece of it, a change to one runtime parameter at the
+positions of the same elements there.  Everything is vectorized torch on the changes' own device: per
+piece a few whole-tensor operations (a binary search where the piece is one flat run of the canonical
+tensor, a mask over the changed positions' coordinates otherwise), never a loop over elements.  A
+replicated piece (a norm, a kv head shared by several ranks) yields a change on every rank that holds it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from patchswarm.protocol.errors import PlanError
+from patchswarm.protocol.layout_plan import (
+    LayoutPlan,
+    Piece,
+    box_contiguous,
+    box_extents,
+    box_flat_start,
+    box_is_full,
+    strides_of,
+)
+from patchswarm.protocol.served import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SlotChange:
+    """New values for one tensor: at flat ``positions`` (int64, ascending), or the whole tensor when
+    ``positions`` is None.  ``new`` and ``old`` are words (``served.word_view`` dtype), absolute values.
+
+    For canonical changes ``slot`` indexes the canonical specs; for rank changes, that rank's
+    ``rank_specs``.  (The daemon's ``store_format.TensorUpdate`` has the same fields.)"""
+
+    slot: int
+    positions: torch.Tensor | None
+    new: torch.Tensor
+    old: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """One piece, with what routing needs precomputed (all Python ints)."""
+
+    rank: int
+    slot: int
+    src: tuple[tuple[int, int], ...]
+    src_flat: int  # flat start of the source box (when contiguous)
+    src_contiguous: bool
+    src_full: bool
+    dst_base: int  # flat position of the runtime box's first element
+    dst_extents: tuple[int, ...]
+    dst_shape: tuple[int, ...]
+    dst_full: bool
+    dst_contiguous: bool
+    # per source dim: the runtime stride its coordinate moves by (0 for a dim of extent 1)
+    dst_stride_of_src_dim: tuple[int, ...]
+
+
+class Router:
+    """Routes canonical changes to ranks for one (checked) plan and one canonical layout."""
+
+    def __init__(self, plan: LayoutPlan, canonical_specs: Sequence[TensorSpec]) -> None:
+        self.plan = plan
+        self.specs = list(canonical_specs)
+        self.slots = [{s.name: i for i, s in enumerate(plan.rank_specs(r))} for r in range(plan.world)]
+        self.routes: list[list[_Route]] = [[self._compile(s, p) for p in plan.pieces_of(s.name)] for s in self.specs]
+
+    def _compile(self, spec: TensorSpec, p: Piece) -> _Route:
+        pshape = self.plan.params[p.rank][p.param].shape
+        dstrides = strides_of(pshape)
+        src_ext = box_extents(p.src)
+        dst_ext = box_extents(p.dst)
+        dst_dims = [k for k, e in enumerate(dst_ext) if e != 1]
+        pairs: list[int] = []
+        j = 0
+        for e in src_ext:
+            if e == 1:
+                pairs.append(0)
+            else:
+                pairs.append(dstrides[dst_dims[j]])
+                j += 1
+        return _Route(
+            rank=p.rank,
+            slot=self.slots[p.rank][p.param],
+            src=p.src,
+            src_flat=box_flat_start(p.src, spec.shape),
+            src_contiguous=box_contiguous(p.src, spec.shape),
+            src_full=box_is_full(p.src, spec.shape),
+            dst_base=box_flat_start(p.dst, pshape),
+            dst_extents=dst_ext,
+            dst_shape=pshape,
+            dst_full=box_is_full(p.dst, pshape),
+            dst_contiguous=box_contiguous(p.dst, pshape),
+            dst_stride_of_src_dim=tuple(pairs),
+        )
+
+    def route(self, changes: Sequence[SlotChange]) -> list[list[SlotChange]]:
+        """Per rank, the changes to its runtime parameters, one per slot, sorted by slot, positions ascending."""
+        parts: dict[tuple[int, int], list[SlotChange]] = defaultdict(list)
+        seen: set[int] = set()
+        for ch in changes:
+            if not 0 <= ch.slot < len(self.specs):
+                raise PlanError(f"layout route: canonical slot {ch.slot} outside {len(self.specs)} tensors")
+            if ch.slot in seen:
+                raise PlanError(f"layout route: two changes for {self.specs[ch.slot].name}")
+            seen.add(ch.slot)
+            spec = self.specs[ch.slot]
+            for r in self.routes[ch.slot]:
+                part = _dense(spec, r, ch) if ch.positions is None else _sparse(spec, r, ch)
+                if part is not None:
+                    parts[(r.rank, r.slot)].append(part)
+        out: list[list[SlotChange]] = [[] for _ in range(self.plan.world)]
+        for (rank, slot), ps in sorted(parts.items()):
+            out[rank].append(_merge(slot, ps))
+        return out
+
+
+def route_changes(
+    plan: LayoutPlan, canonical_specs: Sequence[TensorSpec], changes: Sequence[SlotChange]
+) -> list[list[SlotChange]]:
+    return Router(plan, canonical_specs).route(changes)
+
+
+def _coords(positions: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    out = []
+    for n, s in zip(shape, strides_of(shape), strict=True):
+        out.append(torch.div(positions, s, rounding_mode="floor") % n if n > 1 else torch.zeros_like(positions))
+    return out
+
+
+def _sparse(spec: TensorSpec, r: _Route, ch: SlotChange) -> SlotChange | None:
+    pos = ch.positions
+    assert pos is not None
+    if r.src_full and r.dst_full:
+        return SlotChange(r.slot, pos, ch.new, ch.old)
+    if r.src_contiguous:
+        numel = 1
+        for a, b in r.src:
+            numel *= b - a
+        bounds = torch.tensor([r.src_flat, r.src_flat + numel], dtype=pos.dtype, device=pos.device)
+        lo, hi = (int(x) for x in torch.searchsorted(pos, bounds).tolist())
+        if lo == hi:
+            return None
+        sel = pos[lo:hi]
+        new, old = ch.new[lo:hi], ch.old[lo:hi]
+        if r.dst_contiguous:
+            return SlotChange(r.slot, sel - r.src_flat + r.dst_base, new, old)
+        coords = _coords(sel, spec.shape)
+        chosen = sel
+    else:
+        coords = _coords(pos, spec.shape)
+        mask = torch.ones_like(pos, dtype=torch.bool)
+        for c, (a, b), n in zip(coords, r.src, spec.shape, strict=True):
+            if (a, b) != (0, n):
+                mask &= (c >= a) & (c < b)
+        idx = mask.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return None
+        coords = [c[idx] for c in coords]
+        new, old = ch.new[idx], ch.old[idx]
+        chosen = pos[idx]
+    dst = torch.full_like(chosen, r.dst_base)
+    for c, (a, _), stride in zip(coords, r.src, r.dst_stride_of_src_dim, strict=True):
+        if stride:
+            dst += (c - a) * stride
+    return SlotChange(r.slot, dst, new, old)
+
+
+def _dense(spec: TensorSpec, r: _Route, ch: SlotChange) -> SlotChange:
+    box = tuple(slice(a, b) for a, b in r.src)
+    new = ch.new.reshape(spec.shape)[box].reshape(-1)
+    old = ch.old.reshape(spec.shape)[box].reshape(-1)
+    if r.dst_full:
+        return SlotChange(r.slot, None, new, old)
+    device = ch.new.device
+    if r.dst_contiguous:
+        pos = torch.arange(r.dst_base, r.dst_base + new.numel(), dtype=torch.int64, device=device)
+        return SlotChange(r.slot, pos, new, old)
+    strides = strides_of(r.dst_shape)
+    pos = torch.full((), r.dst_base, dtype=torch.int64, device=device)
+    for k, (e, s) in enumerate(zip(r.dst_extents, strides, strict=True)):
+        view = [1] * len(r.dst_extents)
+        view[k] = e
+        pos = pos + (torch.arange(e, dtype=torch.int64, device=device) * s).reshape(view)
+    return SlotChange(r.slot, pos.reshape(-1), new, old)
+
+
+def _merge(slot: int, parts: list[SlotChange]) -> SlotChange:
+    if len(parts) == 1:
+        return parts[0]
+    if any(p.positions is None for p in parts):
+        raise PlanError("layout route: a whole-parameter change meets another change of the same parameter")
+    parts.sort(key=lambda p: int(p.positions[0]) if p.positions is not None else 0)
+    pos = torch.cat([p.positions for p in parts if p.positions is not None])
+    new = torch.cat([p.new for p in parts])
+    old = torch.cat([p.old for p in parts])
+    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        order = torch.argsort(pos)
+        pos, new, old = pos[order], new[order], old[order]
+    return SlotChange(slot, pos, new, old)
