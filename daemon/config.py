@@ -218,6 +218,22 @@ def parse_device(v: Any) -> str:
     raise ValueError(f"expected '', 'cpu', 'cuda:N' or 'GPU-<uuid>', got {v!r}")
 
 
+def parse_devices(v: Any) -> list[str]:
+    if isinstance(v, str):
+        v = [x for x in v.split(",") if x.strip()]
+    if not isinstance(v, list) or len(v) > 256:
+        raise ValueError("expected a list of devices (cuda:N or GPU-<uuid>), at most 256")
+    return [parse_device(x) for x in v]
+
+
+def parse_plan(v: Any) -> str:
+    """none, auto, a family name, or a plan file's path (read and checked when the daemon starts)."""
+    s = parse_str(v).strip()
+    if not s or len(s) > 4096 or "\0" in s:
+        raise ValueError(f"expected none, auto, a plan family or a plan file's path, got {v!r}")
+    return s
+
+
 def choice(*options: str) -> Callable[[Any], str]:
     def parse(v: Any) -> str:
         if v not in options:
@@ -353,6 +369,32 @@ SCHEMA: list[Key] = [
         0,
         "Capacity in bytes ('16GiB'); 0 = exactly the model. A model larger than this is refused (engine stores: "
         "the engine's buffer must hold the model; registering a smaller one gets 422 BufferTooSmall).",
+    ),
+    Key(
+        "store",
+        "ranks",
+        count_in(1, 256),
+        1,
+        "Rank stores this daemon feeds (tensor-parallel ranks on this host), each holding only its rank's part "
+        "of the model, named <store.name>.r<k> when more than 1 (store.size then applies to each). More than 1 "
+        "needs store.plan.",
+    ),
+    Key(
+        "store",
+        "plan",
+        parse_plan,
+        "none",
+        "Layout plan mapping the model's tensors to each rank's runtime parameters: none (one store holding the "
+        "model as published), auto (the built-in plan for the architecture in the board's config.json), a "
+        "built-in family name, or the path of a plan file (docs/models.md).",
+    ),
+    Key(
+        "store",
+        "devices",
+        parse_devices,
+        [],
+        "store.kind cuda with store.ranks > 1: the GPU of each rank's buffer, one per rank (cuda:N or GPU-<uuid>); "
+        "empty = any GPU. Ignored by shm and engine-shm stores.",
     ),
     Key("api", "socket", parse_str, "/run/patchswarm/api.sock", "Unix socket of the local HTTP API."),
     Key("api", "group", parse_str, "", "Group owning the socket (mode 0660); empty = the daemon's group."),
@@ -545,7 +587,27 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
             values[key.path] = key.parse(value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
+    _check_ranks(values)
     return DaemonConfig(values, source, tuple(unknown_env(env)))
+
+
+def _check_ranks(values: Mapping[str, Any]) -> None:
+    """store.ranks, store.plan and store.devices together (one line naming the key at fault)."""
+    ranks, plan, devices = values["store.ranks"], values["store.plan"], values["store.devices"]
+    if ranks > 1 and plan == "none":
+        raise ConfigError(
+            f"store.plan: store.ranks = {ranks} needs a layout plan (auto, a built-in family or a plan file)"
+        )
+    if values["store.kind"] != "cuda":
+        return  # (store.devices is ignored: shm buffers have no device)
+    if devices and len(devices) != ranks:
+        raise ConfigError(f"store.devices: {len(devices)} device(s) for store.ranks = {ranks}: give one per rank")
+    if devices and values["store.device"]:
+        raise ConfigError("store.device: set store.devices (one per rank) or store.device, not both")
+    if ranks > 1 and values["store.device"]:
+        raise ConfigError(f"store.device: one GPU for store.ranks = {ranks}: use store.devices, one per rank")
+    if any(d == "cpu" for d in devices):
+        raise ConfigError("store.devices: 'cpu' is not a GPU for store.kind 'cuda'")
 
 
 def reference_markdown() -> str:

@@ -20,6 +20,7 @@ for one rank (existing deployments keep their store), ``<store.name>.r<k>`` for 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,9 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from patchswarm.daemon import journal
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
@@ -46,6 +45,10 @@ from patchswarm.daemon.store_format import (
     TensorUpdate,
 )
 from patchswarm.daemon.weightstore import WeightStore
+from patchswarm.protocol.errors import PlanError
+from patchswarm.protocol.layout_builtin import builtin_plan
+from patchswarm.protocol.layout_plan import LayoutPlan, rank_model
+from patchswarm.protocol.layout_route import Router, SlotChange
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
 
 log = logging.getLogger("patchswarm.store")
@@ -55,48 +58,30 @@ class PlanRefused(StoreError):
     """The layout plan does not fit the model (or store.ranks); nothing was written."""
 
 
-class Sharder(Protocol):
-    """What the daemon needs of a layout plan: the rank layouts, each rank's model, and routing of
-    canonical sparse updates to (rank slot, positions, new, old)."""
-
-    @property
-    def world_size(self) -> int: ...
-
-    def check(self, canonical: list[TensorSpec]) -> None:
-        """Raise ValueError (one line) if the plan cannot serve a model of these tensors."""
-
-    def rank_specs(self, rank: int) -> list[TensorSpec]: ...
-
-    def rank_model(self, model: ServedModel, rank: int) -> ServedModel: ...
-
-    def route(self, updates: list[TensorUpdate]) -> list[list[TensorUpdate]]:
-        """Canonical updates (slot = canonical tensor index) -> per rank, updates of its slots."""
+def resolve_plan(setting: str, ranks: int, canonical: list[TensorSpec], metadata: dict[str, str]) -> LayoutPlan:
+    """store.plan as a LayoutPlan for this model: auto (the family config.json names) or a family name,
+    from the board's config.json (manifest metadata ``checkpoint.files``).  PlanRefused: one line."""
+    files = metadata.get("checkpoint.files")
+    try:
+        config = json.loads(json.loads(files)["config.json"]) if files else None
+    except (ValueError, KeyError, TypeError) as e:
+        raise PlanRefused(f"store.plan: the board's config.json (checkpoint.files) is unreadable: {e}") from None
+    if not isinstance(config, dict):
+        raise PlanRefused(
+            f"store.plan: {setting!r} needs the model's config.json, which this run's manifests do not carry "
+            "(publish from a Hugging Face checkpoint directory)"
+        )
+    if setting != "auto":
+        config = {**config, "model_type": setting}
+    try:
+        return builtin_plan(config, canonical, ranks)
+    except (PlanError, ValueError) as e:
+        raise PlanRefused(f"store.plan: {e}") from None
 
 
 def rank_store_names(base: str, ranks: int) -> list[str]:
     """``base`` for one rank (an existing deployment keeps its store), ``base.r<k>`` otherwise."""
     return [base] if ranks == 1 else [f"{base}.r{k}" for k in range(ranks)]
-
-
-def merge_slot_updates(updates: list[TensorUpdate], specs: list[TensorSpec]) -> list[TensorUpdate]:
-    """One update per slot (several canonical tensors fused into one runtime parameter route to
-    one slot; a store takes each slot once).  Dense parts become explicit positions when merged."""
-    by_slot: dict[int, list[TensorUpdate]] = {}
-    for u in updates:
-        by_slot.setdefault(u.slot, []).append(u)
-    out = []
-    for slot in sorted(by_slot):
-        parts = by_slot[slot]
-        if len(parts) == 1:
-            out.append(parts[0])
-            continue
-        pos = [
-            torch.arange(specs[slot].numel, dtype=torch.int64) if u.positions is None else u.positions for u in parts
-        ]
-        out.append(
-            TensorUpdate(slot, torch.cat(pos), torch.cat([u.new for u in parts]), torch.cat([u.old for u in parts]))
-        )
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +117,9 @@ class RankStores:
         self.group = group
         self.capacity = capacity  # store.size, per rank store (0: exactly the rank's parameters)
         self.stores: list[WeightStore | None] = [None] * ranks
-        self.sharder: Sharder | None = None
+        self.plan: LayoutPlan | None = None
+        self.canonical: list[TensorSpec] | None = None  # the model specs the plan was prepared for
+        self.router: Router | None = None
         self.roots: list[bytes | None] = [None] * ranks  # each rank's root of the version the host holds
         # Crash tests: called at "journal_tmp", "journaled", "between_ranks", "all_flipped"; store
         # points are "rank<k>:<point>" (odd, mid_write, written, flipped, loading).
@@ -204,7 +191,7 @@ class RankStores:
 
     # ------------------------------------------------------------ layouts
 
-    def prepare(self, sharder: Sharder, canonical: list[TensorSpec]) -> None:
+    def prepare(self, plan: LayoutPlan, canonical: list[TensorSpec]) -> None:
         """Check the plan against the model, then make every rank store exist with its rank's layout.
 
         Everything is checked before any store is created or written: a bad plan, a world size that
@@ -212,13 +199,14 @@ class RankStores:
         with nothing touched.  An existing host store laid out for another plan or world size is
         recreated (one log line); an engine store is refused (its engine allocated for that layout).
         """
-        if sharder.world_size != len(self):
-            raise PlanRefused(f"store.plan: the plan is for {sharder.world_size} ranks, store.ranks is {len(self)}")
+        if plan.world != len(self):
+            raise PlanRefused(f"store.plan: the plan is for {plan.world} ranks, store.ranks is {len(self)}")
         try:
-            sharder.check(canonical)
-        except ValueError as e:
+            plan.check(canonical)
+            router = Router(plan, canonical)
+        except (PlanError, ValueError) as e:
             raise PlanRefused(f"store.plan: {e}") from None
-        layouts = [StoreLayout.from_specs(sharder.rank_specs(k)) for k in range(len(self))]
+        layouts = [StoreLayout.from_specs(plan.rank_specs(k)) for k in range(len(self))]
         for lay in layouts:
             if self.capacity and lay.nbytes > self.capacity:
                 raise StoreTooSmallError(lay.nbytes, self.capacity)
@@ -248,7 +236,7 @@ class RankStores:
                 self.stores[k] = WeightStore.create(
                     self.names[k], lay, capacity=cap, engine_buffer=self.engine_kind, group=self.group
                 )
-        self.sharder = sharder
+        self.plan, self.router, self.canonical = plan, router, list(canonical)
 
     def store(self, rank: int) -> WeightStore | None:
         return self.stores[rank]
@@ -263,13 +251,13 @@ class RankStores:
         whole.  ``updates`` None: every rank is loaded whole unless it holds the version already.
         Returns the in-place activation's figures, or None when there was none.
         """
-        sharder = self.sharder
-        assert sharder is not None, "prepare first"
+        plan = self.plan
+        assert plan is not None, "prepare first"
         roots: list[bytes] = []
         incremental: list[int] = []
         loads: dict[int, ServedModel] = {}  # (only the ranks loaded whole keep their model)
         for k, s in enumerate(self.stores):
-            m = sharder.rank_model(model, k)
+            m = rank_model(plan, model, k)
             roots.append(m.root())
             if s is None or s.data is None:
                 continue  # an engine rank not registered yet: loaded when it registers
@@ -302,11 +290,10 @@ class RankStores:
     def _activate(
         self, ranks: list[int], version: int, roots: list[bytes], updates: list[TensorUpdate]
     ) -> RanksApplied:
-        sharder = self.sharder
-        assert sharder is not None
-        routed = sharder.route(updates)
+        assert self.router is not None
+        routed = self.router.route([SlotChange(u.slot, u.positions, u.new, u.old) for u in updates])
         stores = {k: self._rank(k) for k in ranks}
-        per_rank = {k: merge_slot_updates(routed[k], stores[k].layout.specs) for k in ranks}
+        per_rank = {k: [TensorUpdate(c.slot, c.positions, c.new, c.old) for c in routed[k]] for k in ranks}
         bases = {k: stores[k].header() for k in ranks}
         # Every rank stages (moves its updates to its device) before any fence goes odd.
         staged = {k: stores[k].stage(per_rank[k]) for k in ranks}
@@ -347,9 +334,8 @@ class RankStores:
 
     def load_rank(self, k: int, version: int, model: ServedModel) -> None:
         """Load one rank (an engine buffer just registered) with the version the host holds."""
-        sharder = self.sharder
-        assert sharder is not None
-        m = sharder.rank_model(model, k)
+        assert self.plan is not None
+        m = rank_model(self.plan, model, k)
         root = m.root()
         self._load(k, m, version, root)
         self.roots[k] = root
