@@ -155,6 +155,10 @@ class PlanBuilder:
             if len(spec.shape) > MAX_DIMS or any(n < 0 for n in spec.shape):
                 raise PlanError(f"layout plan: {name}: bad shape {list(spec.shape)}")
             self.params[rank][name] = spec
+        elif have.shape == spec.shape and have.dtype != spec.dtype:
+            raise PlanError(
+                f"layout plan: the pieces of {name} on rank {rank} have dtypes {have.dtype} and {spec.dtype}"
+            )
         elif have != spec:
             raise PlanError(
                 f"layout plan: {name} on rank {rank} declared twice, as {have.dtype}{list(have.shape)}"
