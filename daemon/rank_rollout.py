@@ -27,7 +27,6 @@ log = logging.getLogger("patchswarm.daemon")
 FAULT_ENV = "PATCHSWARM_FAULT_AT"  # crash tests: SIGKILL at this point (daemon/rank_stores.py names them)
 
 
-
 class RankHost(Protocol):
     """What these functions use of the rollout daemon (daemon/rollout.py ``RolloutDaemon``)."""
 

@@ -138,7 +138,7 @@ def test_bad_plans_are_refused_before_anything_is_written(name: str, tmp_path: P
     rs = make(name, 2, tmp_path)
     with pytest.raises(PlanRefused, match=r"store\.plan: .*down\.weight"):
         rs.prepare(split_plan(SPECS, 2, leave_out="down.weight"), SPECS)  # a canonical tensor unmapped
-    with pytest.raises(PlanRefused, match="for 4 ranks, store.ranks is 2"):
+    with pytest.raises(PlanRefused, match=r"for 4 ranks, store\.ranks is 2"):
         rs.prepare(split_plan(SPECS, 4), SPECS)
     odd = [*SPECS[:4], TensorSpec("up.weight", "F16", (127, 16))]
     with pytest.raises(PlanRefused):  # 127 rows do not split in two
