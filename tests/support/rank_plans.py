@@ -70,3 +70,60 @@ def version_model(seed: int, k: int, specs: list[TensorSpec] = SPECS) -> ServedM
                 w[idx] = step.integers(-(2**10), 2**10, size=idx.size)
         data.append(torch.from_numpy(raw.copy()))
     return ServedModel(list(specs), data)
+
+
+# ---------------------------------------------------------------- a tiny Llama (transformers), vLLM's TP rules
+
+LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 500,  # padded to 512 by the engine: the last rank's rows past 500 are zero
+    "tie_word_embeddings": False,
+}
+
+
+def llama_state(seed: int) -> tuple[dict[str, torch.Tensor], str]:
+    """A tiny LlamaForCausalLM's state dict (float32) and its config.json text, no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**LLAMA)
+    model = LlamaForCausalLM(cfg)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    return state, cfg.to_json_string()
+
+
+def llama_rank(typed: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s runtime parameters by vLLM's rules, with torch.chunk / cat (models/llama.py,
+    layers/linear.py QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear,
+    layers/vocab_parallel_embedding.py: vocab padded to a multiple of 64, then equal shards)."""
+    heads, kv = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in typed.items():
+        if name.endswith("norm.weight"):
+            out[name] = t
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            padded = -(-t.shape[0] // 64) * 64
+            full = torch.zeros((padded, t.shape[1]), dtype=t.dtype)
+            full[: t.shape[0]] = t
+            out[name] = torch.chunk(full, tp, 0)[rank]
+    for layer in range(LLAMA["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        q = torch.chunk(typed[p + "self_attn.q_proj.weight"], tp, 0)[rank]
+        if tp <= kv:
+            k = torch.chunk(typed[p + "self_attn.k_proj.weight"], tp, 0)[rank]
+            v = torch.chunk(typed[p + "self_attn.v_proj.weight"], tp, 0)[rank]
+        else:  # fewer kv heads than ranks: each kv head replicated on tp / kv ranks
+            k = torch.chunk(typed[p + "self_attn.k_proj.weight"], kv, 0)[rank // (tp // kv)]
+            v = torch.chunk(typed[p + "self_attn.v_proj.weight"], kv, 0)[rank // (tp // kv)]
+        assert heads % tp == 0
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, v])
+        out[p + "self_attn.o_proj.weight"] = torch.chunk(typed[p + "self_attn.o_proj.weight"], tp, 1)[rank]
+        gate = torch.chunk(typed[p + "mlp.gate_proj.weight"], tp, 0)[rank]
+        up = torch.chunk(typed[p + "mlp.up_proj.weight"], tp, 0)[rank]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([gate, up])
+        out[p + "mlp.down_proj.weight"] = torch.chunk(typed[p + "mlp.down_proj.weight"], tp, 1)[rank]
+    return out
