@@ -227,10 +227,13 @@ def parse_devices(v: Any) -> list[str]:
 
 
 def parse_plan(v: Any) -> str:
-    """none, auto, a family name, or a plan file's path (read and checked when the daemon starts)."""
+    """none, auto or a built-in family name (checked against the model when the first version arrives)."""
+    from patchswarm.protocol.layout_builtin import DENSE, MOE
+
     s = parse_str(v).strip()
-    if not s or len(s) > 4096 or "\0" in s:
-        raise ValueError(f"expected none, auto, a plan family or a plan file's path, got {v!r}")
+    known = ["none", "auto", *sorted(DENSE | MOE)]
+    if s not in known:
+        raise ValueError(f"expected one of {', '.join(known)}, got {str(v)[:200]!r}")
     return s
 
 
@@ -385,8 +388,9 @@ SCHEMA: list[Key] = [
         parse_plan,
         "none",
         "Layout plan mapping the model's tensors to each rank's runtime parameters: none (one store holding the "
-        "model as published), auto (the built-in plan for the architecture in the board's config.json), a "
-        "built-in family name, or the path of a plan file (docs/models.md).",
+        "model as published), auto (the built-in plan for the architecture in the board's config.json), or a "
+        "built-in family name (llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3; head counts "
+        "still from config.json).",
     ),
     Key(
         "store",
@@ -473,6 +477,7 @@ OTHER_ENV = frozenset(
         "PATCHSWARM_FAULT_AT",
         "PATCHSWARM_HTTP_EXEMPT_LOOPBACK",  # tests: count loopback clients too (swarm/serving.py)
         "PATCHSWARM_FAULT_KILLS",
+        "PATCHSWARM_CRASH_ROUNDS",  # tests: kills per point between rank activations (test_daemon_crash.py)
         "PATCHSWARM_CRASH_KILLS",
         "PATCHSWARM_BENCH_CONFIG",
         "PATCHSWARM_BENCH_PROFILE",

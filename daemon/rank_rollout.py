@@ -74,6 +74,12 @@ async def activate_ranks(host: RankHost, ranks: RankStores, held: Held, off_loop
         plan = resolve_plan(host.cfg["store.plan"], len(ranks), held.model.specs, held.model.metadata)
         await off_loop(ranks.prepare, plan, held.model.specs)
         host.status.update(ranks=ranks.entries())
+    common = ranks.common_version()
+    if common is not None and common > held.version:
+        # Restarted with every rank at a newer version than the swarm hands over first (it catches up
+        # from an anchor): never move the engine back; the shadow follows until it reaches them.
+        await off_loop(lambda: ranks.apply(held.version, held.model, None, write=False))
+        return False
     updates = None
     if host.shadow is not None and host.shadow.model.specs == held.model.specs:
         updates = await off_loop(diff_updates, host.shadow.model, held.model)

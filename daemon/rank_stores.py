@@ -243,12 +243,15 @@ class RankStores:
 
     # ------------------------------------------------------------ writing
 
-    def apply(self, version: int, model: ServedModel, updates: list[TensorUpdate] | None) -> RanksApplied | None:
+    def apply(
+        self, version: int, model: ServedModel, updates: list[TensorUpdate] | None, *, write: bool = True
+    ) -> RanksApplied | None:
         """Make every rank that has a buffer hold ``version`` (canonical ``model``).
 
         Ranks READY at the version the host held take ``updates`` (canonical sparse updates, shadow
         -> model) in place under one journal; the others (EMPTY, FAILED, never loaded) are loaded
         whole.  ``updates`` None: every rank is loaded whole unless it holds the version already.
+        ``write`` False: nothing is written, only each rank's root of ``version`` is remembered.
         Returns the in-place activation's figures, or None when there was none.
         """
         plan = self.plan
@@ -269,6 +272,9 @@ class RankStores:
                 incremental.append(k)
             else:
                 loads[k] = m
+        if not write:  # (only the roots of the version the host now holds)
+            self.roots = list[bytes | None](roots)
+            return None
         stats = self._activate(incremental, version, roots, updates or []) if incremental else None
         for k, m in loads.items():
             self._load(k, m, version, roots[k])

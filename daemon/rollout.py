@@ -359,8 +359,9 @@ class RolloutDaemon:
         self._failed_because = None
         self.shadow = held
         self._persist_state()
-        if not applied:  # the version waits in the shadow until the engine registers a buffer
-            self.status.update(phase=Phase.IDLE, reason=AWAITING_ENGINE)
+        if not applied:  # the version waits in the shadow until the engine registers a buffer (or the
+            # rank stores hold a newer one already: a restart catching up from an anchor)
+            self.status.update(phase=Phase.IDLE, reason=AWAITING_ENGINE if self._awaiting_engine() else None)
             return
         self.status.update(
             phase=Phase.IDLE, version=held.version, root=state_root(held.model.specs, held.digests).hex()
@@ -537,6 +538,8 @@ class RolloutDaemon:
             return 409, {"error": "NotEngineStore", "message": msg}
         if self.ranks is not None:
             return await self._register_rank(self.ranks, body)
+        if isinstance(body, dict) and body.get("rank") not in (None, 0):
+            return 400, {"error": "BadRequest", "message": "rank must be 0: this daemon feeds one store"}
         if self.store is None:
             msg = "the daemon holds no version yet, so the store has no layout: register once GET /v1/layout answers"
             return 409, {"error": "NotReady", "message": msg}

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 
-from patchswarm.daemon.store_format import StoreLayout
+from patchswarm.daemon.engine_client import DaemonClient
+from patchswarm.daemon.store_format import StoreError, StoreLayout
 from patchswarm.daemon.weightstore import WeightStore
+from patchswarm.protocol.served import raw_bytes
 from tests.support.daemonkit import Daemon, make_daemon
-from tests.support.rank_plans import SPECS
+from tests.support.rank_plans import SPECS, llama_rank
 from tests.support.rank_swarm import check_rank_stores, llama_swarm, rank_names
 from tests.support.store_worker import remove_segments
 
@@ -151,6 +154,55 @@ async def test_a_rank_store_left_by_another_world_size_is_recreated(tmp_path: Pa
         assert f"{d.store}.r1 (rank 1) was laid out for another plan or world size" in text
         assert await d.stop() == 0
     finally:
+        d.cleanup()
+        remove_segments(d.store)
+        await sw.close()
+
+
+def view_matches(view, model, tp: int, rank: int) -> bool:  # type: ignore[no-untyped-def]
+    typed = {s.name: model.typed(i) for i, s in enumerate(model.specs)}
+    want = llama_rank(typed, tp, rank)
+    return sorted(want) == [s.name for s in view.layout.specs] and all(
+        torch.equal(view.data[s.offset : s.offset + s.nbytes], raw_bytes(want[s.name])) for s in view.layout.slots
+    )
+
+
+@pytest.mark.asyncio
+async def test_engine_buffers_register_per_rank_and_the_version_waits_for_every_rank(tmp_path: Path) -> None:
+    """store.kind engine-shm, two ranks: each engine rank allocates and registers its own buffer; a rank
+    is loaded as soon as it registers, the host's version appears only once both hold it."""
+    tp = 2
+    sw = llama_swarm(tmp_path)
+    sw.publish()
+    await sw.start_seed()
+    d = rank_daemon(sw, tmp_path, tp)
+    d.env["PATCHSWARM_STORE_KIND"] = "engine-shm"
+    d.start()
+    views = []
+    try:
+        client = DaemonClient(d.socket)
+        with pytest.raises(StoreError, match="rank is needed"):
+            await asyncio.to_thread(client.layout, 30.0)
+        views.append(await asyncio.to_thread(client.open_store, "cpu", "tp-rank0", 60.0, 0))
+        for _ in range(100):  # rank 0 loads; the host has no version while rank 1 has no buffer
+            st = await d.status()
+            if st is not None and st["ranks"][0]["state"] == "ready":
+                break
+            await asyncio.sleep(0.1)
+        assert st is not None and st["version"] is None and st["ranks"][1]["state"] == "waiting_for_buffer", st
+        assert view_matches(views[0], sw.served[1], tp, 0)
+        views.append(await asyncio.to_thread(client.open_store, "cpu", "tp-rank1", 60.0, 1))
+        await d.wait_version(1)
+        for v in (2, 3):
+            sw.publish(scale=1e-3)
+            await d.wait_version(v)
+            for k, view in enumerate(views):
+                assert view.read_version() == (v, bytes.fromhex((await d.status())["ranks"][k]["root"]))  # type: ignore[index]
+                assert view_matches(view, sw.served[v], tp, k)
+        assert await d.stop() == 0
+    finally:
+        for view in views:
+            view.close()
         d.cleanup()
         remove_segments(d.store)
         await sw.close()
