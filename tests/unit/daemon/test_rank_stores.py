@@ -8,6 +8,8 @@ kill -9 runs are tests/unit/daemon/test_rank_crash.py and tests/system/test_daem
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -211,3 +213,39 @@ def test_a_reloaded_rank_joins_the_others(name: str, tmp_path: Path) -> None:
     apply(rs, 2)
     assert_ranks_hold(rs, 2, 2)
     rs.close()
+
+
+def _child_activates(name: str, world: int, journal_dir: Path, version: int, point: str) -> None:
+    """In a forked child: the daemon's rank stores activating ``version``, SIGKILLed at ``point``."""
+    try:
+        rs = RankStores(name, world, journal_dir, engine_kind=False)
+        rs.open_existing()
+        rs.prepare(split_plan(SPECS, world), SPECS)
+        rs.roots = [s.header().root if s is not None else None for s in rs.stores]  # (as after apply)
+        rs.arm_faults(point)
+        apply(rs, version)
+    finally:
+        os._exit(3)  # reached only if the point was not: the parent sees exit status 3
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sigkill_at_each_point_twice_leaves_every_rank_at_one_version(name: str, tmp_path: Path, world: int) -> None:
+    rs = make(name, world, tmp_path)
+    rs.prepare(split_plan(SPECS, world), SPECS)
+    apply(rs, 1)
+    rs.close()
+    points = [p.replace("rank1", f"rank{world - 1}") for p in CRASH_POINTS] * 2
+    version = 1
+    for point in points:
+        pid = os.fork()
+        if pid == 0:
+            _child_activates(name, world, tmp_path / "journal", version + 1, point)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (point, status)
+        again = make(name, world, tmp_path)
+        again.open_existing()
+        got = again.recover()
+        assert got == (version if point == "journal_tmp" else version + 1), point
+        assert_ranks_hold(again, world, got)
+        again.close()
+        version = got
