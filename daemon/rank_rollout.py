@@ -7,6 +7,7 @@ activation order are daemon/rank_stores.py's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -38,13 +39,52 @@ class RankHost(Protocol):
     journal_dir: Path
     rank_devices: list[str | None]
 
+    _activating: asyncio.Lock
+    _loading: asyncio.Task[None] | None
+
     async def _drain_sidecar(self, mode: str, version: int) -> None: ...
+
+    async def _load_registered(self) -> None: ...
 
     async def _engine_call(self, req: EngineRequest) -> None: ...
 
 
 class RankStartError(Exception):
     """A rank store the daemon cannot start with (one line naming the config key)."""
+
+
+def rank_stores_for(cfg: DaemonConfig, journal_dir: Path, engine_kind: bool) -> RankStores | None:
+    """The daemon's rank stores (store.plan other than none), or None: one store of the canonical model."""
+    if cfg["store.plan"] == "none":
+        return None
+    return RankStores(
+        cfg.store_name, cfg["store.ranks"], journal_dir, engine_kind=engine_kind, group=cfg["api.group"],
+        capacity=int(cfg["store.size"]),
+    )  # fmt: skip
+
+
+def store_gpus(cfg: DaemonConfig) -> tuple[str | None, list[str | None]]:
+    """store.kind cuda: the GPU of store.device and of each rank (store.devices), as UUIDs; None: any GPU."""
+    one = gpu_uuid("store.device", cfg["store.device"])
+    devices = cfg["store.devices"]
+    per_rank = [gpu_uuid("store.devices", d) for d in devices] if devices else [one]
+    return one, per_rank + [None] * (cfg["store.ranks"] - len(per_rank))
+
+
+def gpu_uuid(key: str, dev: str) -> str | None:
+    """The UUID of a GPU named in the config (cuda:N as this process sees it, or GPU-<uuid>); None: any."""
+    import torch
+
+    if dev.lower().startswith("gpu-"):
+        return dev
+    if dev.startswith("cuda:"):
+        index, count = int(dev[5:]), torch.cuda.device_count()
+        if index >= count:
+            raise RankStartError(f"{key}: {dev}, but this process sees {count} GPU(s)")
+        return str(torch.cuda.get_device_properties(index).uuid)
+    if dev:
+        raise RankStartError(f"{key}: {dev!r} is not a GPU for store.kind 'cuda' (use cuda:N or GPU-<uuid>)")
+    return None
 
 
 def open_rank_stores(host: RankHost, ranks: RankStores) -> None:
@@ -161,3 +201,29 @@ def attach_rank_buffer(host: RankHost, ranks: RankStores, rank: int, body: dict[
     host.status.update(version=None, root=None, ranks=ranks.entries())  # until every rank holds it again
     log.info("engine %r registered rank %d buffer %x (%s)", body["engine"], rank, handle["buffer_id"], handle["kind"])
     return None
+
+
+async def register_rank(host: RankHost, ranks: RankStores, body: Any) -> tuple[int, dict[str, Any]]:
+    """POST /v1/store with "rank": one rank's buffer; that rank is loaded as soon as it is registered."""
+    rank = check_rank_registration(host, ranks, body)
+    if isinstance(rank, tuple):
+        return rank
+    async with host._activating:
+        refused = attach_rank_buffer(host, ranks, rank, body)
+        if refused is not None:
+            return 422, refused
+        store = ranks.store(rank)
+        assert store is not None
+        hdr = store.header()
+        loading = hdr.state != StoreState.READY and host.shadow is not None
+        if loading:
+            host._loading = asyncio.create_task(host._load_registered())
+    state = "loading" if loading else ("ready" if hdr.state == StoreState.READY else "waiting_for_version")
+    return 202 if loading else 200, {
+        "engine": body["engine"],
+        "rank": rank,
+        "buffer_id": body["buffer"]["buffer_id"],
+        "state": state,
+        "version": hdr.version if hdr.state == StoreState.READY else None,
+        "target": host.shadow.version if host.shadow is not None else None,
+    }

@@ -41,10 +41,11 @@ from patchswarm.daemon.rank_rollout import (
     FAULT_ENV,
     RankStartError,
     activate_ranks,
-    attach_rank_buffer,
-    check_rank_registration,
     open_rank_stores,
     rank_layout,
+    rank_stores_for,
+    register_rank,
+    store_gpus,
 )
 from patchswarm.daemon.rank_stores import RankStores
 from patchswarm.daemon.sidecar import DrainTimeoutError
@@ -152,12 +153,7 @@ class RolloutDaemon:
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
         # store.plan other than none: N rank stores in the engine's runtime layout (daemon/rank_stores.py)
-        self.ranks: RankStores | None = None
-        if cfg["store.plan"] != "none":
-            self.ranks = RankStores(
-                cfg.store_name, cfg["store.ranks"], self.journal_dir, engine_kind=self.engine_kind,
-                group=cfg["api.group"], capacity=int(cfg["store.size"]),
-            )  # fmt: skip
+        self.ranks: RankStores | None = rank_stores_for(cfg, self.journal_dir, self.engine_kind)
 
     # ------------------------------------------------------------ start-up
 
@@ -515,10 +511,10 @@ class RolloutDaemon:
 
         if not torch.cuda.is_available():
             raise DaemonError("store.kind: 'cuda' needs CUDA in the daemon's process (torch.cuda.is_available() false)")
-        self.device_uuid = _gpu_uuid("store.device", dev)
-        devices = self.cfg["store.devices"]
-        self.rank_devices = [_gpu_uuid("store.devices", d) for d in devices] if devices else [self.device_uuid]
-        self.rank_devices += [None] * (self.cfg["store.ranks"] - len(self.rank_devices))
+        try:
+            self.device_uuid, self.rank_devices = store_gpus(self.cfg)
+        except RankStartError as e:
+            raise DaemonError(str(e)) from None
 
     def _awaiting_engine(self) -> bool:
         if self.ranks is not None:
@@ -537,7 +533,7 @@ class RolloutDaemon:
             msg = "store.kind is 'shm': the daemon allocates the store; attach with GET /v1/layout"
             return 409, {"error": "NotEngineStore", "message": msg}
         if self.ranks is not None:
-            return await self._register_rank(self.ranks, body)
+            return await register_rank(self, self.ranks, body)
         if isinstance(body, dict) and body.get("rank") not in (None, 0):
             return 400, {"error": "BadRequest", "message": "rank must be 0: this daemon feeds one store"}
         if self.store is None:
@@ -569,31 +565,6 @@ class RolloutDaemon:
         return 202 if loading else 200, {
             "engine": engine,
             "buffer_id": handle["buffer_id"],
-            "state": state,
-            "version": hdr.version if hdr.state == StoreState.READY else None,
-            "target": self.shadow.version if self.shadow is not None else None,
-        }
-
-    async def _register_rank(self, ranks: RankStores, body: Any) -> tuple[int, dict[str, Any]]:
-        """POST /v1/store with "rank": one rank's buffer; that rank is loaded as soon as it is registered."""
-        rank = check_rank_registration(self, ranks, body)
-        if isinstance(rank, tuple):
-            return rank
-        async with self._activating:
-            refused = attach_rank_buffer(self, ranks, rank, body)
-            if refused is not None:
-                return 422, refused
-            store = ranks.store(rank)
-            assert store is not None
-            hdr = store.header()
-            loading = hdr.state != StoreState.READY and self.shadow is not None
-            if loading:
-                self._loading = asyncio.create_task(self._load_registered())
-        state = "loading" if loading else ("ready" if hdr.state == StoreState.READY else "waiting_for_version")
-        return 202 if loading else 200, {
-            "engine": body["engine"],
-            "rank": rank,
-            "buffer_id": body["buffer"]["buffer_id"],
             "state": state,
             "version": hdr.version if hdr.state == StoreState.READY else None,
             "target": self.shadow.version if self.shadow is not None else None,
@@ -749,22 +720,6 @@ async def run_daemon(cfg: DaemonConfig) -> None:
         await daemon.shutdown(f"start-up failed: {e}")
         raise
     await daemon.run_until(stop, why)
-
-
-def _gpu_uuid(key: str, dev: str) -> str | None:
-    """The UUID of a GPU named in the config (cuda:N as this process sees it, or GPU-<uuid>); None: any."""
-    import torch
-
-    if dev.lower().startswith("gpu-"):
-        return dev
-    if dev.startswith("cuda:"):
-        index, count = int(dev[5:]), torch.cuda.device_count()
-        if index >= count:
-            raise DaemonError(f"{key}: {dev}, but this process sees {count} GPU(s)")
-        return str(torch.cuda.get_device_properties(index).uuid)
-    if dev:
-        raise DaemonError(f"{key}: {dev!r} is not a GPU for store.kind 'cuda' (use cuda:N or GPU-<uuid>)")
-    return None
 
 
 def _acquire(lock: FileLock, key: str) -> None:
