@@ -121,7 +121,9 @@ async def activate_ranks(host: RankHost, ranks: RankStores, held: Held, off_loop
         await off_loop(lambda: ranks.apply(held.version, held.model, None, write=False))
         return False
     updates = None
-    if host.shadow is not None and host.shadow.model.specs == held.model.specs:
+    if host.shadow is held:
+        updates = []  # (a rank registered a new buffer: it is loaded, the others hold the version)
+    elif host.shadow is not None and host.shadow.model.specs == held.model.specs:
         updates = await off_loop(diff_updates, host.shadow.model, held.model)
     ranks.arm_faults(os.environ.get(FAULT_ENV))
     mode = host.cfg["sidecar.commit_mode"] if updates is not None else "quiesce"
