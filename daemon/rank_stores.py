@@ -41,7 +41,6 @@ from patchswarm.daemon.store_format import (
     StoreMissingError,
     StoreState,
     StoreTooSmallError,
-    StoreVerifyError,
     TensorUpdate,
 )
 from patchswarm.daemon.weightstore import WeightStore
@@ -322,11 +321,14 @@ class RankStores:
                 longest = max(longest, time.perf_counter() - a)
                 if i == 0 and len(ranks) > 1:
                     self.fault("between_ranks")
-        except StoreVerifyError as e:
-            # That rank restored its base; bring every rank to one version (forward if the others
-            # verify, else back) from the journal, still on disk.
+        except Exception as e:
+            # (A rank whose values did not read back restored its base.)  Bring every rank to one
+            # version, forward if the others verify, else back, from the journal still on disk.
             log.error("rank activation of version %s failed: %s; recovering every rank from the journal", version, e)
-            journal.recover_ranks([stores[k] for k in ranks], self.journal_dir)
+            try:
+                journal.recover_ranks([stores[k] for k in ranks], self.journal_dir)
+            except StoreError as again:
+                log.error("rank recovery after the failed activation failed too: %s", again)
             raise
         t2 = time.perf_counter()
         self.fault("all_flipped")
@@ -355,7 +357,11 @@ class RankStores:
             if s is None:
                 out.append({"rank": k, "store": name, "version": None, "root": None, "state": "absent"})
                 continue
-            h = s.header()
+            try:
+                h = s.header()
+            except ValueError:  # (closed under us: a stale store being recreated)
+                out.append({"rank": k, "store": name, "version": None, "root": None, "state": "absent"})
+                continue
             ready = h.state == StoreState.READY and h.stable and (s.data is not None)
             state = h.state.name.lower() if s.data is not None or not self.engine_kind else "waiting_for_buffer"
             out.append(
