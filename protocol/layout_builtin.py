@@ -43,6 +43,7 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+ENGINES = ("vllm", "sglang")
 SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_inv", "input_scale")
 
 _LAYER = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
@@ -66,12 +67,12 @@ def family_of(config: Mapping[str, Any]) -> str:
     )
 
 
-def _cfg_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+def _cfg_int(config: Mapping[str, Any], key: str, default: int | None = None, top: int = 1 << 20) -> int:
     v = config.get(key, default)
     if v is None and default is not None:
         v = default
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 1 << 40:
-        raise PlanError(f"layout plan: config.json {key} is {str(v)[:32]}, not a positive integer")
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= top:
+        raise PlanError(f"layout plan: config.json {key} is {str(v)[:32]}, not an integer 1..{top}")
     return v
 
 
@@ -229,7 +230,7 @@ class _Emit:
         per = _divide(padded, self.tp, f"{name}: padded vocabulary")
         rest = s.shape[1:]
         for r in range(self.tp):
-            self.b.param(r, name, (per, *rest), s.dtype)
+            self.b.param(r, name, (per, *rest), s.dtype, padded=True)
             a, b = r * per, min((r + 1) * per, vocab)
             if a < b:
                 self.b.place(name, r, name, ((a, b), *full_box(rest)), ((0, b - a), *full_box(rest)))
@@ -249,11 +250,7 @@ class _Emit:
             local = num_experts
             moe_tp = tp
         i_tp = _divide(inter, moe_tp, f"{prefix}mlp.experts: moe_intermediate_size")
-        if (
-            moe_tp > 1
-            and i_tp % BLOCK
-            and any(n.startswith(f"{prefix}mlp.experts.") and n.endswith("weight_scale_inv") for n in self.by_name)
-        ):
+        if moe_tp > 1 and i_tp % BLOCK and f"{prefix}mlp.experts.0.gate_proj.weight_scale_inv" in self.by_name:
             raise PlanError(
                 f"layout plan: {prefix}mlp.experts: {i_tp} rows per rank do not fill {BLOCK}-row fp8 scale blocks"
             )
@@ -328,9 +325,20 @@ class _Emit:
 
 
 def builtin_plan(
-    config: Mapping[str, Any], canonical_specs: Sequence[TensorSpec], tp: int, *, expert_parallel: bool = False
+    config: Mapping[str, Any],
+    canonical_specs: Sequence[TensorSpec],
+    tp: int,
+    *,
+    expert_parallel: bool = False,
+    engine: str = "vllm",
 ) -> LayoutPlan:
-    """The plan of ``config``'s family for ``tp`` ranks (MoE experts expert-parallel if asked), checked."""
+    """The plan of ``config``'s family for ``tp`` ranks (MoE experts expert-parallel if asked), checked.
+
+    ``engine`` "sglang" differs only in DeepSeek's fused MLA input projection: SGLang names it
+    ``fused_qkv_a_proj_with_mqa`` and keeps a single per-tensor scale for it (so a per-tensor fp8
+    checkpoint is refused there; block scales are concatenated as vLLM does)."""
+    if engine not in ENGINES:
+        raise PlanError(f"layout plan: engine {engine[:32]!r} is not one of {', '.join(ENGINES)}")
     family = family_of(config)
     if expert_parallel and family not in MOE:
         raise PlanError(f"layout plan: expert parallelism asked for {family}, which has no experts")
@@ -343,8 +351,18 @@ def builtin_plan(
     if family in MOE:
         num_experts = _cfg_int(config, "num_experts" if family == "qwen3_moe" else "n_routed_experts")
     layer_prefixes = sorted({m.group(1) for n in names if (m := _LAYER.match(n))})
+    if "num_hidden_layers" in config:
+        # layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction layers: the serving
+        # model skips them (vLLM loads them only for speculative decoding)
+        layers = _cfg_int(config, "num_hidden_layers")
+        for name in names:
+            m = _LAYER.match(name)
+            if m is not None and int(m.group(1).split(".")[2]) >= layers:
+                em.b.ignore(name)
+                em.done.add(name)
+        layer_prefixes = [p for p in layer_prefixes if int(p.split(".")[2]) < layers]
     for prefix in layer_prefixes:
-        _attention(em, prefix, family, heads, kv_heads)
+        _attention(em, prefix, family, heads, kv_heads, engine)
         _mlp(em, prefix)
         if em.spec(f"{prefix}mlp.experts.0.gate_proj.weight") is not None:
             em.experts(prefix, num_experts, expert_parallel)
@@ -365,10 +383,10 @@ def builtin_plan(
     return plan
 
 
-def _attention(em: _Emit, prefix: str, family: str, heads: int, kv_heads: int) -> None:
+def _attention(em: _Emit, prefix: str, family: str, heads: int, kv_heads: int, engine: str) -> None:
     q = em.spec(f"{prefix}self_attn.q_proj.weight")
     if family.startswith("deepseek"):
-        _mla(em, prefix, heads)
+        _mla(em, prefix, heads, engine)
     elif q is not None:
         k = em.spec(f"{prefix}self_attn.k_proj.weight")
         if k is None:
@@ -385,14 +403,19 @@ def _attention(em: _Emit, prefix: str, family: str, heads: int, kv_heads: int) -
     em.row(prefix, "self_attn.o_proj")
 
 
-def _mla(em: _Emit, prefix: str, heads: int) -> None:
+def _mla(em: _Emit, prefix: str, heads: int, engine: str) -> None:
     a = f"{prefix}self_attn."
     kv_a = em.spec(a + "kv_a_proj_with_mqa.weight")
     q_a = em.spec(a + "q_a_proj.weight")
     if kv_a is not None and q_a is not None:
+        fused = "self_attn.fused_qkv_a_proj"
+        if engine == "sglang":
+            fused += "_with_mqa"
+            if em.spec(a + "q_a_proj.weight_scale") is not None:
+                raise PlanError(f"layout plan: SGLang keeps one per-tensor scale for {prefix}{fused}: use block scales")
         em.column(
             prefix,
-            "self_attn.fused_qkv_a_proj",
+            fused,
             [
                 Shard("self_attn.q_a_proj", q_a.shape[0], "whole"),
                 Shard("self_attn.kv_a_proj_with_mqa", kv_a.shape[0], "whole"),

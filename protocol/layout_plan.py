@@ -105,6 +105,7 @@ class LayoutPlan:
     pieces: list[Piece]
     ignored: frozenset[str] = frozenset()
     family: str = ""
+    padded: frozenset[tuple[int, str]] = frozenset()  # (rank, param) that may hold padding (vocabulary rows)
     _by_source: dict[str, list[Piece]] | None = field(default=None, repr=False, compare=False)
 
     def rank_specs(self, rank: int) -> list[TensorSpec]:
@@ -145,11 +146,15 @@ class PlanBuilder:
         self.params: list[dict[str, TensorSpec]] = [{} for _ in range(world)]
         self.pieces: list[Piece] = []
         self.ignored: set[str] = set()
+        self.padded: set[tuple[int, str]] = set()
 
-    def param(self, rank: int, name: str, shape: Sequence[int], dtype: str) -> None:
+    def param(self, rank: int, name: str, shape: Sequence[int], dtype: str, *, padded: bool = False) -> None:
+        """Declare a runtime parameter; ``padded``: regions no piece covers are padding (else refused)."""
         if not 0 <= rank < self.world:
             raise PlanError(f"layout plan: {name}: rank {rank} outside a world of {self.world}")
         spec = TensorSpec(name, dtype, tuple(int(n) for n in shape))
+        if padded:
+            self.padded.add((rank, name))
         have = self.params[rank].get(name)
         if have is None:
             if len(spec.shape) > MAX_DIMS or any(n < 0 for n in spec.shape):
@@ -174,7 +179,14 @@ class PlanBuilder:
         self.ignored.add(source)
 
     def build(self) -> LayoutPlan:
-        return LayoutPlan(self.world, self.params, self.pieces, frozenset(self.ignored), self.family)
+        return LayoutPlan(
+            self.world,
+            [dict(p) for p in self.params],
+            list(self.pieces),
+            frozenset(self.ignored),
+            self.family,
+            frozenset(self.padded),
+        )
 
 
 # ---------------------------------------------------------------- checking
@@ -206,11 +218,16 @@ def check_plan(plan: LayoutPlan, canonical_specs: Sequence[TensorSpec]) -> None:
         if pieces:
             _check_coverage(spec, pieces)
     for (rank, param), boxes in sorted(runtime_boxes.items()):
-        if len(boxes) > 1:
-            shape = plan.params[rank][param].shape
-            counts = _grid_counts(shape, boxes, f"{param} on rank {rank}")
-            if int(counts.max()) > 1:
-                raise PlanError(f"layout plan: a region of {param} on rank {rank} is written by two pieces")
+        if len(boxes) > 1 and not _disjoint(plan.params[rank][param].shape, boxes, f"{param} on rank {rank}"):
+            raise PlanError(f"layout plan: a region of {param} on rank {rank} is written by two pieces")
+    # disjoint now: pieces adding up to less than the parameter's size leave a hole
+    for rank, params in enumerate(plan.params):
+        for name, pspec in sorted(params.items()):
+            if (rank, name) in plan.padded:
+                continue
+            covered = sum(math.prod(box_extents(b)) for b in runtime_boxes.get((rank, name), ()))
+            if covered < pspec.numel:
+                raise PlanError(f"layout plan: part of {name} on rank {rank} is written by no piece (not padding)")
 
 
 def _check_piece(plan: LayoutPlan, p: Piece, by_name: dict[str, TensorSpec]) -> None:
@@ -239,14 +256,40 @@ def _check_coverage(spec: TensorSpec, pieces: list[Piece]) -> None:
     for p in pieces:
         per_rank[p.rank].append(p.src)
     for rank, boxes in sorted(per_rank.items()):
-        if len(boxes) > 1 and int(_grid_counts(spec.shape, boxes, spec.name).max()) > 1:
+        if len(boxes) > 1 and not _disjoint(spec.shape, boxes, spec.name):
             raise PlanError(f"layout plan: a region of {spec.name} is mapped twice to rank {rank}")
     distinct = sorted({p.src for p in pieces})
     if len(distinct) == 1 and box_is_full(distinct[0], spec.shape):
         return
-    counts = _grid_counts(spec.shape, distinct, spec.name)
-    if int(counts.min()) == 0:
+    if _disjoint(spec.shape, distinct, spec.name):
+        covered = sum(math.prod(box_extents(b)) for b in distinct) == spec.numel
+    else:
+        covered = int(_grid_counts(spec.shape, distinct, spec.name).min()) > 0
+    if not covered:
         raise PlanError(f"layout plan: part of {spec.name} is mapped to no rank")
+
+
+SWEEP_ACTIVE = 64  # past this many boxes open at once, the sweep gives way to the grid
+
+
+def _disjoint(shape: Sequence[int], boxes: list[Box], what: str) -> bool:
+    """Whether no two boxes share an element: a sweep along dim 0 comparing only boxes whose dim-0
+    spans overlap (nearly linear for the plans engines make), the grid when too many overlap there."""
+    if len(boxes) < 2:
+        return True
+    if not shape:
+        return False  # two boxes of a 0-d tensor are the same element
+    active: list[Box] = []
+    for box in sorted(boxes):
+        start = box[0][0]
+        active = [a for a in active if a[0][1] > start]
+        for a in active:
+            if all(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(a, box, strict=True)):
+                return False
+        active.append(box)
+        if len(active) > SWEEP_ACTIVE:
+            return int(_grid_counts(shape, boxes, what).max()) <= 1
+    return True
 
 
 def _grid_counts(shape: Sequence[int], boxes: Iterable[Box], what: str) -> torch.Tensor:

@@ -53,6 +53,7 @@ class _Route:
     src_flat: int  # flat start of the source box (when contiguous)
     src_contiguous: bool
     src_full: bool
+    dst: tuple[tuple[int, int], ...]
     dst_base: int  # flat position of the runtime box's first element
     dst_extents: tuple[int, ...]
     dst_shape: tuple[int, ...]
@@ -70,6 +71,11 @@ class Router:
         self.specs = list(canonical_specs)
         self.slots = [{s.name: i for i, s in enumerate(plan.rank_specs(r))} for r in range(plan.world)]
         self.routes: list[list[_Route]] = [[self._compile(s, p) for p in plan.pieces_of(s.name)] for s in self.specs]
+        # pieces per (rank, slot): a parameter whose every piece changes densely is sent whole
+        self.piece_count: dict[tuple[int, int], int] = defaultdict(int)
+        for routes in self.routes:
+            for r in routes:
+                self.piece_count[(r.rank, r.slot)] += 1
 
     def _compile(self, spec: TensorSpec, p: Piece) -> _Route:
         pshape = self.plan.params[p.rank][p.param].shape
@@ -92,6 +98,7 @@ class Router:
             src_flat=box_flat_start(p.src, spec.shape),
             src_contiguous=box_contiguous(p.src, spec.shape),
             src_full=box_is_full(p.src, spec.shape),
+            dst=p.dst,
             dst_base=box_flat_start(p.dst, pshape),
             dst_extents=dst_ext,
             dst_shape=pshape,
@@ -103,6 +110,7 @@ class Router:
     def route(self, changes: Sequence[SlotChange]) -> list[list[SlotChange]]:
         """Per rank, the changes to its runtime parameters, one per slot, sorted by slot, positions ascending."""
         parts: dict[tuple[int, int], list[SlotChange]] = defaultdict(list)
+        dense: dict[tuple[int, int], list[tuple[TensorSpec, _Route, SlotChange]]] = defaultdict(list)
         seen: set[int] = set()
         for ch in changes:
             if not 0 <= ch.slot < len(self.specs):
@@ -112,9 +120,18 @@ class Router:
             seen.add(ch.slot)
             spec = self.specs[ch.slot]
             for r in self.routes[ch.slot]:
-                part = _dense(spec, r, ch) if ch.positions is None else _sparse(spec, r, ch)
+                if ch.positions is None:
+                    dense[(r.rank, r.slot)].append((spec, r, ch))
+                    continue
+                part = _sparse(spec, r, ch)
                 if part is not None:
                     parts[(r.rank, r.slot)].append(part)
+        for key, ds in dense.items():
+            if len(ds) == self.piece_count[key] and key not in parts:
+                # every piece of the parameter changes whole: one whole update, padding zero, no positions
+                parts[key].append(_whole(ds))
+            else:
+                parts[key].extend(_dense(spec, r, ch) for spec, r, ch in ds)
         out: list[list[SlotChange]] = [[] for _ in range(self.plan.world)]
         for (rank, slot), ps in sorted(parts.items()):
             out[rank].append(_merge(slot, ps))
@@ -189,6 +206,22 @@ def _dense(spec: TensorSpec, r: _Route, ch: SlotChange) -> SlotChange:
         view[k] = e
         pos = pos + (torch.arange(e, dtype=torch.int64, device=device) * s).reshape(view)
     return SlotChange(r.slot, pos.reshape(-1), new, old)
+
+
+def _whole(ds: list[tuple[TensorSpec, _Route, SlotChange]]) -> SlotChange:
+    """One runtime parameter assembled whole from dense changes covering all its pieces."""
+    first = ds[0][1]
+    if len(ds) == 1 and first.dst_full:
+        return _dense(*ds[0])
+    ch0 = ds[0][2]
+    new = torch.zeros(first.dst_shape, dtype=ch0.new.dtype, device=ch0.new.device)
+    old = torch.zeros_like(new)
+    for spec, r, ch in ds:
+        src = tuple(slice(a, b) for a, b in r.src)
+        dst = tuple(slice(a, b) for a, b in r.dst)
+        new[dst] = ch.new.reshape(spec.shape)[src].reshape(r.dst_extents)
+        old[dst] = ch.old.reshape(spec.shape)[src].reshape(r.dst_extents)
+    return SlotChange(first.slot, None, new.reshape(-1), old.reshape(-1))
 
 
 def _merge(slot: int, parts: list[SlotChange]) -> SlotChange:

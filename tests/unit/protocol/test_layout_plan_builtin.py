@@ -135,3 +135,49 @@ def test_tied_checkpoint_keeping_lm_head_ignores_it() -> None:
     plan = builtin_plan(cfg, ServedModel.from_tensors(t).specs, 2)
     assert "lm_head.weight" in plan.ignored
     assert all(s.name != "lm_head.weight" for s in plan.rank_specs(0))
+
+
+def test_sglang_names_the_fused_mla_projection_its_way() -> None:
+    cfg = deepseek_config()
+    model = ServedModel.from_tensors(canonical(cfg))
+    names = {s.name for s in builtin_plan(cfg, model.specs, 2, engine="sglang").rank_specs(1)}
+    assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in names
+    assert "model.layers.0.self_attn.fused_qkv_a_proj.weight" not in names
+    with pytest.raises(PlanError, match="engine 'trt' is not one of vllm, sglang"):
+        builtin_plan(cfg, model.specs, 2, engine="trt")
+
+
+def test_padded_vocabulary_not_divisible_refused() -> None:
+    cfg = llama_config(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8, intermediate_size=96)
+    model = ServedModel.from_tensors(canonical(cfg))
+    with pytest.raises(
+        PlanError, match=r"^layout plan: lm_head.weight: padded vocabulary \(512\) does not divide by 3$"
+    ):
+        builtin_plan(cfg, model.specs, 3)
+
+
+def test_fewer_experts_than_the_config_says_refused() -> None:
+    cfg = qwen3_moe_config()
+    t = {n: x for n, x in canonical(cfg).items() if ".experts.7." not in n}
+    with pytest.raises(
+        PlanError, match=r"part of model.layers.0.mlp.experts.w13_weight on rank 0 is written by no piece"
+    ):
+        builtin_plan(cfg, ServedModel.from_tensors(t).specs, 2)
+
+
+def test_absurd_config_sizes_refused() -> None:
+    cfg = qwen3_moe_config(num_experts=1 << 40)
+    with pytest.raises(PlanError, match=r"config.json num_experts is 1099511627776"):
+        builtin_plan(cfg, ServedModel.from_tensors(canonical(qwen3_moe_config())).specs, 2)
+
+
+def test_deepseek_mtp_layer_ignored() -> None:
+    cfg = deepseek_config()
+    t = canonical(cfg)
+    extra = canonical({**cfg, "num_hidden_layers": 3}, seed=1)
+    mtp = {n: x for n, x in extra.items() if n.startswith("model.layers.2.")}
+    mtp["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
+    mtp["model.layers.2.enorm.weight"] = torch.zeros(64, dtype=torch.bfloat16)
+    plan = builtin_plan(cfg, ServedModel.from_tensors({**t, **mtp}).specs, 2)
+    assert set(mtp) <= plan.ignored
+    assert not any(s.name.startswith("model.layers.2.") for s in plan.rank_specs(0))
