@@ -227,14 +227,14 @@ def parse_devices(v: Any) -> list[str]:
 
 
 def parse_plan(v: Any) -> str:
-    """none, auto or a built-in family name (checked against the model when the first version arrives)."""
+    """none, auto, a built-in family name, or a plan file's path (a value with a /; read at start-up)."""
     from patchswarm.protocol.layout_builtin import DENSE, MOE
 
     s = parse_str(v).strip()
     known = ["none", "auto", *sorted(DENSE | MOE)]
-    if s not in known:
-        raise ValueError(f"expected one of {', '.join(known)}, got {str(v)[:200]!r}")
-    return s
+    if s in known or ("/" in s and len(s) <= 4096 and "\0" not in s):
+        return s
+    raise ValueError(f"expected one of {', '.join(known)} or a plan file's path (with a /), got {str(v)[:200]!r}")
 
 
 def choice(*options: str) -> Callable[[Any], str]:
@@ -388,9 +388,9 @@ SCHEMA: list[Key] = [
         parse_plan,
         "none",
         "Layout plan mapping the model's tensors to each rank's runtime parameters: none (one store holding the "
-        "model as published), auto (the built-in plan for the architecture in the board's config.json), or a "
+        "model as published), auto (the built-in plan for the architecture in the board's config.json), a "
         "built-in family name (llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3; head counts "
-        "still from config.json).",
+        "still from config.json), or the path of a plan file (docs/models.md; read and checked at start-up).",
     ),
     Key(
         "store",

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from patchswarm.daemon.config import DaemonConfig
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
-from patchswarm.daemon.rank_stores import RankStores, resolve_plan
+from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError
 from patchswarm.daemon.weightstore import RegistrationError, check_registration, diff_updates
@@ -93,6 +93,12 @@ def open_rank_stores(host: RankHost, ranks: RankStores) -> None:
     A journal is rolled forward (or back) on every rank; each rank's root is verified where its
     weights live.  The host's version is the one every rank holds (None when any needs a load).
     """
+    setting = host.cfg["store.plan"]
+    if "/" in setting:
+        try:
+            ranks.plan_file = read_plan_file(setting)
+        except PlanRefused as e:
+            raise RankStartError(str(e)) from None
     try:
         ranks.open_existing()
     except StoreError as e:
@@ -111,7 +117,7 @@ async def activate_ranks(host: RankHost, ranks: RankStores, held: Held, off_loop
     The plan is resolved and checked against the model before any store is created or written.
     """
     if ranks.canonical != held.model.specs:
-        plan = resolve_plan(host.cfg["store.plan"], len(ranks), held.model.specs, held.model.metadata)
+        plan = resolve_plan(host.cfg["store.plan"], len(ranks), held.model.specs, held.model.metadata, ranks.plan_file)
         await off_loop(ranks.prepare, plan, held.model.specs)
         host.status.update(ranks=ranks.entries())
     common = ranks.common_version()

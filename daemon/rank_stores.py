@@ -45,7 +45,9 @@ from patchswarm.daemon.store_format import (
 )
 from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.errors import PlanError
+from patchswarm.protocol.files import InputFileError, read_file
 from patchswarm.protocol.layout_builtin import builtin_plan
+from patchswarm.protocol.layout_file import MAX_FILE_BYTES, PlanFile, parse_plan_file
 from patchswarm.protocol.layout_plan import LayoutPlan, rank_model
 from patchswarm.protocol.layout_route import Router, SlotChange
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
@@ -57,9 +59,29 @@ class PlanRefused(StoreError):
     """The layout plan does not fit the model (or store.ranks); nothing was written."""
 
 
-def resolve_plan(setting: str, ranks: int, canonical: list[TensorSpec], metadata: dict[str, str]) -> LayoutPlan:
-    """store.plan as a LayoutPlan for this model: auto (the family config.json names) or a family name,
-    from the board's config.json (manifest metadata ``checkpoint.files``).  PlanRefused: one line."""
+def read_plan_file(path: str) -> PlanFile:
+    """store.plan as a plan file: read (bounded) and parsed at start-up; PlanRefused (one line) otherwise."""
+    try:
+        data = read_file(path, MAX_FILE_BYTES)
+    except InputFileError as e:
+        raise PlanRefused(f"store.plan: cannot read the plan file {path}: {e.reason}") from None
+    try:
+        return parse_plan_file(data)
+    except PlanError as e:
+        raise PlanRefused(f"store.plan: {path}: {e}") from None
+
+
+def resolve_plan(
+    setting: str, ranks: int, canonical: list[TensorSpec], metadata: dict[str, str], plan_file: PlanFile | None = None
+) -> LayoutPlan:
+    """store.plan as a checked LayoutPlan for this model: a plan file's rules, or a built-in plan (auto: the
+    family config.json names; or a family name) from the board's config.json (manifest metadata
+    ``checkpoint.files``).  PlanRefused: one line."""
+    if plan_file is not None:
+        try:
+            return plan_file.expand(canonical, ranks)
+        except (PlanError, ValueError) as e:
+            raise PlanRefused(f"store.plan: {setting}: {e}") from None
     files = metadata.get("checkpoint.files")
     try:
         config = json.loads(json.loads(files)["config.json"]) if files else None
@@ -118,6 +140,7 @@ class RankStores:
         self.stores: list[WeightStore | None] = [None] * ranks
         self.plan: LayoutPlan | None = None
         self.canonical: list[TensorSpec] | None = None  # the model specs the plan was prepared for
+        self.plan_file: PlanFile | None = None  # store.plan as a plan file (read at start-up)
         self.router: Router | None = None
         self.roots: list[bytes | None] = [None] * ranks  # each rank's root of the version the host holds
         # Crash tests: called at "journal_tmp", "journaled", "between_ranks", "all_flipped"; store

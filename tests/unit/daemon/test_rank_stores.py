@@ -7,6 +7,7 @@ kill -9 runs are tests/unit/daemon/test_rank_crash.py and tests/system/test_daem
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -17,11 +18,12 @@ import pytest
 import torch
 
 from patchswarm.daemon.journal import journal_path, read_journal, read_journals
-from patchswarm.daemon.rank_stores import PlanRefused, RankStores, rank_store_names
+from patchswarm.daemon.rank_stores import PlanRefused, RankStores, rank_store_names, read_plan_file, resolve_plan
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
 from patchswarm.daemon.weightstore import WeightStore, diff_updates
-from patchswarm.protocol.served import TensorSpec, raw_bytes
-from tests.support.rank_plans import SPECS, expected_rank, split_plan, version_model
+from patchswarm.protocol.layout_plan import rank_model
+from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes
+from tests.support.rank_plans import SPECS, expected_rank, llama_rank, llama_state, split_plan, version_model
 from tests.support.store_worker import remove_segments, unique_name
 
 SEED = 5
@@ -269,3 +271,64 @@ def test_an_error_between_ranks_is_recovered_at_once(name: str, tmp_path: Path) 
     assert rs.common_version() == 2  # the journal was complete: rolled forward on every rank
     assert_ranks_hold(rs, 2, 2)
     rs.close()
+
+
+def llama_plan_file(tmp: Path) -> Path:
+    """The tiny Llama (tests/support/rank_plans.py) as a plan file (docs/models.md's format)."""
+    qkv = [f"model.layers.{{L}}.self_attn.{x}_proj.weight" for x in "qkv"]
+    gate_up = [f"model.layers.{{L}}.mlp.{x}_proj.weight" for x in ("gate", "up")]
+    rules: list[dict[str, object]] = [
+        {"match": "model.embed_tokens.weight", "rule": "vocab"},
+        {"match": "lm_head.weight", "rule": "vocab"},
+        *[
+            {"match": src, "rule": "fuse", "into": "model.layers.{L}.self_attn.qkv_proj.weight", "dim": 0,
+             "heads": [4, 2, 2], "order": qkv}
+            for src in qkv
+        ],
+        *[
+            {"match": src, "rule": "fuse", "into": "model.layers.{L}.mlp.gate_up_proj.weight", "dim": 0,
+             "order": gate_up}
+            for src in gate_up
+        ],
+        {"match": "model.layers.{L}.self_attn.o_proj.weight", "rule": "split", "dim": 1},
+        {"match": "model.layers.{L}.mlp.down_proj.weight", "rule": "split", "dim": 1},
+        {"match": "model.layers.{L}.input_layernorm.weight", "rule": "replicate"},
+        {"match": "model.layers.{L}.post_attention_layernorm.weight", "rule": "replicate"},
+        {"match": "model.norm.weight", "rule": "replicate"},
+    ]  # fmt: skip
+    path = tmp / "llama.plan.json"
+    path.write_text(json.dumps({"format": "patchswarm-layout-plan", "version": 1, "rules": rules}))
+    return path
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_plan_file_gives_the_engines_slices(tmp_path: Path, tp: int) -> None:
+    state, _ = llama_state(1)
+    model = ServedModel.from_tensors({k: v.to(torch.bfloat16) for k, v in state.items()})
+    path = str(llama_plan_file(tmp_path))
+    plan = resolve_plan(path, tp, model.specs, {}, read_plan_file(path))
+    typed = {s.name: model.typed(i) for i, s in enumerate(model.specs)}
+    for r in range(tp):
+        got = rank_model(plan, model, r)
+        want = llama_rank(typed, tp, r)
+        assert [s.name for s in got.specs] == sorted(want)
+        assert all(torch.equal(got.data[i], raw_bytes(want[s.name])) for i, s in enumerate(got.specs))
+
+
+def test_bad_plan_files_are_refused_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "patchswarm-layout-plan", "version": 1, "rules": [{"match": "x", "rule": "split"}]}')
+    with pytest.raises(PlanRefused, match=r"^store\.plan: .*bad\.json: plan file: ") as e:
+        read_plan_file(str(bad))
+    assert "\n" not in str(e.value)
+    with pytest.raises(PlanRefused, match="cannot read the plan file"):
+        read_plan_file(str(tmp_path / "missing.json"))
+    # Parses, but leaves a tensor of the model unmapped: refused when the model is known.
+    state, _ = llama_state(1)
+    model = ServedModel.from_tensors({k: v.to(torch.bfloat16) for k, v in state.items()})
+    path = llama_plan_file(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["rules"] = [r for r in doc["rules"] if r["match"] != "model.norm.weight"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanRefused, match=r"model\.norm\.weight"):
+        resolve_plan(str(path), 2, model.specs, {}, read_plan_file(str(path)))
