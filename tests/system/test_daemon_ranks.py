@@ -209,3 +209,28 @@ async def test_engine_buffers_register_per_rank_and_the_version_waits_for_every_
         d.cleanup()
         remove_segments(d.store)
         await sw.close()
+
+
+@pytest.mark.asyncio
+async def test_a_bad_plan_file_stops_the_daemon_with_one_line(tmp_path: Path) -> None:
+    sw = llama_swarm(tmp_path)
+    sw.publish()
+    await sw.start_seed()
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"format": "patchswarm-layout-plan", "version": 7, "rules": []}')
+    d = rank_daemon(sw, tmp_path, 2, plan=str(plan), name="badfile")
+    d.start()
+    try:
+        assert d.proc is not None
+        for _ in range(1200):
+            if d.proc.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert d.proc.returncode not in (None, 0), d.log.read_text()[-2000:]
+        lines = [ln for ln in d.log.read_text().splitlines() if "store.plan" in ln]
+        assert lines and f"{plan}: plan file: version 7" in lines[-1], d.log.read_text()[-2000:]
+        assert not list(Path("/dev/shm").glob(f"{d.store}.r*"))
+    finally:
+        d.cleanup()
+        remove_segments(d.store)
+        await sw.close()
