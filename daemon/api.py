@@ -4,7 +4,7 @@
     GET  /v1/version                 applied version and its state root
     GET  /v1/wait?version=N&timeout=S   long poll until version N is applied (or the timeout)
     GET  /v1/events                  server-sent events: one per state change
-    GET  /v1/layout                  the weight layout and how to attach to the store
+    GET  /v1/layout?rank=K           the weight layout and how to attach to the store (of rank K: store.ranks > 1)
     POST /v1/ack                     an engine acknowledges the version it now serves
     POST /v1/store                   an engine registers the buffer it allocated (store.kind cuda, engine-shm)
     GET  /metrics                    Prometheus metrics
@@ -46,6 +46,8 @@ METRICS_KEY: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics", object)  # 
 # body -> (HTTP status, JSON answer); the daemon checks and maps the engine's buffer
 StoreRegistrar = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
 REGISTER_KEY: web.AppKey[StoreRegistrar | None] = web.AppKey("register", object)  # type: ignore[arg-type]
+RANK_LAYOUT_KEY: web.AppKey[Callable[[int], dict[str, Any] | None]] = web.AppKey("rank_layout", object)  # type: ignore[arg-type]
+RANKS_KEY: web.AppKey[int] = web.AppKey("ranks", int)
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -105,8 +107,26 @@ async def events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def parse_rank(raw: Any, ranks: int) -> int:
+    """A rank number in [0, ranks) from a query string or a JSON body; ValueError (one line) otherwise.
+    None means rank 0 when the daemon feeds one store, and is refused when it feeds several."""
+    if raw is None:
+        if ranks > 1:
+            raise ValueError(f"rank is needed: this daemon feeds {ranks} rank stores (rank=0..{ranks - 1})")
+        return 0
+    if isinstance(raw, str) and raw.isdigit() and len(raw) <= 6:
+        raw = int(raw)
+    if type(raw) is not int or not 0 <= raw < ranks:
+        raise ValueError(f"rank must be a whole number from 0 to {ranks - 1}")
+    return raw
+
+
 async def layout(request: web.Request) -> web.Response:
-    info = request.app[LAYOUT_KEY]()
+    try:
+        rank = parse_rank(request.query.get("rank"), request.app[RANKS_KEY])
+    except ValueError as e:
+        return _bad(str(e))
+    info = request.app[RANK_LAYOUT_KEY](rank)
     if info is None:
         return _json({"error": "NotReady", "message": "no version loaded into the store yet"}, 409)
     return _json(info)
@@ -160,12 +180,18 @@ def make_api_app(
     metrics_text: Callable[[], bytes],
     *,
     register_store: StoreRegistrar | None = None,
+    ranks: int = 1,
+    rank_layout: Callable[[int], dict[str, Any] | None] | None = None,
 ) -> web.Application:
+    """``layout_info`` answers GET /v1/layout for one store; a daemon feeding ``ranks`` rank stores gives
+    ``rank_layout`` (rank -> layout) instead, and /v1/layout then needs ?rank=K when ranks > 1."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[STATUS_KEY] = st
     app[LAYOUT_KEY] = layout_info
     app[METRICS_KEY] = metrics_text
     app[REGISTER_KEY] = register_store
+    app[RANKS_KEY] = ranks
+    app[RANK_LAYOUT_KEY] = rank_layout if rank_layout is not None else (lambda rank: layout_info())
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/version", version)
     app.router.add_get("/v1/wait", wait)

@@ -218,6 +218,25 @@ def parse_device(v: Any) -> str:
     raise ValueError(f"expected '', 'cpu', 'cuda:N' or 'GPU-<uuid>', got {v!r}")
 
 
+def parse_devices(v: Any) -> list[str]:
+    if isinstance(v, str):
+        v = [x for x in v.split(",") if x.strip()]
+    if not isinstance(v, list) or len(v) > 256:
+        raise ValueError("expected a list of devices (cuda:N or GPU-<uuid>), at most 256")
+    return [parse_device(x) for x in v]
+
+
+def parse_plan(v: Any) -> str:
+    """none, auto, a built-in family name, or a plan file's path (a value with a /; read at start-up)."""
+    from patchswarm.protocol.layout_builtin import DENSE, MOE
+
+    s = parse_str(v).strip()
+    known = ["none", "auto", *sorted(DENSE | MOE)]
+    if s in known or ("/" in s and len(s) <= 4096 and "\0" not in s):
+        return s
+    raise ValueError(f"expected one of {', '.join(known)} or a plan file's path (with a /), got {str(v)[:200]!r}")
+
+
 def choice(*options: str) -> Callable[[Any], str]:
     def parse(v: Any) -> str:
         if v not in options:
@@ -354,6 +373,33 @@ SCHEMA: list[Key] = [
         "Capacity in bytes ('16GiB'); 0 = exactly the model. A model larger than this is refused (engine stores: "
         "the engine's buffer must hold the model; registering a smaller one gets 422 BufferTooSmall).",
     ),
+    Key(
+        "store",
+        "ranks",
+        count_in(1, 256),
+        1,
+        "Rank stores this daemon feeds (tensor-parallel ranks on this host), each holding only its rank's part "
+        "of the model, named <store.name>.r<k> when more than 1 (store.size then applies to each). More than 1 "
+        "needs store.plan.",
+    ),
+    Key(
+        "store",
+        "plan",
+        parse_plan,
+        "none",
+        "Layout plan mapping the model's tensors to each rank's runtime parameters: none (one store holding the "
+        "model as published), auto (the built-in plan for the architecture in the board's config.json), a "
+        "built-in family name (llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3; head counts "
+        "still from config.json), or the path of a plan file (docs/models.md; read and checked at start-up).",
+    ),
+    Key(
+        "store",
+        "devices",
+        parse_devices,
+        [],
+        "store.kind cuda with store.ranks > 1: the GPU of each rank's buffer, one per rank (cuda:N or GPU-<uuid>); "
+        "empty = any GPU. Ignored by shm and engine-shm stores.",
+    ),
     Key("api", "socket", parse_str, "/run/patchswarm/api.sock", "Unix socket of the local HTTP API."),
     Key("api", "group", parse_str, "", "Group owning the socket (mode 0660); empty = the daemon's group."),
     Key(
@@ -441,6 +487,7 @@ OTHER_ENV = frozenset(
         "PATCHSWARM_FAULT_AT",
         "PATCHSWARM_HTTP_EXEMPT_LOOPBACK",  # tests: count loopback clients too (swarm/serving.py)
         "PATCHSWARM_FAULT_KILLS",
+        "PATCHSWARM_CRASH_ROUNDS",  # tests: kills per point between rank activations (test_daemon_crash.py)
         "PATCHSWARM_CRASH_KILLS",
         "PATCHSWARM_BENCH_CONFIG",
         "PATCHSWARM_BENCH_PROFILE",
@@ -555,7 +602,27 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
             values[key.path] = key.parse(value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
+    _check_ranks(values)
     return DaemonConfig(values, source, tuple(unknown_env(env)))
+
+
+def _check_ranks(values: Mapping[str, Any]) -> None:
+    """store.ranks, store.plan and store.devices together (one line naming the key at fault)."""
+    ranks, plan, devices = values["store.ranks"], values["store.plan"], values["store.devices"]
+    if ranks > 1 and plan == "none":
+        raise ConfigError(
+            f"store.plan: store.ranks = {ranks} needs a layout plan (auto, a built-in family or a plan file)"
+        )
+    if values["store.kind"] != "cuda":
+        return  # (store.devices is ignored: shm buffers have no device)
+    if devices and len(devices) != ranks:
+        raise ConfigError(f"store.devices: {len(devices)} device(s) for store.ranks = {ranks}: give one per rank")
+    if devices and values["store.device"]:
+        raise ConfigError("store.device: set store.devices (one per rank) or store.device, not both")
+    if ranks > 1 and values["store.device"]:
+        raise ConfigError(f"store.device: one GPU for store.ranks = {ranks}: use store.devices, one per rank")
+    if any(d == "cpu" for d in devices):
+        raise ConfigError("store.devices: 'cpu' is not a GPU for store.kind 'cuda'")
 
 
 def reference_markdown() -> str:

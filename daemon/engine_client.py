@@ -56,12 +56,16 @@ class DaemonClient:
         finally:
             conn.close()
 
-    def layout(self, wait_s: float = 0.0, poll_s: float = 0.2) -> dict[str, Any]:
-        """GET /v1/layout; retries while the daemon is down or has no layout yet, for up to ``wait_s``."""
+    def layout(self, wait_s: float = 0.0, poll_s: float = 0.2, rank: int | None = None) -> dict[str, Any]:
+        """GET /v1/layout (of rank store ``rank``: a daemon with store.ranks > 1); retries while the
+        daemon is down or has no layout yet, for up to ``wait_s``."""
         deadline = time.monotonic() + wait_s
+        path = "/v1/layout" if rank is None else f"/v1/layout?rank={int(rank)}"
         while True:
             try:
-                code, body = self.request("GET", "/v1/layout")
+                code, body = self.request("GET", path)
+                if code == 400:
+                    raise StoreError(f"the daemon refused the layout request: {body.get('message')}")
                 if code == 200:
                     return dict(body)
                 why = f"{code} {body}"
@@ -71,11 +75,13 @@ class DaemonClient:
                 raise StoreError(f"no store layout from the daemon: {why}")
             time.sleep(poll_s)
 
-    def register(self, view: EngineView, engine: str) -> dict[str, Any]:
-        """POST /v1/store with the engine's buffer; the daemon's 4xx answer becomes a StoreError."""
+    def register(self, view: EngineView, engine: str, rank: int | None = None) -> dict[str, Any]:
+        """POST /v1/store with the engine's buffer (for rank store ``rank``); a 4xx answer becomes a StoreError."""
         if view.handle is None:
             raise StoreError("only an engine-allocated view (allocate) has a buffer to register")
-        body = {"engine": engine, "layout_hash": view.layout.layout_hash.hex(), "buffer": view.handle}
+        body: dict[str, Any] = {"engine": engine, "layout_hash": view.layout.layout_hash.hex(), "buffer": view.handle}
+        if rank is not None:
+            body["rank"] = int(rank)
         code, answer = self.request("POST", "/v1/store", body)
         if code >= 400:
             raise StoreError(f"the daemon refused the buffer ({code} {answer.get('error')}): {answer.get('message')}")
@@ -90,15 +96,16 @@ class DaemonClient:
         self.request("POST", "/v1/ack", {"engine": engine, "version": version})
 
     def open_store(
-        self, device: torch.device | str = "cpu", engine: str = "engine", wait_s: float = 60.0
+        self, device: torch.device | str = "cpu", engine: str = "engine", wait_s: float = 60.0, rank: int | None = None
     ) -> EngineView:
-        """Map the daemon's store: attach to a host store, or allocate on ``device`` and register."""
-        info = self.layout(wait_s)["attach"]
+        """Map the daemon's store (rank ``rank``'s, for a tensor-parallel engine's rank): attach to a host
+        store, or allocate on ``device`` and register."""
+        info = self.layout(wait_s, rank=rank)["attach"]
         if info["kind"] == "shm":
             return attach(info)
         view = allocate(info, device)
         try:
-            self.register(view, engine)
+            self.register(view, engine, rank)
         except BaseException:
             view.close()
             raise

@@ -4,11 +4,18 @@ One file, ``<journal dir>/activation.journal``, exists exactly while an activati
 left the store between two versions.  It holds absolute values (positions, old words, new
 words per tensor), so re-applying either side is idempotent.  Bytes:
 
-    magic "PSWJRNL1" | u32 format=1 | u32 H | H bytes msgpack header | body | BLAKE3-256 of all before
+    magic "PSWJRNL1" | u32 format | u32 H | H bytes msgpack header | body | BLAKE3-256 of all before
 
+format 1 (one store):
 header = {"layout_hash", "base": [version, root], "target": [version, root],
           "tensors": [[slot, count, pos_width (0: dense, 4 or 8), word_width], ...]}
 body   = per tensor: count positions (u32/i64 LE), count old words, count new words.
+
+format 2 (rank stores, daemon/rank_stores.py): one activation of N stores, all in one file, so
+recovery sees every rank's writes or none of them:
+header = {"ranks": [<a format-1 header>, ...]} (rank order); body = rank 0's tensors, rank 1's, ...
+A new format number rather than a format-1 header with a list: a reader of format 1 must not take
+a journal covering several stores for one store's.
 
 It is written with protocol/files.py's ``write_atomic`` (a temporary file, fsynced, renamed) and
 the directory fsynced; removed (and the directory fsynced) after the version flip.  ``recover``
@@ -21,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -49,6 +56,7 @@ from patchswarm.protocol.files import fsync_dir as _fsync_dir  # (a name the fau
 JOURNAL_NAME = "activation.journal"
 MAGIC = b"PSWJRNL1"
 FORMAT = 1
+FORMAT_RANKS = 2
 _PREFIX = struct.Struct("<8sII")
 _WRITE_CHUNK = 64 << 20
 _MAX_HEADER = 64 << 20
@@ -91,13 +99,27 @@ def write_journal(
     *,
     fault: Callable[[str], None] | None = None,
 ) -> int:
-    """Write and fsync the journal; returns its size.  Any OSError (ENOSPC...) becomes JournalError."""
+    """Write and fsync one store's journal; returns its size.  Any OSError (ENOSPC...) becomes JournalError."""
+    return _write(journal_dir, [Journal(layout_hash, base, target, updates)], FORMAT, fault)
+
+
+def write_rank_journal(journal_dir: Path, ranks: list[Journal], *, fault: Callable[[str], None] | None = None) -> int:
+    """Write and fsync one journal covering the activation of every rank store (format 2)."""
+    return _write(journal_dir, ranks, FORMAT_RANKS, fault)
+
+
+def _rank_header(j: Journal) -> tuple[dict[str, object], list[list[int]]]:
     tensors = []
-    for u in updates:
+    for u in j.updates:
         n = u.count
         pw = 0 if u.positions is None else 4 if n == 0 or int(u.positions.max()) < (1 << 32) else 8
         tensors.append([u.slot, n, pw, u.new.element_size()])
-    header = msgpack.packb({"layout_hash": layout_hash, "base": list(base), "target": list(target), "tensors": tensors})
+    return {"layout_hash": j.layout_hash, "base": list(j.base), "target": list(j.target), "tensors": tensors}, tensors
+
+
+def _write(journal_dir: Path, entries: list[Journal], fmt: int, fault: Callable[[str], None] | None) -> int:
+    heads = [_rank_header(j) for j in entries]
+    header = msgpack.packb(heads[0][0] if fmt == FORMAT else {"ranks": [h for h, _ in heads]})
     path = journal_path(journal_dir)
     size = 0
 
@@ -106,12 +128,13 @@ def write_journal(
         h = blake3.blake3(max_threads=blake3.blake3.AUTO)
         fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
         try:
-            parts = [memoryview(_PREFIX.pack(MAGIC, FORMAT, len(header))), memoryview(header)]
-            for u, (_, _, pw, _) in zip(updates, tensors, strict=True):
-                if u.positions is not None:
-                    pos = u.positions.detach().cpu().numpy().astype("<u4" if pw == 4 else "<i8", copy=False)
-                    parts.append(np.ascontiguousarray(pos).data.cast("B"))
-                parts += [_host_bytes(u.old), _host_bytes(u.new)]
+            parts = [memoryview(_PREFIX.pack(MAGIC, fmt, len(header))), memoryview(header)]
+            for j, (_, tensors) in zip(entries, heads, strict=True):
+                for u, (_, _, pw, _) in zip(j.updates, tensors, strict=True):
+                    if u.positions is not None:
+                        pos = u.positions.detach().cpu().numpy().astype("<u4" if pw == 4 else "<i8", copy=False)
+                        parts.append(np.ascontiguousarray(pos).data.cast("B"))
+                    parts += [_host_bytes(u.old), _host_bytes(u.new)]
             for k, part in enumerate(parts):
                 _write_all(fd, part, h)
                 size += len(part)
@@ -142,8 +165,19 @@ def journal_limit(nbytes: int) -> int:
 
 
 def read_journal(journal_dir: Path, limit: int = 1 << 62) -> Journal | None:
-    """The journal, if one exists; TornJournalError if it is truncated, corrupt, larger than
-    ``limit`` or not a regular file (read through protocol.files: bounded, no FIFO or device)."""
+    """The journal of one store, if one exists; TornJournalError if it is truncated, corrupt, larger than
+    ``limit`` or not a regular file (read through protocol.files: bounded, no FIFO or device);
+    StoreLayoutMismatch if it covers several rank stores (format 2)."""
+    js = read_journals(journal_dir, limit)
+    if js is None:
+        return None
+    if len(js) != 1:
+        raise StoreLayoutMismatch(f"the journal in {journal_dir} covers {len(js)} rank stores, not one store")
+    return js[0]
+
+
+def read_journals(journal_dir: Path, limit: int = 1 << 62) -> list[Journal] | None:
+    """Every store's part of the journal (format 1: one; format 2: one per rank), or None if there is none."""
     path = journal_path(journal_dir)
     try:
         data = read_file(path, limit)
@@ -163,23 +197,29 @@ def read_journal(journal_dir: Path, limit: int = 1 << 62) -> Journal | None:
     if h.digest() != data[body_end:]:
         raise TornJournalError(f"{path}: checksum mismatch")
     magic, fmt, hlen = _PREFIX.unpack_from(data)
-    if magic != MAGIC or fmt != FORMAT or hlen > _MAX_HEADER:
-        raise TornJournalError(f"{path}: not a journal of format {FORMAT}")
+    if magic != MAGIC or fmt not in (FORMAT, FORMAT_RANKS) or hlen > _MAX_HEADER:
+        raise TornJournalError(f"{path}: not a journal of format {FORMAT} or {FORMAT_RANKS}")
+    out: list[Journal] = []
     try:
         hd = msgpack.unpackb(data[_PREFIX.size : _PREFIX.size + hlen])
-        base = (int(hd["base"][0]), bytes(hd["base"][1]))
-        target = (int(hd["target"][0]), bytes(hd["target"][1]))
+        heads = [hd] if fmt == FORMAT else hd["ranks"]
+        if not isinstance(heads, list) or not heads:
+            raise ValueError("no ranks")
         body = _Body(data, _PREFIX.size + hlen, body_end)
-        updates: list[TensorUpdate] = []
-        for slot, n, pw, ww in hd["tensors"]:
-            pos = None if pw == 0 else body.take(n, "<u4" if pw == 4 else "<i8").to(torch.int64)
-            old = body.take(n, f"<i{ww}")
-            updates.append(TensorUpdate(int(slot), pos, body.take(n, f"<i{ww}"), old))
+        for rh in heads:
+            base = (int(rh["base"][0]), bytes(rh["base"][1]))
+            target = (int(rh["target"][0]), bytes(rh["target"][1]))
+            updates: list[TensorUpdate] = []
+            for slot, n, pw, ww in rh["tensors"]:
+                pos = None if pw == 0 else body.take(n, "<u4" if pw == 4 else "<i8").to(torch.int64)
+                old = body.take(n, f"<i{ww}")
+                updates.append(TensorUpdate(int(slot), pos, body.take(n, f"<i{ww}"), old))
+            out.append(Journal(bytes(rh["layout_hash"]), base, target, updates))
     except (KeyError, TypeError, ValueError, IndexError, msgpack.UnpackException) as e:
         raise TornJournalError(f"{path}: malformed: {e}") from None
     if body.off != body_end:
         raise TornJournalError(f"{path}: body longer than its header says")
-    return Journal(bytes(hd["layout_hash"]), base, target, updates)
+    return out
 
 
 class _Body:
@@ -266,43 +306,112 @@ def recover(store: JournaledStore, journal_dir: Path | str, *, verify: bool = Tr
     if hdr.state in (StoreState.EMPTY, StoreState.LOADING, StoreState.FAILED):
         remove_journal(journal_dir)  # no version to finish or restore (e.g. a new engine buffer): load one
         return Recovery(Action.NEEDS_LOAD, None, None)
-    ready = hdr.state == StoreState.READY and hdr.stable
     try:
         j = read_journal(journal_dir, journal_limit(store.layout.nbytes))
     except TornJournalError:
-        # Renamed only once complete and fsynced, a torn journal means the disk lost it: memory
-        # was not touched if the fence is closed; otherwise the contents are unknown.
         remove_journal(journal_dir)
-        if not ready:
-            store.mark_failed()
-            return Recovery(Action.NEEDS_LOAD, None, None)
-        _check(store, hdr.root, hdr.version, verify)
-        return Recovery(Action.DISCARDED, hdr.version, hdr.root)
+        return _without_journal(store, verify, Action.DISCARDED)
     if j is None:
-        if ready:
-            _check(store, hdr.root, hdr.version, verify)
-            return Recovery(Action.CLEAN, hdr.version, hdr.root)
-        store.mark_failed()  # a write in progress with no journal: the journal directory was lost
-        return Recovery(Action.NEEDS_LOAD, None, None)
-    if j.layout_hash != store.layout.layout_hash:
-        raise StoreLayoutMismatch(f"the journal in {journal_dir} was written for another store layout")
-    if ready and hdr.version not in (j.base[0], j.target[0]):
-        raise StoreError(f"the journal moves {j.base[0]} -> {j.target[0]} but the store holds {hdr.version}")
-    if store.data is None:
-        raise StoreError("the store has no engine buffer attached; recover after the engine registers one")
+        return _without_journal(store, verify, Action.CLEAN)
+    _check_journal(store, j, journal_dir)
     staged = store.stage(j.updates)
-    store.control.begin(StoreState.RECOVERING)
-    if store.write_values(staged) and (not verify or store.root() == j.target[1]):
-        store.control.publish(*j.target, StoreState.READY)
+    if _side(store, staged, j.target, verify, new=True):
         remove_journal(journal_dir)
         return Recovery(Action.ROLLED_FORWARD, *j.target)
-    if store.write_values(staged, new=False) and (not verify or store.root() == j.base[1]):
-        store.control.publish(*j.base, StoreState.READY)
+    if _side(store, staged, j.base, verify, new=False):
         remove_journal(journal_dir)
         return Recovery(Action.ROLLED_BACK, *j.base)
     store.control.publish(0, bytes(32), StoreState.FAILED)
     remove_journal(journal_dir)
     raise StoreVerifyError(f"store after recovering version {j.target[0]}", j.target[1], store.root())
+
+
+def recover_ranks(stores: Sequence[JournaledStore], journal_dir: Path | str, *, verify: bool = True) -> list[Recovery]:
+    """``recover`` for the N rank stores of one daemon, whose activations share one journal (format 2).
+
+    A complete journal is rolled forward on every rank that holds a version (READY at the base or
+    the target, or mid-write); if any rank's new values do not verify, every rank is rolled back to
+    the base, so all ranks end at one version.  A rank with no version (a new engine buffer, an
+    interrupted load) needs a load whatever the journal says.  Without a journal each rank is
+    checked on its own (``recover``'s table).
+    """
+    journal_dir = Path(journal_dir)
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    _remove_temporaries(journal_dir)
+    empty = [s.header().state in (StoreState.EMPTY, StoreState.LOADING, StoreState.FAILED) for s in stores]
+    try:
+        js = read_journals(journal_dir, sum(journal_limit(s.layout.nbytes) for s in stores))
+    except TornJournalError:
+        remove_journal(journal_dir)
+        js, torn = None, True
+    else:
+        torn = False
+    if js is None:
+        return [
+            Recovery(Action.NEEDS_LOAD, None, None)
+            if e
+            else _without_journal(s, verify, Action.DISCARDED if torn else Action.CLEAN)
+            for s, e in zip(stores, empty, strict=True)
+        ]
+    if len(js) != len(stores):
+        raise StoreLayoutMismatch(f"the journal in {journal_dir} covers {len(js)} stores; the daemon has {len(stores)}")
+    live = [(s, j) for s, j, e in zip(stores, js, empty, strict=True) if not e]
+    for s, j in live:
+        _check_journal(s, j, journal_dir)
+    staged = [s.stage(j.updates) for s, j in live]
+    if all(_side(s, st, j.target, verify, new=True) for (s, j), st in zip(live, staged, strict=True)):
+        action = Action.ROLLED_FORWARD
+    elif all([_side(s, st, j.base, verify, new=False) for (s, j), st in zip(live, staged, strict=True)]):
+        action = Action.ROLLED_BACK  # (a list: every rank is rolled back, even after one fails)
+    else:
+        for s, _ in live:
+            if s.header().state != StoreState.READY:
+                s.mark_failed()
+        remove_journal(journal_dir)
+        raise StoreVerifyError(f"rank stores after recovering version {js[0].target[0]}", js[0].target[1], bytes(32))
+    remove_journal(journal_dir)
+    out = []
+    for j, e in zip(js, empty, strict=True):
+        side = j.target if action == Action.ROLLED_FORWARD else j.base
+        out.append(Recovery(Action.NEEDS_LOAD, None, None) if e else Recovery(action, *side))
+    return out
+
+
+def _without_journal(store: JournaledStore, verify: bool, action: Action) -> Recovery:
+    """No (usable) journal: a closed fence names the version held; an open one means unknown contents.
+
+    A torn journal was renamed only once complete and fsynced, so it means the disk lost it: memory
+    was not touched if the fence is closed.  A write in progress with no journal: the journal
+    directory was lost."""
+    hdr = store.header()
+    if hdr.state in (StoreState.EMPTY, StoreState.LOADING, StoreState.FAILED):
+        return Recovery(Action.NEEDS_LOAD, None, None)
+    if not (hdr.state == StoreState.READY and hdr.stable):
+        store.mark_failed()
+        return Recovery(Action.NEEDS_LOAD, None, None)
+    _check(store, hdr.root, hdr.version, verify)
+    return Recovery(action, hdr.version, hdr.root)
+
+
+def _check_journal(store: JournaledStore, j: Journal, journal_dir: Path) -> None:
+    hdr = store.header()
+    if j.layout_hash != store.layout.layout_hash:
+        raise StoreLayoutMismatch(f"the journal in {journal_dir} was written for another store layout")
+    if hdr.state == StoreState.READY and hdr.stable and hdr.version not in (j.base[0], j.target[0]):
+        raise StoreError(f"the journal moves {j.base[0]} -> {j.target[0]} but the store holds {hdr.version}")
+    if store.data is None:
+        raise StoreError("the store has no engine buffer attached; recover after the engine registers one")
+
+
+def _side(
+    store: JournaledStore, staged: list[TensorUpdate], side: tuple[int, bytes], verify: bool, *, new: bool
+) -> bool:
+    """Write one side (new or old values) of a journaled activation inside the fence; publish it if it verifies."""
+    store.control.begin(StoreState.RECOVERING)
+    if store.write_values(staged, new=new) and (not verify or store.root() == side[1]):
+        store.control.publish(*side, StoreState.READY)
+        return True
+    return False
 
 
 def _check(store: JournaledStore, root: bytes, version: int, verify: bool) -> None:

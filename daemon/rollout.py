@@ -38,6 +38,17 @@ from patchswarm.daemon.journal import recover
 from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.pull_state import PullState
+from patchswarm.daemon.rank_rollout import (
+    FAULT_ENV,
+    RankStartError,
+    activate_ranks,
+    open_rank_stores,
+    rank_layout,
+    rank_stores_for,
+    register_rank,
+    store_gpus,
+)
+from patchswarm.daemon.rank_stores import RankStores
 from patchswarm.daemon.sidecar import DrainTimeoutError
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_format import (
@@ -88,7 +99,7 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
 
 
 log = logging.getLogger("patchswarm.daemon")
-FAULT_ENV = "PATCHSWARM_FAULT_AT"
+
 HEAD_REFUSED = "head refused"  # status reason prefix while the newest head fails verification
 EXPORT_FAILED = "export.dir"  # status reason prefix while the last checkpoint export failed
 AWAITING_ENGINE = "waiting for the engine to register its buffer (POST /v1/store)"
@@ -133,6 +144,7 @@ class RolloutDaemon:
         # Engine-allocated stores (store.kind cuda / engine-shm): the engine registers its buffer.
         self.engine_kind = cfg["store.kind"] in ENGINE_BUFFER_KINDS
         self.device_uuid: str | None = None  # the GPU a CUDA buffer must be on (None: any)
+        self.rank_devices: list[str | None] = []  # per rank store (store.devices), the same
         self._loading: asyncio.Task[None] | None = None
         self._drain: asyncio.Future[None] | None = None  # the sidecar drain an activation waits on
         self._stopping = False
@@ -143,6 +155,8 @@ class RolloutDaemon:
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the API socket this process bound
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
+        # store.plan other than none: N rank stores in the engine's runtime layout (daemon/rank_stores.py)
+        self.ranks: RankStores | None = rank_stores_for(cfg, self.journal_dir, self.engine_kind)
 
     # ------------------------------------------------------------ start-up
 
@@ -182,6 +196,12 @@ class RolloutDaemon:
         the version the store claims before anything is reported or served.
         """
         self._check_store_config()
+        if self.ranks is not None:
+            try:
+                open_rank_stores(self, self.ranks)
+            except RankStartError as e:
+                raise DaemonError(str(e)) from None
+            return
         try:
             store = WeightStore.open(self.cfg.store_name)  # an engine buffer is re-imported if the engine lives
         except StoreMissingError:
@@ -240,7 +260,10 @@ class RolloutDaemon:
         state.restore_into(self.trust)
         self._lock_store()
         self._open_store()
-        api = make_api_app(self.status, self._layout_info, self._metrics_text, register_store=self._register_store)
+        api = make_api_app(
+            self.status, lambda: self._layout_info(0), self._metrics_text, register_store=self._register_store,
+            ranks=self.cfg["store.ranks"], rank_layout=self._layout_info,
+        )  # fmt: skip
         try:
             self._runners.append(await serve_unix(api, self.cfg["api.socket"], self.cfg["api.group"], limits))
         except (PermissionError, SocketInUseError) as e:
@@ -335,8 +358,9 @@ class RolloutDaemon:
         self._failed_because = None
         self.shadow = held
         self._persist_state()
-        if not applied:  # the version waits in the shadow until the engine registers a buffer
-            self.status.update(phase=Phase.IDLE, reason=AWAITING_ENGINE)
+        if not applied:  # the version waits in the shadow until the engine registers a buffer (or the
+            # rank stores hold a newer one already: a restart catching up from an anchor)
+            self.status.update(phase=Phase.IDLE, reason=AWAITING_ENGINE if self._awaiting_engine() else None)
             return
         self.status.update(
             phase=Phase.IDLE, version=held.version, root=state_root(held.model.specs, held.digests).hex()
@@ -360,6 +384,8 @@ class RolloutDaemon:
 
     async def _activate(self, held: Held) -> bool:
         """Write ``held`` into the store; False when an engine store has no buffer to write into yet."""
+        if self.ranks is not None:
+            return await activate_ranks(self, self.ranks, held, off_loop)
         root = state_root(held.model.specs, held.digests)
         layout = StoreLayout.from_specs(held.model.specs)
         if self.store is not None and self.store.layout.layout_hash != layout.layout_hash:
@@ -495,6 +521,7 @@ class RolloutDaemon:
 
     def _check_store_config(self) -> None:
         kind, dev = self.cfg["store.kind"], self.cfg["store.device"]
+        self.rank_devices = [None] * self.cfg["store.ranks"]
         if kind != "cuda":
             if dev not in ("", "cpu"):
                 raise DaemonError(f"store.device: {dev!r} needs store.kind = 'cuda' (store.kind is {kind!r})")
@@ -503,24 +530,31 @@ class RolloutDaemon:
 
         if not torch.cuda.is_available():
             raise DaemonError("store.kind: 'cuda' needs CUDA in the daemon's process (torch.cuda.is_available() false)")
-        if dev.lower().startswith("gpu-"):
-            self.device_uuid = dev
-        elif dev.startswith("cuda:"):
-            index, count = int(dev[5:]), torch.cuda.device_count()
-            if index >= count:
-                raise DaemonError(f"store.device: {dev}, but this process sees {count} GPU(s)")
-            self.device_uuid = str(torch.cuda.get_device_properties(index).uuid)
-        elif dev:
-            raise DaemonError(f"store.device: {dev!r} is not a GPU for store.kind 'cuda' (use cuda:N or GPU-<uuid>)")
+        try:
+            self.device_uuid, self.rank_devices = store_gpus(self.cfg)
+        except RankStartError as e:
+            raise DaemonError(str(e)) from None
 
     def _awaiting_engine(self) -> bool:
+        if self.ranks is not None:
+            return self.engine_kind and any(s is not None and s.data is None for s in self.ranks.stores)
         return self.engine_kind and self.store is not None and self.store.data is None
+
+    def _holds(self, version: int) -> bool:
+        """Whether the store (every rank store) holds ``version``."""
+        if self.ranks is not None:
+            return self.ranks.common_version() == version
+        return self.store is not None and self.store.header().state == StoreState.READY
 
     async def _register_store(self, body: Any) -> tuple[int, dict[str, Any]]:
         """POST /v1/store: the engine gives the daemon its buffer; the current version is loaded into it."""
         if not self.engine_kind:
             msg = "store.kind is 'shm': the daemon allocates the store; attach with GET /v1/layout"
             return 409, {"error": "NotEngineStore", "message": msg}
+        if self.ranks is not None:
+            return await register_rank(self, self.ranks, body)
+        if isinstance(body, dict) and body.get("rank") not in (None, 0):
+            return 400, {"error": "BadRequest", "message": "rank must be 0: this daemon feeds one store"}
         if self.store is None:
             msg = "the daemon holds no version yet, so the store has no layout: register once GET /v1/layout answers"
             return 409, {"error": "NotReady", "message": msg}
@@ -562,7 +596,7 @@ class RolloutDaemon:
         while True:
             async with self._activating:
                 held = self.shadow
-                if held is None or self.store is None or self.store.header().state == StoreState.READY:
+                if held is None or self._holds(held.version) or (self.store is None and self.ranks is None):
                     return
                 self.status.update(phase=Phase.ACTIVATING, target=max(held.version, self.status.target or 0))
                 try:
@@ -577,7 +611,9 @@ class RolloutDaemon:
 
     # ------------------------------------------------------------ reporting
 
-    def _layout_info(self) -> dict[str, Any] | None:
+    def _layout_info(self, rank: int = 0) -> dict[str, Any] | None:
+        if self.ranks is not None:
+            return rank_layout(self.ranks, rank, self.engine_kind)
         if self.store is None:
             return None
         # An engine store is published before it holds a version: the engine allocates from it.
@@ -631,6 +667,8 @@ class RolloutDaemon:
             changes["reason"] = AWAITING_ENGINE
         if n.puller.tracker.halted:  # equivocation: the engine keeps its version, the operator must act
             changes.update(phase=Phase.ERROR, reason=f"run halted: {n.puller.tracker.halted}")
+        if self.ranks is not None:
+            changes["ranks"] = self.ranks.entries()
         self.status.update(**changes)
         if self.gate is not None and head_version is not None:
             self.gate.set_target(head_version)
@@ -674,6 +712,8 @@ class RolloutDaemon:
                     sock.unlink()
             if self.store is not None:
                 self.store.close()
+            if self.ranks is not None:
+                self.ranks.close()
         version = self.shadow.version if self.shadow is not None else None
         log.info("stopped: reason=%s version=%s", reason, version, extra={"reason": reason, "version": version})
         if self.store_lock is not None:

@@ -45,6 +45,7 @@ class Status:
     acks: dict[str, int] = field(default_factory=dict)  # engine name -> version it acknowledged
     last_activation_pause_s: float | None = None
     head_expired_since: float | None = None  # unix seconds: the newest head expired then (frozen board), else None
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank store: rank, store, version, root, state
     started: float = field(default_factory=time.time)
     _changed: asyncio.Condition | None = None
     _subscribers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
@@ -75,6 +76,7 @@ class Status:
             "last_activation_pause_s": self.last_activation_pause_s,
             "uptime_s": round(time.time() - self.started, 3),
             "head_expired_since": self.head_expired_since,
+            "ranks": [dict(r) for r in self.ranks],
         }
 
     def update(self, **changes: Any) -> None:

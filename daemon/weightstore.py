@@ -469,6 +469,28 @@ class WeightStore:
             bad += torch.count_nonzero(got != vals)
         return int(bad) == 0
 
+    def write_fenced(self, base: Header, version: int, root: bytes, staged: list[TensorUpdate]) -> None:
+        """Inside the fence: scatter ``staged`` (journaled already), check it, publish ``version``.
+
+        When the values do not read back, the old ones are written back and ``base`` re-published
+        (or the store goes FAILED) and StoreVerifyError is raised.
+        """
+        self.control.begin(StoreState.WRITING)
+        self.fault("odd")
+        with _torch_threads(self.write_threads):
+            ok = self.write_values(staged)
+        self.fault("written")
+        if not ok:
+            back = self.write_values(staged, new=False)
+            if back:
+                self.control.publish(base.version, base.root, StoreState.READY)
+            else:
+                self.control.publish(0, ZERO_ROOT, StoreState.FAILED)
+            kept = f"version {base.version} restored" if back else "store FAILED"
+            raise StoreVerifyError(f"values written for version {version} did not read back ({kept})", root, ZERO_ROOT)
+        self.control.publish(version, root, StoreState.READY)
+        self.fault("flipped")
+
     def activate(
         self, version: int, root: bytes, updates: list[TensorUpdate], journal_dir: Path | str
     ) -> ActivationStats:
@@ -490,23 +512,12 @@ class WeightStore:
         )  # fmt: skip
         t1 = time.perf_counter()
         self.fault("journaled")
-        self.control.begin(StoreState.WRITING)
-        self.fault("odd")
-        with _torch_threads(self.write_threads):
-            ok = self.write_values(staged)
-        self.fault("written")
-        if not ok:
-            back = self.write_values(staged, new=False)
-            if back:
-                self.control.publish(hdr.version, hdr.root, StoreState.READY)
-            else:
-                self.control.publish(0, ZERO_ROOT, StoreState.FAILED)
+        try:
+            self.write_fenced(hdr, version, root, staged)
+        except StoreVerifyError:
             journal.remove_journal(Path(journal_dir))
-            kept = f"version {hdr.version} restored" if back else "store FAILED"
-            raise StoreVerifyError(f"values written for version {version} did not read back ({kept})", root, ZERO_ROOT)
-        self.control.publish(version, root, StoreState.READY)
+            raise
         t2 = time.perf_counter()
-        self.fault("flipped")
         # Best effort: a journal left behind only re-applies the values the store now holds.
         with contextlib.suppress(JournalError):
             journal.remove_journal(Path(journal_dir))

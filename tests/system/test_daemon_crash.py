@@ -99,3 +99,77 @@ async def test_kill_9_during_activation_never_exposes_a_torn_version(tmp_path: P
             reader.stop.set()
         d.cleanup()
         await sw.close()
+
+
+# Rank stores (store.ranks = 2): kill -9 at each point of an activation across ranks, each point
+# PATCHSWARM_CRASH_ROUNDS times (about a minute per kill on a busy 2-core host); after every restart all
+# ranks hold one version, bit for bit.
+RANK_POINTS = [
+    "journaled", "rank0:odd", "rank0:mid_write", "rank0:flipped", "between_ranks",
+    "rank1:odd", "rank1:mid_write", "rank1:written", "all_flipped",
+]  # fmt: skip
+ROUNDS = int(os.environ.get("PATCHSWARM_CRASH_ROUNDS", "1"))  # (the fork-based test_rank_stores repeats each point)
+
+
+async def wait_exit(d, timeout: float = 90) -> int | None:  # type: ignore[no-untyped-def]
+    assert d.proc is not None
+    for _ in range(int(timeout * 10)):
+        if d.proc.poll() is not None:
+            break
+        await asyncio.sleep(0.1)
+    return d.proc.poll()
+
+
+async def wait_held(d, version: int, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    """Until the daemon holds ``version`` as its shadow (so the next version is written in place)."""
+    for _ in range(int(timeout * 10)):
+        st = await d.status()
+        if st is not None and st["held_versions"] == [version] and st["version"] == version:
+            return
+        assert d.alive, d.log.read_text()[-2000:]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"daemon does not hold {version}: {await d.status()}")
+
+
+@pytest.mark.asyncio
+async def test_kill_9_between_rank_activations_leaves_every_rank_at_one_version(tmp_path: Path) -> None:
+    from tests.support.rank_swarm import check_rank_stores, llama_swarm
+    from tests.support.store_worker import remove_segments
+
+    tp = 2
+    sw = llama_swarm(tmp_path)
+    sw.publish()
+    await sw.start_seed()
+    d = make_daemon(sw, "rankcrash", tmp_path)
+    d.env.update(PATCHSWARM_STORE_RANKS=str(tp), PATCHSWARM_STORE_PLAN="auto")
+    outcomes: dict[str, set[str]] = {}
+    try:
+        d.start()
+        await d.wait_version(1)
+        await d.stop()
+        for point in RANK_POINTS * ROUNDS:
+            old = max(sw.served)
+            d.start(**{FAULT_ENV: point})
+            await wait_held(d, old)  # recovered, and the shadow is the old version
+            sw.publish(scale=3e-4)
+            rc = await wait_exit(d)
+            assert rc == -9, f"daemon did not crash at {point}: {d.log.read_text()[-2000:]}"
+            # Restart: recovery runs, then the daemon kills itself before touching a store again
+            # (staging), so the stores are inspected as recovery left them.
+            d.start(**{FAULT_ENV: "staging"})
+            assert await wait_exit(d) == -9, d.log.read_text()[-2000:]
+            v = check_rank_stores(d.store, tp, sw.served)
+            assert v in (old, old + 1), (point, v, old)
+            outcomes.setdefault(point, set()).add("new" if v == old + 1 else "old")
+        d.start()
+        head = max(sw.served)
+        await d.wait_version(head)
+        assert await d.stop() == 0
+        check_rank_stores(d.store, tp, sw.served, head)
+        # Past the journal every crash rolls forward on every rank.
+        assert all(o == {"new"} for o in outcomes.values()), outcomes
+        print(f"{len(RANK_POINTS) * ROUNDS} kills between rank activations: {outcomes}")
+    finally:
+        d.cleanup()
+        remove_segments(d.store)
+        await sw.close()

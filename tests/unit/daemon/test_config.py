@@ -113,3 +113,30 @@ def test_size_parser_never_crashes(value: object) -> None:
         assert parse_size(value) >= 0
     except ValueError:
         pass
+
+
+@pytest.mark.parametrize(
+    ("store", "env", "line"),
+    [
+        ({"ranks": 2}, {}, "store.plan: store.ranks = 2 needs a layout plan"),
+        ({"ranks": 0, "plan": "auto"}, {}, "store.ranks: expected a whole number from 1 to 256"),
+        ({"plan": "gpt2"}, {}, "store.plan: expected one of none, auto"),
+        ({"ranks": 2, "plan": "auto", "kind": "cuda", "devices": ["cuda:0"]}, {}, "store.devices: 1 device(s)"),
+        ({"ranks": 2, "plan": "auto", "kind": "cuda", "device": "cuda:0"}, {}, "store.device: one GPU for"),
+        ({"ranks": 2, "plan": "auto", "kind": "cuda"}, {"PATCHSWARM_STORE_DEVICES": "cuda:0,nope"}, "store.devices"),
+    ],
+)
+def test_rank_store_keys_are_checked_together(store: dict[str, object], env: dict[str, str], line: str) -> None:
+    raw = {**MINIMAL, "store": store}
+    with pytest.raises(ConfigError) as e:
+        from_mapping(raw, env)
+    assert str(e.value).startswith(line), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_rank_store_keys() -> None:
+    cfg = from_mapping({**MINIMAL, "store": {"ranks": 4, "plan": "llama"}}, {})
+    assert (cfg["store.ranks"], cfg["store.plan"], cfg["store.devices"]) == (4, "llama", [])
+    assert from_mapping({**MINIMAL, "store": {"plan": "/etc/patchswarm/plan.json"}}, {})["store.plan"].endswith(".json")
+    shm = {"kind": "engine-shm", "ranks": 2, "plan": "auto", "devices": ["cuda:0"]}
+    assert from_mapping({**MINIMAL, "store": shm}, {})["store.ranks"] == 2  # (devices: ignored, not a GPU store)

@@ -1,0 +1,412 @@
+"""Rank stores: one daemon feeding N weight stores, one per tensor-parallel rank (docs/weightstore.md section 10).
+
+The daemon keeps one canonical host shadow (Hugging Face tensor names); a layout plan maps it to
+each rank's runtime parameters (protocol/layout_plan.py).  Every rank store is a ``WeightStore``
+holding only its rank's parameters.  A version is applied to the ranks as one activation:
+
+1. the canonical sparse updates are routed to ranks (slot, positions, new, old) and every rank
+   stages them on its device, before any fence moves;
+2. one journal (daemon/journal.py format 2) holding every rank's writes is written and fsynced;
+3. rank by rank: fence odd, scatter, gather-compare, publish that rank's version (each rank
+   writes inside its own fence; an engine's rank k observes only rank k's fence);
+4. the journal is removed.  The host's version (status, the sidecar gate, /v1/wait) moves only
+   once every rank holds the version.
+
+A kill -9 anywhere leaves a journal that ``journal.recover_ranks`` rolls forward on every rank (or
+back on every rank), so after a restart all ranks hold one version.  Store names: ``<store.name>``
+for one rank (existing deployments keep their store), ``<store.name>.r<k>`` for N > 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from patchswarm.daemon import journal
+from patchswarm.daemon.engine import SHM_DIR, SharedSegment
+from patchswarm.daemon.store_format import (
+    KIND_ENGINE_BUFFER,
+    KIND_HOST,
+    JournalError,
+    StoreError,
+    StoreLayout,
+    StoreMissingError,
+    StoreState,
+    StoreTooSmallError,
+    TensorUpdate,
+)
+from patchswarm.daemon.weightstore import WeightStore
+from patchswarm.protocol.errors import PlanError
+from patchswarm.protocol.files import InputFileError, read_file
+from patchswarm.protocol.layout_builtin import builtin_plan
+from patchswarm.protocol.layout_file import MAX_FILE_BYTES, PlanFile, parse_plan_file
+from patchswarm.protocol.layout_plan import LayoutPlan, rank_model
+from patchswarm.protocol.layout_route import Router, SlotChange
+from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
+
+log = logging.getLogger("patchswarm.store")
+
+
+class PlanRefused(StoreError):
+    """The layout plan does not fit the model (or store.ranks); nothing was written."""
+
+
+def read_plan_file(path: str) -> PlanFile:
+    """store.plan as a plan file: read (bounded) and parsed at start-up; PlanRefused (one line) otherwise."""
+    try:
+        data = read_file(path, MAX_FILE_BYTES)
+    except InputFileError as e:
+        raise PlanRefused(f"store.plan: cannot read the plan file {path}: {e.reason}") from None
+    try:
+        return parse_plan_file(data)
+    except PlanError as e:
+        raise PlanRefused(f"store.plan: {path}: {e}") from None
+
+
+def resolve_plan(
+    setting: str, ranks: int, canonical: list[TensorSpec], metadata: dict[str, str], plan_file: PlanFile | None = None
+) -> LayoutPlan:
+    """store.plan as a checked LayoutPlan for this model: a plan file's rules, or a built-in plan (auto: the
+    family config.json names; or a family name) from the board's config.json (manifest metadata
+    ``checkpoint.files``).  PlanRefused: one line."""
+    if plan_file is not None:
+        try:
+            return plan_file.expand(canonical, ranks)
+        except (PlanError, ValueError) as e:
+            raise PlanRefused(f"store.plan: {setting}: {e}") from None
+    files = metadata.get("checkpoint.files")
+    try:
+        config = json.loads(json.loads(files)["config.json"]) if files else None
+    except (ValueError, KeyError, TypeError) as e:
+        raise PlanRefused(f"store.plan: the board's config.json (checkpoint.files) is unreadable: {e}") from None
+    if not isinstance(config, dict):
+        raise PlanRefused(
+            f"store.plan: {setting!r} needs the model's config.json, which this run's manifests do not carry "
+            "(publish from a Hugging Face checkpoint directory)"
+        )
+    if setting != "auto":
+        config = {**config, "model_type": setting}
+    try:
+        return builtin_plan(config, canonical, ranks)
+    except (PlanError, ValueError) as e:
+        raise PlanRefused(f"store.plan: {e}") from None
+
+
+def rank_store_names(base: str, ranks: int) -> list[str]:
+    """``base`` for one rank (an existing deployment keeps its store), ``base.r<k>`` otherwise."""
+    return [base] if ranks == 1 else [f"{base}.r{k}" for k in range(ranks)]
+
+
+@dataclass(frozen=True, slots=True)
+class RanksApplied:
+    pause_s: float  # the longest single rank's fence odd -> even
+    total_pause_s: float  # first fence odd -> last fence even (ranks are written one after another)
+    journal_s: float
+    journal_bytes: int
+    changed: int
+
+
+def _kill_at(point: str) -> Callable[[str], None]:
+    def fault(reached: str) -> None:
+        if reached == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return fault
+
+
+def _no_fault(point: str) -> None:
+    pass
+
+
+class RankStores:
+    """The daemon's N rank stores (``stores[k]`` is None until created); the caller serialises calls."""
+
+    def __init__(
+        self, base_name: str, ranks: int, journal_dir: Path, *, engine_kind: bool, group: str = "", capacity: int = 0
+    ) -> None:
+        self.journal_dir = journal_dir
+        self.names = rank_store_names(base_name, ranks)
+        self.engine_kind = engine_kind
+        self.group = group
+        self.capacity = capacity  # store.size, per rank store (0: exactly the rank's parameters)
+        self.stores: list[WeightStore | None] = [None] * ranks
+        self.plan: LayoutPlan | None = None
+        self.canonical: list[TensorSpec] | None = None  # the model specs the plan was prepared for
+        self.plan_file: PlanFile | None = None  # store.plan as a plan file (read at start-up)
+        self.router: Router | None = None
+        self.roots: list[bytes | None] = [None] * ranks  # each rank's root of the version the host holds
+        # Crash tests: called at "journal_tmp", "journaled", "between_ranks", "all_flipped"; store
+        # points are "rank<k>:<point>" (odd, mid_write, written, flipped, loading).
+        self.fault: Callable[[str], None] = _no_fault
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def arm_faults(self, point: str | None) -> None:
+        """Crash tests only: SIGKILL this process when an activation reaches ``point``."""
+        if not point:
+            return
+        self.fault = _kill_at(point)
+
+    # ------------------------------------------------------------ start-up
+
+    def open_existing(self) -> None:
+        """Re-attach to the rank stores a previous daemon left (engine buffers re-imported if alive)."""
+        want = KIND_ENGINE_BUFFER if self.engine_kind else KIND_HOST
+        for k, name in enumerate(self.names):
+            try:
+                store = WeightStore.open(name)
+            except StoreMissingError:
+                continue
+            except StoreError as e:
+                raise StoreError(f"rank {k} store {name}: {e}") from None
+            if store.kind != want:
+                store.close()
+                what = "an engine-buffer" if store.kind == KIND_ENGINE_BUFFER else "a host shared-memory"
+                raise StoreError(
+                    f"store.kind: {name} (rank {k}) is {what} store of another store.kind: "
+                    "stop its engine and remove the store, or change store.name"
+                )
+            self.stores[k] = store
+
+    def recover(self) -> int | None:
+        """Finish or undo a journaled activation on every rank and verify what each holds.
+
+        Returns the version every rank holds (verified), or None when a load is needed first.
+        A rank whose engine is gone, or missing, cannot take part: the others are then reloaded
+        too (a journal cannot be finished on part of the ranks)."""
+        present = [s for s in self.stores if s is not None and s.data is not None]
+        if len(present) != len(self):
+            for s in present:
+                s.mark_failed()
+            journal.remove_journal(self.journal_dir)
+            return None
+        try:
+            journal.recover_ranks(present, self.journal_dir)
+        except StoreError as e:
+            log.error("rank store recovery failed: %s; every rank will be reloaded", e)
+            for s in present:
+                s.mark_failed()
+            journal.remove_journal(self.journal_dir)
+            return None
+        return self.common_version()
+
+    def common_version(self) -> int | None:
+        """The version every rank store holds (READY, fence closed), or None."""
+        versions = set()
+        for s in self.stores:
+            if s is None or s.data is None:
+                return None
+            h = s.header()
+            if h.state != StoreState.READY or not h.stable:
+                return None
+            versions.add(h.version)
+        return versions.pop() if len(versions) == 1 else None
+
+    # ------------------------------------------------------------ layouts
+
+    def prepare(self, plan: LayoutPlan, canonical: list[TensorSpec]) -> None:
+        """Check the plan against the model, then make every rank store exist with its rank's layout.
+
+        Everything is checked before any store is created or written: a bad plan, a world size that
+        is not store.ranks, or a rank larger than store.size is refused (PlanRefused/StoreTooSmallError)
+        with nothing touched.  An existing host store laid out for another plan or world size is
+        recreated (one log line); an engine store is refused (its engine allocated for that layout).
+        """
+        if plan.world != len(self):
+            raise PlanRefused(f"store.plan: the plan is for {plan.world} ranks, store.ranks is {len(self)}")
+        try:
+            plan.check(canonical)
+            router = Router(plan, canonical)
+        except (PlanError, ValueError) as e:
+            raise PlanRefused(f"store.plan: {e}") from None
+        layouts = [StoreLayout.from_specs(plan.rank_specs(k)) for k in range(len(self))]
+        for lay in layouts:
+            if self.capacity and lay.nbytes > self.capacity:
+                raise StoreTooSmallError(lay.nbytes, self.capacity)
+        stale = [k for k, s in enumerate(self.stores) if s is not None and s.layout.specs != layouts[k].specs]
+        if stale and self.engine_kind:
+            k = stale[0]
+            raise StoreError(
+                f"store.name: {self.names[k]} (rank {k}) is laid out for another plan or world size: stop its "
+                "engine and remove the store, or change store.name"
+            )
+        for k in stale:
+            old = self.stores[k]
+            assert old is not None
+            log.warning(
+                "rank store %s (rank %d) was laid out for another plan or world size (%d tensors, %d bytes; "
+                "this plan: %d tensors, %d bytes): recreated",
+                self.names[k], k, len(old.layout.slots), old.layout.nbytes, len(layouts[k].slots), layouts[k].nbytes,
+            )  # fmt: skip
+            old.destroy()
+            self.stores[k] = None
+            self.roots[k] = None
+        for k, lay in enumerate(layouts):
+            if self.stores[k] is None:
+                # (open_existing found no store by this name, or a segment whose creation never finished)
+                SharedSegment.path_for(self.names[k], SHM_DIR).unlink(missing_ok=True)
+                cap = None if self.engine_kind or not self.capacity else self.capacity
+                self.stores[k] = WeightStore.create(
+                    self.names[k], lay, capacity=cap, engine_buffer=self.engine_kind, group=self.group
+                )
+        self.plan, self.router, self.canonical = plan, router, list(canonical)
+
+    def store(self, rank: int) -> WeightStore | None:
+        return self.stores[rank]
+
+    # ------------------------------------------------------------ writing
+
+    def apply(
+        self, version: int, model: ServedModel, updates: list[TensorUpdate] | None, *, write: bool = True
+    ) -> RanksApplied | None:
+        """Make every rank that has a buffer hold ``version`` (canonical ``model``).
+
+        Ranks READY at the version the host held take ``updates`` (canonical sparse updates, shadow
+        -> model) in place under one journal; the others (EMPTY, FAILED, never loaded) are loaded
+        whole.  ``updates`` None: every rank is loaded whole unless it holds the version already.
+        ``write`` False: nothing is written, only each rank's root of ``version`` is remembered.
+        Returns the in-place activation's figures, or None when there was none.
+        """
+        plan = self.plan
+        assert plan is not None, "prepare first"
+        roots: list[bytes] = []
+        incremental: list[int] = []
+        loads: dict[int, ServedModel] = {}  # (only the ranks loaded whole keep their model)
+        for k, s in enumerate(self.stores):
+            m = rank_model(plan, model, k)
+            roots.append(m.root())
+            if s is None or s.data is None:
+                continue  # an engine rank not registered yet: loaded when it registers
+            h = s.header()
+            ready = h.state == StoreState.READY and h.stable
+            if ready and h.version == version and h.root == roots[k]:
+                continue  # holds it already (verified at start-up, or activated earlier)
+            if updates is not None and ready and self.roots[k] == h.root:
+                incremental.append(k)
+            else:
+                loads[k] = m
+        if not write:  # (only the roots of the version the host now holds)
+            self.roots = list[bytes | None](roots)
+            return None
+        stats = self._activate(incremental, version, roots, updates or []) if incremental else None
+        for k, m in loads.items():
+            self._load(k, m, version, roots[k])
+        self.roots = list[bytes | None](roots)
+        return stats
+
+    def _load(self, k: int, m: ServedModel, version: int, root: bytes) -> None:
+        s = self._rank(k)
+        s.fault = self._rank_fault(k)
+        s.load(m, version, root)
+        log.info("rank %d store %s loaded version %s", k, self.names[k], version, extra={"version": version})
+
+    def _rank(self, k: int) -> WeightStore:
+        s = self.stores[k]
+        if s is None:
+            raise StoreError(f"rank {k} store {self.names[k]} does not exist yet")
+        return s
+
+    def _activate(
+        self, ranks: list[int], version: int, roots: list[bytes], updates: list[TensorUpdate]
+    ) -> RanksApplied:
+        assert self.router is not None
+        routed = self.router.route([SlotChange(u.slot, u.positions, u.new, u.old) for u in updates])
+        stores = {k: self._rank(k) for k in ranks}
+        per_rank = {k: [TensorUpdate(c.slot, c.positions, c.new, c.old) for c in routed[k]] for k in ranks}
+        bases = {k: stores[k].header() for k in ranks}
+        # Every rank stages (moves its updates to its device) before any fence goes odd.
+        staged = {k: stores[k].stage(per_rank[k]) for k in ranks}
+        for k in ranks:
+            stores[k].fault = self._rank_fault(k)
+        # One journal for every rank taking part (all ranks, unless an engine rank is being reloaded).
+        entries = [
+            journal.Journal(stores[k].layout.layout_hash, (b.version, b.root), (version, roots[k]), per_rank[k])
+            for k, b in bases.items()
+        ]
+        t0 = time.perf_counter()
+        jbytes = journal.write_rank_journal(self.journal_dir, entries, fault=self.fault)
+        t1 = time.perf_counter()
+        self.fault("journaled")
+        longest = 0.0
+        try:
+            for i, k in enumerate(ranks):
+                a = time.perf_counter()
+                stores[k].write_fenced(bases[k], version, roots[k], staged[k])
+                longest = max(longest, time.perf_counter() - a)
+                if i == 0 and len(ranks) > 1:
+                    self.fault("between_ranks")
+        except Exception as e:
+            # (A rank whose values did not read back restored its base.)  Bring every rank to one
+            # version, forward if the others verify, else back, from the journal still on disk.
+            log.error("rank activation of version %s failed: %s; recovering every rank from the journal", version, e)
+            try:
+                journal.recover_ranks([stores[k] for k in ranks], self.journal_dir)
+            except StoreError as again:
+                log.error("rank recovery after the failed activation failed too: %s", again)
+            raise
+        t2 = time.perf_counter()
+        self.fault("all_flipped")
+        with contextlib.suppress(JournalError):  # a journal left behind only re-applies what the ranks hold
+            journal.remove_journal(self.journal_dir)
+        changed = sum(u.count for st in staged.values() for u in st)
+        return RanksApplied(longest, t2 - t1, t1 - t0, jbytes, changed)
+
+    def _rank_fault(self, k: int) -> Callable[[str], None]:
+        return lambda point: self.fault(f"rank{k}:{point}")
+
+    def load_rank(self, k: int, version: int, model: ServedModel) -> None:
+        """Load one rank (an engine buffer just registered) with the version the host holds."""
+        assert self.plan is not None
+        m = rank_model(self.plan, model, k)
+        root = m.root()
+        self._load(k, m, version, root)
+        self.roots[k] = root
+
+    # ------------------------------------------------------------ reporting
+
+    def entries(self) -> list[dict[str, Any]]:
+        """status.ranks: each rank's store, version, state root and state."""
+        out = []
+        for k, (name, s) in enumerate(zip(self.names, self.stores, strict=True)):
+            if s is None:
+                out.append({"rank": k, "store": name, "version": None, "root": None, "state": "absent"})
+                continue
+            try:
+                h = s.header()
+            except ValueError:  # (closed under us: a stale store being recreated)
+                out.append({"rank": k, "store": name, "version": None, "root": None, "state": "absent"})
+                continue
+            ready = h.state == StoreState.READY and h.stable and (s.data is not None)
+            state = h.state.name.lower() if s.data is not None or not self.engine_kind else "waiting_for_buffer"
+            out.append(
+                {
+                    "rank": k,
+                    "store": name,
+                    "version": h.version if ready else None,
+                    "root": h.root.hex() if ready else None,
+                    "state": state,
+                }
+            )
+        return out
+
+    def rank_roots(self) -> list[bytes]:
+        """Each rank's state root computed where its weights live (store.digests on its device)."""
+        out = []
+        for s in self.stores:
+            assert s is not None
+            out.append(state_root(s.layout.specs, s.digests()))
+        return out
+
+    def close(self) -> None:
+        for s in self.stores:
+            if s is not None:
+                s.close()

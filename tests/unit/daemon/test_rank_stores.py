@@ -1,0 +1,334 @@
+"""Rank stores in one process: N stores fed from one canonical model through a layout plan.
+
+Each rank's bytes are compared with the slice of the version computed independently (torch.chunk /
+cat, tests/support/rank_plans.py); crashes are exceptions raised at each named point (the real
+kill -9 runs are tests/unit/daemon/test_rank_crash.py and tests/system/test_daemon_ranks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from patchswarm.daemon.journal import journal_path, read_journal, read_journals
+from patchswarm.daemon.rank_stores import PlanRefused, RankStores, rank_store_names, read_plan_file, resolve_plan
+from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
+from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.protocol.layout_plan import rank_model
+from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes
+from tests.support.rank_plans import SPECS, expected_rank, llama_rank, llama_state, split_plan, version_model
+from tests.support.store_worker import remove_segments, unique_name
+
+SEED = 5
+
+
+class Crash(BaseException):  # (a kill: nothing in the stores catches it)
+    pass
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    n = unique_name("rk")
+    yield n
+    remove_segments(n)
+
+
+def make(name: str, world: int, tmp: Path, **kw: object) -> RankStores:
+    jd = tmp / "journal"
+    jd.mkdir(exist_ok=True)
+    return RankStores(name, world, jd, engine_kind=False, **kw)  # type: ignore[arg-type]
+
+
+def assert_ranks_hold(rs: RankStores, world: int, version: int) -> None:
+    """Every rank's header names ``version`` and its bytes are that version's slice, bit for bit."""
+    m = version_model(SEED, version)
+    for r in range(world):
+        store = rs.store(r)
+        assert store is not None
+        h = store.header()
+        assert (h.version, h.state, h.stable) == (version, StoreState.READY, True), f"rank {r}"
+        want = expected_rank(m, world, r)
+        assert [s.name for s in store.layout.specs] == sorted(want)
+        for i, s in enumerate(store.layout.specs):
+            assert torch.equal(store.slot_bytes(i), raw_bytes(want[s.name])), f"rank {r} {s.name} v{version}"
+        assert store.root() == h.root  # the per-rank root, computed where the weights live
+
+
+def apply(rs: RankStores, version: int) -> None:
+    new = version_model(SEED, version)
+    updates = None if version == 1 else diff_updates(version_model(SEED, version - 1), new)
+    rs.apply(version, new, updates)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_holds_its_slice_after_every_version(name: str, tmp_path: Path, world: int) -> None:
+    rs = make(name, world, tmp_path)
+    rs.prepare(split_plan(SPECS, world), SPECS)
+    assert [s.segment.name for s in rs.stores if s is not None] == rank_store_names(name, world)
+    for v in range(1, 5):
+        apply(rs, v)
+        assert_ranks_hold(rs, world, v)
+        assert rs.common_version() == v
+        assert not journal_path(rs.journal_dir).exists()
+    entries = rs.entries()
+    assert [(e["rank"], e["version"], e["state"]) for e in entries] == [(r, 4, "ready") for r in range(world)]
+    assert [bytes.fromhex(e["root"]) for e in entries] == rs.rank_roots()
+    rs.close()
+
+
+def test_names_keep_the_single_store_name_for_one_rank() -> None:
+    assert rank_store_names("s", 1) == ["s"]
+    assert rank_store_names("s", 3) == ["s.r0", "s.r1", "s.r2"]
+
+
+CRASH_POINTS = [
+    "journal_tmp", "journaled", "rank0:odd", "rank0:mid_write", "rank0:written", "rank0:flipped",
+    "between_ranks", "rank1:odd", "rank1:mid_write", "rank1:written", "rank1:flipped", "all_flipped",
+]  # fmt: skip
+
+
+def raise_at(point: str) -> Callable[[str], None]:
+    def fault(at: str) -> None:
+        if at == point:
+            raise Crash(at)
+
+    return fault
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_a_crash_at_any_point_leaves_every_rank_at_one_version(name: str, tmp_path: Path, point: str) -> None:
+    world = 2
+    rs = make(name, world, tmp_path)
+    rs.prepare(split_plan(SPECS, world), SPECS)
+    apply(rs, 1)
+    apply(rs, 2)
+    rs.fault = raise_at(point)
+    with pytest.raises(Crash):
+        apply(rs, 3)
+    if point not in ("journal_tmp",):
+        assert len(read_journals(rs.journal_dir) or []) == world  # one journal for every rank
+    # A restarted daemon: re-open the stores, recover from the journal.
+    again = make(name, world, tmp_path)
+    again.open_existing()
+    version = again.recover()
+    expect = 2 if point == "journal_tmp" else 3  # a complete journal is rolled forward on every rank
+    assert version == expect
+    assert_ranks_hold(again, world, expect)
+    assert not journal_path(rs.journal_dir).exists()
+    rs.close()
+    again.close()
+
+
+def test_a_rank_journal_is_not_one_stores_journal(name: str, tmp_path: Path) -> None:
+    rs = make(name, 2, tmp_path)
+    rs.prepare(split_plan(SPECS, 2), SPECS)
+    apply(rs, 1)
+    rs.fault = raise_at("journaled")
+    with pytest.raises(Crash):
+        apply(rs, 2)
+    with pytest.raises(StoreLayoutMismatch, match="covers 2 rank stores"):
+        read_journal(rs.journal_dir)
+    rs.close()
+
+
+def test_bad_plans_are_refused_before_anything_is_written(name: str, tmp_path: Path) -> None:
+    rs = make(name, 2, tmp_path)
+    with pytest.raises(PlanRefused, match=r"store\.plan: .*down\.weight"):
+        rs.prepare(split_plan(SPECS, 2, leave_out="down.weight"), SPECS)  # a canonical tensor unmapped
+    with pytest.raises(PlanRefused, match=r"for 4 ranks, store\.ranks is 2"):
+        rs.prepare(split_plan(SPECS, 4), SPECS)
+    odd = [*SPECS[:4], TensorSpec("up.weight", "F16", (127, 16))]
+    with pytest.raises(PlanRefused):  # 127 rows do not split in two
+        rs.prepare(split_plan(odd, 2), odd)
+    assert not any(Path("/dev/shm").glob(f"{name}*")), "a refused plan created a store"
+    assert rs.stores == [None, None]
+
+
+def test_a_rank_store_of_another_plan_is_recreated(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Rank 1's segment left by a run with a world of 4 (another size and layout).
+    stale = WeightStore.create(f"{name}.r1", StoreLayout.from_specs(split_plan(SPECS, 4).rank_specs(1)))
+    stale.close()
+    rs = make(name, 2, tmp_path)
+    rs.open_existing()
+    assert rs.stores[1] is not None and rs.stores[0] is None
+    assert rs.recover() is None  # rank 0 missing: nothing to serve yet
+    with caplog.at_level(logging.WARNING, logger="patchswarm.store"):
+        rs.prepare(split_plan(SPECS, 2), SPECS)
+    assert any(f"{name}.r1 (rank 1) was laid out for another plan or world size" in r.message for r in caplog.records)
+    apply(rs, 1)
+    assert_ranks_hold(rs, 2, 1)
+    rs.close()
+
+
+def test_an_engine_rank_store_of_another_plan_is_refused(name: str, tmp_path: Path) -> None:
+    stale = WeightStore.create(
+        f"{name}.r0", StoreLayout.from_specs(split_plan(SPECS, 4).rank_specs(0)), engine_buffer=True
+    )
+    stale.close()
+    rs = RankStores(name, 2, tmp_path, engine_kind=True)
+    rs.open_existing()
+    with pytest.raises(StoreError, match=r"rank 0\) is laid out for another plan or world size"):
+        rs.prepare(split_plan(SPECS, 2), SPECS)
+    assert rs.stores[1] is None  # nothing created
+
+
+def test_a_rank_store_larger_than_store_size_is_refused(name: str, tmp_path: Path) -> None:
+    rs = make(name, 2, tmp_path, capacity=1000)
+    with pytest.raises(StoreError, match="needs"):
+        rs.prepare(split_plan(SPECS, 2), SPECS)
+    assert rs.stores == [None, None]
+
+
+def test_a_rank_that_verifies_wrong_rolls_every_rank_back(name: str, tmp_path: Path) -> None:
+    """A rank whose written values do not read back: every rank ends at the old version."""
+    rs = make(name, 2, tmp_path)
+    rs.prepare(split_plan(SPECS, 2), SPECS)
+    apply(rs, 1)
+    bad = rs.stores[1]
+    assert bad is not None
+    real = bad.write_values
+    bad.write_values = lambda staged, *, new=True: real(staged, new=new) and not new  # type: ignore[method-assign]
+    with pytest.raises(StoreError):
+        apply(rs, 2)
+    bad.write_values = real  # type: ignore[method-assign]
+    assert rs.common_version() == 1
+    assert_ranks_hold(rs, 2, 1)
+    rs.close()
+
+
+def test_a_reloaded_rank_joins_the_others(name: str, tmp_path: Path) -> None:
+    """A rank that lost its contents (FAILED) is loaded whole while the others take the update in place."""
+    rs = make(name, 2, tmp_path)
+    rs.prepare(split_plan(SPECS, 2), SPECS)
+    apply(rs, 1)
+    failed = rs.stores[0]
+    assert failed is not None
+    failed.mark_failed()
+    assert rs.common_version() is None
+    apply(rs, 2)
+    assert_ranks_hold(rs, 2, 2)
+    rs.close()
+
+
+def _child_activates(name: str, world: int, journal_dir: Path, version: int, point: str) -> None:
+    """In a forked child: the daemon's rank stores activating ``version``, SIGKILLed at ``point``."""
+    try:
+        rs = RankStores(name, world, journal_dir, engine_kind=False)
+        rs.open_existing()
+        rs.prepare(split_plan(SPECS, world), SPECS)
+        rs.roots = [s.header().root if s is not None else None for s in rs.stores]  # (as after apply)
+        rs.arm_faults(point)
+        apply(rs, version)
+    finally:
+        os._exit(3)  # reached only if the point was not: the parent sees exit status 3
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sigkill_at_each_point_twice_leaves_every_rank_at_one_version(name: str, tmp_path: Path, world: int) -> None:
+    rs = make(name, world, tmp_path)
+    rs.prepare(split_plan(SPECS, world), SPECS)
+    apply(rs, 1)
+    rs.close()
+    points = [p.replace("rank1", f"rank{world - 1}") for p in CRASH_POINTS] * 2
+    version = 1
+    for point in points:
+        pid = os.fork()
+        if pid == 0:
+            _child_activates(name, world, tmp_path / "journal", version + 1, point)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (point, status)
+        again = make(name, world, tmp_path)
+        again.open_existing()
+        got = again.recover()
+        assert got == (version if point == "journal_tmp" else version + 1), point
+        assert_ranks_hold(again, world, got)
+        again.close()
+        version = got
+
+
+def test_an_error_between_ranks_is_recovered_at_once(name: str, tmp_path: Path) -> None:
+    """Any error inside the fences (not only a failed read-back) is finished from the journal at once:
+    the daemon keeps running with every rank at one version and no fence left odd."""
+    rs = make(name, 2, tmp_path)
+    rs.prepare(split_plan(SPECS, 2), SPECS)
+    apply(rs, 1)
+
+    def fail(point: str) -> None:
+        if point == "rank1:odd":
+            raise RuntimeError("device error")
+
+    rs.fault = fail
+    with pytest.raises(RuntimeError):
+        apply(rs, 2)
+    assert not journal_path(rs.journal_dir).exists()
+    assert rs.common_version() == 2  # the journal was complete: rolled forward on every rank
+    assert_ranks_hold(rs, 2, 2)
+    rs.close()
+
+
+def llama_plan_file(tmp: Path) -> Path:
+    """The tiny Llama (tests/support/rank_plans.py) as a plan file (docs/models.md's format)."""
+    qkv = [f"model.layers.{{L}}.self_attn.{x}_proj.weight" for x in "qkv"]
+    gate_up = [f"model.layers.{{L}}.mlp.{x}_proj.weight" for x in ("gate", "up")]
+    rules: list[dict[str, object]] = [
+        {"match": "model.embed_tokens.weight", "rule": "vocab"},
+        {"match": "lm_head.weight", "rule": "vocab"},
+        *[
+            {"match": src, "rule": "fuse", "into": "model.layers.{L}.self_attn.qkv_proj.weight", "dim": 0,
+             "heads": [4, 2, 2], "order": qkv}
+            for src in qkv
+        ],
+        *[
+            {"match": src, "rule": "fuse", "into": "model.layers.{L}.mlp.gate_up_proj.weight", "dim": 0,
+             "order": gate_up}
+            for src in gate_up
+        ],
+        {"match": "model.layers.{L}.self_attn.o_proj.weight", "rule": "split", "dim": 1},
+        {"match": "model.layers.{L}.mlp.down_proj.weight", "rule": "split", "dim": 1},
+        {"match": "model.layers.{L}.input_layernorm.weight", "rule": "replicate"},
+        {"match": "model.layers.{L}.post_attention_layernorm.weight", "rule": "replicate"},
+        {"match": "model.norm.weight", "rule": "replicate"},
+    ]  # fmt: skip
+    path = tmp / "llama.plan.json"
+    path.write_text(json.dumps({"format": "patchswarm-layout-plan", "version": 1, "rules": rules}))
+    return path
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_plan_file_gives_the_engines_slices(tmp_path: Path, tp: int) -> None:
+    state, _ = llama_state(1)
+    model = ServedModel.from_tensors({k: v.to(torch.bfloat16) for k, v in state.items()})
+    path = str(llama_plan_file(tmp_path))
+    plan = resolve_plan(path, tp, model.specs, {}, read_plan_file(path))
+    typed = {s.name: model.typed(i) for i, s in enumerate(model.specs)}
+    for r in range(tp):
+        got = rank_model(plan, model, r)
+        want = llama_rank(typed, tp, r)
+        assert [s.name for s in got.specs] == sorted(want)
+        assert all(torch.equal(got.data[i], raw_bytes(want[s.name])) for i, s in enumerate(got.specs))
+
+
+def test_bad_plan_files_are_refused_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "patchswarm-layout-plan", "version": 1, "rules": [{"match": "x", "rule": "split"}]}')
+    with pytest.raises(PlanRefused, match=r"^store\.plan: .*bad\.json: plan file: ") as e:
+        read_plan_file(str(bad))
+    assert "\n" not in str(e.value)
+    with pytest.raises(PlanRefused, match="cannot read the plan file"):
+        read_plan_file(str(tmp_path / "missing.json"))
+    # Parses, but leaves a tensor of the model unmapped: refused when the model is known.
+    state, _ = llama_state(1)
+    model = ServedModel.from_tensors({k: v.to(torch.bfloat16) for k, v in state.items()})
+    path = llama_plan_file(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["rules"] = [r for r in doc["rules"] if r["match"] != "model.norm.weight"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanRefused, match=r"model\.norm\.weight"):
+        resolve_plan(str(path), 2, model.specs, {}, read_plan_file(str(path)))
