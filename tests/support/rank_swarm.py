@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -26,16 +25,7 @@ def llama_swarm(tmp: Path, seed: int = 0, *, with_config: bool = True) -> Swarm:
     if with_config:
         meta = {"checkpoint.files": json.dumps({"config.json": config})}
         publish = sw.pub.publish
-        if "metadata" in publish.__code__.co_varnames:  # Publisher.publish(metadata=) where it exists
-            sw.pub.publish = lambda m, **kw: publish(m, metadata=meta, **kw)  # type: ignore[method-assign]
-        else:  # (before it: the served copy's metadata is what the manifest carries)
-            commit = sw.pub._commit
-
-            def commit_with_config(version: int, served: ServedModel, *a: Any, **kw: Any) -> Any:
-                served.metadata.update(meta)
-                return commit(version, served, *a, **kw)
-
-            sw.pub._commit = commit_with_config  # type: ignore[method-assign]
+        sw.pub.publish = lambda m, **kw: publish(m, metadata=meta, **kw)  # type: ignore[method-assign]
     return sw
 
 
