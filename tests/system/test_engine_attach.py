@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -12,13 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from patchswarm.daemon.engine import _dec, _enc, attach
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.journal import Action, recover
 from patchswarm.daemon.store_format import StoreLayout, StoreLayoutMismatch, StoreState
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.weightstore import StoreStateError, WeightStore, diff_updates
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 REPO = Path(__file__).resolve().parents[2]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SEED = 5
 
 
@@ -50,6 +53,16 @@ class Engine:
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
         return self._read()
+
+    def close_killed(self) -> None:
+        """After a kill -9 test: close the pipes (or stop the engine if it still runs)."""
+        if self.proc.poll() is None:
+            self.close()
+            return
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
 
     def close(self) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -142,11 +155,62 @@ def test_engine_owned_buffer_in_another_process(name: str, tmp_path: Path) -> No
     assert not list(Path("/dev/shm").glob(f"{name}.buf.*"))  # the engine removed its buffer
 
 
-def test_cuda_handle_encoding_round_trip() -> None:
-    args = (torch.Tensor, torch.Size([4, 2]), (2, 1), 0, torch.TypedStorage, torch.uint8, 0, b"\x00\xffh",
-            128, 0, False, b"ref", 16, None, True)  # fmt: skip
-    enc = json.loads(json.dumps([_enc(a) for a in args]))
-    assert tuple(_dec(a) for a in enc) == args
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=CUDA)])
+def test_buffer_of_a_killed_engine_is_let_go_unwritten(name: str, tmp_path: Path, device: str) -> None:
+    """The exporter is watched: kill -9 the engine and the store drops its buffer (nothing written
+    into it), goes EMPTY with the reason, and a restarted daemon does not re-import it either."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    engine = Engine(store.attach_info(), tmp_path, device=device)
+    try:
+        exporter = Exporter.of_pid(engine.proc.pid)
+        assert exporter is not None
+        store.attach_buffer(engine.handle, exporter=exporter)
+        m1, m2 = model(SEED, 1), model(SEED, 2)
+        store.load(m1, 1, m1.root())
+        assert store.check_exporter() is None and engine.ask("version") == [1, m1.root().hex()]
+        engine.proc.kill()
+        engine.proc.wait(30)
+        seq = store.header().seq
+        why = store.check_exporter()
+        assert why is not None and f"pid {engine.proc.pid}" in why and "died" in why
+        assert store.data is None and store.buffer is None
+        h = store.header()
+        assert (h.state, h.version, h.buffer_id, h.seq) == (StoreState.EMPTY, 0, 0, seq + 2)
+        assert store.attach_info()["buffer"] is None
+        if device == "cpu":  # the CPU twin's orphaned segment is removed
+            assert not list(Path("/dev/shm").glob(f"{name}.buf.*"))
+        with pytest.raises(StoreStateError, match="died"):
+            store.load(m2, 2, m2.root())
+        with pytest.raises(StoreStateError, match="died"):
+            store.activate(2, m2.root(), diff_updates(m1, m2), tmp_path)
+        store.close()
+        again = WeightStore.open(name, layout=lay)
+        assert again.data is None and again.header().state == StoreState.EMPTY
+    finally:
+        engine.close_killed()
+
+
+def test_restarted_daemon_does_not_import_a_dead_engines_buffer(name: str, tmp_path: Path) -> None:
+    """The stored handle names its exporter (pid, start time): a daemon restarted after the engine
+    died lets the handle go instead of mapping the orphaned buffer, and says why."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    engine = Engine(store.attach_info(), tmp_path, device="cpu")
+    exporter = Exporter.of_pid(engine.proc.pid)
+    assert exporter is not None
+    store.attach_buffer(engine.handle, exporter=exporter)
+    m1 = model(SEED, 1)
+    store.load(m1, 1, m1.root())
+    store.close()  # the daemon stops (or is killed) while the engine lives
+    engine.proc.kill()
+    engine.proc.wait(30)
+    assert list(Path("/dev/shm").glob(f"{name}.buf.*"))  # the killed engine left its segment
+    again = WeightStore.open(name, layout=lay)
+    assert again.data is None and again.header().state == StoreState.EMPTY
+    assert again.released_because is not None and f"pid {engine.proc.pid}" in again.released_because
+    assert not list(Path("/dev/shm").glob(f"{name}.buf.*"))
+    engine.close_killed()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
