@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from patchswarm.daemon.api import make_api_app, serve_unix
+from patchswarm.daemon.cuda_ipc import allocate_own_segment
 from patchswarm.daemon.engine import EngineView, SharedSegment, allocate, attach, export_buffer
 from patchswarm.daemon.engine_client import DaemonClient
 from patchswarm.daemon.publisher import Publisher
@@ -353,10 +354,13 @@ async def test_bad_registrations_get_a_clear_4xx_and_lose_nothing(device: str, t
             await refused({"engine": "e", "layout_hash": lay_hash, "buffer": cuda_like}, 422, "KindMismatch",
                           "register a shm_buffer")  # fmt: skip
         else:
-            tiny = torch.zeros(100, dtype=torch.uint8, device=device)
-            keep.append(tiny)
-            await refused({"engine": "e", "layout_hash": lay_hash, "buffer": export_buffer(tiny, 5)}, 422,
+            own = allocate_own_segment(1, torch.device(device))
+            keep.append(own)
+            short = export_buffer(own.data, 5) | {"nbytes": 100}  # a real handle that claims too few bytes
+            await refused({"engine": "e", "layout_hash": lay_hash, "buffer": short}, 422,
                           "BufferTooSmall", "holds 100 bytes")  # fmt: skip
+            with pytest.raises(StoreError, match="refusing to export"):  # a block of the shared allocator
+                export_buffer(torch.zeros(100, dtype=torch.uint8, device=device), 6)
             await refused({"engine": "e", "layout_hash": lay_hash, "buffer": fake_handle(d.store, nbytes)}, 422,
                           "KindMismatch", "register a cuda_ipc")  # fmt: skip
         # Nothing was lost: the daemon still waits, and a good registration loads version 1.

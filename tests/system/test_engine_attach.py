@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import subprocess
 import sys
@@ -13,10 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from patchswarm.daemon.engine import attach
+from patchswarm.daemon.cuda_ipc import allocate_own_segment, export_handle, ref_counter_value, segment_violation
+from patchswarm.daemon.engine import allocate, attach, export_buffer
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.journal import Action, recover
-from patchswarm.daemon.store_format import StoreLayout, StoreLayoutMismatch, StoreState
+from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
 from patchswarm.daemon.weightstore import StoreStateError, WeightStore, diff_updates
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
@@ -233,3 +235,60 @@ def test_cuda_ipc_export_import(name: str, tmp_path: Path) -> None:
     finally:
         store.close()
         engine.close()
+
+
+@CUDA
+def test_cuda_buffer_is_the_whole_of_its_own_segment(name: str) -> None:
+    """allocate gives the buffer a segment of its own (checked on the real allocator); a tensor of
+    the shared pool, or part of a buffer, is refused at export with one line."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    dev = torch.device("cuda", 0)
+    view = allocate(store.attach_info(), dev)
+    try:
+        assert view.handle is not None and view.handle["args"]["offset"] == 0
+        assert segment_violation(view.data.data_ptr(), view.data.numel(), torch.cuda.memory_snapshot()) is None
+        crowd = [torch.ones(1 << 20, dtype=torch.uint8, device=dev) for _ in range(3)]  # shared small/large pools
+        for bad in (crowd[1], view.data[4096:], torch.empty(30 << 20, dtype=torch.uint8, device=dev)[: 25 << 20]):
+            with pytest.raises(StoreError, match=r"daemon\.engine\.allocate"):
+                export_buffer(bad, 9)
+    finally:
+        view.close()
+        store.close()
+
+
+IMPORTER = """
+import json, os, signal, sys, torch
+from patchswarm.daemon.cuda_ipc import import_handle
+args, mode = json.loads(sys.argv[1]), sys.argv[2]
+t = import_handle(args, 0)
+t[int(sys.argv[3])] = 7
+torch.cuda.synchronize()
+if mode == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+del t
+print("released", flush=True)
+"""
+
+
+@CUDA
+def test_cuda_successive_importers_never_move_the_producers_ipc_count() -> None:
+    """This process exports (the engine); daemons import, write, release, or are killed, one after
+    the other: torch's counter for the share stays 0 (given back at export), never negative, and
+    the engine's memory is freed when the engine frees it (nothing parked for a dead daemon)."""
+    dev = torch.device("cuda", 0)
+    own = allocate_own_segment(1, dev)
+    counters: list[tuple[bytes, int]] = []
+    args = export_handle(own.data, counters)
+    assert len(counters) == 1 and ref_counter_value(*counters[0]) == 0
+    for k, mode in enumerate(["release", "release", "kill", "release"]):
+        out = subprocess.run([sys.executable, "-c", IMPORTER, json.dumps(args), mode, str(k)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == (-9 if mode == "kill" else 0), out.stderr[-2000:]
+        assert ref_counter_value(*counters[0]) == 0
+        assert int(own.data[k]) == 7  # the importer wrote into the engine's memory
+    before, size = torch.cuda.memory_allocated(dev), own.data.numel()
+    del own
+    gc.collect()
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated(dev) <= before - size  # freed, not parked in torch's IPC limbo
