@@ -8,7 +8,10 @@ a) Codec on the device: a synthetic bf16 model (0.5% of values moved by one or t
    base must rebuild the target bit for bit.  Prints both encode times and the device apply time.
 b) Digest where the weights live: ``daemon.device_blake3.device_digests`` (BLAKE3 in torch ops) over
    the model's tensors on the device against the blake3 library over a host copy; prints both
-   times and the GB/s of the device digest.
+   times and the GB/s of the device digest, and its peak scratch against ``scratch_bound``.
+c) Host copies of the codec's dense paths: a tensor 30% changed (dense candidates tried) and one
+   re-initialized (FULL) are encoded on the device; each crosses to the host once (counted at
+   ``protocol.value_coding.to_host``) and the payload equals the host encode's.
 
 Any mismatch exits 1.  Run by benchmarks/gpu_check.sh; ``--device cpu`` runs the same code on
 the host (a check of the script itself, not a measurement).
@@ -26,7 +29,8 @@ from typing import Any
 
 import torch
 
-from patchswarm.daemon.device_blake3 import device_digests
+from patchswarm.daemon.device_blake3 import default_batch, device_digests, scratch_bound
+from patchswarm.protocol import codec, value_coding
 from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest
 
@@ -84,6 +88,39 @@ def scatter_floor(device: torch.device, base: ServedModel, target: ServedModel) 
 
 def to_host(m: ServedModel) -> ServedModel:
     return ServedModel(m.specs, [t.cpu() for t in m.data])
+
+
+def dense_host_copies(device: torch.device, n: int = 1 << 23) -> dict[str, float]:
+    """Copies of the target to the host (in tensor sizes) when encoding a dense change on ``device``;
+    -1.0 if the payload differs from the host encode's."""
+    seen: list[tuple[int, int]] = []
+    real = value_coding.to_host
+
+    def spy(t: torch.Tensor) -> torch.Tensor:
+        seen.append((t.untyped_storage().data_ptr(), t.numel() * t.element_size()))
+        return real(t)
+
+    g = torch.Generator(device=device).manual_seed(1)
+    out: dict[str, float] = {}
+    for label, frac in (("30%", 0.3), ("reinit", 1.0)):
+        w = (torch.randn(n, generator=g, device=device) * 0.02).to(torch.bfloat16)
+        v = (torch.randn(n, generator=g, device=device) * 0.02).to(torch.bfloat16) if frac == 1.0 else w.clone()
+        if frac < 1.0:
+            pos = torch.randint(0, n, (int(n * frac),), generator=g, device=device)
+            v.view(torch.int16)[pos] += 1
+        specs = [TensorSpec("w", "BF16", (n,))]
+        base, target = ServedModel(specs, [w.view(torch.uint8)]), ServedModel(specs, [v.view(torch.uint8)])
+        seen.clear()
+        value_coding.to_host, codec.to_host = spy, spy  # type: ignore[assignment]
+        try:
+            enc = encode_patch(base, target)
+        finally:
+            value_coding.to_host, codec.to_host = real, real  # type: ignore[assignment]
+        ptr = target.data[0].untyped_storage().data_ptr()
+        copies = sum(b for p, b in seen if p == ptr) / target.nbytes
+        same = enc.payload == encode_patch(to_host(base), to_host(target)).payload
+        out[label] = copies if same else -1.0
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,13 +184,27 @@ def main(argv: list[str] | None = None) -> int:
 
     # b) digests where the weights live
     device_digests(target.data[:1])  # warm-up (allocator, kernels)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    floor = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     on_dev, res["digest_device_s"] = timed(dev, lambda: device_digests(target.data))
+    if dev.type == "cuda":
+        res["digest_scratch_peak"] = torch.cuda.max_memory_allocated(dev) - floor
+        res["digest_scratch_bound"] = scratch_bound(
+            target.nbytes, len(target), default_batch(target.nbytes // 1024 + len(target), dev)
+        )
+        print(f"digest scratch on {dev}: peak {res['digest_scratch_peak'] / 2**20:.0f} MiB, "
+              f"bound {res['digest_scratch_bound'] / 2**20:.0f} MiB")  # fmt: skip
     on_host, res["digest_host_copy_s"] = timed(dev, lambda: [bytes_digest(t) for t in target.data])
     res["digests_equal"] = on_dev == on_host
     res["digest_device_gb_s"] = target.nbytes / 1e9 / res["digest_device_s"]
     print(f"digest: on {dev} {res['digest_device_s']:.2f} s ({res['digest_device_gb_s']:.2f} GB/s), host copy + "
           f"blake3 {res['digest_host_copy_s']:.2f} s, equal={res['digests_equal']}")  # fmt: skip
+    res["dense_host_copies"] = dense_host_copies(dev)
+    print(f"dense encode on {dev}: host copies per tensor {res['dense_host_copies']}")
     ok = res["payload_identical"] and res["apply_bitwise"] and res["digests_equal"]
+    ok = ok and res.get("digest_scratch_peak", 0) <= res.get("digest_scratch_bound", 0)
+    ok = ok and all(v == 1.0 for v in res["dense_host_copies"].values())
     res["ok"] = ok
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

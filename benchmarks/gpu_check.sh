@@ -1,28 +1,39 @@
 #!/usr/bin/env bash
-# GPU checks of the engine-allocated CUDA weight store, in one run of under 8 minutes on one GPU:
-#   1. the CUDA tests (engine process allocates on the GPU and registers its CUDA IPC handle with a
-#      real daemon; kill -9 mid-activation; bad registrations; the CUDA IPC export/import; the state
-#      root computed on the GPU)                                            -> cuda_tests.log/.xml
-#   2. the activation pause on a 14 GB bf16 model with 0.5% changed (goal <= 50 ms), the state root
-#      on the GPU against blake3 on a host copy                             -> activation.log/.json
-#   3. the codec's torch path on the GPU (encode == host encode, apply bitwise, both against the
-#      device's memcpy) and the device digest against blake3               -> codec_digest.log/.json
-#   4. publish latency of a 1.07B-parameter model: on the machine's CPUs (the 3x-memcpy goal on a
-#      trainer-class host), then with the FP32 masters on the GPU             -> publish.log
-# The CUDA tests include the publisher's (GPU masters publish the CPU board byte for byte; fp8).
-# Results go to $OUT (default bench-out/gpu); summary.txt has the environment and each step's exit status.
+# GPU checks of the engine-allocated CUDA weight store: one run of about 6 minutes on one GPU (a rerun
+# fits the device time), failing fast, cheapest first, and failing when a CUDA test is skipped.
+#   0. preflight (seconds): CUDA present, the project and its dependencies import, wheels installed;
+#      exits 2 at once if not                                               -> preflight in summary.txt
+#   1. cuda_quick: the in-process CUDA tests: own allocator segment per buffer (export refuses a
+#      shared one), torch's IPC count untouched by successive importers (and freed without limbo),
+#      a killed engine's buffer let go, the IPC export/import, the GPU state root, payloads, GPU
+#      masters publishing                                                   -> cuda_quick.log/.xml
+#   2. codec_digest: the codec's torch path on the GPU (encode == host encode, apply bitwise, one host
+#      copy of a dense tensor) and the device digest (== blake3, peak scratch within its bound)
+#                                                                           -> bench.log, codec_digest.json
+#   3. cuda_system: the real daemon with the reference engine on the GPU (kill -9 of the daemon mid-
+#      activation, kill -9 of the engine, bad registrations)                -> cuda_system.log/.xml
+#   4. activation: the pause on a 14 GB bf16 model with 0.5% changed (goal <= 50 ms), the state
+#      root on the GPU against blake3 on a host copy                        -> bench.log, activation.json
+#   5. tp_ranks: tensor-parallel rank stores on CUDA (placeholder until rank stores exist)
+#   6. publish: publish latency of a 1.07B-parameter model, FP32 masters on the GPU -> bench.log
+# A junit check after each pytest step fails the run if any test was skipped or none ran.
+# Results go to $OUT (default bench-out/gpu, at most 8 files); summary.txt has each step's exit status.
 #
 #   benchmarks/gpu_check.sh                 on the GPU machine
-#   benchmarks/gpu_check.sh --tiny          anywhere: tiny sizes, the GPU-only parts skip without CUDA
+#   benchmarks/gpu_check.sh --tiny          anywhere: tiny sizes; without CUDA the GPU parts skip (allowed)
+#   benchmarks/gpu_check.sh --dry-run       print the plan (steps, limits, commands) and exit
 #   benchmarks/gpu_check.sh --fetch-wheels  here (pip reaches the index): the Python packages the GPU
 #                                           image lacks, as py3.12 x86-64 wheels, into bench-out/wheels
 # On the GPU machine the wheels in bench-out/wheels (carried there) are installed into /tmp/site.
+# GPU_CHECK_BUDGET_S (default 360): the whole run's time; a step never runs past it (it is recorded
+# as skipped, and the run fails).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench-out/wheels
 # What the GPU image (torch, numpy, aiohttp, msgpack, pytest, hypothesis, yaml, prometheus-client...)
 # lacks of the project's and the tests' dependencies; versions as in this checkout's .venv.
 NEED="blake3 zstandard cryptography cffi pycparser pytest-asyncio jsonschema jsonschema-specifications referencing rpds-py"
+MODULES="blake3 zstandard cryptography cffi pycparser pytest_asyncio jsonschema jsonschema_specifications referencing rpds aiohttp msgpack numpy pytest hypothesis"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
     mkdir -p "$WHEELS"
@@ -38,50 +49,145 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
 fi
 
 TINY=0
-[ "${1:-}" = "--tiny" ] && TINY=1
+DRY=0
+for arg in "$@"; do
+    case "$arg" in
+    --tiny) TINY=1 ;;
+    --dry-run) DRY=1 ;;
+    *) echo "gpu_check.sh: unknown argument $arg (--tiny, --dry-run, --fetch-wheels)" >&2; exit 2 ;;
+    esac
+done
+BUDGET=${GPU_CHECK_BUDGET_S:-360}
+DEADLINE=$((SECONDS + BUDGET))
 OUT=${OUT:-bench-out/gpu}
-mkdir -p "$OUT"
-if ls "$WHEELS"/*.whl >/dev/null 2>&1 && [ ! -x .venv/bin/python ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site || echo "wheel install failed"
+SUMMARY="$OUT/summary.txt"
+FAILED=0
+if [ "$DRY" = 0 ]; then
+    mkdir -p "$OUT"
+    : >"$SUMMARY"
+    if ls "$WHEELS"/*.whl >/dev/null 2>&1 && [ ! -x .venv/bin/python ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site || echo "wheel install failed" | tee -a "$SUMMARY"
+    fi
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-SUMMARY="$OUT/summary.txt"  # environment, then one line per step ($OUT keeps to 7 files)
 
-step() {  # step NAME TIMEOUT_S CMD...: run with a limit, log to $OUT/NAME.log, record the status
-    local name=$1 limit=$2
-    shift 2
+step() { # step NAME LIMIT_S LOG CMD...: run within the limit and what is left of the budget, log, record
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local left=$((DEADLINE - SECONDS))
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$DRY" = 1 ]; then
+        echo "step $name limit=${limit}s log=$log: $*"
+        return 0
+    fi
+    if [ "$limit" -lt 10 ]; then
+        echo "$name: skipped (the ${BUDGET} s budget is spent)" | tee -a "$SUMMARY"
+        FAILED=1
+        return 0
+    fi
     local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== $name" >>"$OUT/$log"
+    timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log" 2>&1
     local rc=$?
     echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$SUMMARY"
-    tail -n 25 "$OUT/$name.log"
+    [ "$rc" = 0 ] || FAILED=1
+    tail -n 20 "$OUT/$log"
 }
 
-{
-    date -u
-    nvidia-smi -L 2>&1 || echo "no nvidia-smi"
-    "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
-} 2>&1 | tee "$SUMMARY"
+ran_all() { # ran_all NAME XML: fail the run if a test of that pytest step was skipped or none ran
+    local name=$1 xml=$2
+    if [ "$DRY" = 1 ]; then
+        echo "check ${name}_skips: $PY -m benchmarks.gpu_junit $xml"
+        return 0
+    fi
+    local text rc
+    text=$("$PY" -m benchmarks.gpu_junit "$xml" 2>&1)
+    rc=$?
+    if [ "$TINY" = 1 ]; then
+        echo "${name}_skips: not checked with --tiny ($(echo "$text" | grep -c skipped) skipped)" | tee -a "$SUMMARY"
+        return 0
+    fi
+    echo "$text" | head -n 20
+    echo "${name}_skips: exit $rc" | tee -a "$SUMMARY"
+    [ "$rc" = 0 ] || FAILED=1
+}
 
-step cuda_tests 150 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning -k "cuda or gpu" \
-    tests/system/test_daemon_engine_store.py tests/system/test_engine_attach.py tests/unit/daemon/test_weightstore.py \
-    tests/unit/daemon/test_payloads.py tests/unit/daemon/test_sharded_publish.py -rs
+# 0. Fail fast: nothing else runs without CUDA (unless --tiny), the project's imports and the wheels.
+PREFLIGHT='
+import importlib.util, sys
+tiny, modules = sys.argv[1] == "1", sys.argv[2].split()
+missing = [m for m in modules if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"preflight: missing Python packages {missing} (benchmarks/gpu_check.sh --fetch-wheels, carry bench-out/wheels)")
+import torch
+import patchswarm.daemon.cuda_ipc, patchswarm.daemon.rollout, patchswarm.daemon.publisher, patchswarm.protocol.codec
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())
+if not torch.cuda.is_available() and not tiny:
+    sys.exit("preflight: torch sees no CUDA device (use --tiny off a GPU machine)")
+if torch.cuda.is_available():
+    print("gpu", torch.cuda.get_device_name(0), "x", torch.cuda.device_count())
+'
+if [ "$DRY" = 1 ]; then
+    echo "preflight: nvidia-smi -L; $PY -c <imports of: $MODULES; torch.cuda.is_available()>  (exit 2 on failure)"
+else
+    {
+        date -u
+        nvidia-smi -L 2>&1 || echo "no nvidia-smi"
+    } | tee -a "$SUMMARY"
+    if ! timeout 60 "$PY" -c "$PREFLIGHT" "$TINY" "$MODULES" 2>&1 | tee -a "$SUMMARY"; then
+        echo "preflight: failed; nothing else run" | tee -a "$SUMMARY"
+        exit 2
+    fi
+fi
+
+KEEP='(cuda or gpu) and not without_cuda' # tests for hosts without CUDA skip on a GPU: not selected
+step cuda_quick 110 cuda_quick.log "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs \
+    -k "$KEEP" --junitxml="$OUT/cuda_quick.xml" tests/system/test_engine_attach.py \
+    tests/unit/daemon/test_weightstore.py tests/unit/daemon/test_payloads.py tests/unit/daemon/test_sharded_publish.py
+ran_all cuda_quick "$OUT/cuda_quick.xml"
 
 if [ "$TINY" = 1 ]; then
-    step activation 120 "$PY" -m benchmarks.activation_bench --device engine-cpu --gpu-gb 0.004 --repeat 1 \
-        --json "$OUT/activation.json"
-    step codec_digest 120 "$PY" -m benchmarks.gpu_check --device cpu --gb 0.002 --tensor-mb 1 \
+    step codec_digest 120 bench.log "$PY" -m benchmarks.gpu_check --device cpu --gb 0.002 --tensor-mb 1 \
         --json "$OUT/codec_digest.json"
-    step publish 120 "$PY" -m benchmarks.publish_bench --params 2e7 --patches 2
 else
-    step activation 170 "$PY" -m benchmarks.activation_bench --device cuda --gpu-gb 14 --frac 0.005 --repeat 3 \
-        --journal-dir /tmp/psw-journal --json "$OUT/activation.json"
-    step codec_digest 70 "$PY" -m benchmarks.gpu_check --device cuda:0 --gb 2 --json "$OUT/codec_digest.json"
-    # one log for both publish runs (what comes back from the machine is at most 8 files)
-    step publish 150 bash -c "'$PY' -m benchmarks.publish_bench --params 1.07e9 --patches 3 --board /tmp \
-        && '$PY' -m benchmarks.publish_bench --params 1.07e9 --patches 3 --board /tmp --device cuda"
+    step codec_digest 60 bench.log "$PY" -m benchmarks.gpu_check --device cuda:0 --gb 1 --json "$OUT/codec_digest.json"
 fi
-cat "$SUMMARY"
-! grep -E "^[a-z_]+: exit [0-9]+ in" "$SUMMARY" | grep -qv ": exit 0 in"
+
+step cuda_system 150 cuda_system.log "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs \
+    -k "$KEEP" --junitxml="$OUT/cuda_system.xml" tests/system/test_daemon_engine_store.py
+ran_all cuda_system "$OUT/cuda_system.xml"
+
+if [ "$TINY" = 1 ]; then
+    step activation 120 bench.log "$PY" -m benchmarks.activation_bench --device engine-cpu --gpu-gb 0.004 \
+        --repeat 1 --json "$OUT/activation.json"
+else
+    step activation 120 bench.log "$PY" -m benchmarks.activation_bench --device cuda --gpu-gb 14 --frac 0.005 \
+        --repeat 2 --journal-dir /tmp/psw-journal --json "$OUT/activation.json"
+fi
+
+# 5. Tensor parallel on CUDA rank stores.  PLACEHOLDER for the integrator, once rank stores exist
+# (daemon config store.ranks / store.plan / store.devices): one daemon, TP=2 (and 4 where the host
+# has the GPUs) rank stores, each on its own GPU from store.devices, a built-in plan (store.plan);
+# a real engine process per rank allocates and registers its rank buffer (own segment, checked at
+# export); after each version every rank's bytes equal the slice of the canonical tensors and the
+# per-rank roots verify on the device; kill -9 between two ranks' writes -> all old or all new.
+# Put the tests in tests/system/test_rank_stores.py with "cuda" in their ids; they run here.
+if [ -f tests/system/test_rank_stores.py ]; then
+    step tp_ranks 90 cuda_system.log "$PY" -m pytest -q -p no:cacheprovider -rs -k "cuda" \
+        --junitxml="$OUT/tp_ranks.xml" tests/system/test_rank_stores.py
+    ran_all tp_ranks "$OUT/tp_ranks.xml"
+else
+    [ "$DRY" = 1 ] && echo "step tp_ranks: placeholder (tests/system/test_rank_stores.py not written yet)"
+    [ "$DRY" = 0 ] && echo "tp_ranks: not yet (no rank stores in this checkout)" | tee -a "$SUMMARY"
+fi
+
+if [ "$TINY" = 1 ]; then
+    step publish 90 bench.log "$PY" -m benchmarks.publish_bench --params 2e7 --patches 2
+else
+    step publish 90 bench.log "$PY" -m benchmarks.publish_bench --params 1.07e9 --patches 2 --board /tmp --device cuda
+fi
+[ "$DRY" = 1 ] && exit 0
+echo "total: $SECONDS s of a ${BUDGET} s budget" | tee -a "$SUMMARY"
+exit "$FAILED"

@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from patchswarm.daemon.exporter import peer_pid
 from patchswarm.daemon.status import MAX_SUBSCRIBERS, Status
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
 
@@ -43,8 +44,9 @@ class SocketInUseError(Exception):
 STATUS_KEY: web.AppKey[Status] = web.AppKey("status", Status)
 LAYOUT_KEY: web.AppKey[Callable[[], dict[str, Any] | None]] = web.AppKey("layout", object)  # type: ignore[arg-type]
 METRICS_KEY: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics", object)  # type: ignore[arg-type]
-# body -> (HTTP status, JSON answer); the daemon checks and maps the engine's buffer
-StoreRegistrar = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
+# (body, pid of the registering process or None) -> (HTTP status, JSON answer); the daemon checks
+# and maps the engine's buffer, and watches that process (daemon/exporter.py)
+StoreRegistrar = Callable[[Any, int | None], Awaitable[tuple[int, dict[str, Any]]]]
 REGISTER_KEY: web.AppKey[StoreRegistrar | None] = web.AppKey("register", object)  # type: ignore[arg-type]
 RANK_LAYOUT_KEY: web.AppKey[Callable[[int], dict[str, Any] | None]] = web.AppKey("rank_layout", object)  # type: ignore[arg-type]
 RANKS_KEY: web.AppKey[int] = web.AppKey("ranks", int)
@@ -166,7 +168,10 @@ async def store_registration(request: web.Request) -> web.Response:
         body = await _json_body(request)
     except ValueError:
         return _bad("body must be JSON: {engine, layout_hash, buffer}")
-    code, answer = await registrar(body)
+    # The kernel's word on who registers (SO_PEERCRED), not the body's: the buffer is that process's memory.
+    transport = request.transport
+    pid = peer_pid(transport.get_extra_info("socket") if transport is not None else None)
+    code, answer = await registrar(body, pid)
     return _json(answer, code)
 
 

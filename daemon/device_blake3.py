@@ -64,28 +64,53 @@ def _compress(
     return torch.cat([a ^ c, b ^ d])
 
 
+# Scratch bound on a GPU (docs/weightstore.md): an engine leaves the daemon little GPU memory.
+GPU_SCRATCH = 1300 << 20
+CHUNK_SCRATCH = 6 << 10  # bytes per 1 KiB chunk compressed side by side, at the peak (measured: 5.4 KiB)
+TREE_SCRATCH = 2 << 10  # bytes per parent node of a tree pass, at the peak (measured: 1.8 KiB)
+CV_BYTES = 32  # one chaining value (8 words, stored as int32) per 1 KiB chunk, kept for the tree
+
+
+def default_batch(total_chunks: int, device: torch.device) -> int:
+    """Chunks per pass: 2**16 on a CPU; on a GPU the most (a power of two, 2**14 to 2**18) that keeps
+    the chaining values plus one pass's scratch within ``GPU_SCRATCH`` where the store allows it."""
+    if device.type == "cpu":
+        return 1 << 16
+    room = max(GPU_SCRATCH - CV_BYTES * total_chunks, 0) // CHUNK_SCRATCH
+    return 1 << min(18, max(14, room.bit_length() - 1))
+
+
+def scratch_bound(total_bytes: int, tensors: int, batch_chunks: int) -> int:
+    """Most scratch ``device_digests`` allocates on the tensors' device (bytes): the chaining values
+    of every chunk (1/32 of the data) and one pass of ``batch_chunks`` chunks (a tree pass of as
+    many parent nodes needs less)."""
+    chunks = total_bytes // _CHUNK + tensors
+    return CV_BYTES * chunks + CHUNK_SCRATCH * batch_chunks + (64 << 10)
+
+
 def device_digests(tensors: list[torch.Tensor], batch_chunks: int | None = None) -> list[bytes]:
     """BLAKE3-256 of each flat uint8 tensor, computed on the tensors' device (one device for all).
 
-    ``batch_chunks`` 1 KiB chunks are compressed per pass, about 5 KiB of scratch memory each at
-    the peak (default 2**18, about 1.3 GiB: an engine leaves the daemon little GPU memory).
+    ``batch_chunks`` 1 KiB chunks (or parent nodes) are compressed per pass, about 5.4 KiB of scratch
+    each at the peak, besides 32 bytes per chunk for the chaining values: ``scratch_bound``.
     """
     if not tensors:
         return []
     dev = tensors[0].device
-    if batch_chunks is None:
-        batch_chunks = 1 << 16 if dev.type == "cpu" else 1 << 18
     lens = [int(t.numel()) for t in tensors]
     counts = [max(1, -(-n // _CHUNK)) for n in lens]
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     total = int(starts[-1])
+    if batch_chunks is None:
+        batch_chunks = default_batch(total, dev)
     owner = np.repeat(np.arange(len(tensors)), counts)
     index = np.arange(total, dtype=np.int64) - starts[owner]  # chunk counter within its tensor
     clen = np.minimum(_CHUNK, np.asarray(lens, dtype=np.int64)[owner] - index * _CHUNK)
     nblocks = np.maximum(1, -(-clen // 64))
     single = np.asarray(counts)[owner] == 1
     iv = torch.tensor(_IV, dtype=torch.int64, device=dev).unsqueeze(1)
-    cvs = torch.empty((8, total), dtype=torch.int64, device=dev)
+    # Chaining values of every chunk, as int32 (the words' low 32 bits): compacted in place below.
+    cvs = torch.empty((8, total), dtype=torch.int32, device=dev)
     for g0 in range(0, total, batch_chunks):
         g1 = min(total, g0 + batch_chunks)
         buf = torch.zeros((g1 - g0) * _CHUNK, dtype=torch.uint8, device=dev)
@@ -95,6 +120,7 @@ def device_digests(tensors: list[torch.Tensor], batch_chunks: int | None = None)
             if hi > lo:
                 buf[(c0 - g0) * _CHUNK : (c0 - g0) * _CHUNK + hi - lo].copy_(tensors[i][lo:hi])
         words = (buf.view(torch.int32).to(torch.int64) & _M32).view(g1 - g0, 16, 16)
+        del buf
         nb = torch.from_numpy(nblocks[g0:g1]).to(dev)
         last = torch.from_numpy(clen[g0:g1] - 64 * (nblocks[g0:g1] - 1)).to(dev)
         root = torch.from_numpy(single[g0:g1]).to(dev)
@@ -106,35 +132,44 @@ def device_digests(tensors: list[torch.Tensor], batch_chunks: int | None = None)
             m = words[:, j, :].T.contiguous()  # [16, B]: the row gathers below then read contiguous memory
             out = _compress(h, m, counter, torch.where(end, last, 64), flags)
             h = torch.where(nb > j, out, h)
-        cvs[:, g0:g1] = h
-    # Parents, level by level: adjacent pairs of each tensor's nodes, an odd last one carried up
-    # (the same tree as BLAKE3's left-complete one).
-    level, cur = cvs, list(counts)
-    while True:
+        del words
+        cvs[:, g0:g1] = h.to(torch.int32)
+    _tree(cvs, counts, batch_chunks, iv)
+    final = (cvs[:, : len(tensors)].to(torch.int64) & _M32).cpu().T.tolist()  # one copy back: 32 bytes a tensor
+    return [struct.pack("<8I", *words) for words in final]
+
+
+def _tree(level: torch.Tensor, counts: list[int], batch: int, iv: torch.Tensor) -> None:
+    """Parent nodes, level by level, ``batch`` at a time, written over ``level`` in place, until
+    column i holds tensor i's root.  Each level pairs adjacent nodes of a tensor, an odd last one
+    carried up (the same tree as BLAKE3's left-complete one).  Node e of the next level is built
+    from nodes e' >= e of this one, and a pass gathers before it writes: no pass overwrites a node
+    a later pass still reads."""
+    dev = level.device
+    cur = list(counts)
+    while any(c > 1 for c in cur):
         offs = np.concatenate([[0], np.cumsum(cur)]).astype(np.int64)
-        busy = [i for i, c in enumerate(cur) if c > 1]
-        if not busy:
-            break
-        left = np.concatenate([offs[i] + 2 * np.arange(cur[i] // 2) for i in busy])
-        roots = np.concatenate([np.full(cur[i] // 2, cur[i] == 2) for i in busy])
-        lt = torch.from_numpy(left).to(dev)
-        m = torch.cat([level[:, lt], level[:, lt + 1]])
-        flags = torch.from_numpy(np.where(roots, _PARENT | _ROOT, _PARENT)).to(dev)
-        zero = torch.zeros(len(left), dtype=torch.int64, device=dev)
-        parents = _compress(iv.expand(8, len(left)), m, zero, torch.tensor(64, device=dev), flags)
-        # Next level: per tensor its parents, then its carried node (indices into [parents | level]).
-        idx, nxt, p = [], [], 0
+        src, pair, root = [], [], []
         for i, c in enumerate(cur):
-            if c == 1:
-                idx.append(np.array([len(left) + offs[i]]))
-                nxt.append(1)
-                continue
-            idx.append(np.arange(p, p + c // 2))
-            p += c // 2
+            src.append(offs[i] + 2 * np.arange(c // 2))
+            pair.append(np.ones(c // 2, dtype=bool))
+            root.append(np.full(c // 2, c == 2))
             if c % 2:
-                idx[-1] = np.append(idx[-1], len(left) + offs[i] + c - 1)
-            nxt.append(c // 2 + c % 2)
-        level = torch.cat([parents, level], dim=1)[:, torch.from_numpy(np.concatenate(idx)).to(dev)]
-        cur = nxt
-    final = level.cpu().tolist()
-    return [struct.pack("<8I", *(final[k][i] for k in range(8))) for i in range(len(tensors))]
+                src.append(np.array([offs[i] + c - 1]))
+                pair.append(np.zeros(1, dtype=bool))
+                root.append(np.zeros(1, dtype=bool))
+        s_all, p_all, r_all = np.concatenate(src), np.concatenate(pair), np.concatenate(root)
+        width = level.shape[1]
+        for b0 in range(0, len(s_all), batch):
+            b1 = min(len(s_all), b0 + batch)
+            s = torch.from_numpy(s_all[b0:b1]).to(dev)
+            left = level[:, s].to(torch.int64) & _M32
+            right = level[:, (s + 1).clamp(max=width - 1)].to(torch.int64) & _M32
+            flags = torch.from_numpy(np.where(r_all[b0:b1], _PARENT | _ROOT, _PARENT)).to(dev)
+            zero = torch.zeros(b1 - b0, dtype=torch.int64, device=dev)
+            parents = _compress(
+                iv.expand(8, b1 - b0), torch.cat([left, right]), zero, torch.tensor(64, device=dev), flags
+            )
+            is_pair = torch.from_numpy(p_all[b0:b1]).to(dev)
+            level[:, b0:b1] = torch.where(is_pair, parents, left).to(torch.int32)
+        cur = [c // 2 + c % 2 for c in cur]

@@ -14,7 +14,6 @@ docs/weightstore.md describes all of it.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import grp
@@ -31,6 +30,7 @@ from typing import Any, Generic, TypeVar
 import numpy.typing as npt
 import torch
 
+from patchswarm.daemon import cuda_ipc
 from patchswarm.daemon.store_format import (
     OFF_DATA,
     ControlBlock,
@@ -164,52 +164,17 @@ def _uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _enc(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return {"b64": base64.b64encode(v).decode()}
-    if isinstance(v, (tuple, list, torch.Size)):
-        return {"list": [_enc(x) for x in v]}
-    if isinstance(v, torch.dtype):
-        return {"dtype": str(v).removeprefix("torch.")}
-    if isinstance(v, type):
-        return {"type": f"{v.__module__}.{v.__qualname__}"}
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    raise StoreError(f"cannot encode a CUDA IPC argument of type {type(v).__name__}")
-
-
-_TYPES: dict[str, type] = {
-    "torch.Tensor": torch.Tensor,
-    "torch.storage.UntypedStorage": torch.UntypedStorage,
-    "torch.storage.TypedStorage": torch.TypedStorage,
-}
-
-
-def _dec(v: Any) -> Any:
-    if isinstance(v, dict):
-        if "b64" in v:
-            return base64.b64decode(v["b64"])
-        if "list" in v:
-            return tuple(_dec(x) for x in v["list"])
-        if "dtype" in v:
-            return getattr(torch, str(v["dtype"]))
-        if "type" in v and v["type"] in _TYPES:
-            return _TYPES[v["type"]]
-        raise StoreError(f"unexpected CUDA IPC argument {v!r}")
-    return v
-
-
 def export_buffer(data: torch.Tensor, buffer_id: int, shm_name: str | None = None) -> dict[str, Any]:
-    """The JSON handle of an engine-owned flat uint8 buffer: one CUDA IPC handle, or a shm name (CPU twin)."""
+    """The JSON handle of an engine-owned flat uint8 buffer: one CUDA IPC handle, or a shm name (CPU twin).
+
+    A CUDA buffer must be the whole of its own allocator segment (``allocate`` makes it so): the
+    handle exposes the whole segment, and no other engine tensor may be in it (daemon/cuda_ipc.py)."""
     if data.device.type == "cuda":
-        import inspect
-
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        fn, args = reduce_tensor(data)  # type: ignore[no-untyped-call]
-        names = list(inspect.signature(fn).parameters)
-        fields = {k: _enc(a) for k, a in zip(names, args, strict=True)}
-        return {"kind": "cuda_ipc", "args": fields, "device_uuid": _uuid(data.device),
+        try:
+            args = cuda_ipc.export_handle(data)
+        except cuda_ipc.IpcError as e:
+            raise StoreError(str(e)) from None
+        return {"kind": "cuda_ipc", "args": args, "device_uuid": _uuid(data.device),
                 "nbytes": data.numel(), "buffer_id": buffer_id}  # fmt: skip
     if shm_name is None:
         raise StoreError("a CPU engine buffer must live in a named shared-memory segment")
@@ -217,7 +182,10 @@ def export_buffer(data: torch.Tensor, buffer_id: int, shm_name: str | None = Non
 
 
 def import_buffer(handle: dict[str, Any], shm_dir: Path | str = SHM_DIR) -> tuple[torch.Tensor, SharedSegment | None]:
-    """Map an engine buffer from its handle in this process (the CUDA variant needs CUDA)."""
+    """Map an engine buffer from its handle in this process (the CUDA variant needs CUDA).
+
+    A CUDA import leaves torch's IPC reference count alone (daemon/cuda_ipc.py): dropping every
+    tensor over it closes the mapping, and nothing the engine frees waits on this process."""
     kind = handle.get("kind")
     if kind == "shm_buffer":
         seg = SharedSegment.open(str(handle["name"]), shm_dir)
@@ -226,16 +194,16 @@ def import_buffer(handle: dict[str, Any], shm_dir: Path | str = SHM_DIR) -> tupl
         raise StoreError(f"unknown engine buffer kind {kind!r}")
     if not torch.cuda.is_available():
         raise StoreError("a CUDA IPC buffer needs CUDA in this process")
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    args = {k: _dec(v) for k, v in handle["args"].items()}
+    try:
+        cuda_ipc.import_args(handle.get("args"))
+    except cuda_ipc.IpcError as e:
+        raise StoreError(str(e)) from None
     # Device indices depend on CUDA_VISIBLE_DEVICES: find the exporter's device by UUID.
     local = [i for i in range(torch.cuda.device_count()) if _uuid(torch.device("cuda", i)) == handle["device_uuid"]]
     if not local:
         raise StoreError(f"GPU {handle['device_uuid']} is not visible to this process")
-    args["storage_device"] = local[0]
     try:
-        return rebuild_cuda_tensor(**args), None  # type: ignore[no-untyped-call]
+        return cuda_ipc.import_handle(handle["args"], local[0]), None
     except RuntimeError as e:  # the exporting engine is gone, or the handle is stale
         raise StoreError(f"cannot open the engine's CUDA IPC handle: {e}") from e
 
@@ -321,6 +289,7 @@ class EngineView:
         segments: list[SharedSegment],
         handle: dict[str, Any] | None = None,
         owned: SharedSegment | None = None,
+        pool: Any = None,
     ) -> None:
         self.layout = layout
         self.data = data
@@ -328,6 +297,7 @@ class EngineView:
         self.handle = handle  # engine-owned buffers: what to give the daemon (its API's register call)
         self._segments = segments
         self._owned = owned
+        self._pool = pool  # a CUDA buffer's private memory pool: it lives as long as the buffer
         self._index = {s.name: i for i, s in enumerate(layout.slots)}
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -354,6 +324,7 @@ class EngineView:
     def close(self) -> None:
         """Drop the mappings; an engine-owned CPU buffer is removed (CUDA memory is freed with the tensor)."""
         self.data = torch.empty(0, dtype=torch.uint8)
+        self._pool = None
         if self._owned is not None:
             self._owned.unlink()
         for seg in [*self._segments, *([self._owned] if self._owned else [])]:
@@ -401,7 +372,7 @@ def allocate(info: dict[str, Any], device: torch.device | str) -> EngineView:
     layout = _layout_of(info, ctl)
     dev = torch.device(device)
     buffer_id = secrets.randbits(63) | 1
-    owned = None
+    owned, pool = None, None
     if dev.type == "cpu":
         # The daemon (another user, same group as the store) opens this buffer: give it the store's group.
         gid = os.stat(seg.path).st_gid
@@ -410,6 +381,8 @@ def allocate(info: dict[str, Any], device: torch.device | str) -> EngineView:
         data = owned.tensor(0, layout.nbytes)
         handle = export_buffer(data, buffer_id, owned.name)
     else:
-        data = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
+        # Its own allocator segment (rounded up to whole segment bytes): the handle exposes only it.
+        own = cuda_ipc.allocate_own_segment(layout.nbytes, dev)
+        data, pool = own.data, own.pool
         handle = export_buffer(data, buffer_id)
-    return EngineView(layout, data, FenceReader(ctl, buffer_id), [seg], handle, owned)
+    return EngineView(layout, data, FenceReader(ctl, buffer_id), [seg], handle, owned, pool)

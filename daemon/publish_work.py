@@ -307,7 +307,9 @@ def tensor_work(
         delta = diff_tensor(spec, base, data, level) if base is not None else None
         t2 = clock()
         unchanged = delta is not None and delta.changed == 0
-        digest = base_digest if unchanged and base_digest is not None else bytes_digest(data)
+        # The encoder's host copy of a dense tensor, if it made one, is hashed: no second copy.
+        host = delta.host if delta is not None and delta.host is not None else data
+        digest = base_digest if unchanged and base_digest is not None else bytes_digest(host)
         stages.add("cast", cast_s)
         stages.add("diff", t2 - t)
         stages.add("digests", clock() - t2)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from patchswarm.daemon.config import DaemonConfig
+from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
@@ -193,15 +194,21 @@ def check_rank_registration(host: RankHost, ranks: RankStores, body: Any) -> tup
     return rank
 
 
-def attach_rank_buffer(host: RankHost, ranks: RankStores, rank: int, body: dict[str, Any]) -> dict[str, Any] | None:
-    """Map a registered rank buffer (under the activation lock); an error answer, or None when attached."""
+def attach_rank_buffer(
+    host: RankHost, ranks: RankStores, rank: int, body: dict[str, Any], peer: int | None = None
+) -> dict[str, Any] | None:
+    """Map a registered rank buffer (under the activation lock); an error answer, or None when attached.
+    ``peer``: the pid of the registering engine, watched from now on (daemon/exporter.py)."""
     store = ranks.store(rank)
     assert store is not None
     handle = body["buffer"]
     if store.buffer_id == handle["buffer_id"] and store.data is not None:
         return None
+    exporter = Exporter.of_pid(peer) if peer is not None else None
+    if peer is not None and exporter is None:
+        return {"error": "BadHandle", "message": f"the registering process {peer} is gone"}
     try:
-        store.attach_buffer(handle)  # a new buffer: EMPTY until loaded
+        store.attach_buffer(handle, exporter=exporter)  # a new buffer: EMPTY until loaded
     except StoreTooSmallError as e:
         return {"error": "BufferTooSmall", "message": f"the engine's buffer: {e}"}
     except (StoreError, ValueError, OSError) as e:
@@ -211,13 +218,15 @@ def attach_rank_buffer(host: RankHost, ranks: RankStores, rank: int, body: dict[
     return None
 
 
-async def register_rank(host: RankHost, ranks: RankStores, body: Any) -> tuple[int, dict[str, Any]]:
+async def register_rank(
+    host: RankHost, ranks: RankStores, body: Any, peer: int | None = None
+) -> tuple[int, dict[str, Any]]:
     """POST /v1/store with "rank": one rank's buffer; that rank is loaded as soon as it is registered."""
     rank = check_rank_registration(host, ranks, body)
     if isinstance(rank, tuple):
         return rank
     async with host._activating:
-        refused = attach_rank_buffer(host, ranks, rank, body)
+        refused = attach_rank_buffer(host, ranks, rank, body, peer)
         if refused is not None:
             return 422, refused
         store = ranks.store(rank)

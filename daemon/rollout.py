@@ -33,6 +33,7 @@ from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, serve
 from patchswarm.daemon.checkpoint_writer import export_version
 from patchswarm.daemon.config import ConfigError, DaemonConfig, bind_errors
 from patchswarm.daemon.engine import SHM_DIR, store_lock_path
+from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
 from patchswarm.daemon.journal import recover
 from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
@@ -397,6 +398,8 @@ class RolloutDaemon:
             self.store = WeightStore.create(
                 self.cfg.store_name, layout, engine_buffer=True, group=self.cfg["api.group"]
             )
+        if self.store is not None and self.engine_kind:
+            self.store.check_exporter()  # a dead engine's buffer is let go, never written
         if self.store is not None and self.store.data is None:
             return False
         ready = self.store is not None and self.store.header().state == StoreState.READY
@@ -546,13 +549,14 @@ class RolloutDaemon:
             return self.ranks.common_version() == version
         return self.store is not None and self.store.header().state == StoreState.READY
 
-    async def _register_store(self, body: Any) -> tuple[int, dict[str, Any]]:
-        """POST /v1/store: the engine gives the daemon its buffer; the current version is loaded into it."""
+    async def _register_store(self, body: Any, peer: int | None = None) -> tuple[int, dict[str, Any]]:
+        """POST /v1/store: the engine gives the daemon its buffer; the current version is loaded into it.
+        ``peer``: the pid of the registering process, watched from now on (daemon/exporter.py)."""
         if not self.engine_kind:
             msg = "store.kind is 'shm': the daemon allocates the store; attach with GET /v1/layout"
             return 409, {"error": "NotEngineStore", "message": msg}
         if self.ranks is not None:
-            return await register_rank(self, self.ranks, body)
+            return await register_rank(self, self.ranks, body, peer)
         if isinstance(body, dict) and body.get("rank") not in (None, 0):
             return 400, {"error": "BadRequest", "message": "rank must be 0: this daemon feeds one store"}
         if self.store is None:
@@ -566,12 +570,20 @@ class RolloutDaemon:
         except RegistrationError as e:
             return (400 if e.code == "BadRequest" else 422), {"error": e.code, "message": str(e)}
         async with self._activating:
+            store.check_exporter()
             if store.buffer_id != handle["buffer_id"] or store.data is None:
+                exporter = Exporter.of_pid(peer) if peer is not None else None
+                if peer is not None and exporter is None:
+                    return 422, {"error": "BadHandle", "message": f"the registering process {peer} is gone"}
                 try:
-                    store.attach_buffer(handle)  # a new buffer: EMPTY until loaded
+                    store.attach_buffer(handle, exporter=exporter)  # a new buffer: EMPTY until loaded
                 except StoreTooSmallError as e:
+                    if exporter is not None:
+                        exporter.close()
                     return 422, {"error": "BufferTooSmall", "message": f"the engine's buffer: {e}"}
                 except (StoreError, ValueError, OSError) as e:  # a name or file that is no buffer: one line, no 500
+                    if exporter is not None:
+                        exporter.close()
                     return 422, {"error": "BadHandle", "message": f"cannot map the engine's buffer: {e}"}
                 recover(store, self.journal_dir)  # a journal for an earlier buffer is void now
                 self.status.update(version=None, root=None)
@@ -663,8 +675,17 @@ class RolloutDaemon:
             changes["reason"] = f"{HEAD_REFUSED}: {n.head_error}"
         elif "reason" not in changes and (self.status.reason or "").startswith(HEAD_REFUSED):
             changes["reason"] = None
+        # (never while an activation holds the lock: it checks the engine itself, before writing)
+        watched = [s for s in self.ranks.stores if s is not None] if self.ranks is not None else [self.store]
+        if self.engine_kind and not self._activating.locked():
+            for store in watched:
+                if store is not None:
+                    store.check_exporter()
+        died = next((s.released_because for s in watched if s is not None and s.released_because), None)
         if self._awaiting_engine() and self.status.phase in (Phase.IDLE, Phase.FETCHING):
-            changes["reason"] = AWAITING_ENGINE
+            changes["reason"] = f"{died}; {AWAITING_ENGINE}" if died else AWAITING_ENGINE
+            if died and self.status.version is not None:
+                changes.update(version=None, root=None)
         if n.puller.tracker.halted:  # equivocation: the engine keeps its version, the operator must act
             changes.update(phase=Phase.ERROR, reason=f"run halted: {n.puller.tracker.halted}")
         if self.ranks is not None:

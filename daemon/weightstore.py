@@ -33,6 +33,7 @@ import torch
 from patchswarm.daemon import journal
 from patchswarm.daemon.device_blake3 import device_digests
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment, import_buffer
+from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.store_format import (
     CONTROL_SIZE,
     HANDLE_CAP,
@@ -207,6 +208,8 @@ class WeightStore:
         self.data: torch.Tensor | None = None
         self.buffer: dict[str, Any] | None = None
         self._buffer_seg: SharedSegment | None = None
+        self.exporter: Exporter | None = None  # the engine process that registered the buffer
+        self.released_because: str | None = None  # why the last engine buffer was let go (its engine died)
         # Test hook: called with a crash point name ("journal_tmp", "journaled", "odd", "mid_write",
         # "written", "flipped", "loading"); crash tests kill the process there.
         self.fault: Callable[[str], None] = _no_fault
@@ -262,9 +265,25 @@ class WeightStore:
             raise StoreLayoutMismatch(f"weight store {name!r} is laid out for other tensors")
         store = cls(seg, found, shm_dir)
         if store.kind == KIND_ENGINE_BUFFER and ctl.get(OFF_HANDLE + 16):
-            with contextlib.suppress(StoreError):  # the engine is gone: wait for it to register a new buffer
-                store.attach_buffer(json.loads(ctl.blob(seg.mm, OFF_HANDLE, OFF_HANDLE + 16)), keep_contents=True)
+            store._reimport(json.loads(ctl.blob(seg.mm, OFF_HANDLE, OFF_HANDLE + 16)))
         return store
+
+    def _reimport(self, stored: dict[str, Any]) -> None:
+        """A restarted daemon maps the buffer its predecessor wrote into, if its engine still lives."""
+        recorded = Exporter.from_json(stored.pop("exporter", None))
+        exporter = None
+        if recorded is not None:
+            exporter = Exporter.of_pid(recorded.pid)
+            if exporter is None or exporter.start != recorded.start:
+                if exporter is not None:
+                    exporter.close()
+                self._let_go(stored, f"the engine (pid {recorded.pid}) that registered the buffer died")
+                return
+        try:
+            self.attach_buffer(stored, keep_contents=True, exporter=exporter)
+        except StoreError:  # the engine is gone: wait for it to register a new buffer
+            if exporter is not None:
+                exporter.close()
 
     @classmethod
     def open_or_create(
@@ -277,14 +296,19 @@ class WeightStore:
             SharedSegment.path_for(name, shm_dir).unlink(missing_ok=True)
         return cls.create(name, layout, engine_buffer=engine_buffer, shm_dir=shm_dir)
 
-    def attach_buffer(self, handle: dict[str, Any], *, keep_contents: bool = False) -> None:
+    def attach_buffer(
+        self, handle: dict[str, Any], *, keep_contents: bool = False, exporter: Exporter | None = None
+    ) -> None:
         """Use the engine's buffer (its handle from engine.allocate); a new buffer makes the store EMPTY.
 
         The handle is kept in the control segment, so a restarted daemon re-imports it (``open``).
+        ``exporter``: the engine process that registered it (the API's peer); the store lets the
+        buffer go, unwritten, once that process is gone (``check_exporter``).
         """
         if self.kind != KIND_ENGINE_BUFFER:
             raise StoreStateError("a host store has its own data region")
-        text = json.dumps(handle, separators=(",", ":")).encode()
+        stored = handle if exporter is None else {**handle, "exporter": exporter.to_json()}
+        text = json.dumps(stored, separators=(",", ":")).encode()
         if len(text) > self.control.get(OFF_HANDLE + 8):
             raise StoreError("engine buffer handle too large")
         data, seg = import_buffer(handle, self.shm_dir)
@@ -297,7 +321,9 @@ class WeightStore:
             raise
         if self._buffer_seg is not None and self._buffer_seg is not seg:
             self._buffer_seg.close()  # the previous engine's buffer
-        self._buffer_seg, self.buffer = seg, handle
+        if self.exporter is not None and self.exporter is not exporter:
+            self.exporter.close()
+        self._buffer_seg, self.buffer, self.exporter, self.released_because = seg, handle, exporter, None
         off = self.control.get(OFF_HANDLE)
         self.segment.mm[off : off + len(text)] = text
         self.control.set(OFF_HANDLE + 16, len(text))
@@ -313,6 +339,42 @@ class WeightStore:
         if not (keep_contents and self.control.raw().buffer_id == buffer_id):
             self.control.begin(StoreState.EMPTY)
             self.control.publish(0, ZERO_ROOT, StoreState.EMPTY, buffer_id=buffer_id)
+
+    def check_exporter(self) -> str | None:
+        """Let the buffer go if the engine that registered it died; why, or None while it lives.
+
+        Nothing is written into the buffer (its memory may be freed or reused): the mapping is
+        dropped, the stored handle forgotten, the store EMPTY until an engine registers again."""
+        if self.exporter is None or self.exporter.alive():
+            return self.released_because
+        why = f"the engine (pid {self.exporter.pid}) that registered buffer {self.buffer_id or 0:x} died"
+        self._let_go(self.buffer, why)
+        return why
+
+    def _let_go(self, handle: dict[str, Any] | None, why: str) -> None:
+        log.warning("%s: its buffer is released, nothing more is written into it", why)
+        self.data, self.buffer = None, None
+        if self._buffer_seg is not None:
+            self._buffer_seg.close()
+            self._buffer_seg = None
+        if handle is not None and handle.get("kind") == "shm_buffer":
+            # The CPU twin's segment outlives a killed engine: the daemon removes the orphan
+            # (its name was checked to be <store>.buf.<id> at registration).
+            with contextlib.suppress(ValueError, OSError):
+                SharedSegment.path_for(str(handle.get("name")), self.shm_dir).unlink(missing_ok=True)
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+        self.control.set(OFF_HANDLE + 16, 0)
+        self.control.begin(StoreState.EMPTY)
+        self.control.publish(0, ZERO_ROOT, StoreState.EMPTY, buffer_id=0)
+        self.released_because = why
+
+    def _require_live_buffer(self) -> torch.Tensor:
+        why = self.check_exporter()
+        if self.data is None and why is not None:
+            raise StoreStateError(f"{why}: waiting for an engine to register a buffer")
+        return self._require_data()
 
     @property
     def buffer_id(self) -> int | None:
@@ -339,6 +401,8 @@ class WeightStore:
 
     def close(self) -> None:
         self.data = None
+        if self.exporter is not None:
+            self.exporter.close()
         for seg in (self._buffer_seg, self.segment):
             if seg is not None:
                 seg.close()
@@ -404,7 +468,7 @@ class WeightStore:
         """Write a whole version (first load, or after FAILED) with the fence odd; verify its root."""
         if model.specs != self.layout.specs:
             raise StoreLayoutMismatch("the model does not have the store's tensor names, dtypes and shapes")
-        data = self._require_data()
+        data = self._require_live_buffer()
         self.control.begin(StoreState.LOADING)
         for i, src in enumerate(model.data):
             self.slot_bytes(i).copy_(src)
@@ -501,6 +565,7 @@ class WeightStore:
         seq even -> journal removed.  The caller has verified ``root`` on its shadow copy.  After
         any other error, call ``daemon.journal.recover``.
         """
+        self._require_live_buffer()
         hdr = self.control.raw()
         if hdr.state != StoreState.READY or not hdr.stable:
             raise StoreStateError(f"activate needs a READY store (it is {hdr.state.name}); load or recover first")

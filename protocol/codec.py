@@ -65,6 +65,7 @@ from patchswarm.protocol.value_coding import (
     _ulp_update,
     _UlpSteps,
     _write_full,
+    to_host,
 )
 
 # Tensors with at least this fraction changed also try the dense encodings and keep the smallest.
@@ -99,6 +100,9 @@ class TensorDelta:
     changed: int
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     full: torch.Tensor | None = None
+    # A host copy of a device target made while choosing the encoding (else None): a caller that
+    # needs the target's bytes on the host (its digest) reuses it instead of copying again.
+    host: torch.Tensor | None = None
 
     @property
     def stat(self) -> TensorStat:
@@ -142,6 +146,10 @@ def diff_tensor(
     enc, pieces = _sparse_pieces(spec, ch)
     if k < DENSE_PROBE * spec.numel:
         return TensorDelta(spec, enc, k, pieces)
+    # Dense candidates.  A device target crosses to the host once: its FULL planes are sized from
+    # that copy, which is also what a FULL record writes (the XOR crosses once, as the XOR).
+    host = to_host(target)
+    copy = host if host is not target else None
     options: list[tuple[Encoding, dict[str, list[Piece]] | None]] = [
         (enc, pieces),
         (Encoding.XOR, _dense_pieces("xor", spec, base, target)),
@@ -149,11 +157,11 @@ def diff_tensor(
     ]
     best = min(
         options,
-        key=lambda o: compressed_size(o[1], level) if o[1] is not None else _full_size(spec, target, level),
+        key=lambda o: compressed_size(o[1], level) if o[1] is not None else _full_size(spec, host, level),
     )
     if best[1] is None:
-        return TensorDelta(spec, Encoding.FULL, k, {}, target)
-    return TensorDelta(spec, best[0], k, best[1])
+        return TensorDelta(spec, Encoding.FULL, k, {}, host, copy)
+    return TensorDelta(spec, best[0], k, best[1], host=copy)
 
 
 def assemble(deltas: Iterable[TensorDelta], level: int = 3, *, progress: Progress | None = None) -> EncodedPatch:

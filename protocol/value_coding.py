@@ -96,26 +96,33 @@ def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, l
     return Encoding.SPARSE_ULP, pieces
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory: the one door of the dense paths' device-to-host copies (none on a CPU)."""
+    return t if t.device.type == "cpu" else t.cpu()
+
+
 def _dense_pieces(prefix: str, spec: TensorSpec, bdata: torch.Tensor, tdata: torch.Tensor) -> dict[str, list[Piece]]:
     pieces: dict[str, list[Piece]] = {}
     a, b = word_view(bdata, spec), word_view(tdata, spec)
     for s in range(0, spec.numel, SLICE):
-        _planes(prefix, (a[s : s + SLICE] ^ b[s : s + SLICE]).cpu().numpy(), pieces)
+        _planes(prefix, to_host(a[s : s + SLICE] ^ b[s : s + SLICE]).numpy(), pieces)
     return pieces
 
 
 def _full_size(spec: TensorSpec, tdata: torch.Tensor, level: int) -> int:
+    """Compressed size of the FULL planes of ``tdata`` (host memory: the caller copies it once)."""
     pieces: dict[str, list[Piece]] = {}
     words = word_view(tdata, spec)
     for s in range(0, spec.numel, SLICE):
-        _planes("full", words[s : s + SLICE].cpu().numpy(), pieces)
+        _planes("full", words[s : s + SLICE].numpy(), pieces)
     return compressed_size(pieces, level)
 
 
 def _write_full(writer: StreamWriter, spec: TensorSpec, tdata: torch.Tensor) -> Encoding:
     words = word_view(tdata, spec)
     for s in range(0, spec.numel, SLICE):
-        writer.write_planes("full", words[s : s + SLICE].cpu().numpy())
+        part = words[s : s + SLICE]  # an anchor's device tensor crosses here, a slice at a time
+        writer.write_planes("full", (part if part.device.type == "cpu" else to_host(part)).numpy())
     return Encoding.FULL
 
 
@@ -155,7 +162,8 @@ def _read_dense(
             else:
                 np.bitwise_xor(planes, base[s : s + n].numpy(), out=dst)
             continue
-        part = torch.from_numpy(planes.copy()).to(device)
+        # (read-only planes, a one-byte dtype's, are copied: torch maps no read-only array)
+        part = torch.from_numpy(planes if planes.flags.writeable else planes.copy()).to(device)
         if base is not None:
             part ^= base[s : s + n]
         words[s : s + n] = part

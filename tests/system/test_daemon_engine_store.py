@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from patchswarm.daemon.api import make_api_app, serve_unix
+from patchswarm.daemon.cuda_ipc import allocate_own_segment
 from patchswarm.daemon.engine import EngineView, SharedSegment, allocate, attach, export_buffer
 from patchswarm.daemon.engine_client import DaemonClient
 from patchswarm.daemon.publisher import Publisher
@@ -251,6 +252,52 @@ async def test_engine_allocated_store_survives_daemon_kill_9(device: str, tmp_pa
         await sw.close()
 
 
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.parametrize("device", DEVICES)
+async def test_daemon_notices_a_killed_engine_and_writes_nothing_more(device: str, tmp_path: Path) -> None:
+    """kill -9 of the engine: the daemon lets its buffer go (the CPU twin's orphaned segment removed),
+    reports no version and why, writes nothing more into it, and loads the next engine's buffer."""
+    sw = Swarm(tmp_path)
+    trainer = Trainer(sw, steps=2)
+    trainer.publish()
+    await sw.start_seed()
+    d = engine_daemon(sw, tmp_path, device)
+    d.start()
+    engines: list[EngineProc] = []
+    try:
+        await wait_status(d, lambda s: s["reason"] == AWAITING_ENGINE, "waited")
+        engines.append(EngineProc(d, device, tmp_path))
+        await engines[0].wait_version(1)
+        await d.wait_version(1)
+        info = (await d.get("/v1/layout"))["attach"]
+        pid = engines[0].proc.pid
+        engines[0].proc.kill()
+        engines[0].proc.wait(30)
+        st = await wait_status(d, lambda s: "died" in (s["reason"] or ""), "noticed the engine died")
+        assert f"the engine (pid {pid}) that registered buffer" in st["reason"] and AWAITING_ENGINE in st["reason"]
+        assert st["version"] is None and st["state"] == "idle"
+        assert (await d.get("/v1/layout"))["attach"]["buffer"] is None
+        if device == "cpu":
+            assert not Path(f"/dev/shm/{info['buffer']['name']}").exists()
+        # A new version meanwhile waits in the shadow: nothing is written anywhere.
+        trainer.publish()
+        await wait_status(d, lambda s: s["target"] == 2 and AWAITING_ENGINE in (s["reason"] or ""), "held version 2")
+        assert "died" in d.log.read_text()
+        # The next engine registers a new buffer and gets the version the daemon holds.
+        engines.append(EngineProc(d, device, tmp_path))
+        await engines[1].wait_version(2)
+        st = await d.wait_version(2)
+        assert st["reason"] is None and st["root"] == trainer.roots[2].hex()
+        assert await asyncio.to_thread(d.terminate) == 0
+    finally:
+        for e in engines:
+            e.stop()
+        d.cleanup()
+        remove_segments(d.store)
+        await sw.close()
+
+
 def fake_handle(store: str, nbytes: int, **extra: Any) -> dict[str, Any]:
     return {"kind": "shm_buffer", "name": f"{store}.buf.fake", "nbytes": nbytes, "buffer_id": 7} | extra
 
@@ -307,10 +354,13 @@ async def test_bad_registrations_get_a_clear_4xx_and_lose_nothing(device: str, t
             await refused({"engine": "e", "layout_hash": lay_hash, "buffer": cuda_like}, 422, "KindMismatch",
                           "register a shm_buffer")  # fmt: skip
         else:
-            tiny = torch.zeros(100, dtype=torch.uint8, device=device)
-            keep.append(tiny)
-            await refused({"engine": "e", "layout_hash": lay_hash, "buffer": export_buffer(tiny, 5)}, 422,
+            own = allocate_own_segment(1, torch.device(device))
+            keep.append(own)
+            short = export_buffer(own.data, 5) | {"nbytes": 100}  # a real handle that claims too few bytes
+            await refused({"engine": "e", "layout_hash": lay_hash, "buffer": short}, 422,
                           "BufferTooSmall", "holds 100 bytes")  # fmt: skip
+            with pytest.raises(StoreError, match="refusing to export"):  # a block of the shared allocator
+                export_buffer(torch.zeros(100, dtype=torch.uint8, device=device), 6)
             await refused({"engine": "e", "layout_hash": lay_hash, "buffer": fake_handle(d.store, nbytes)}, 422,
                           "KindMismatch", "register a cuda_ipc")  # fmt: skip
         # Nothing was lost: the daemon still waits, and a good registration loads version 1.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import subprocess
 import sys
@@ -12,13 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from patchswarm.daemon.engine import _dec, _enc, attach
+from patchswarm.daemon.cuda_ipc import allocate_own_segment, export_handle, ref_counter_value, segment_violation
+from patchswarm.daemon.engine import allocate, attach, export_buffer
+from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.journal import Action, recover
-from patchswarm.daemon.store_format import StoreLayout, StoreLayoutMismatch, StoreState
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
+from patchswarm.daemon.weightstore import StoreStateError, WeightStore, diff_updates
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 REPO = Path(__file__).resolve().parents[2]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SEED = 5
 
 
@@ -50,6 +55,16 @@ class Engine:
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
         return self._read()
+
+    def close_killed(self) -> None:
+        """After a kill -9 test: close the pipes (or stop the engine if it still runs)."""
+        if self.proc.poll() is None:
+            self.close()
+            return
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
 
     def close(self) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -142,11 +157,62 @@ def test_engine_owned_buffer_in_another_process(name: str, tmp_path: Path) -> No
     assert not list(Path("/dev/shm").glob(f"{name}.buf.*"))  # the engine removed its buffer
 
 
-def test_cuda_handle_encoding_round_trip() -> None:
-    args = (torch.Tensor, torch.Size([4, 2]), (2, 1), 0, torch.TypedStorage, torch.uint8, 0, b"\x00\xffh",
-            128, 0, False, b"ref", 16, None, True)  # fmt: skip
-    enc = json.loads(json.dumps([_enc(a) for a in args]))
-    assert tuple(_dec(a) for a in enc) == args
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=CUDA)])
+def test_buffer_of_a_killed_engine_is_let_go_unwritten(name: str, tmp_path: Path, device: str) -> None:
+    """The exporter is watched: kill -9 the engine and the store drops its buffer (nothing written
+    into it), goes EMPTY with the reason, and a restarted daemon does not re-import it either."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    engine = Engine(store.attach_info(), tmp_path, device=device)
+    try:
+        exporter = Exporter.of_pid(engine.proc.pid)
+        assert exporter is not None
+        store.attach_buffer(engine.handle, exporter=exporter)
+        m1, m2 = model(SEED, 1), model(SEED, 2)
+        store.load(m1, 1, m1.root())
+        assert store.check_exporter() is None and engine.ask("version") == [1, m1.root().hex()]
+        engine.proc.kill()
+        engine.proc.wait(30)
+        seq = store.header().seq
+        why = store.check_exporter()
+        assert why is not None and f"pid {engine.proc.pid}" in why and "died" in why
+        assert store.data is None and store.buffer is None
+        h = store.header()
+        assert (h.state, h.version, h.buffer_id, h.seq) == (StoreState.EMPTY, 0, 0, seq + 2)
+        assert store.attach_info()["buffer"] is None
+        if device == "cpu":  # the CPU twin's orphaned segment is removed
+            assert not list(Path("/dev/shm").glob(f"{name}.buf.*"))
+        with pytest.raises(StoreStateError, match="died"):
+            store.load(m2, 2, m2.root())
+        with pytest.raises(StoreStateError, match="died"):
+            store.activate(2, m2.root(), diff_updates(m1, m2), tmp_path)
+        store.close()
+        again = WeightStore.open(name, layout=lay)
+        assert again.data is None and again.header().state == StoreState.EMPTY
+    finally:
+        engine.close_killed()
+
+
+def test_restarted_daemon_does_not_import_a_dead_engines_buffer(name: str, tmp_path: Path) -> None:
+    """The stored handle names its exporter (pid, start time): a daemon restarted after the engine
+    died lets the handle go instead of mapping the orphaned buffer, and says why."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    engine = Engine(store.attach_info(), tmp_path, device="cpu")
+    exporter = Exporter.of_pid(engine.proc.pid)
+    assert exporter is not None
+    store.attach_buffer(engine.handle, exporter=exporter)
+    m1 = model(SEED, 1)
+    store.load(m1, 1, m1.root())
+    store.close()  # the daemon stops (or is killed) while the engine lives
+    engine.proc.kill()
+    engine.proc.wait(30)
+    assert list(Path("/dev/shm").glob(f"{name}.buf.*"))  # the killed engine left its segment
+    again = WeightStore.open(name, layout=lay)
+    assert again.data is None and again.header().state == StoreState.EMPTY
+    assert again.released_because is not None and f"pid {engine.proc.pid}" in again.released_because
+    assert not list(Path("/dev/shm").glob(f"{name}.buf.*"))
+    engine.close_killed()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -169,3 +235,60 @@ def test_cuda_ipc_export_import(name: str, tmp_path: Path) -> None:
     finally:
         store.close()
         engine.close()
+
+
+@CUDA
+def test_cuda_buffer_is_the_whole_of_its_own_segment(name: str) -> None:
+    """allocate gives the buffer a segment of its own (checked on the real allocator); a tensor of
+    the shared pool, or part of a buffer, is refused at export with one line."""
+    lay = StoreLayout.from_specs(SPECS)
+    store = WeightStore.create(name, lay, engine_buffer=True)
+    dev = torch.device("cuda", 0)
+    view = allocate(store.attach_info(), dev)
+    try:
+        assert view.handle is not None and view.handle["args"]["offset"] == 0
+        assert segment_violation(view.data.data_ptr(), view.data.numel(), torch.cuda.memory_snapshot()) is None
+        crowd = [torch.ones(1 << 20, dtype=torch.uint8, device=dev) for _ in range(3)]  # shared small/large pools
+        for bad in (crowd[1], view.data[4096:], torch.empty(30 << 20, dtype=torch.uint8, device=dev)[: 25 << 20]):
+            with pytest.raises(StoreError, match=r"daemon\.engine\.allocate"):
+                export_buffer(bad, 9)
+    finally:
+        view.close()
+        store.close()
+
+
+IMPORTER = """
+import json, os, signal, sys, torch
+from patchswarm.daemon.cuda_ipc import import_handle
+args, mode = json.loads(sys.argv[1]), sys.argv[2]
+t = import_handle(args, 0)
+t[int(sys.argv[3])] = 7
+torch.cuda.synchronize()
+if mode == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+del t
+print("released", flush=True)
+"""
+
+
+@CUDA
+def test_cuda_successive_importers_never_move_the_producers_ipc_count() -> None:
+    """This process exports (the engine); daemons import, write, release, or are killed, one after
+    the other: torch's counter for the share stays 0 (given back at export), never negative, and
+    the engine's memory is freed when the engine frees it (nothing parked for a dead daemon)."""
+    dev = torch.device("cuda", 0)
+    own = allocate_own_segment(1, dev)
+    counters: list[tuple[bytes, int]] = []
+    args = export_handle(own.data, counters)
+    assert len(counters) == 1 and ref_counter_value(*counters[0]) == 0
+    for k, mode in enumerate(["release", "release", "kill", "release"]):
+        out = subprocess.run([sys.executable, "-c", IMPORTER, json.dumps(args), mode, str(k)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == (-9 if mode == "kill" else 0), out.stderr[-2000:]
+        assert ref_counter_value(*counters[0]) == 0
+        assert int(own.data[k]) == 7  # the importer wrote into the engine's memory
+    before, size = torch.cuda.memory_allocated(dev), own.data.numel()
+    del own
+    gc.collect()
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated(dev) <= before - size  # freed, not parked in torch's IPC limbo
