@@ -407,7 +407,9 @@ class WeightStore:
         data = self._require_data()
         self.control.begin(StoreState.LOADING)
         for i, src in enumerate(model.data):
-            self.slot_bytes(i).copy_(src)
+            dst = self.slot_bytes(i)
+            if src.data_ptr() != dst.data_ptr() or src.device != dst.device:  # (an anchor decoded in place)
+                dst.copy_(src)
             if i == len(model.data) // 2:
                 self.fault("loading")
         _sync(data.device)
