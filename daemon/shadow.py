@@ -11,9 +11,10 @@ version (``settle``), so a refused version leaves the held one intact.
 Where the verified copy lives (docs/weightstore.md, "Where every copy lives"):
 
 - ``store.kind = "shm"``: the store itself.  The held model is a set of zero-copy views of the
-  store's segment (``store_model``); only the daemon writes the segment, and every patch checks
-  the digest of each tensor it touches against the base bytes there, so an engine that wrote into
-  it is caught at the next patch (the daemon then reloads from an anchor).
+  store's segment (``store_model``); only the daemon means to write the segment (engines map it
+  read-write), and every patch checks the digest of each tensor it touches over the bytes there,
+  so an engine that wrote into it is caught at the next patch (the daemon then reloads from an
+  anchor).
 - engine-allocated stores (``cuda``, ``engine-shm``): a private host copy (the engine may
   re-allocate its buffer, which is then loaded from this copy), changed in place after each
   activation (``commit``).
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from patchswarm.daemon.store_format import StoreError, TensorUpdate
-from patchswarm.daemon.weightstore import DENSE_FRACTION, WeightStore, diff_updates
+from patchswarm.daemon.weightstore import WeightStore, diff_updates
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import Manifest
@@ -99,9 +100,7 @@ def decode_once(held: Held | None, manifest: Manifest, parts: list[bytes], *, in
     if held is None or manifest.base_version is None:
         model, digests = apply_version(None, manifest, payload, into=into)
         return Held(manifest.version, model, digests)
-    changes, digests = decode_changes(
-        held.model, manifest, payload, base_digests=held.digests, dense_fraction=DENSE_FRACTION
-    )
+    changes, digests = decode_changes(held.model, manifest, payload, base_digests=held.digests)
     return StagedVersion(manifest.version, held.model, digests, changes, dict(manifest.metadata))
 
 

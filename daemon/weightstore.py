@@ -58,6 +58,7 @@ from patchswarm.daemon.store_format import (
 )
 from patchswarm.protocol.diffscan import scan
 from patchswarm.protocol.served import ServedModel, bytes_digest, state_root, word_view
+from patchswarm.protocol.sparse_apply import DENSE_FRACTION  # (a tensor changed more than this is written whole)
 
 __all__ = [
     "ActivationStats",
@@ -69,9 +70,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("patchswarm.store")
-
-# Above this fraction of changed elements a tensor is written whole (a copy beats a scatter).
-DENSE_FRACTION = 0.125
 
 
 class StoreStateError(StoreError):
