@@ -522,7 +522,8 @@ class RolloutDaemon:
     @staticmethod
     def _crash_if_armed(reached: str) -> None:
         """Crash tests only: PATCHSWARM_FAULT_AT=staging kills the process once a verified version is
-        staged (the shadow copy rebuilt), before the store is touched."""
+        staged (decoded once), before a serving store is touched (an anchor may already fill a store
+        that serves nothing: its fence is odd)."""
         if os.environ.get(FAULT_ENV) == reached:
             os.kill(os.getpid(), signal.SIGKILL)
 
