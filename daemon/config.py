@@ -326,6 +326,14 @@ SCHEMA: list[Key] = [
     ),
     Key(
         "swarm",
+        "cache_size",
+        parse_size,
+        0,
+        "Bytes of verified chunks kept in memory to serve peers ('256MiB'); 0 = an eighth of the served model, "
+        "so host memory stays within 1.3x the model (docs/weightstore.md). A download in progress is kept whole.",
+    ),
+    Key(
+        "swarm",
         "tree_fanout",
         count_in(0, 64),
         _NODE.tree_fanout,

@@ -20,9 +20,10 @@ from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
+from patchswarm.daemon.shadow import StagedVersion, materialized, store_updates
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError
-from patchswarm.daemon.weightstore import RegistrationError, check_registration, diff_updates
+from patchswarm.daemon.weightstore import RegistrationError, check_registration
 from patchswarm.protocol.held import Held
 
 log = logging.getLogger("patchswarm.daemon")
@@ -117,21 +118,24 @@ async def activate_ranks(host: RankHost, ranks: RankStores, held: Held, off_loop
 
     The plan is resolved and checked against the model before any store is created or written.
     """
-    if ranks.canonical != held.model.specs:
-        plan = resolve_plan(host.cfg["store.plan"], len(ranks), held.model.specs, held.model.metadata, ranks.plan_file)
-        await off_loop(ranks.prepare, plan, held.model.specs)
+    # The rank roots (and whole loads) need the new canonical model: a staged version's changes laid
+    # into a copy of its base (the shadow itself takes them only once every rank holds the version).
+    model = (await off_loop(materialized, held)).model if isinstance(held, StagedVersion) else held.model
+    if ranks.canonical != model.specs:
+        plan = resolve_plan(host.cfg["store.plan"], len(ranks), model.specs, model.metadata, ranks.plan_file)
+        await off_loop(ranks.prepare, plan, model.specs)
         host.status.update(ranks=ranks.entries())
     common = ranks.common_version()
     if common is not None and common > held.version:
         # Restarted with every rank at a newer version than the swarm hands over first (it catches up
         # from an anchor): never move the engine back; the shadow follows until it reaches them.
-        await off_loop(lambda: ranks.apply(held.version, held.model, None, write=False))
+        await off_loop(lambda: ranks.apply(held.version, model, None, write=False))
         return False
     updates = None
     if host.shadow is held:
         updates = []  # (a rank registered a new buffer: it is loaded, the others hold the version)
     elif host.shadow is not None and host.shadow.model.specs == held.model.specs:
-        updates = await off_loop(diff_updates, host.shadow.model, held.model)
+        updates = await off_loop(store_updates, host.shadow, held)  # decoded once (daemon/shadow.py)
     ranks.arm_faults(os.environ.get(FAULT_ENV))
     mode = host.cfg["sidecar.commit_mode"] if updates is not None else "quiesce"
     in_place = host.gate is not None and mode == "in_place"
@@ -144,7 +148,7 @@ async def activate_ranks(host: RankHost, ranks: RankStores, held: Held, off_loop
         if in_place:
             await host._engine_call(sglang_pause_generation("in_place"))
             paused = True
-        stats = await off_loop(ranks.apply, held.version, held.model, updates)
+        stats = await off_loop(ranks.apply, held.version, model, updates)
     finally:
         if host.gate is not None:
             common = ranks.common_version()

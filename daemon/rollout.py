@@ -1,8 +1,9 @@
 """``patchswarm daemon``: the rollout-host process.
 
-It joins the swarm, keeps a verified private copy of the current version (the "shadow"), and
-activates every new version into the shared weight store the local engine reads: the sparse
-difference is journaled, then written in place inside the store's version fence.  Its unix-socket
+It joins the swarm, keeps a verified copy of the current version (the "shadow": the host store
+itself, or a private copy for engine-allocated stores; daemon/shadow.py), and activates every new
+version into the shared weight store the local engine reads: the changes, decoded once, are
+journaled, then written in place inside the store's version fence.  Its unix-socket
 API reports state and lets engines attach; an optional sidecar admits requests by version.
 
 Start-up order: recover the store from its journal -> verify the store's contents -> serve the API
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import random
@@ -50,6 +52,16 @@ from patchswarm.daemon.rank_rollout import (
     store_gpus,
 )
 from patchswarm.daemon.rank_stores import RankStores
+from patchswarm.daemon.shadow import (
+    StagedVersion,
+    StoreModel,
+    decode_once,
+    materialized,
+    settle,
+    store_model,
+    store_updates,
+    tune_malloc,
+)
 from patchswarm.daemon.sidecar import DrainTimeoutError
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_format import (
@@ -61,17 +73,12 @@ from patchswarm.daemon.store_format import (
     StoreState,
     StoreTooSmallError,
 )
-from patchswarm.daemon.weightstore import (
-    ENGINE_BUFFER_KINDS,
-    RegistrationError,
-    WeightStore,
-    check_registration,
-    diff_updates,
-)
-from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.daemon.weightstore import ENGINE_BUFFER_KINDS, RegistrationError, WeightStore, check_registration
+from patchswarm.protocol.errors import PatchswarmError, TargetMismatchError
 from patchswarm.protocol.head import utc_text
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import load_public_key
+from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.scheduler_types import SchedulerConfig
 from patchswarm.protocol.served import state_root
@@ -79,7 +86,7 @@ from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
-from patchswarm.swarm.staging import apply_chunks_off_loop
+from patchswarm.swarm.stores import MemoryChunkStore
 
 T = TypeVar("T")
 
@@ -240,7 +247,8 @@ class RolloutDaemon:
             store.mark_failed()
             self.store = store
             return
-        self.shadow = Held(header.version, store.read_model(), digests)
+        model = store_model(store) if self.store_is_copy else store.read_model()
+        self.shadow = Held(header.version, model, digests)
         self.store = store
         log.info(
             "store re-attached at version %s (%s)",
@@ -252,6 +260,7 @@ class RolloutDaemon:
 
     async def start(self) -> None:
         self._lock_data_dir()
+        tune_malloc()  # freed tensors and chunks go back to the system (daemon/shadow.py)
         raise_nofile_limit()  # soft to hard: the servers' connection caps assume the unit's LimitNOFILE
         limits = self.cfg.server_limits()
         for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
@@ -300,7 +309,7 @@ class RolloutDaemon:
                 held=self.shadow,
                 rng=random.Random(),
                 on_version=self._on_version,
-                apply=apply_chunks_off_loop,  # the API and the sidecar keep answering while a version stages
+                apply=self._decode_once,  # (in a thread: the API and the sidecar keep answering)
                 limits=limits,
             )
         self.node.node.puller.tracker = state.tracker
@@ -336,6 +345,66 @@ class RolloutDaemon:
 
     # ------------------------------------------------------------ activation
 
+    @property
+    def store_is_copy(self) -> bool:
+        """A host store is the daemon's verified copy (no private shadow; docs/weightstore.md); rank
+        stores hold runtime layouts, not the canonical model, so the daemon keeps its own copy."""
+        return not self.engine_kind and self.ranks is None
+
+    async def _decode_once(self, held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+        """The swarm node's apply hook: decode and verify each version once (daemon/shadow.py).  When
+        the store is the held copy and a patch does not verify against it, the store's digests tell
+        whether it changed under the daemon (an engine that wrote into it): then the held version is
+        dropped, so the node fetches an anchor and the store is reloaded."""
+        self._bound_chunk_cache(manifest)
+        into = None
+        if manifest.base_version is None and self.store_is_copy:
+            into = self._empty_host_store(StoreLayout.from_specs(list(manifest.specs)))
+        try:
+            return await asyncio.to_thread(functools.partial(decode_once, held, manifest, parts, into=into))
+        except TargetMismatchError:
+            if held is None or not self.store_is_copy or self.store is None or self.store.data is None:
+                raise
+            if await off_loop(self.store.digests) == held.digests:
+                raise
+            log.error("the store's contents changed under version %s; reloading from an anchor", held.version)
+            self._forget_held()
+            raise StoreError(
+                f"the store's contents changed under version {held.version}: reloading from an anchor"
+            ) from None
+
+    def _empty_host_store(self, layout: StoreLayout) -> StoreModel | None:
+        """The host store's buffers for an anchor to be decoded straight into, when it serves nothing
+        (first version, or a failed store): no second copy of the model.  The fence is left odd
+        (LOADING) until the load verifies the state root."""
+        if self.store is None:
+            capacity = int(self.cfg["store.size"]) or None
+            if capacity is not None and capacity < layout.nbytes:
+                return None  # (refused with its one line when the version is activated)
+            self.store = WeightStore.create(self.cfg.store_name, layout, capacity=capacity, group=self.cfg["api.group"])
+        store = self.store
+        if store.layout.layout_hash != layout.layout_hash or store.header().state == StoreState.READY:
+            return None
+        store.control.begin(StoreState.LOADING)
+        return store_model(store)
+
+    def _bound_chunk_cache(self, manifest: Manifest) -> None:
+        """Chunks kept to serve peers: swarm.cache_size, or an eighth of the served model; the chunks of
+        a finished download past it are evicted now (before its payload is assembled)."""
+        if self.node is None:
+            return
+        chunks = self.node.node.chunks
+        if isinstance(chunks, MemoryChunkStore):
+            model_bytes = sum(s.nbytes for s in manifest.specs)
+            chunks.max_bytes = int(self.cfg["swarm.cache_size"]) or model_bytes // 8
+            chunks.trim()
+
+    def _forget_held(self) -> None:
+        """Drop the held version: the node plans again from nothing (an anchor) and the store is loaded."""
+        self.shadow = None
+        if self.node is not None:
+            self.node.node.held = None
+
     async def _on_version(self, held: Held) -> None:
         """Called by the swarm node with a new verified version: make the engine serve it."""
         async with self._activating:
@@ -357,6 +426,7 @@ class RolloutDaemon:
             self.status.update(phase=Phase.ERROR, reason=self._failed_because)
             raise
         self._failed_because = None
+        settle(held, self.store, store_is_copy=self.store_is_copy)
         self.shadow = held
         self._persist_state()
         if not applied:  # the version waits in the shadow until the engine registers a buffer (or the
@@ -411,11 +481,15 @@ class RolloutDaemon:
                 self.store = WeightStore.create(
                     self.cfg.store_name, layout, capacity=capacity, group=self.cfg["api.group"]
                 )
+            if isinstance(held, StagedVersion) and self.store_is_copy:
+                self._forget_held()  # its base was the store, whose contents are now unknown
+                raise StoreError(f"the store failed under version {held.version}: reloading from an anchor")
+            whole = materialized(held)
             start = time.perf_counter()
             if self.gate is not None:
                 await self._drain_sidecar("quiesce", held.version)
             try:
-                await off_loop(self.store.load, held.model, held.version, root)
+                await off_loop(self.store.load, whole.model, held.version, root)
             finally:
                 if self.gate is not None:
                     hdr = self.store.header()
@@ -423,7 +497,7 @@ class RolloutDaemon:
             self.status.update(last_activation_pause_s=time.perf_counter() - start)
             self.metrics.applied.inc()
             return True
-        updates = await off_loop(diff_updates, self.shadow.model, held.model)
+        updates = await off_loop(store_updates, self.shadow, held)  # decoded once (daemon/shadow.py)
         self._arm_fault_injection(self.store)
         in_place = self.gate is not None and self.cfg["sidecar.commit_mode"] == "in_place"
         if self.gate is not None:
@@ -496,7 +570,8 @@ class RolloutDaemon:
     @staticmethod
     def _crash_if_armed(reached: str) -> None:
         """Crash tests only: PATCHSWARM_FAULT_AT=staging kills the process once a verified version is
-        staged (the shadow copy rebuilt), before the store is touched."""
+        staged (decoded once), before a serving store is touched (an anchor may already fill a store
+        that serves nothing: its fence is odd)."""
         if os.environ.get(FAULT_ENV) == reached:
             os.kill(os.getpid(), signal.SIGKILL)
 

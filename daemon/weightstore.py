@@ -59,6 +59,7 @@ from patchswarm.daemon.store_format import (
 )
 from patchswarm.protocol.diffscan import scan
 from patchswarm.protocol.served import ServedModel, bytes_digest, state_root, word_view
+from patchswarm.protocol.sparse_apply import DENSE_FRACTION  # (a tensor changed more than this is written whole)
 
 __all__ = [
     "ActivationStats",
@@ -70,9 +71,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("patchswarm.store")
-
-# Above this fraction of changed elements a tensor is written whole (a copy beats a scatter).
-DENSE_FRACTION = 0.125
 
 
 class StoreStateError(StoreError):
@@ -471,7 +469,9 @@ class WeightStore:
         data = self._require_live_buffer()
         self.control.begin(StoreState.LOADING)
         for i, src in enumerate(model.data):
-            self.slot_bytes(i).copy_(src)
+            dst = self.slot_bytes(i)
+            if src.data_ptr() != dst.data_ptr() or src.device != dst.device:  # (an anchor decoded in place)
+                dst.copy_(src)
             if i == len(model.data) // 2:
                 self.fault("loading")
         _sync(data.device)

@@ -241,8 +241,10 @@ def apply_version(
     payload: bytes | memoryview,
     *,
     base_digests: list[bytes] | None = None,
+    into: ServedModel | None = None,
 ) -> tuple[ServedModel, list[bytes]]:
-    """Apply a verified version: in place into ``base`` for a patch, into a new model for an anchor.
+    """Apply a verified version: in place into ``base`` for a patch, into a new model for an anchor
+    (or into ``into``'s buffers, e.g. a weight store's, when given: an anchor writes every byte).
 
     Returns the model and its per-tensor digests.  On any error the model passed in must be
     considered garbage (callers apply to a staging copy, or journal first).
@@ -250,7 +252,9 @@ def apply_version(
     specs = list(manifest.specs)
     if manifest.kind == Kind.ANCHOR:
         anchor_header(payload, specs)  # its size backed by the payload before it is allocated
-        model: ServedModel = ServedModel.zeros_like(specs)
+        if into is not None and into.specs != specs:
+            raise LayoutMismatchError("the buffers given do not have the anchor's tensor names, dtypes and shapes")
+        model: ServedModel = into if into is not None else ServedModel.zeros_like(specs)
         digests: list[bytes | None] = [None] * len(specs)
         source = None
     else:

@@ -12,8 +12,8 @@ of 16 nodes blocked for 3-5 s together, holders stopped answering, requests time
 mostly waiting then); the apply itself then copies the chunks into the ready buffer and patches the
 ready copy.  Without a prepared stage (another held version, no ``prepare`` call) it does what
 ``apply_chunks`` does.  The memory is the same as ``apply_chunks`` needs at its peak, held from the
-start of the download instead of its end.  (The rollout daemon stages into the engine's own memory
-and keeps ``apply_chunks_off_loop``.)
+start of the download instead of its end.  (The rollout daemon decodes each patch against the copy it
+holds instead, without a clone: daemon/shadow.py.)
 """
 
 from __future__ import annotations
@@ -42,14 +42,6 @@ def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes]) -> H
         base.model.clone() if base else None, manifest, b"".join(parts), base_digests=base.digests if base else None
     )
     return Held(manifest.version, model, digests)
-
-
-async def apply_chunks_off_loop(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
-    """``apply_chunks`` in a worker thread: decoding and hashing a big model takes seconds, during
-    which a rollout daemon must keep answering its API and sidecar (daemon/rollout.py uses this).
-    Not the default: with many nodes on few cores (the loopback benchmark) the extra thread costs
-    more CPU than it saves (measured: 31 -> 40 CPU-s, 1.97x -> 2.2x the bound)."""
-    return await asyncio.to_thread(apply_chunks, held, manifest, parts)
 
 
 @dataclass

@@ -43,15 +43,19 @@ class MemoryChunkStore:
             return
         self._data[chunk_hash] = data
         self._bytes += len(data)
+        self.trim(keep=chunk_hash)
+
+    def trim(self, keep: bytes | None = None) -> None:
+        """Evict down to ``max_bytes``: least recently used first, never a pinned chunk or ``keep``
+        (the chunk just put).  Also after the bound shrinks, or a download's pins are released."""
         if self._bytes <= self.max_bytes:
             return  # room to spare: no walk over the cache
-        # Least recently used first, skipping pinned chunks and the new one; stop once under the bound.
         excess = self._bytes - self.max_bytes
         evict = []
         for old, held in self._data.items():
             if excess <= 0:
                 break
-            if old not in self.pinned and old != chunk_hash:
+            if old not in self.pinned and old != keep:
                 evict.append(old)
                 excess -= len(held)
         for old in evict:

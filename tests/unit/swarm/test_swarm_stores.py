@@ -55,3 +55,16 @@ def test_matches_a_reference_lru(seed: int, bound: int, ops: list[tuple[int, int
             x in ref for x in map(lambda i: bytes([i]), range(31)) if x in s
         )
         assert s.nbytes == total
+
+
+def test_trim_after_the_bound_shrinks_or_the_pins_go() -> None:
+    s = MemoryChunkStore(max_bytes=100)
+    for k in (b"a", b"b", b"c", b"d"):
+        s.put(k, b"x" * 10)
+    s.pinned.update({b"a", b"b"})  # a download in progress
+    s.max_bytes = 10
+    s.trim()
+    assert [k for k in (b"a", b"b", b"c", b"d") if k in s] == [b"a", b"b"] and s.nbytes == 20
+    s.pinned.clear()
+    s.trim()
+    assert [k for k in (b"a", b"b", b"c", b"d") if k in s] == [b"b"] and s.nbytes == 10
