@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from patchswarm.daemon import fp8
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publish_dist import DistPublisher, DistPublishError
 from patchswarm.daemon.publisher import Publisher, PublishInfo
@@ -75,7 +76,19 @@ SCENARIOS: dict[str, tuple[int, int, dict[str, Any]]] = {  # name -> (versions, 
     "fp8_block": (4, 2, {"name": "fp8_e4m3", "block": 8}),
     "failing": (3, 3, {"name": "bf16"}),
     "resumed": (3, 4, {"name": "bf16"}),  # version 1 by a one-process Publisher, then two ranks go on
+    # The same with fp8: the ranks follow version 1's scales from the board (every weight grows 2%
+    # after it: within the drift band, so kept scales and fresh ones differ).
+    "resumed_fp8": (3, 5, {"name": "fp8_e4m3"}),
+    "resumed_fp8_block": (3, 5, {"name": "fp8_e4m3", "block": 8}),
 }
+
+
+def weights_of(scenario: str) -> list[dict[str, torch.Tensor]]:
+    versions, seed, _ = SCENARIOS[scenario]
+    out = states(versions, seed)
+    if scenario.startswith("resumed_fp8"):
+        out[1:] = [{n: t * 1.02 for n, t in w.items()} for w in out[1:]]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +124,8 @@ def file_bytes(board: Board) -> dict[str, bytes]:
 
 
 def _publisher(root: Path, key: SigningKey, t0: float, fmt: Mapping[str, Any]) -> Publisher:
-    served = ServedFormat(fmt["name"], block=fmt.get("block"))
+    # fp8 over every matrix: these names are not a checkpoint's (its selection would take none)
+    served = ServedFormat(fmt["name"], block=fmt.get("block"), quantize=fp8.ALL_MATRICES)
     return Publisher(root, key, run_id=RUN, anchor_every=4, served_format=served, clock=lambda: t0, refresh=False)
 
 
@@ -125,13 +139,13 @@ def _rank_main(rank: int, root: str) -> None:
     )
     try:
         t0 = torch.load(tmp / "job.pt")["t0"]
-        for scenario, (versions, seed, fmt) in SCENARIOS.items():
+        for scenario, (_, _, fmt) in SCENARIOS.items():
             where = tmp / scenario
             where.mkdir(exist_ok=True)
             out: dict[str, Any] = {"ids": [], "errors": [], "gathered": [], "served": [], "anchor": []}
-            weights = states(versions, seed) if scenario != "fsdp" else []
+            weights = weights_of(scenario) if scenario != "fsdp" else []
             try:
-                if scenario == "resumed":
+                if scenario.startswith("resumed"):
                     if rank == 0:
                         first = _publisher(where / "board", SigningKey.load(tmp / "key"), t0, fmt)
                         out["ids"].append(first.publish(weights[0]).manifest_id.hex())  # type: ignore[union-attr]
@@ -234,9 +248,8 @@ def _fsdp(dp: DistPublisher, out: dict[str, Any], tmp: Path, rank: int) -> None:
 
 def check_same_board(tmp: Path, scenario: str, weights: list[dict[str, torch.Tensor]] | None = None) -> list[Any]:
     got = results(tmp, scenario)
-    versions, seed, _ = SCENARIOS[scenario]
-    plain, ids = one_process(tmp, scenario, states(versions, seed) if weights is None else weights)
-    skip = 1 if scenario == "resumed" else 0  # rank 1 was not there for version 1
+    plain, ids = one_process(tmp, scenario, weights_of(scenario) if weights is None else weights)
+    skip = 1 if scenario.startswith("resumed") else 0  # rank 1 was not there for version 1
     assert got[0]["ids"] == ids and got[1]["ids"] == ids[skip:]  # every rank got every version's PublishInfo
     dist_files = file_bytes(Board(tmp / scenario / "board"))
     assert dist_files == file_bytes(plain) and len(dist_files) > 3
@@ -282,3 +295,11 @@ def test_ranks_go_on_from_a_run_on_the_board_with_a_patch(ranks: Path) -> None:
     (the publishing rank diffs the gathered rows against it), no new anchor."""
     got = check_same_board(ranks, "resumed")
     assert got[0]["anchor"] == [None, None]
+
+
+def test_ranks_go_on_from_an_fp8_run_on_the_board_with_its_scales(ranks: Path) -> None:
+    """fp8 (per tensor, 8x8 blocks): the ranks' first version follows the scales of the version the
+    resumed Publisher rebuilt from the board, as one process does: the same bytes."""
+    for scenario in ("resumed_fp8", "resumed_fp8_block"):
+        got = check_same_board(ranks, scenario)
+        assert got[0]["anchor"] == [None, None], scenario
