@@ -76,18 +76,21 @@ SCENARIOS: dict[str, tuple[int, int, dict[str, Any]]] = {  # name -> (versions, 
     "fp8_block": (4, 2, {"name": "fp8_e4m3", "block": 8}),
     "failing": (3, 3, {"name": "bf16"}),
     "resumed": (3, 4, {"name": "bf16"}),  # version 1 by a one-process Publisher, then two ranks go on
-    # The same with fp8: the ranks follow version 1's scales from the board (every weight grows 2%
-    # after it: within the drift band, so kept scales and fresh ones differ).
+    # The same with fp8: the ranks follow version 1's scales from the board (every weight grows 2% a
+    # version after it: within the drift band, so kept scales and fresh ones differ).
     "resumed_fp8": (3, 5, {"name": "fp8_e4m3"}),
     "resumed_fp8_block": (3, 5, {"name": "fp8_e4m3", "block": 8}),
+    # Rank 1 fails in versions 2 and 3: every rank then follows the scales of the last version written
+    # (a patch: the publishing rank keeps the scales' bytes of every version).
+    "failing_fp8": (4, 6, {"name": "fp8_e4m3", "block": 8}),
 }
 
 
 def weights_of(scenario: str) -> list[dict[str, torch.Tensor]]:
     versions, seed, _ = SCENARIOS[scenario]
     out = states(versions, seed)
-    if scenario.startswith("resumed_fp8"):
-        out[1:] = [{n: t * 1.02 for n, t in w.items()} for w in out[1:]]
+    if scenario.startswith("resumed_fp8") or scenario == "failing_fp8":
+        out = [{n: t * 1.02**v for n, t in w.items()} for v, w in enumerate(out)]
     return out
 
 
@@ -156,7 +159,7 @@ def _rank_main(rank: int, root: str) -> None:
                 if scenario == "fsdp":
                     _fsdp(dp, out, where, rank)
                 for v, w in enumerate(weights, start=1):
-                    if scenario == "failing" and v <= 2:  # version 1 is an anchor, 2 a patch
+                    if (scenario == "failing" and v <= 2) or (scenario == "failing_fp8" and 2 <= v <= 3):
                         _failures(dp, out, where, rank, w)
                     info = dp.publish(_part(scenario, w, rank))
                     out["ids"].append(info.manifest_id.hex())
@@ -171,7 +174,7 @@ def _rank_main(rank: int, root: str) -> None:
 
 
 def _part(scenario: str, w: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    if scenario in ("partitioned", "failing"):
+    if scenario in ("partitioned", "failing", "failing_fp8"):
         return split(w, rank)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -303,3 +306,9 @@ def test_ranks_go_on_from_an_fp8_run_on_the_board_with_its_scales(ranks: Path) -
     for scenario in ("resumed_fp8", "resumed_fp8_block"):
         got = check_same_board(ranks, scenario)
         assert got[0]["anchor"] == [None, None], scenario
+
+
+def test_ranks_follow_fp8_scales_from_the_chain_after_a_failed_version(ranks: Path) -> None:
+    got = results(ranks, "failing_fp8")
+    assert got[0]["unchanged"] == [True] * 6 and len(got[1]["errors"]) == 6
+    check_same_board(ranks, "failing_fp8")
