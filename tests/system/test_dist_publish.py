@@ -83,13 +83,15 @@ SCENARIOS: dict[str, tuple[int, int, dict[str, Any]]] = {  # name -> (versions, 
     # Rank 1 fails in versions 2 and 3: every rank then follows the scales of the last version written
     # (a patch: the publishing rank keeps the scales' bytes of every version).
     "failing_fp8": (4, 6, {"name": "fp8_e4m3", "block": 8}),
+    # Version 4, an anchor, recomputes every scale (every weight grows 2% a version: they all move).
+    "fp8_refresh": (5, 7, {"name": "fp8_e4m3", "block": 8, "refresh_at_anchor": True}),
 }
 
 
 def weights_of(scenario: str) -> list[dict[str, torch.Tensor]]:
     versions, seed, _ = SCENARIOS[scenario]
     out = states(versions, seed)
-    if scenario.startswith("resumed_fp8") or scenario == "failing_fp8":
+    if scenario.startswith("resumed_fp8") or scenario in ("failing_fp8", "fp8_refresh"):
         out = [{n: t * 1.02**v for n, t in w.items()} for v, w in enumerate(out)]
     return out
 
@@ -128,7 +130,12 @@ def file_bytes(board: Board) -> dict[str, bytes]:
 
 def _publisher(root: Path, key: SigningKey, t0: float, fmt: Mapping[str, Any]) -> Publisher:
     # fp8 over every matrix: these names are not a checkpoint's (its selection would take none)
-    served = ServedFormat(fmt["name"], block=fmt.get("block"), quantize=fp8.ALL_MATRICES)
+    served = ServedFormat(
+        fmt["name"],
+        block=fmt.get("block"),
+        quantize=fp8.ALL_MATRICES,
+        refresh_at_anchor=fmt.get("refresh_at_anchor", False),
+    )
     return Publisher(root, key, run_id=RUN, anchor_every=4, served_format=served, clock=lambda: t0, refresh=False)
 
 
@@ -277,6 +284,8 @@ def test_fsdp2_state_dicts_publish_the_one_process_board(ranks: Path) -> None:
 def test_fp8_scales_over_dtensor_slices_match_one_process(ranks: Path) -> None:
     check_same_board(ranks, "fp8")  # per-tensor scales
     check_same_board(ranks, "fp8_block")  # 8x8 blocks: slices of 37 and 21 rows cut through blocks
+    got = check_same_board(ranks, "fp8_refresh")  # every scale recomputed at the anchor (version 4)
+    assert [a is not None for a in got[0]["anchor"]] == [True, False, False, True, False]
 
 
 def test_a_failing_rank_fails_every_rank_and_writes_nothing(ranks: Path) -> None:
