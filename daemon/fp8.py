@@ -18,6 +18,11 @@ README_WEIGHTS.md, huggingface/transformers src/transformers/integrations/finegr
 and utils/quantization_config.py (FineGrainedFP8Config), sgl-project/sglang
 python/sglang/srt/layers/quantization/fp8.py (Fp8Config.from_config).  Names that do not end in ``.weight``
 (tests, non-HF trainers) get ``<name>.scale`` whatever the scaling.
+
+The rules take the amax as input (``next_scale``; ``quantize`` of a row range): a one-process
+``ServedFormat.convert`` computes it over the whole tensor, the ranks of a sharded trainer
+(daemon/publish_dist.py) each over their rows (``amax`` of a row range) and combine them with an
+all-reduce (MAX); both then call the same functions, so their bytes are the same.
 """
 
 from __future__ import annotations
