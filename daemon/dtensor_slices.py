@@ -10,8 +10,9 @@ tensor's elements, starting at ``first_row * row_elements``.
 fp8 scales are fixed per tensor (or per block) from the WHOLE tensor's amax, so that a sharded
 trainer serves the bytes a single process would: each rank contributes its rows' amax (the block
 grid of the whole tensor, zero where its rows do not reach) and an all-reduce (MAX) combines them.
-The decision and the arithmetic are ServedFormat's (fixed scales, refreshed past the drift
-threshold, headroom above amax), applied to that amax.
+The decision and the arithmetic are ServedFormat's and daemon/fp8.py's own (``scale_for``: fixed
+scales, refreshed past the drift threshold, headroom above amax; ``fp8.quantize`` of a row range),
+applied to that amax: there is no second copy of the rules here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from patchswarm.daemon.served_format import FP8_MAX, ServedFormat
+from patchswarm.daemon import fp8
+from patchswarm.daemon.served_format import ServedFormat
 
 
 @dataclass(slots=True)
@@ -92,29 +94,11 @@ def grid_shape(shape: tuple[int, ...], block: int | None) -> tuple[int, ...]:
 
 def amax_part(s: RowSlice, block: int | None) -> torch.Tensor:
     """This rank's rows' share of the whole tensor's amax: a scalar, or the whole block grid with
-    zeros in the blocks these rows do not reach (amax is never below zero, so MAX over ranks is exact)."""
-    x = s.local.detach().float().abs()
-    if block is None:
-        return x.amax() if x.numel() else torch.zeros((), device=x.device)
-    cols = s.shape[1]
-    grid = torch.zeros(grid_shape(s.shape, block), dtype=torch.float32, device=x.device)
-    n = x.shape[0]
-    if n == 0:
-        return grid
-    top = s.start_row % block  # rows of the first block above this slice
-    height = math.ceil((top + n) / block) * block
-    width = math.ceil(cols / block) * block
-    padded = torch.nn.functional.pad(x, (0, width - cols, top, height - top - n))
-    first = s.start_row // block
-    grid[first : first + height // block] = padded.reshape(height // block, block, width // block, block).amax(
-        dim=(1, 3)
-    )
-    return grid
-
-
-def _drifted(amax: torch.Tensor, scale: torch.Tensor, drift: float) -> bool:
-    ratio = amax / (scale * FP8_MAX)
-    return bool(((ratio > 1.0) | (ratio < 1.0 - drift)).any())
+    zeros in the blocks these rows do not reach (amax is never below zero, so MAX over ranks is exact).
+    A rank refuses its own inf or NaN here: a MAX over ranks need not carry a NaN through."""
+    a = fp8.amax(s.local.detach().float(), block, first_row=s.start_row, rows=s.shape[0])
+    fp8.check_finite(s.name, a)
+    return a
 
 
 def quantized_rows(
@@ -123,43 +107,18 @@ def quantized_rows(
     """Sliced tensors the served format quantizes: name -> (scale tensor name, served dtype).
 
     Asks ServedFormat itself, on a shape-only (meta) tensor of the canonical shape, so the
-    decision and the scale's name are the format's own.
+    selection and the scale's name are the format's own.
     """
     out: dict[str, tuple[str, torch.dtype]] = {}
-    if fmt.name != "fp8_e4m3":
-        return out
     for name in sorted(described):
         shape, dtype = described[name]
-        probe = ServedFormat(fmt.name, block=fmt.block)
-        got = probe.convert({name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")})
-        extra = [k for k in got if k != name]
-        if extra:
-            out[name] = (extra[0], got[name].dtype)
+        if fmt.selects(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")):
+            out[name] = (fp8.scale_name(name, fmt.block), torch.float8_e4m3fn)
     return out
 
 
-def fp8_rows(
-    fmt: ServedFormat, scales: dict[str, torch.Tensor], s: RowSlice, amax: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """fp8 rows of a sliced tensor under the scale every rank agrees on (from the whole tensor's amax);
-    ``scales`` holds the current scales by tensor name (the same on every rank).
-
-    The rule is ServedFormat's (fixed scales, refreshed past the drift threshold, headroom
-    above amax), applied to the whole tensor's amax instead of the rows'.
-    """
-    scale = scales.get(s.name)
-    moved = 0
-    if scale is None or scale.shape != amax.shape or scale.device != amax.device or _drifted(amax, scale, fmt.drift):
-        scale = torch.where(amax > 0, amax * (1 + fmt.headroom) / FP8_MAX, torch.ones_like(amax))
-        scales[s.name] = scale
-        moved = 1
-    x = s.local.detach().float()
-    if fmt.block is None:
-        div = scale.to(x.device)
-    else:
-        b, n, cols = fmt.block, x.shape[0], s.shape[1]
-        first = s.start_row // b  # only the block rows these rows fall in: no grid of the whole tensor
-        grid = scale[first : -(-(s.start_row + n) // b)].to(x.device)
-        div = grid.repeat_interleave(b, 0).repeat_interleave(b, 1)[s.start_row - first * b :][:n, :cols]
-    q = (x / div).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.clone(), moved
+def fp8_rows(fmt: ServedFormat, s: RowSlice) -> torch.Tensor:
+    """fp8 rows of a sliced tensor under ``fmt``'s scale of the whole tensor, which every rank decided
+    with ``ServedFormat.scale_for`` from the all-reduced amax: the bytes ``convert`` makes of these
+    rows of the whole tensor."""
+    return fp8.quantize(s.local.detach().float(), fmt.scales[s.name], fmt.block, first_row=s.start_row)

@@ -18,6 +18,11 @@ README_WEIGHTS.md, huggingface/transformers src/transformers/integrations/finegr
 and utils/quantization_config.py (FineGrainedFP8Config), sgl-project/sglang
 python/sglang/srt/layers/quantization/fp8.py (Fp8Config.from_config).  Names that do not end in ``.weight``
 (tests, non-HF trainers) get ``<name>.scale`` whatever the scaling.
+
+The rules take the amax as input (``next_scale``; ``quantize`` of a row range): a one-process
+``ServedFormat.convert`` computes it over the whole tensor, the ranks of a sharded trainer
+(daemon/publish_dist.py) each over their rows (``amax`` of a row range) and combine them with an
+all-reduce (MAX); both then call the same functions, so their bytes are the same.
 """
 
 from __future__ import annotations
@@ -69,24 +74,46 @@ def weight_of_scale(name: str) -> str | None:
     return None
 
 
-def _tiles(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x`` as [rows/block, block, cols/block, block] tiles: a view when the sides divide, else
-    zero-padded (zeros never raise an amax)."""
+def _tiles(x: torch.Tensor, block: int, top: int = 0) -> torch.Tensor:
+    """``x`` as [rows/block, block, cols/block, block] tiles, its first row ``top`` rows into the first
+    tile: a view when nothing needs padding, else zero-padded (zeros never raise an amax)."""
     r, c = x.shape
-    pr, pc = math.ceil(r / block) * block, math.ceil(c / block) * block
+    pr, pc = math.ceil((top + r) / block) * block, math.ceil(c / block) * block
     if (pr, pc) != (r, c):
-        x = torch.nn.functional.pad(x, (0, pc - c, 0, pr - r))
+        x = torch.nn.functional.pad(x, (0, pc - c, top, pr - r - top))
     return x.reshape(pr // block, block, pc // block, block)
 
 
-def amax(x: torch.Tensor, block: int | None) -> torch.Tensor:
+def amax(x: torch.Tensor, block: int | None, *, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
     """abs max of a float32 matrix: a 0-d tensor, or one per ``block`` x ``block`` tile (edges partial).
-    Max and min reductions, no |x| temporary: read passes only."""
+
+    ``x`` may be rows ``first_row``.. of a matrix of ``rows`` rows (a rank's shard): then this is its
+    share, the whole matrix's tile grid with zeros where its rows do not reach, and the MAX of every
+    share (an all-reduce) is exactly the whole matrix's amax.  Max and min reductions, no |x|
+    temporary: read passes only.
+    """
     if block is None:
+        if x.numel() == 0:
+            return torch.zeros((), dtype=torch.float32, device=x.device)
         lo, hi = torch.aminmax(x)
         return torch.maximum(hi, -lo)
-    t = _tiles(x, block)
-    return torch.maximum(t.amax(dim=(1, 3)), -t.amin(dim=(1, 3)))
+    total = x.shape[0] if rows is None else rows
+    if first_row == 0 and total == x.shape[0]:
+        t = _tiles(x, block)
+        return torch.maximum(t.amax(dim=(1, 3)), -t.amin(dim=(1, 3)))
+    grid = torch.zeros((math.ceil(total / block), math.ceil(x.shape[1] / block)), dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return grid
+    t = _tiles(x, block, first_row % block)
+    first = first_row // block
+    grid[first : first + t.shape[0]] = torch.maximum(t.amax(dim=(1, 3)), -t.amin(dim=(1, 3)))
+    return grid
+
+
+def check_finite(name: str, a: torch.Tensor) -> None:
+    """Refuse a tensor whose amax is inf or NaN (fp8 e4m3 has neither)."""
+    if not bool(torch.isfinite(a).all()):
+        raise ValueError(f"{name} holds inf or NaN: fp8 e4m3 cannot serve it")
 
 
 def expand(scale: torch.Tensor, shape: torch.Size | tuple[int, ...], block: int | None) -> torch.Tensor:
@@ -111,8 +138,35 @@ def drifted(a: torch.Tensor, scale: torch.Tensor, drift: float) -> torch.Tensor:
     return (a.double() > top) | ((a > 0) & (a.double() < top * (1 - drift)))
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, block: int | None) -> torch.Tensor:
-    """float32 matrix -> float8_e4m3fn with x ~= q * scale (round to nearest; clamped, so never NaN)."""
+def next_scale(a: torch.Tensor, old: torch.Tensor | None, drift: float, headroom: float) -> tuple[torch.Tensor, bool]:
+    """The scale of a tensor whose amax (0-d, or per tile) is ``a``, given its current scale ``old``
+    (None: none yet): ``old`` where it still fits, a fresh one in the tiles that drifted; and
+    whether it changed.  A scale of another layout (the block size changed) is replaced whole."""
+    if old is None or old.shape != a.shape or old.dtype != torch.float32:
+        return fresh_scale(a, headroom), True
+    old = old.to(a.device)
+    moved = drifted(a, old, drift)
+    if not bool(moved.any()):
+        return old, False
+    scale = torch.where(moved, fresh_scale(a, headroom), old)
+    return scale, not torch.equal(scale, old)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, block: int | None, *, first_row: int = 0) -> torch.Tensor:
+    """float32 matrix -> float8_e4m3fn with x ~= q * scale (round to nearest; clamped, so never NaN).
+
+    ``x`` may be rows ``first_row``.. of the matrix ``scale`` (its whole tile grid) belongs to.
+    """
+    if block is not None:
+        top, n = first_row // block, x.shape[0]
+        scale = scale[top : max(top, -(-(first_row + n) // block))]  # the tile rows these rows fall in
+        skip = first_row - top * block
+        if skip:
+            return (
+                (x / expand(scale, (skip + n, x.shape[1]), block)[skip:])
+                .clamp_(-FP8_MAX, FP8_MAX)
+                .to(torch.float8_e4m3fn)
+            )
     if block is not None and x.shape[0] % block == 0 and x.shape[1] % block == 0:
         r, c = x.shape  # whole tiles: divide through a broadcast view, no expanded scale
         y = x.reshape(r // block, block, c // block, block) / scale[:, None, :, None]

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import zstandard
 
+from patchswarm.daemon import fp8
 from patchswarm.daemon.dtensor_slices import (
     RowSlice,
     amax_part,
@@ -61,7 +62,7 @@ from patchswarm.daemon.publish_work import (
     work_pool,
 )
 from patchswarm.daemon.publisher import Publisher, PublishInfo
-from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.daemon.served_format import ServedFormat, scales_of
 from patchswarm.protocol.codec import TensorDelta, diff_tensor
 from patchswarm.protocol.diffscan import Changes, scan
 from patchswarm.protocol.dtypes import from_torch
@@ -110,6 +111,7 @@ class _Part:
     digests: list[bytes] = field(default_factory=list)
     deltas: list[TensorDelta] | None = None  # against the base version; None: no base
     data: list[torch.Tensor] | None = None  # served bytes of the whole tensors (anchors only)
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # fp8 scales' bytes, every version (tiny)
     refreshed: int = 0
     slices: list[_SlicePart] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)
@@ -145,8 +147,13 @@ class DistPublisher:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        # The publishing rank's served format, its fixed scales left behind (each rank keeps its own).
-        fmt = None if publisher is None else dataclasses.replace(publisher.format, scales={}, refreshed=[])
+        # The publishing rank's served format, its fixed scales left behind (each rank keeps its own,
+        # following them from the chain when it does not hold those of the version it builds on).
+        fmt = (
+            None
+            if publisher is None
+            else dataclasses.replace(publisher.format, scales={}, refreshed=[], basis=None, converted=frozenset())
+        )
         said = self._all_gather(fmt)
         holders = [r for r, f in enumerate(said) if f is not None]
         if len(holders) != 1:
@@ -154,8 +161,8 @@ class DistPublisher:
         self.publisher_rank = holders[0]
         self._src = self.publisher_rank if group is None else dist.get_global_rank(group, self.publisher_rank)
         self._pub = publisher
-        self._fmt: ServedFormat = said[self.publisher_rank]  # whole tensors' scales
-        self._slice_scales: dict[str, torch.Tensor] = {}  # sliced fp8 tensors' scales (the same on every rank)
+        # fp8 scales of this rank's whole tensors and of every sliced tensor (the same on every rank)
+        self._fmt: ServedFormat = said[self.publisher_rank]
         self._buffers = Buffers()
         self._mine = _Mine()
         # Publishing rank only: the served bytes of every sliced tensor of _full_version.
@@ -231,11 +238,10 @@ class DistPublisher:
         plan = self._broadcast(self._plan(said) if self._pub is not None else None)
         if isinstance(plan, str):
             raise DistPublishError(plan) from error
-        saved = (dict(self._fmt.scales), dict(self._slice_scales))
         try:
             return self._run(plan, self._described(said, mine), whole, slices, error, start)
         except BaseException:
-            self._fmt.scales, self._slice_scales = saved  # the next try decides again from the same scales
+            self._fmt.basis = None  # scales half updated: the next version follows them from the chain
             if self._pub is not None and self._full_version != plan.version:  # not written: give the number back
                 with self._pub._counter_lock:
                     if self._pub._version == plan.version:
@@ -290,8 +296,9 @@ class DistPublisher:
         stages = Stages()
         quantized = quantized_rows(self._fmt, described)  # the same on every rank: it depends only on what all said
         amax: dict[str, torch.Tensor] = {}
-        if quantized:
-            amax, error = self._agree_amax(quantized, described, slices)
+        names = frozenset(whole) | frozenset(described)
+        if self._fmt.is_fp8:
+            amax, error = self._follow(plan, names, quantized, described, slices)
         part = _Part(self.rank)
         target: Served | None = None
         mine: _Mine | None = None
@@ -347,6 +354,7 @@ class DistPublisher:
         if not isinstance(outcome, PublishInfo):
             raise DistPublishError(f"version {plan.version}: the publishing rank answered {type(outcome).__name__}")
         assert mine is not None
+        self._fmt.basis, self._fmt.converted = plan.version, names
         old = self._mine
         self._mine = mine
         if old.whole is not None and old.owned:
@@ -355,20 +363,55 @@ class DistPublisher:
 
     # ------------------------------------------------------------ every rank: its own part
 
+    def _follow(
+        self,
+        plan: _Plan,
+        names: frozenset[str],
+        quantized: Mapping[str, tuple[str, torch.dtype]],
+        described: Mapping[str, tuple[tuple[int, ...], str]],
+        slices: list[RowSlice],
+    ) -> tuple[dict[str, torch.Tensor], BaseException | None]:
+        """fp8: make this rank's scales those of the base version, as ``Publisher.publish`` does
+        (``ServedFormat.follow``; every scale recomputed at an anchor with ``refresh_at_anchor``), and
+        agree on the sliced tensors' amax.  A rank that did not make the base from the same tensors
+        (a resumed run, a failed try, tensors that moved) says so in the all-reduce; the publishing
+        rank then sends every rank the scales the base version holds."""
+        reset = plan.anchor and self._fmt.refresh_at_anchor
+        stale = not reset and not self._fmt.follows(plan.base_version, names)
+        amax, stale_anywhere, error = self._agree_amax(quantized, described, slices, stale)
+        if stale_anywhere:
+            pub = self._pub
+            chain: dict[str, torch.Tensor] | None = None
+            if pub is not None:
+                chain = {}
+                try:
+                    if pub._prev is not None and pub._prev_version == plan.base_version:
+                        chain = scales_of(pub._prev)
+                except Exception as e:  # reported with the parts: every rank still joins the broadcast
+                    error = error or e
+            self._fmt.scales = self._broadcast(chain)
+        if reset:
+            self._fmt.reset()
+        self._fmt.basis = None  # until this version is written
+        return amax, error
+
     def _agree_amax(
         self,
         quantized: Mapping[str, tuple[str, torch.dtype]],
         described: Mapping[str, tuple[tuple[int, ...], str]],
         slices: list[RowSlice],
-    ) -> tuple[dict[str, torch.Tensor], BaseException | None]:
-        """The whole tensors' amax (a scalar, or the block grid) from every rank's rows: one all-reduce
-        (MAX) over all of them.  A rank that fails here still takes part (with zeros) and reports later."""
+        stale: bool,
+    ) -> tuple[dict[str, torch.Tensor], bool, BaseException | None]:
+        """The whole tensors' amax (a scalar, or the block grid) from every rank's rows, and whether any
+        rank's scales are ``stale``: one all-reduce (MAX) over all of them.  A rank that fails here
+        still takes part (with zeros) and reports later."""
         mine = {s.name: s for s in slices}
         dev = self._device()
         names = sorted(quantized)
         shapes = [grid_shape(described[n][0], self._fmt.block) for n in names]
         sizes = [math.prod(g) for g in shapes]
-        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=dev)
+        flat = torch.zeros(sum(sizes) + 1, dtype=torch.float32, device=dev)
+        flat[-1] = float(stale)
         error: BaseException | None = None
         at = 0
         for name, size in zip(names, sizes, strict=True):
@@ -385,7 +428,7 @@ class DistPublisher:
         for name, grid, size in zip(names, shapes, sizes, strict=True):
             out[name] = flat[at : at + size].reshape(grid).clone()
             at += size
-        return out, error
+        return out, bool(flat[-1] > 0), error
 
     def _make_part(
         self,
@@ -402,15 +445,17 @@ class DistPublisher:
         out_slices: list[_SlicePart] = []
         new_slices: dict[str, tuple[int, TensorSpec, torch.Tensor]] = {}
         with stages.time("cast"):
+            # Every rank decides every sliced tensor's scale, from the same amax: they stay the same.
+            moved = {name: self._fmt.scale_for(name, amax[name])[1] for name in sorted(quantized)}
             typed: dict[str, tuple[RowSlice, torch.Tensor, TensorSpec]] = {}
             elementwise = dataclasses.replace(self._fmt, scales={}, refreshed=[])
             for s in slices:
                 if s.name in quantized:
                     scale_name, dtype = quantized[s.name]
-                    q, scale, moved = fp8_rows(self._fmt, self._slice_scales, s, amax[s.name])
+                    q = fp8_rows(self._fmt, s)
                     if s.start_row == 0 and s.local.shape[0] > 0:  # the first rows' rank ships the scale
-                        extras[scale_name] = scale
-                        refreshed += moved
+                        extras[scale_name] = self._fmt.scales[s.name].clone()
+                        refreshed += moved[s.name]
                 else:
                     q = elementwise.convert({s.name: s.local})[s.name]
                     dtype = q.dtype
@@ -464,12 +509,18 @@ class DistPublisher:
             prepared.settle()
             raise
         stages.add("prepare", prepared.seconds)
+        fp8_weights = {x.name for x in served.specs if x.dtype == "F8_E4M3"}
         part = _Part(
             self.rank,
             specs=served.specs,
             digests=final,
             deltas=deltas,
             data=served.data if plan.anchor else None,
+            scales={  # the publishing rank keeps them: a rank that lost its scales follows them from there
+                x.name: d
+                for x, d in zip(served.specs, served.data, strict=True)
+                if x.dtype == "F32" and fp8.weight_of_scale(x.name) in fp8_weights
+            },
             refreshed=refreshed,
             slices=out_slices,
             stages=dict(stages.seconds),
@@ -493,7 +544,7 @@ class DistPublisher:
                     raise ValueError(f"tensor {s.name!r} is in the parts of ranks {owner[s.name]} and {p.rank}")
                 owner[s.name] = p.rank
                 delta = p.deltas[i] if p.deltas is not None else None
-                entries[s.name] = (s, p.digests[i], delta, p.data[i] if p.data is not None else None)
+                entries[s.name] = (s, p.digests[i], delta, p.data[i] if p.data is not None else p.scales.get(s.name))
         rows: dict[str, list[tuple[int, _SlicePart]]] = {}
         for p in parts:
             for sp in p.slices:
@@ -510,23 +561,35 @@ class DistPublisher:
             full[name] = (spec, data, digest)
         names = sorted(entries)
         specs = [entries[n][0] for n in names]
-        deltas: list[TensorDelta] | None = []
-        for n in names:
+        sent = [entries[n][3] for n in names]
+        # Whole tensors a rank could not diff (it did not make the base: a resumed run, tensors that
+        # moved) are diffed here against the chain's bytes; their bytes travel for it, once.
+        pending: dict[int, torch.Tensor] = {}
+        deltas: list[TensorDelta | None] | None = []
+        for i, n in enumerate(names):
             d = entries[n][2]
-            if d is None or deltas is None:
-                deltas = None
-            else:
+            if d is None and deltas is not None:
+                old = self._from_chain(plan, specs[i])
+                if old is None:
+                    deltas = None
+                elif (arrived := sent[i]) is not None:
+                    d = diff_tensor(specs[i], old[1], arrived)
+                else:
+                    pending[i] = old[1]
+            if deltas is not None:
                 deltas.append(d)
+        if deltas is None:
+            pending.clear()
         refreshed = sum(p.refreshed for p in parts)
         patchable = deltas is not None and pub._prev is not None and pub._prev.specs == specs
         anchor = plan.anchor or refreshed * 2 > len(specs) or not patchable
-        sent = [entries[n][3] for n in names]
-        missing = anchor and any(d is None for d in sent)
+        missing = bool(pending) or (anchor and any(d is None for d in sent))
         placeholder = [
             d if d is not None else torch.empty(s.nbytes, dtype=torch.uint8, device="meta")
             for s, d in zip(specs, sent, strict=True)
         ]
-        return _Joined(specs, placeholder, [entries[n][1] for n in names], deltas, anchor, refreshed, missing, full)
+        digests = [entries[n][1] for n in names]
+        return _Joined(specs, placeholder, digests, deltas, anchor, refreshed, missing, full, pending)
 
     def _join_tensor(
         self, plan: _Plan, name: str, got: list[tuple[int, _SlicePart]]
@@ -596,7 +659,7 @@ class DistPublisher:
             for k, v in p.stages.items():
                 stages.add(k, v)
         served = ServedModel(joined.specs, joined.data)
-        prepared = Prepared.ready(joined.deltas, joined.digests)
+        prepared = Prepared.ready(joined.final_deltas(), joined.digests)
         with pub._lock:
             if pub._prev_version != plan.base_version:
                 raise RuntimeError(f"the chain moved to version {pub._prev_version} since version {plan.version} began")
@@ -619,11 +682,20 @@ class _Joined:
     specs: list[TensorSpec]
     data: list[torch.Tensor]  # meta placeholders for whole tensors whose bytes did not travel
     digests: list[bytes]
-    deltas: list[TensorDelta] | None
+    deltas: list[TensorDelta | None] | None  # None entries: pending, made once the bytes arrived
     anchor: bool
     refreshed: int
-    missing: bool  # an anchor that needs bytes the ranks did not send
+    missing: bool  # bytes the ranks did not send are needed (an anchor, pending deltas)
     full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]]
+    pending: dict[int, torch.Tensor]  # index -> the chain's bytes to diff that tensor against
+
+    def final_deltas(self) -> list[TensorDelta] | None:
+        if self.deltas is None:
+            return None
+        out = [d for d in self.deltas if d is not None]
+        if len(out) != len(self.deltas):
+            raise RuntimeError("deltas are still pending: the ranks' bytes did not arrive")
+        return out
 
     def fill(self, parts: list[_Part], sent: list[list[torch.Tensor]]) -> None:
         at = {s.name: i for i, s in enumerate(self.specs)}
@@ -634,6 +706,10 @@ class _Joined:
                 if d.dtype != torch.uint8 or d.dim() != 1 or d.numel() != s.nbytes:
                     raise ValueError(f"rank {p.rank} sent {s.name!r} with the wrong size")
                 self.data[at[s.name]] = d
+        if self.deltas is not None:
+            for i, base in self.pending.items():
+                self.deltas[i] = diff_tensor(self.specs[i], base, self.data[i])
+        self.pending = {}
         self.missing = False
 
 

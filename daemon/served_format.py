@@ -107,33 +107,35 @@ class ServedFormat:
         """Forget scales (the next convert recomputes every one)."""
         self.scales.clear()
 
+    def follows(self, version: int | None, names: Iterable[str]) -> bool:
+        """Whether ``scales`` are already those of served version ``version``: this format made it from
+        the same tensor names."""
+        return version is not None and self.basis == version and self.converted == frozenset(names)
+
     def follow(self, version: int | None, model: ServedModel | None, names: Iterable[str]) -> None:
         """Make ``scales`` those of ``model``, served version ``version`` (the next one's base), unless
         this format made that version from the same tensor names (its scales are then those)."""
         if not self.is_fp8:
             return
-        if version is not None and self.basis == version and self.converted == frozenset(names):
+        if self.follows(version, names):
             return
         self.scales = scales_of(model) if model is not None else {}
         self.basis = version
 
+    def scale_for(self, name: str, a: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``name``'s scale for the amax ``a`` of the WHOLE tensor (computed here by ``convert``, or
+        all-reduced from the ranks' rows by daemon/publish_dist.py): its current scale, refreshed in
+        the tiles past the drift threshold; recorded in ``scales`` (and ``refreshed`` if it moved)."""
+        fp8.check_finite(name, a)
+        scale, moved = fp8.next_scale(a, self.scales.get(name), self.drift, self.headroom)
+        self.scales[name] = scale
+        if moved:
+            self.refreshed.append(name)
+        return scale, moved
+
     def _fp8(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = t.float()
-        a = fp8.amax(x, self.block)
-        if not bool(torch.isfinite(a).all()):
-            raise ValueError(f"{name} holds inf or NaN: fp8 e4m3 cannot serve it")
-        old = self.scales.get(name)
-        if old is not None and old.shape == a.shape and old.dtype == torch.float32:
-            scale = old.to(a.device)
-            moved = fp8.drifted(a, scale, self.drift)
-            if bool(moved.any()):
-                scale = torch.where(moved, fp8.fresh_scale(a, self.headroom), scale)
-                if not torch.equal(scale, old.to(a.device)):
-                    self.refreshed.append(name)
-        else:  # no scale yet, or one of another layout (block size changed)
-            scale = fp8.fresh_scale(a, self.headroom)
-            self.refreshed.append(name)
-        self.scales[name] = scale
+        scale, _ = self.scale_for(name, fp8.amax(x, self.block))
         return fp8.quantize(x, scale, self.block), scale.clone()
 
     # ------------------------------------------------------------ what engines need to know
@@ -192,7 +194,13 @@ def scales_of(model: ServedModel) -> dict[str, torch.Tensor]:
     for i, s in enumerate(model.specs):
         weight = fp8.weight_of_scale(s.name)
         j = index.get(weight) if weight is not None else None
-        if s.dtype == "F32" and j is not None and model.specs[j].dtype == "F8_E4M3" and len(s.shape) in (0, 2):
+        if (
+            s.dtype == "F32"
+            and j is not None
+            and model.specs[j].dtype == "F8_E4M3"
+            and len(s.shape) in (0, 2)
+            and model.data[i].device.type != "meta"  # bytes that did not travel (daemon/publish_dist.py)
+        ):
             out[model.specs[j].name] = model.typed(i).clone()
     return out
 

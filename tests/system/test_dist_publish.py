@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from patchswarm.daemon import fp8
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publish_dist import DistPublisher, DistPublishError
 from patchswarm.daemon.publisher import Publisher, PublishInfo
@@ -75,7 +76,24 @@ SCENARIOS: dict[str, tuple[int, int, dict[str, Any]]] = {  # name -> (versions, 
     "fp8_block": (4, 2, {"name": "fp8_e4m3", "block": 8}),
     "failing": (3, 3, {"name": "bf16"}),
     "resumed": (3, 4, {"name": "bf16"}),  # version 1 by a one-process Publisher, then two ranks go on
+    # The same with fp8: the ranks follow version 1's scales from the board (every weight grows 2% a
+    # version after it: within the drift band, so kept scales and fresh ones differ).
+    "resumed_fp8": (3, 5, {"name": "fp8_e4m3"}),
+    "resumed_fp8_block": (3, 5, {"name": "fp8_e4m3", "block": 8}),
+    # Rank 1 fails in versions 2 and 3: every rank then follows the scales of the last version written
+    # (a patch: the publishing rank keeps the scales' bytes of every version).
+    "failing_fp8": (4, 6, {"name": "fp8_e4m3", "block": 8}),
+    # Version 4, an anchor, recomputes every scale (every weight grows 2% a version: they all move).
+    "fp8_refresh": (5, 7, {"name": "fp8_e4m3", "block": 8, "refresh_at_anchor": True}),
 }
+
+
+def weights_of(scenario: str) -> list[dict[str, torch.Tensor]]:
+    versions, seed, _ = SCENARIOS[scenario]
+    out = states(versions, seed)
+    if scenario.startswith("resumed_fp8") or scenario in ("failing_fp8", "fp8_refresh"):
+        out = [{n: t * 1.02**v for n, t in w.items()} for v, w in enumerate(out)]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +129,13 @@ def file_bytes(board: Board) -> dict[str, bytes]:
 
 
 def _publisher(root: Path, key: SigningKey, t0: float, fmt: Mapping[str, Any]) -> Publisher:
-    served = ServedFormat(fmt["name"], block=fmt.get("block"))
+    # fp8 over every matrix: these names are not a checkpoint's (its selection would take none)
+    served = ServedFormat(
+        fmt["name"],
+        block=fmt.get("block"),
+        quantize=fp8.ALL_MATRICES,
+        refresh_at_anchor=fmt.get("refresh_at_anchor", False),
+    )
     return Publisher(root, key, run_id=RUN, anchor_every=4, served_format=served, clock=lambda: t0, refresh=False)
 
 
@@ -125,13 +149,13 @@ def _rank_main(rank: int, root: str) -> None:
     )
     try:
         t0 = torch.load(tmp / "job.pt")["t0"]
-        for scenario, (versions, seed, fmt) in SCENARIOS.items():
+        for scenario, (_, _, fmt) in SCENARIOS.items():
             where = tmp / scenario
             where.mkdir(exist_ok=True)
             out: dict[str, Any] = {"ids": [], "errors": [], "gathered": [], "served": [], "anchor": []}
-            weights = states(versions, seed) if scenario != "fsdp" else []
+            weights = weights_of(scenario) if scenario != "fsdp" else []
             try:
-                if scenario == "resumed":
+                if scenario.startswith("resumed"):
                     if rank == 0:
                         first = _publisher(where / "board", SigningKey.load(tmp / "key"), t0, fmt)
                         out["ids"].append(first.publish(weights[0]).manifest_id.hex())  # type: ignore[union-attr]
@@ -142,7 +166,7 @@ def _rank_main(rank: int, root: str) -> None:
                 if scenario == "fsdp":
                     _fsdp(dp, out, where, rank)
                 for v, w in enumerate(weights, start=1):
-                    if scenario == "failing" and v <= 2:  # version 1 is an anchor, 2 a patch
+                    if (scenario == "failing" and v <= 2) or (scenario == "failing_fp8" and 2 <= v <= 3):
                         _failures(dp, out, where, rank, w)
                     info = dp.publish(_part(scenario, w, rank))
                     out["ids"].append(info.manifest_id.hex())
@@ -157,7 +181,7 @@ def _rank_main(rank: int, root: str) -> None:
 
 
 def _part(scenario: str, w: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    if scenario in ("partitioned", "failing"):
+    if scenario in ("partitioned", "failing", "failing_fp8"):
         return split(w, rank)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -234,9 +258,8 @@ def _fsdp(dp: DistPublisher, out: dict[str, Any], tmp: Path, rank: int) -> None:
 
 def check_same_board(tmp: Path, scenario: str, weights: list[dict[str, torch.Tensor]] | None = None) -> list[Any]:
     got = results(tmp, scenario)
-    versions, seed, _ = SCENARIOS[scenario]
-    plain, ids = one_process(tmp, scenario, states(versions, seed) if weights is None else weights)
-    skip = 1 if scenario == "resumed" else 0  # rank 1 was not there for version 1
+    plain, ids = one_process(tmp, scenario, weights_of(scenario) if weights is None else weights)
+    skip = 1 if scenario.startswith("resumed") else 0  # rank 1 was not there for version 1
     assert got[0]["ids"] == ids and got[1]["ids"] == ids[skip:]  # every rank got every version's PublishInfo
     dist_files = file_bytes(Board(tmp / scenario / "board"))
     assert dist_files == file_bytes(plain) and len(dist_files) > 3
@@ -261,6 +284,8 @@ def test_fsdp2_state_dicts_publish_the_one_process_board(ranks: Path) -> None:
 def test_fp8_scales_over_dtensor_slices_match_one_process(ranks: Path) -> None:
     check_same_board(ranks, "fp8")  # per-tensor scales
     check_same_board(ranks, "fp8_block")  # 8x8 blocks: slices of 37 and 21 rows cut through blocks
+    got = check_same_board(ranks, "fp8_refresh")  # every scale recomputed at the anchor (version 4)
+    assert [a is not None for a in got[0]["anchor"]] == [True, False, False, True, False]
 
 
 def test_a_failing_rank_fails_every_rank_and_writes_nothing(ranks: Path) -> None:
@@ -282,3 +307,17 @@ def test_ranks_go_on_from_a_run_on_the_board_with_a_patch(ranks: Path) -> None:
     (the publishing rank diffs the gathered rows against it), no new anchor."""
     got = check_same_board(ranks, "resumed")
     assert got[0]["anchor"] == [None, None]
+
+
+def test_ranks_go_on_from_an_fp8_run_on_the_board_with_its_scales(ranks: Path) -> None:
+    """fp8 (per tensor, 8x8 blocks): the ranks' first version follows the scales of the version the
+    resumed Publisher rebuilt from the board, as one process does: the same bytes."""
+    for scenario in ("resumed_fp8", "resumed_fp8_block"):
+        got = check_same_board(ranks, scenario)
+        assert got[0]["anchor"] == [None, None], scenario
+
+
+def test_ranks_follow_fp8_scales_from_the_chain_after_a_failed_version(ranks: Path) -> None:
+    got = results(ranks, "failing_fp8")
+    assert got[0]["unchanged"] == [True] * 6 and len(got[1]["errors"]) == 6
+    check_same_board(ranks, "failing_fp8")
