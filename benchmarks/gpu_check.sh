@@ -14,7 +14,9 @@
 #      activation, kill -9 of the engine, bad registrations)                -> cuda_system.log/.xml
 #   4. activation: the pause on a 14 GB bf16 model with 0.5% changed (goal <= 50 ms), the state
 #      root on the GPU against blake3 on a host copy                        -> bench.log, activation.json
-#   5. tp_ranks: tensor-parallel rank stores on CUDA (placeholder until rank stores exist)
+#   5. tp_ranks: tensor-parallel rank stores on CUDA: the real daemon feeding two engine-allocated rank
+#      buffers on cuda:0 from a trained fp8 Qwen3-MoE (tests/system/test_hf_rank_daemon.py)
+#                                                                           -> cuda_system.log
 #   6. publish: publish latency of a 1.07B-parameter model, FP32 masters on the GPU -> bench.log
 # A junit check after each pytest step fails the run if any test was skipped or none ran.
 # Results go to $OUT (default bench-out/gpu, at most 8 files); summary.txt has each step's exit status.
@@ -167,21 +169,15 @@ else
         --repeat 2 --journal-dir /tmp/psw-journal --json "$OUT/activation.json"
 fi
 
-# 5. Tensor parallel on CUDA rank stores.  PLACEHOLDER for the integrator, once rank stores exist
-# (daemon config store.ranks / store.plan / store.devices): one daemon, TP=2 (and 4 where the host
-# has the GPUs) rank stores, each on its own GPU from store.devices, a built-in plan (store.plan);
-# a real engine process per rank allocates and registers its rank buffer (own segment, checked at
-# export); after each version every rank's bytes equal the slice of the canonical tensors and the
-# per-rank roots verify on the device; kill -9 between two ranks' writes -> all old or all new.
-# Put the tests in tests/system/test_rank_stores.py with "cuda" in their ids; they run here.
-if [ -f tests/system/test_rank_stores.py ]; then
-    step tp_ranks 90 cuda_system.log "$PY" -m pytest -q -p no:cacheprovider -rs -k "cuda" \
-        --junitxml="$OUT/tp_ranks.xml" tests/system/test_rank_stores.py
-    ran_all tp_ranks "$OUT/tp_ranks.xml"
-else
-    [ "$DRY" = 1 ] && echo "step tp_ranks: placeholder (tests/system/test_rank_stores.py not written yet)"
-    [ "$DRY" = 0 ] && echo "tp_ranks: not yet (no rank stores in this checkout)" | tee -a "$SUMMARY"
-fi
+# 5. Tensor parallel on CUDA rank stores: one real daemon (store.ranks = 2, store.plan = auto, store.kind
+# cuda, store.devices = both ranks on cuda:0), a Qwen3-MoE trained by transformers and published fp8 with
+# block scales by the CLI; the engine (the test process) allocates and registers each rank's buffer;
+# after each version every buffer holds its rank's slice (vLLM's rules, computed in the test) and its
+# fence reads the daemon's per-rank root.  Its junit file goes to $TMPDIR, not $OUT (8 files at most).
+TP_XML="${TMPDIR:-/tmp}/gpu_check_tp_ranks.xml"
+step tp_ranks 90 cuda_system.log "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs -k "cuda" \
+    --junitxml="$TP_XML" tests/system/test_hf_rank_daemon.py
+ran_all tp_ranks "$TP_XML"
 
 if [ "$TINY" = 1 ]; then
     step publish 90 bench.log "$PY" -m benchmarks.publish_bench --params 2e7 --patches 2
