@@ -1,0 +1,195 @@
+"""Decode once for N ranks: applying one version to TP=1, 2, 4, 8 rank stores (issue 33).
+
+    python -m benchmarks.rank_bench [--hidden 1024] [--inter 2816] [--layers 4] [--vocab 4096]
+                                    [--heads 16] [--kv-heads 4] [--frac 0.005] [--repeat 5]
+                                    [--tp 1,2,4,8] [--profile OUT.prof] [--json OUT.json]
+
+Builds a Llama-shaped canonical bf16 model (the defaults: ~106 MB), a version with ``--frac`` of
+its values moved by an ulp or two, and for each TP host shared-memory rank stores with the built-in
+Llama plan (``RankStores``, the code the daemon runs; store names unique, segments and the journal
+directory removed afterwards).  Versions alternate a -> b -> a; per TP it prints, median and min
+over ``--repeat`` applies (after one warm-up): the apply time (``RankStores.apply``: routing, rank
+roots, staging, journal, the fenced writes) and its ratio to TP=1, the longest single rank's pause
+(fence odd -> even) against a torch copy of that rank's bytes timed in the same run, and first
+fence odd -> last fence even.  ``--profile`` writes a cProfile of the largest TP's applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from patchswarm.daemon.engine import SHM_DIR, SharedSegment
+from patchswarm.daemon.rank_stores import RankStores, rank_store_names
+from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.protocol.layout_builtin import builtin_plan
+from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
+
+
+def llama_specs(hidden: int, inter: int, layers: int, vocab: int, heads: int, kv_heads: int) -> list[TensorSpec]:
+    """A LlamaForCausalLM's checkpoint tensors (untied lm_head), sorted by name, bf16."""
+    hd = hidden // heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * hd, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * hd),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    return [TensorSpec(n, "BF16", shapes[n]) for n in sorted(shapes)]
+
+
+def two_versions(specs: list[TensorSpec], frac: float, seed: int = 0) -> tuple[ServedModel, ServedModel]:
+    """Random bf16 words, then ``frac`` of them moved by one or two ulps (an Adam-like step)."""
+    g = torch.Generator().manual_seed(seed)
+    old, new = [], []
+    for s in specs:
+        w = torch.randint(-(1 << 14), 1 << 14, (s.numel,), dtype=torch.int16, generator=g)
+        k = max(1, int(s.numel * frac))
+        pos = torch.randint(0, s.numel, (k,), generator=g)
+        v = w.clone()
+        v[pos] += torch.randint(1, 3, (k,), dtype=torch.int16, generator=g)
+        old.append(w.view(torch.uint8))
+        new.append(v.view(torch.uint8))
+    return ServedModel(specs, old), ServedModel(specs, new)
+
+
+def copy_s(nbytes: int, repeat: int) -> float:
+    """The fastest torch copy of ``nbytes`` host bytes (what one rank's whole bytes cost to move)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def run_tp(
+    tp: int, config: dict[str, Any], a: ServedModel, b: ServedModel, repeat: int, work: Path,
+    prof: cProfile.Profile | None,
+) -> dict[str, Any]:  # fmt: skip
+    plan = builtin_plan(config, a.specs, tp)
+    jdir = work / f"journal{tp}"
+    jdir.mkdir()
+    base = f"psbench{tempfile.mktemp(dir='', prefix='')}tp{tp}"
+    rs = RankStores(base, tp, jdir, engine_kind=False)
+    try:
+        rs.prepare(plan, a.specs)
+        rs.apply(1, a, None)
+        fwd, back = diff_updates(a, b), diff_updates(b, a)
+        applies, longest, total, changed = [], [], [], 0
+        for i in range(repeat + 1):  # the first apply warms up
+            model, ups = (b, fwd) if i % 2 == 0 else (a, back)
+            if prof is not None and i:
+                prof.enable()
+            t = time.perf_counter()
+            st = rs.apply(i + 2, model, ups)
+            dt = time.perf_counter() - t
+            if prof is not None:
+                prof.disable()
+            assert st is not None
+            if i:
+                applies.append(dt)
+                longest.append(st.pause_s)
+                total.append(st.total_pause_s)
+            changed = st.changed
+        last = b if repeat % 2 == 0 else a
+        for k, s in enumerate(rs.stores):  # every rank holds the version, computed where its bytes live
+            assert s is not None
+            assert rs.roots[k] == state_root(s.layout.specs, s.digests()) == s.header().root, f"rank {k}"
+        assert rs.common_version() == repeat + 2 and last is not None
+        rank_bytes = max(s.layout.nbytes for s in rs.stores if s is not None)
+        host = sum(s.layout.nbytes for s in rs.stores if s is not None)
+    finally:
+        rs.close()
+        for n in rank_store_names(base, tp):
+            SharedSegment.path_for(n, SHM_DIR).unlink(missing_ok=True)
+    copy = copy_s(rank_bytes, 5)
+    return {
+        "tp": tp, "apply_s": statistics.median(applies), "apply_min_s": min(applies),
+        "pause_s": statistics.median(longest), "pause_min_s": min(longest),
+        "total_pause_s": statistics.median(total), "total_pause_min_s": min(total),
+        "rank_bytes": rank_bytes, "host_bytes": host, "copy_s": copy, "changed": changed,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=2816)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--frac", type=float, default=0.005)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--tp", default="1,2,4,8")
+    ap.add_argument("--profile", type=Path, help="write a cProfile of the largest TP's applies here")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    tps = sorted({int(x) for x in args.tp.split(",")})
+    if not tps or tps[0] < 1 or args.repeat < 1 or not 0 < args.frac < 1:
+        ap.error("--tp takes positive integers, --repeat >= 1, 0 < --frac < 1")
+    print("command:", "python -m benchmarks.rank_bench", *(argv if argv is not None else sys.argv[1:]))
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden,
+        "intermediate_size": args.inter, "num_hidden_layers": args.layers, "vocab_size": args.vocab,
+        "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "tie_word_embeddings": False,
+    }  # fmt: skip
+    specs = llama_specs(args.hidden, args.inter, args.layers, args.vocab, args.heads, args.kv_heads)
+    a, b = two_versions(specs, args.frac)
+    model_bytes = a.nbytes
+    print(f"model: {len(specs)} tensors, {model_bytes / 1e6:.1f} MB bf16, {args.frac:.2%} of values changed")
+    work = Path(tempfile.mkdtemp(prefix="rank_bench"))
+    rows = []
+    try:
+        for tp in tps:
+            prof = cProfile.Profile() if args.profile and tp == tps[-1] else None
+            rows.append(run_tp(tp, config, a, b, args.repeat, work, prof))
+            if prof is not None:
+                prof.dump_stats(args.profile)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = rows[0]["apply_s"]
+    hdr = (
+        f"{'TP':>3} {'apply ms':>9} {'min':>7} {'x TP=1':>7} {'host/model':>10} {'rank MB':>8} "
+        f"{'pause ms':>9} {'min':>7} {'copy ms':>8} {'pause/copy':>10} {'odd..even ms':>12} {'min':>7}"
+    )
+    print(hdr)
+    for r in rows:
+        print(
+            f"{r['tp']:>3} {r['apply_s'] * 1e3:>9.1f} {r['apply_min_s'] * 1e3:>7.1f} {r['apply_s'] / base:>7.2f} "
+            f"{r['host_bytes'] / model_bytes:>10.3f} {r['rank_bytes'] / 1e6:>8.1f} {r['pause_s'] * 1e3:>9.2f} "
+            f"{r['pause_min_s'] * 1e3:>7.2f} {r['copy_s'] * 1e3:>8.2f} {r['pause_s'] / r['copy_s']:>10.2f} "
+            f"{r['total_pause_s'] * 1e3:>12.2f} {r['total_pause_min_s'] * 1e3:>7.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"model_bytes": model_bytes, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
