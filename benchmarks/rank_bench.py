@@ -2,16 +2,18 @@
 
     python -m benchmarks.rank_bench [--hidden 1024] [--inter 2816] [--layers 4] [--vocab 4096]
                                     [--heads 16] [--kv-heads 4] [--frac 0.005] [--repeat 5]
-                                    [--tp 1,2,4,8] [--profile OUT.prof] [--json OUT.json]
+                                    [--tp 1,2,4,8] [--threads N] [--profile OUT.prof] [--json OUT.json]
 
-Builds a Llama-shaped canonical bf16 model (the defaults: ~106 MB), a version with ``--frac`` of
+Builds a Llama-shaped canonical bf16 model (the defaults: ~107 MB), a version with ``--frac`` of
 its values moved by an ulp or two, and for each TP host shared-memory rank stores with the built-in
 Llama plan (``RankStores``, the code the daemon runs; store names unique, segments and the journal
 directory removed afterwards).  Versions alternate a -> b -> a; per TP it prints, median and min
 over ``--repeat`` applies (after one warm-up): the apply time (``RankStores.apply``: routing, rank
-roots, staging, journal, the fenced writes) and its ratio to TP=1, the longest single rank's pause
-(fence odd -> even) against a torch copy of that rank's bytes timed in the same run, and first
-fence odd -> last fence even.  ``--profile`` writes a cProfile of the largest TP's applies.
+roots, staging, journal, the fenced writes) and its ratio to TP=1 (of the medians, of the minima),
+the longest single rank's pause (fence odd -> even) against a torch copy of that rank's bytes timed in the same run, and first
+fence odd -> last fence even.  ``--threads`` sets torch's intra-op threads (on a busy host one
+thread is steadier: OpenMP's fork/join around small operations waits for a descheduled thread).
+``--profile`` writes a cProfile of the largest TP's applies.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -94,7 +98,7 @@ def run_tp(
     plan = builtin_plan(config, a.specs, tp)
     jdir = work / f"journal{tp}"
     jdir.mkdir()
-    base = f"psbench{tempfile.mktemp(dir='', prefix='')}tp{tp}"
+    base = f"psbench{os.getpid()}x{secrets.token_hex(3)}tp{tp}"
     rs = RankStores(base, tp, jdir, engine_kind=False)
     try:
         rs.prepare(plan, a.specs)
@@ -116,11 +120,10 @@ def run_tp(
                 longest.append(st.pause_s)
                 total.append(st.total_pause_s)
             changed = st.changed
-        last = b if repeat % 2 == 0 else a
         for k, s in enumerate(rs.stores):  # every rank holds the version, computed where its bytes live
             assert s is not None
             assert rs.roots[k] == state_root(s.layout.specs, s.digests()) == s.header().root, f"rank {k}"
-        assert rs.common_version() == repeat + 2 and last is not None
+        assert rs.common_version() == repeat + 2
         rank_bytes = max(s.layout.nbytes for s in rs.stores if s is not None)
         host = sum(s.layout.nbytes for s in rs.stores if s is not None)
     finally:
@@ -147,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frac", type=float, default=0.005)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tp", default="1,2,4,8")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--profile", type=Path, help="write a cProfile of the largest TP's applies here")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     tps = sorted({int(x) for x in args.tp.split(",")})
     if not tps or tps[0] < 1 or args.repeat < 1 or not 0 < args.frac < 1:
         ap.error("--tp takes positive integers, --repeat >= 1, 0 < --frac < 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     print("command:", "python -m benchmarks.rank_bench", *(argv if argv is not None else sys.argv[1:]))
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden,
@@ -162,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = llama_specs(args.hidden, args.inter, args.layers, args.vocab, args.heads, args.kv_heads)
     a, b = two_versions(specs, args.frac)
     model_bytes = a.nbytes
-    print(f"model: {len(specs)} tensors, {model_bytes / 1e6:.1f} MB bf16, {args.frac:.2%} of values changed")
+    print(
+        f"model: {len(specs)} tensors, {model_bytes / 1e6:.1f} MB bf16, {args.frac:.2%} of values changed; "
+        f"torch threads {torch.get_num_threads()}"
+    )
     work = Path(tempfile.mkdtemp(prefix="rank_bench"))
     rows = []
     try:
@@ -173,15 +182,16 @@ def main(argv: list[str] | None = None) -> int:
                 prof.dump_stats(args.profile)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    base = rows[0]["apply_s"]
+    base, base_min = rows[0]["apply_s"], rows[0]["apply_min_s"]
     hdr = (
-        f"{'TP':>3} {'apply ms':>9} {'min':>7} {'x TP=1':>7} {'host/model':>10} {'rank MB':>8} "
+        f"{'TP':>3} {'apply ms':>9} {'min':>7} {'x TP=1':>7} {'min x':>6} {'host/model':>10} {'rank MB':>8} "
         f"{'pause ms':>9} {'min':>7} {'copy ms':>8} {'pause/copy':>10} {'odd..even ms':>12} {'min':>7}"
     )
     print(hdr)
     for r in rows:
         print(
             f"{r['tp']:>3} {r['apply_s'] * 1e3:>9.1f} {r['apply_min_s'] * 1e3:>7.1f} {r['apply_s'] / base:>7.2f} "
+            f"{r['apply_min_s'] / base_min:>6.2f} "
             f"{r['host_bytes'] / model_bytes:>10.3f} {r['rank_bytes'] / 1e6:>8.1f} {r['pause_s'] * 1e3:>9.2f} "
             f"{r['pause_min_s'] * 1e3:>7.2f} {r['copy_s'] * 1e3:>8.2f} {r['pause_s'] / r['copy_s']:>10.2f} "
             f"{r['total_pause_s'] * 1e3:>12.2f} {r['total_pause_min_s'] * 1e3:>7.2f}"
