@@ -9,10 +9,11 @@ its values moved by an ulp or two, and for each TP host shared-memory rank store
 Llama plan (``RankStores``, the code the daemon runs; store names unique, segments and the journal
 directory removed afterwards).  Versions alternate a -> b -> a; per TP it prints, median and min
 over ``--repeat`` applies (after one warm-up): the apply time (``RankStores.apply``: routing, rank
-roots, staging, journal, the fenced writes) and its ratio to TP=1 (of the medians, of the minima),
-the longest single rank's pause (fence odd -> even) against a torch copy of that rank's bytes timed in the same run, and first
-fence odd -> last fence even.  ``--threads`` sets torch's intra-op threads (on a busy host one
-thread is steadier: OpenMP's fork/join around small operations waits for a descheduled thread).
+roots, staging, journal, the fenced writes) and its ratio to TP=1 (of the medians, of the minima,
+and the median of each round's ratio: the TPs apply each version in turn), the longest single
+rank's pause (fence odd -> even) against a torch copy of that rank's bytes timed in the same run,
+and first fence odd -> last fence even.  ``--threads`` sets torch's intra-op threads (on a busy
+host one thread is steadier: OpenMP's fork/join around small operations waits for a descheduled thread).
 ``--profile`` writes a cProfile of the largest TP's applies.
 """
 
@@ -91,52 +92,80 @@ def copy_s(nbytes: int, repeat: int) -> float:
     return best
 
 
-def run_tp(
-    tp: int, config: dict[str, Any], a: ServedModel, b: ServedModel, repeat: int, work: Path,
-    prof: cProfile.Profile | None,
-) -> dict[str, Any]:  # fmt: skip
-    plan = builtin_plan(config, a.specs, tp)
-    jdir = work / f"journal{tp}"
-    jdir.mkdir()
-    base = f"psbench{os.getpid()}x{secrets.token_hex(3)}tp{tp}"
-    rs = RankStores(base, tp, jdir, engine_kind=False)
-    try:
-        rs.prepare(plan, a.specs)
-        rs.apply(1, a, None)
-        fwd, back = diff_updates(a, b), diff_updates(b, a)
-        applies, longest, total, changed = [], [], [], 0
-        for i in range(repeat + 1):  # the first apply warms up
-            model, ups = (b, fwd) if i % 2 == 0 else (a, back)
-            if prof is not None and i:
-                prof.enable()
-            t = time.perf_counter()
-            st = rs.apply(i + 2, model, ups)
-            dt = time.perf_counter() - t
-            if prof is not None:
-                prof.disable()
-            assert st is not None
-            if i:
-                applies.append(dt)
-                longest.append(st.pause_s)
-                total.append(st.total_pause_s)
-            changed = st.changed
+class Case:
+    """One TP's rank stores (the daemon's ``RankStores``), loaded with version 1."""
+
+    def __init__(self, tp: int, config: dict[str, Any], a: ServedModel, work: Path) -> None:
+        self.tp = tp
+        jdir = work / f"journal{tp}"
+        jdir.mkdir()
+        self.base = f"psbench{os.getpid()}x{secrets.token_hex(3)}tp{tp}"
+        self.rs = RankStores(self.base, tp, jdir, engine_kind=False)
+        self.applies: list[float] = []
+        self.longest: list[float] = []
+        self.total: list[float] = []
+        self.changed = 0
+        self.rs.prepare(builtin_plan(config, a.specs, tp), a.specs)
+        self.rs.apply(1, a, None)
+
+    def apply(
+        self, version: int, model: ServedModel, ups: list[Any], keep: bool, prof: cProfile.Profile | None
+    ) -> None:
+        if prof is not None:
+            prof.enable()
+        t = time.perf_counter()
+        st = self.rs.apply(version, model, ups)
+        dt = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
+        assert st is not None
+        if keep:
+            self.applies.append(dt)
+            self.longest.append(st.pause_s)
+            self.total.append(st.total_pause_s)
+        self.changed = st.changed
+
+    def result(self, version: int) -> dict[str, Any]:
+        rs = self.rs
         for k, s in enumerate(rs.stores):  # every rank holds the version, computed where its bytes live
             assert s is not None
             assert rs.roots[k] == state_root(s.layout.specs, s.digests()) == s.header().root, f"rank {k}"
-        assert rs.common_version() == repeat + 2
+        assert rs.common_version() == version
         rank_bytes = max(s.layout.nbytes for s in rs.stores if s is not None)
         host = sum(s.layout.nbytes for s in rs.stores if s is not None)
-    finally:
-        rs.close()
-        for n in rank_store_names(base, tp):
+        return {
+            "tp": self.tp, "apply_s": statistics.median(self.applies), "apply_min_s": min(self.applies),
+            "pause_s": statistics.median(self.longest), "pause_min_s": min(self.longest),
+            "total_pause_s": statistics.median(self.total), "total_pause_min_s": min(self.total),
+            "rank_bytes": rank_bytes, "host_bytes": host, "copy_s": copy_s(rank_bytes, 5), "changed": self.changed,
+            "applies_s": self.applies,
+        }  # fmt: skip
+
+    def close(self) -> None:
+        self.rs.close()
+        for n in rank_store_names(self.base, self.tp):
             SharedSegment.path_for(n, SHM_DIR).unlink(missing_ok=True)
-    copy = copy_s(rank_bytes, 5)
-    return {
-        "tp": tp, "apply_s": statistics.median(applies), "apply_min_s": min(applies),
-        "pause_s": statistics.median(longest), "pause_min_s": min(longest),
-        "total_pause_s": statistics.median(total), "total_pause_min_s": min(total),
-        "rank_bytes": rank_bytes, "host_bytes": host, "copy_s": copy, "changed": changed,
-    }  # fmt: skip
+
+
+def run(
+    tps: list[int], config: dict[str, Any], a: ServedModel, b: ServedModel, repeat: int, work: Path,
+    prof: cProfile.Profile | None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every TP applies each version in turn (the TPs interleaved, so that a busy host's drift
+    reaches them alike); the first round warms up."""
+    fwd, back = diff_updates(a, b), diff_updates(b, a)
+    cases: list[Case] = []
+    try:
+        for tp in tps:
+            cases.append(Case(tp, config, a, work))
+        for i in range(repeat + 1):
+            model, ups = (b, fwd) if i % 2 == 0 else (a, back)
+            for c in cases:
+                c.apply(i + 2, model, ups, i > 0, prof if c is cases[-1] and i else None)
+        return [c.result(repeat + 2) for c in cases]
+    finally:
+        for c in cases:
+            c.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,25 +202,26 @@ def main(argv: list[str] | None = None) -> int:
         f"torch threads {torch.get_num_threads()}"
     )
     work = Path(tempfile.mkdtemp(prefix="rank_bench"))
-    rows = []
+    prof = cProfile.Profile() if args.profile else None
     try:
-        for tp in tps:
-            prof = cProfile.Profile() if args.profile and tp == tps[-1] else None
-            rows.append(run_tp(tp, config, a, b, args.repeat, work, prof))
-            if prof is not None:
-                prof.dump_stats(args.profile)
+        rows = run(tps, config, a, b, args.repeat, work, prof)
+        if prof is not None:
+            prof.dump_stats(args.profile)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base, base_min = rows[0]["apply_s"], rows[0]["apply_min_s"]
+    for r in rows:  # the ratio within each round, then its median (the rounds ran the TPs back to back)
+        r["ratio_rounds"] = statistics.median(x / y for x, y in zip(r["applies_s"], rows[0]["applies_s"], strict=True))
     hdr = (
-        f"{'TP':>3} {'apply ms':>9} {'min':>7} {'x TP=1':>7} {'min x':>6} {'host/model':>10} {'rank MB':>8} "
-        f"{'pause ms':>9} {'min':>7} {'copy ms':>8} {'pause/copy':>10} {'odd..even ms':>12} {'min':>7}"
+        f"{'TP':>3} {'apply ms':>9} {'min':>7} {'x TP=1':>7} {'min x':>6} {'round x':>7} "
+        f"{'host/model':>10} {'rank MB':>8} {'pause ms':>9} {'min':>7} {'copy ms':>8} {'pause/copy':>10} "
+        f"{'odd..even ms':>12} {'min':>7}"
     )
     print(hdr)
     for r in rows:
         print(
             f"{r['tp']:>3} {r['apply_s'] * 1e3:>9.1f} {r['apply_min_s'] * 1e3:>7.1f} {r['apply_s'] / base:>7.2f} "
-            f"{r['apply_min_s'] / base_min:>6.2f} "
+            f"{r['apply_min_s'] / base_min:>6.2f} {r['ratio_rounds']:>7.2f} "
             f"{r['host_bytes'] / model_bytes:>10.3f} {r['rank_bytes'] / 1e6:>8.1f} {r['pause_s'] * 1e3:>9.2f} "
             f"{r['pause_min_s'] * 1e3:>7.2f} {r['copy_s'] * 1e3:>8.2f} {r['pause_s'] / r['copy_s']:>10.2f} "
             f"{r['total_pause_s'] * 1e3:>12.2f} {r['total_pause_min_s'] * 1e3:>7.2f}"
