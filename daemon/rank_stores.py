@@ -281,6 +281,8 @@ class RankStores:
         -> model) in place under one journal; the others (EMPTY, FAILED, never loaded) are loaded
         whole.  ``updates`` None: every rank is loaded whole unless it holds the version already.
         ``write`` False: nothing is written, only each rank's root of ``version`` is remembered.
+        The roots are updated from ``updates``, so they must lead from the model of the previous call
+        (the shadow) to ``model``, as the stores' contents must.
         Returns the in-place activation's figures, or None when there was none.
         """
         plan, router, digester = self.plan, self.router, self.digester
