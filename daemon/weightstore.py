@@ -174,7 +174,7 @@ def _no_fault(point: str) -> None:
 
 
 @contextlib.contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
+def torch_threads(n: int | None) -> Iterator[None]:
     if n is None:
         yield
         return
@@ -541,7 +541,7 @@ class WeightStore:
         """
         self.control.begin(StoreState.WRITING)
         self.fault("odd")
-        with _torch_threads(self.write_threads):
+        with torch_threads(self.write_threads):
             ok = self.write_values(staged)
         self.fault("written")
         if not ok:

@@ -10,6 +10,7 @@ replicated piece (a norm, a kv head shared by several ranks) yields a change on 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,12 @@ class Router:
         self.specs = list(canonical_specs)
         self.slots = [{s.name: i for i, s in enumerate(plan.rank_specs(r))} for r in range(plan.world)]
         self.routes: list[list[_Route]] = [[self._compile(s, p) for p in plan.pieces_of(s.name)] for s in self.specs]
+        # per canonical tensor, the flat bounds of its pieces that are one run of it: a sparse change
+        # finds all its pieces' spans with one binary search (not one per rank)
+        self.cuts: list[torch.Tensor | None] = []
+        for routes in self.routes:
+            bounds = [b for r in routes if _runs(r) for b in (r.src_flat, r.src_flat + math.prod(box_extents(r.src)))]
+            self.cuts.append(torch.tensor(bounds, dtype=torch.int64) if bounds else None)
         # pieces per (rank, slot): a parameter whose every piece changes densely is sent whole
         self.piece_count: dict[tuple[int, int], int] = defaultdict(int)
         for routes in self.routes:
@@ -119,11 +126,20 @@ class Router:
                 raise PlanError(f"layout route: two changes for {self.specs[ch.slot].name}")
             seen.add(ch.slot)
             spec = self.specs[ch.slot]
+            coords: list[torch.Tensor] = []  # the changes' coordinates, shared by this tensor's pieces
+            cuts = self.cuts[ch.slot]
+            spans: list[int] = []
+            if ch.positions is not None and cuts is not None:
+                spans = torch.searchsorted(ch.positions.long(), cuts.to(ch.positions.device)).tolist()
+            j = 0
             for r in self.routes[ch.slot]:
                 if ch.positions is None:
                     dense[(r.rank, r.slot)].append((spec, r, ch))
                     continue
-                part = _sparse(spec, r, ch)
+                span = None
+                if _runs(r):
+                    span, j = (spans[j], spans[j + 1]), j + 2
+                part = _sparse(spec, r, ch, coords, span)
                 if part is not None:
                     parts[(r.rank, r.slot)].append(part)
         for key, ds in dense.items():
@@ -151,17 +167,24 @@ def _coords(positions: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tenso
     return out
 
 
-def _sparse(spec: TensorSpec, r: _Route, ch: SlotChange) -> SlotChange | None:
+def _runs(r: _Route) -> bool:
+    """Whether ``_sparse`` finds the piece's changes by binary search (one run, not the whole tensor)."""
+    return r.src_contiguous and not (r.src_full and r.dst_full)
+
+
+def _sparse(
+    spec: TensorSpec, r: _Route, ch: SlotChange, shared: list[torch.Tensor], span: tuple[int, int] | None
+) -> SlotChange | None:
+    """``span``: where the piece's run lies in ``ch.positions`` (for a ``_runs`` piece).  ``shared``:
+    the coordinates of all of ``ch``'s positions once computed (filled here when empty), so that
+    the pieces of a tensor split along an inner dim compute them once, not once per rank."""
     assert ch.positions is not None
     pos = ch.positions if ch.positions.dtype == torch.int64 else ch.positions.long()
     if r.src_full and r.dst_full:
         return SlotChange(r.slot, pos, ch.new, ch.old)
     if r.src_contiguous:
-        numel = 1
-        for a, b in r.src:
-            numel *= b - a
-        bounds = torch.tensor([r.src_flat, r.src_flat + numel], dtype=pos.dtype, device=pos.device)
-        lo, hi = (int(x) for x in torch.searchsorted(pos, bounds).tolist())
+        assert span is not None
+        lo, hi = span
         if lo == hi:
             return None
         sel = pos[lo:hi]
@@ -171,7 +194,9 @@ def _sparse(spec: TensorSpec, r: _Route, ch: SlotChange) -> SlotChange | None:
         coords = _coords(sel, spec.shape)
         chosen = sel
     else:
-        coords = _coords(pos, spec.shape)
+        if not shared:
+            shared.extend(_coords(pos, spec.shape))
+        coords = shared
         mask = torch.ones_like(pos, dtype=torch.bool)
         for c, (a, b), n in zip(coords, r.src, spec.shape, strict=True):
             if (a, b) != (0, n):

@@ -332,3 +332,47 @@ def test_bad_plan_files_are_refused_with_one_line(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     with pytest.raises(PlanRefused, match=r"model\.norm\.weight"):
         resolve_plan(str(path), 2, model.specs, {}, read_plan_file(str(path)))
+
+
+def _llama_versions(n: int) -> list[ServedModel]:
+    """The tiny Llama in bf16 and ``n - 1`` successors: a few words moved in every tensor, and in
+    version 3 one tensor rewritten whole (a dense change)."""
+    state, _ = llama_state(2)
+    base = ServedModel.from_tensors({k: v.to(torch.bfloat16) for k, v in state.items()})
+    out = [base]
+    g = torch.Generator().manual_seed(7)
+    for v in range(1, n):
+        m = out[-1].clone()
+        for i, spec in enumerate(m.specs):
+            w = m.data[i].view(torch.int16)
+            if v == 3 and spec.name.endswith("layers.1.mlp.down_proj.weight"):
+                w.copy_(torch.randint(-(1 << 14), 1 << 14, w.shape, dtype=torch.int16, generator=g))
+                continue
+            pos = torch.randint(0, w.numel(), (max(1, w.numel() // 200),), generator=g)
+            w[pos] += 1
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_roots_kept_per_parameter_equal_roots_computed_from_scratch(name: str, tmp_path: Path, tp: int) -> None:
+    """Each rank's root is updated from the parameters a version's changes reach; after several
+    versions (sparse and dense changes, kv heads replicated at TP=4, vocabulary padding) it equals the
+    root of the rank built whole from the canonical model and the root hashed from the store."""
+    from patchswarm.protocol.layout_builtin import builtin_plan
+
+    _, config = llama_state(2)
+    versions = _llama_versions(5)
+    plan = builtin_plan(json.loads(config), versions[0].specs, tp)
+    rs = make(name, tp, tmp_path)
+    rs.prepare(plan, versions[0].specs)
+    for v, model in enumerate(versions, start=1):
+        updates = None if v == 1 else diff_updates(versions[v - 2], model)
+        rs.apply(v, model, updates)
+        for k in range(tp):
+            store = rs.store(k)
+            assert store is not None
+            scratch = rank_model(plan, model, k).root()
+            assert rs.roots[k] == scratch == store.root() == store.header().root, f"rank {k} v{v}"
+        assert updates is None or any(u.positions is None for u in updates) == (v == 4)
+    rs.close()
