@@ -20,11 +20,13 @@ from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
-from patchswarm.daemon.shadow import StagedVersion, materialized, store_updates
+from patchswarm.daemon.shadow import StagedVersion, store_updates
 from patchswarm.daemon.status import Phase, Status
-from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError
+from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError, TensorUpdate
 from patchswarm.daemon.weightstore import RegistrationError, check_registration
 from patchswarm.protocol.held import Held
+from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.sparse_apply import WordChange, commit
 
 log = logging.getLogger("patchswarm.daemon")
 FAULT_ENV = "PATCHSWARM_FAULT_AT"  # crash tests: SIGKILL at this point (daemon/rank_stores.py names them)
@@ -118,9 +120,31 @@ async def activate_ranks(host: RankHost, ranks: RankStores, held: Held, off_loop
 
     The plan is resolved and checked against the model before any store is created or written.
     """
-    # The rank roots (and whole loads) need the new canonical model: a staged version's changes laid
-    # into a copy of its base (the shadow itself takes them only once every rank holds the version).
-    model = (await off_loop(materialized, held)).model if isinstance(held, StagedVersion) else held.model
+    if not isinstance(held, StagedVersion):
+        return await _activate_ranks(host, ranks, held, held.model, None, off_loop)
+    # A patch decoded once (daemon/shadow.py): the rank digests and any whole load need the new
+    # canonical model, so its changes go into the daemon's canonical copy first (no second copy of
+    # the model; absolute values, so this is undone exactly if the activation fails).
+    changes = held.changes
+    updates = store_updates(host.shadow, held)  # (checks the version was decoded against this copy)
+    await off_loop(commit, held.model, changes)
+    try:
+        done = await _activate_ranks(host, ranks, held, held.model, updates, off_loop)
+    except BaseException:
+        await off_loop(commit, held.model, [WordChange(c.index, c.positions, c.old, c.new) for c in changes])
+        raise
+    held.changes = []  # (laid in already: settle has nothing left to write)
+    return done
+
+
+async def _activate_ranks(
+    host: RankHost,
+    ranks: RankStores,
+    held: Held,
+    model: ServedModel,
+    staged: list[TensorUpdate] | None,
+    off_loop: Any,
+) -> bool:
     if ranks.canonical != model.specs:
         plan = resolve_plan(host.cfg["store.plan"], len(ranks), model.specs, model.metadata, ranks.plan_file)
         await off_loop(ranks.prepare, plan, model.specs)
@@ -131,11 +155,11 @@ async def activate_ranks(host: RankHost, ranks: RankStores, held: Held, off_loop
         # from an anchor): never move the engine back; the shadow follows until it reaches them.
         await off_loop(lambda: ranks.apply(held.version, model, None, write=False))
         return False
-    updates = None
+    updates = staged
     if host.shadow is held:
         updates = []  # (a rank registered a new buffer: it is loaded, the others hold the version)
-    elif host.shadow is not None and host.shadow.model.specs == held.model.specs:
-        updates = await off_loop(store_updates, host.shadow, held)  # decoded once (daemon/shadow.py)
+    elif updates is None and host.shadow is not None and host.shadow.model.specs == model.specs:
+        updates = await off_loop(store_updates, host.shadow, held)  # (another model: an anchor)
     ranks.arm_faults(os.environ.get(FAULT_ENV))
     mode = host.cfg["sidecar.commit_mode"] if updates is not None else "quiesce"
     in_place = host.gate is not None and mode == "in_place"

@@ -7,6 +7,7 @@ kill -9 runs are tests/unit/daemon/test_rank_crash.py and tests/system/test_daem
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -18,10 +19,16 @@ import pytest
 import torch
 
 from patchswarm.daemon.journal import journal_path, read_journal, read_journals
+from patchswarm.daemon.metrics import DaemonMetrics
+from patchswarm.daemon.rank_rollout import activate_ranks
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, rank_store_names, read_plan_file, resolve_plan
+from patchswarm.daemon.shadow import StagedVersion, decode_once
+from patchswarm.daemon.status import Status
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
 from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.protocol.held import Held
 from patchswarm.protocol.layout_plan import rank_model
+from patchswarm.protocol.patchfile import build_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes
 from tests.support.rank_plans import SPECS, expected_rank, llama_rank, llama_state, split_plan, version_model
 from tests.support.store_worker import remove_segments, unique_name
@@ -376,3 +383,63 @@ def test_roots_kept_per_parameter_equal_roots_computed_from_scratch(name: str, t
             assert rs.roots[k] == scratch == store.root() == store.header().root, f"rank {k} v{v}"
         assert updates is None or any(u.positions is None for u in updates) == (v == 4)
     rs.close()
+
+
+class _Host:
+    """What ``activate_ranks`` uses of the rollout daemon (daemon/rank_rollout.py ``RankHost``)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.cfg = {"store.plan": "none", "sidecar.commit_mode": "quiesce"}
+        self.status = Status("node", "run")
+        self.metrics = DaemonMetrics()
+        self.gate = None
+        self.shadow: Held | None = None
+        self.journal_dir = tmp / "journal"
+        self.rank_devices: list[str | None] = []
+        self._activating = asyncio.Lock()
+        self._loading = None
+
+    async def _drain_sidecar(self, mode: str, version: int) -> None:
+        raise AssertionError("no sidecar here")
+
+    async def _load_registered(self) -> None:
+        raise AssertionError("no engine buffers here")
+
+    async def _engine_call(self, req: object) -> None:
+        raise AssertionError("no engine here")
+
+
+async def _inline(fn: Callable[..., object], *args: object) -> object:
+    return fn(*args)
+
+
+@pytest.mark.asyncio
+async def test_a_patch_decoded_once_reaches_every_rank_and_a_failed_activation_leaves_the_copy_as_it_was(
+    name: str, tmp_path: Path
+) -> None:
+    """The daemon's canonical copy takes a staged version's changes before the ranks are written (their
+    digests need the new model) and gives them back when the activation fails: no second copy."""
+    rs = make(name, 2, tmp_path)
+    rs.prepare(split_plan(SPECS, 2), SPECS)
+    host = _Host(tmp_path)
+    v1, v2 = version_model(SEED, 1), version_model(SEED, 2)
+    held = Held(1, v1.clone(), v1.digests())
+    assert await activate_ranks(host, rs, held, _inline)  # type: ignore[arg-type]
+    host.shadow = held
+    patch = build_version(v1, v2, run_id="r", version=2, base_version=1, now_ms=0)
+    staged = decode_once(held, patch.manifest, [bytes(patch.payload)])
+    assert isinstance(staged, StagedVersion) and staged.model is held.model
+
+    def refuse(*_: object, **__: object) -> None:
+        assert held.model.bitwise_equal(v2)  # (the changes are in the copy while the ranks are written)
+        raise StoreError("injected: the ranks refuse")
+
+    rs.apply = refuse  # type: ignore[method-assign]
+    with pytest.raises(StoreError, match="injected"):
+        await activate_ranks(host, rs, staged, _inline)  # type: ignore[arg-type]
+    assert held.model.bitwise_equal(v1) and staged.changes
+    assert_ranks_hold(rs, 2, 1)
+    del rs.apply  # (the class's own again)
+    assert await activate_ranks(host, rs, staged, _inline)  # type: ignore[arg-type]
+    assert_ranks_hold(rs, 2, 2)
+    assert held.model.bitwise_equal(v2) and staged.changes == []
