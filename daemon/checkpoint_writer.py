@@ -251,19 +251,19 @@ def _existing_checkpoint(target: Path) -> list[str] | None:
 
 
 def _check_replaceable(target: Path, names: list[str]) -> None:
-    """An existing DIR is replaced only when it is empty or a checkpoint: it holds model.safetensors or
-    the index, and nothing but .safetensors / .json files (a folder of someone's JSON files is not one)."""
-    if names and SINGLE_NAME not in names and INDEX_NAME not in names:
-        raise CheckpointError(
-            f"{target}: exists and holds no {SINGLE_NAME} or {INDEX_NAME}, so it is not a checkpoint; "
-            "refusing to replace the directory"
-        )
+    """An existing DIR is replaced only when it is empty or a checkpoint: nothing but .safetensors /
+    .json files, model.safetensors or the index among them (a folder of someone's JSON files is not one)."""
     for n in names:
         p = target / n
         if not n.endswith(_CHECKPOINT_SUFFIXES) or not (p.is_file() or p.is_symlink()):
             raise CheckpointError(
                 f"{target}: holds {n!r}, which is not a checkpoint file; refusing to replace the directory"
             )
+    if names and SINGLE_NAME not in names and INDEX_NAME not in names:
+        raise CheckpointError(
+            f"{target}: exists and holds no {SINGLE_NAME} or {INDEX_NAME}, so it is not a checkpoint; "
+            "refusing to replace the directory"
+        )
 
 
 _RENAME_EXCHANGE = 2

@@ -81,7 +81,7 @@ def load_json(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH, 
     try:
         text = data.decode("utf-8") if isinstance(data, bytes | bytearray) else data
     except UnicodeDecodeError as e:
-        raise UntrustedJSONError(f"not UTF-8 (byte {e.start})") from None
+        raise UntrustedJSONError(f"not JSON (not UTF-8 at byte {e.start})") from None
     try:
         if allow_nan:
             doc = json.loads(text, object_pairs_hook=_unique)

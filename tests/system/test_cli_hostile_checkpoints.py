@@ -26,7 +26,7 @@ S1, S2, IDX = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetens
 def cli(*args: str, cwd: Path, prefix: str = "") -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "patchswarm.daemon.cli", *args]
     if prefix:  # e.g. a resource limit for the CLI's own process
-        cmd = ["bash", "-c", f"{prefix}; exec \"$@\"", "cli", *cmd]
+        cmd = ["bash", "-c", f'{prefix}; exec "$@"', "cli", *cmd]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
@@ -55,12 +55,16 @@ def checkpoint(d: Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     return d
 
 
-def _replace_shard(make: Callable[[Path], None]) -> Callable[[Path], None]:
+def _replace(name: str, make: Callable[[Path], None]) -> Callable[[Path], None]:
     def go(d: Path) -> None:
-        (d / S1).unlink()
-        make(d / S1)
+        (d / name).unlink()
+        make(d / name)
 
     return go
+
+
+def _replace_shard(make: Callable[[Path], None]) -> Callable[[Path], None]:
+    return _replace(S1, make)
 
 
 def _edit_index(old: str, new: str) -> Callable[[Path], None]:
@@ -81,7 +85,7 @@ HOSTILE_DIRS: dict[str, tuple[Callable[[Path], None], str]] = {
         _replace_shard(lambda p: p.write_bytes((1 << 62).to_bytes(8, "little") + b"{}")),
         "not a readable safetensors",
     ),
-    "index-fifo": (lambda d: ((d / IDX).unlink(), os.mkfifo(d / IDX)) and None, "not a regular file"),
+    "index-fifo": (_replace(IDX, os.mkfifo), "not a regular file"),
     "index-nan": (_edit_index('"total_size": 1', '"total_size": NaN'), "NaN is not a JSON number"),
     "index-inf": (_edit_index('"total_size": 1', '"total_size": 1e999'), "beyond a float's range"),
     "index-huge-int": (_edit_index('"total_size": 1', '"total_size": 1' + "0" * 5000), "not JSON"),
@@ -97,7 +101,7 @@ HOSTILE_DIRS: dict[str, tuple[Callable[[Path], None], str]] = {
     "config-list": (lambda d: (d / "config.json").write_text("[1]"), "not a JSON object"),
     "config-huge": (lambda d: (d / "config.json").write_text('{"a":"' + "x" * (1 << 20) + '"}'), "allowed"),
     "config-deep": (lambda d: (d / "config.json").write_text('{"a":' + "[" * 9000 + "]" * 9000 + "}"), "nested"),
-    "config-fifo": (lambda d: ((d / "config.json").unlink(), os.mkfifo(d / "config.json")) and None, "a FIFO"),
+    "config-fifo": (_replace("config.json", os.mkfifo), "a FIFO"),
 }
 
 

@@ -50,7 +50,7 @@ BAD_NAMES = [
 @pytest.mark.parametrize("name", BAD_NAMES)
 def test_file_names_from_the_board_are_plain_json_names_or_refused(tmp_path: Path, name: str) -> None:
     out = tmp_path / "out"
-    with pytest.raises(CheckpointError, match="not a plain .json file name") as e:
+    with pytest.raises(CheckpointError, match=r"not a plain \.json file name") as e:
         write_checkpoint(model(files(**{"config.json": "{}", name: "{}"})), out)
     assert "\n" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == []  # nothing written, not even the temporary directory
@@ -131,7 +131,7 @@ SPECS = model({}).specs
     ids=["deep-files", "deep-config", "duplicate-model-type", "bad-name", "not-text"],
 )
 def test_store_plan_auto_refuses_hostile_board_config_in_one_line(metadata: dict[str, str]) -> None:
-    with pytest.raises(PlanRefused, match="store.plan: the board's config.json") as e:
+    with pytest.raises(PlanRefused, match=r"store\.plan: the board's config\.json") as e:
         resolve_plan("auto", 2, SPECS, metadata)
     assert "\n" not in str(e.value)
 

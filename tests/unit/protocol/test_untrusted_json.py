@@ -16,7 +16,9 @@ from patchswarm.protocol.layout_file import parse_plan_file
 from patchswarm.protocol.untrusted_json import MAX_DEPTH, UntrustedJSONError, load_json
 
 leaves = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text()
-documents = st.recursive(leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(), c, max_size=4), max_leaves=20)
+documents = st.recursive(
+    leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(), c, max_size=4), max_leaves=20
+)
 
 
 @given(documents)
