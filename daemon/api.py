@@ -116,16 +116,20 @@ def parse_rank(raw: Any, ranks: int) -> int:
         if ranks > 1:
             raise ValueError(f"rank is needed: this daemon feeds {ranks} rank stores (rank=0..{ranks - 1})")
         return 0
-    if isinstance(raw, str) and raw.isdigit() and len(raw) <= 6:
+    # ASCII digits only: str.isdigit() is also true of '٣' and '²' (int() takes the first, not the second)
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= 6:
         raw = int(raw)
-    if type(raw) is not int or not 0 <= raw < ranks:
+    if type(raw) is not int or not 0 <= raw < ranks:  # (not bool, float or a string left over)
         raise ValueError(f"rank must be a whole number from 0 to {ranks - 1}")
     return raw
 
 
 async def layout(request: web.Request) -> web.Response:
     try:
-        rank = parse_rank(request.query.get("rank"), request.app[RANKS_KEY])
+        ranks = request.query.getall("rank", [])
+        if len(ranks) > 1:  # ?rank=0&rank=1: which was meant is not ours to guess
+            raise ValueError("rank is given more than once")
+        rank = parse_rank(ranks[0] if ranks else None, request.app[RANKS_KEY])
     except ValueError as e:
         return _bad(str(e))
     info = request.app[RANK_LAYOUT_KEY](rank)

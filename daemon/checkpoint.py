@@ -5,10 +5,11 @@ A checkpoint is a directory with ``model.safetensors.index.json`` and its shards
 under the checkpoint's own names (``model.layers.0.self_attn.q_proj.weight``) plus the manifest metadata
 that lets a host write the checkpoint back (``checkpoint.files``, ``checkpoint.tied``; docs/models.md).
 
-Every part is hostile input: the index is bounded and parsed strictly (a tensor named twice is
-refused, not silently overwritten as ``json.loads`` would), shard names are plain file names in the
-directory (no ``/``, no ``..``, no hidden names), every shard the index names must exist, and every
-tensor must be where the index says and nowhere else.  Shards are read by the project's one bounded
+Every part is hostile input: the index is bounded and parsed strictly (protocol/untrusted_json.py: a
+tensor named twice is refused, not silently overwritten as ``json.loads`` would), shard names are
+plain file names in the directory (``plain_file_name``: no ``/``, no ``..``, no hidden names), every
+shard the index names must exist, and every tensor must be where the index says and nowhere else.
+Shards are read by the project's one bounded
 safetensors reader (protocol/safetensors_io.py).  The index format is the one transformers writes
 (https://github.com/huggingface/transformers/blob/main/src/transformers/modeling_utils.py,
 ``save_pretrained``): ``{"metadata": {"total_size": N}, "weight_map": {tensor: shard file}}``.
@@ -28,6 +29,7 @@ from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.files import InputFileError, MissingFileError, read_file
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import ServedModel, raw_bytes
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -87,21 +89,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 def parse_index(data: bytes, where: str = INDEX_NAME) -> dict[str, str]:
     """The weight map of an index file: tensor name -> shard file name, every entry checked."""
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise CheckpointError(f"{where}: {k!r} appears twice")
-            out[k] = v
-        return out
-
     try:
-        doc = json.loads(data.decode("utf-8"), object_pairs_hook=pairs)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"{where}: not JSON ({str(e).splitlines()[0][:200] if str(e) else e})") from None
+        doc = load_json(data, max_bytes=MAX_INDEX_BYTES)
+    except UntrustedJSONError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise CheckpointError(f"{where}: expected an object with a weight_map object")
     meta = doc.get("metadata", {})
@@ -117,7 +108,7 @@ def parse_index(data: bytes, where: str = INDEX_NAME) -> dict[str, str]:
         raise CheckpointError(f"{where}: {len(wm)} tensors, more than the {MAX_TENSORS} allowed")
     for name, shard in wm.items():
         check_tensor_name(name, where)
-        if not isinstance(shard, str) or not _plain_shard_name(shard):
+        if not isinstance(shard, str) or not plain_file_name(shard, ".safetensors"):
             raise CheckpointError(
                 f"{where}: tensor {name!r} is in {shard!r}, which is not a .safetensors file name in this directory"
             )
@@ -129,14 +120,20 @@ def check_tensor_name(name: str, where: str) -> None:
         raise CheckpointError(f"{where}: {name[:80]!r} is not a tensor name (printable, 1 to {MAX_NAME_BYTES} bytes)")
 
 
-def _plain_shard_name(name: str) -> bool:
-    """A file directly in the checkpoint directory: no separator, no ``..``, nothing hidden."""
+def plain_file_name(name: str, suffix: str) -> bool:
+    """The one check of a file name that comes from a checkpoint or a manifest (shards in an index,
+    ``checkpoint.files`` keys) before it is read or written: a file directly in the checkpoint
+    directory, ending in ``suffix``, with no separator, no ``..``, nothing hidden, no control or
+    invisible (format) characters, no surrogates, at most 255 bytes; never the index's own name
+    unless that is what is asked for."""
     return (
-        name.endswith(".safetensors")
+        len(name) > len(suffix)
+        and name.endswith(suffix)
         and not name.startswith(".")
         and "/" not in name
         and "\\" not in name
         and name.isprintable()
+        and (name != INDEX_NAME or suffix == INDEX_NAME)
         and len(name.encode("utf-8", "surrogatepass")) <= 255
     )
 
@@ -190,12 +187,11 @@ def _small_files(d: Path) -> dict[str, str]:
             raise CheckpointError(f"{e} (config files may hold {MAX_SMALL_FILES_BYTES >> 10} KiB together)") from None
         left -= len(raw)
         try:
-            text = raw.decode("utf-8")
-            if not isinstance(json.loads(text), dict):
-                raise ValueError("not an object")
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise CheckpointError(f"{d / name}: not a JSON object ({str(e).splitlines()[0][:200]})") from None
-        files[name] = text
+            if not isinstance(load_json(raw, max_bytes=MAX_SMALL_FILES_BYTES, allow_nan=True), dict):
+                raise UntrustedJSONError("not an object")
+        except UntrustedJSONError as e:
+            raise CheckpointError(f"{d / name}: not a JSON object ({e})") from None
+        files[name] = raw.decode("utf-8")
     return files
 
 
@@ -205,7 +201,12 @@ def tie_flag(config_text: str | None) -> bool:
     default differs per model class, and only what the file says is known."""
     if not config_text:
         return False
-    cfg = json.loads(config_text)
+    try:
+        cfg = load_json(config_text, max_bytes=MAX_SMALL_FILES_BYTES, allow_nan=True)
+    except UntrustedJSONError as e:
+        raise CheckpointError(f"config.json: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError("config.json: not a JSON object")
     for c in (cfg, cfg.get("text_config"), cfg.get("language_config")):
         if isinstance(c, dict) and isinstance(c.get("tie_word_embeddings"), bool):
             return bool(c["tie_word_embeddings"])

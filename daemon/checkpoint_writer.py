@@ -25,6 +25,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,13 +33,17 @@ from patchswarm.daemon.checkpoint import (
     FILES_KEY,
     FORMAT_KEY,
     INDEX_NAME,
+    MAX_SMALL_FILES_BYTES,
     QUANT_KEY,
     SINGLE_NAME,
     TIED_KEY,
     CheckpointError,
+    check_tensor_name,
+    plain_file_name,
 )
 from patchswarm.protocol.files import fsync_dir
 from patchswarm.protocol.served import ServedModel, TensorSpec
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size, "5GB"
 # The dtype config.json names for each served format (fp8: the unquantized tensors are bf16).
@@ -67,35 +72,59 @@ def shard_plan(specs: Iterable[TensorSpec], max_shard_bytes: int) -> list[list[T
     return shards
 
 
+# Bounds on what a manifest's checkpoint metadata may make a host write (docs/models.md): the files a
+# reader carries are <= 256 KiB together; JSON escaping can grow text up to 6x, hence the raw bounds.
+MAX_FILES = 16
+MAX_FILES_RAW = 6 * MAX_SMALL_FILES_BYTES
+MAX_QUANT_BYTES = 64 << 10
+MAX_TIED_RAW = 1 << 20
+MAX_TIED = 1024
+
+
+def _metadata_json(metadata: dict[str, str], key: str, max_bytes: int) -> Any:
+    """A manifest metadata value parsed strictly (protocol/untrusted_json.py); None when absent."""
+    raw = metadata.get(key)
+    if raw is None:
+        return None
+    try:
+        return load_json(raw, max_bytes=max_bytes)
+    except UntrustedJSONError as e:
+        raise CheckpointError(f"metadata {key}: {e}") from None
+
+
 def tied_aliases(metadata: dict[str, str]) -> dict[str, str]:
     """``checkpoint.tied`` as {alias: source}; CheckpointError when it is not a list of name pairs."""
-    raw = metadata.get(TIED_KEY)
-    if raw is None:
+    pairs = _metadata_json(metadata, TIED_KEY, MAX_TIED_RAW)
+    if pairs is None:
         return {}
-    try:
-        pairs = json.loads(raw)
-        if not isinstance(pairs, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs
-        ):
-            raise ValueError("expected a list of [alias, source] name pairs")
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"metadata {TIED_KEY}: {str(e).splitlines()[0][:200]}") from None
-    return {a: s for a, s in pairs}
+    if (
+        not isinstance(pairs, list)
+        or len(pairs) > MAX_TIED
+        or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs)
+    ):
+        raise CheckpointError(f"metadata {TIED_KEY}: expected a list of at most {MAX_TIED} [alias, source] name pairs")
+    for a, src in pairs:
+        check_tensor_name(a, f"metadata {TIED_KEY}")
+        check_tensor_name(src, f"metadata {TIED_KEY}")
+    return {a: src for a, src in pairs}
 
 
 def checkpoint_files(metadata: dict[str, str]) -> dict[str, str]:
     """The small files to write (config.json with the served dtype and quantization merged in)."""
-    raw = metadata.get(FILES_KEY)
+    doc = _metadata_json(metadata, FILES_KEY, MAX_FILES_RAW)
     files: dict[str, str] = {}
-    if raw is not None:
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError):
-            doc = None
+    if doc is not None:
         if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
             raise CheckpointError(f"metadata {FILES_KEY}: expected a JSON object of file name to text")
+        if len(doc) > MAX_FILES:
+            raise CheckpointError(f"metadata {FILES_KEY}: {len(doc)} files, more than the {MAX_FILES} allowed")
+        size = sum(len(v.encode("utf-8", "surrogatepass")) for v in doc.values())
+        if size > MAX_SMALL_FILES_BYTES:
+            raise CheckpointError(
+                f"metadata {FILES_KEY}: {size:,} bytes of files, more than the {MAX_SMALL_FILES_BYTES:,} allowed"
+            )
         for name, text in doc.items():
-            if not _plain_json_name(name):
+            if not plain_file_name(name, ".json"):
                 raise CheckpointError(f"metadata {FILES_KEY}: {name[:80]!r} is not a plain .json file name")
             files[name] = text
     if "config.json" in files:
@@ -103,23 +132,11 @@ def checkpoint_files(metadata: dict[str, str]) -> dict[str, str]:
     return files
 
 
-def _plain_json_name(name: str) -> bool:
-    return (
-        name.endswith(".json")
-        and name != INDEX_NAME
-        and not name.startswith(".")
-        and "/" not in name
-        and "\\" not in name
-        and name.isprintable()
-        and len(name.encode("utf-8", "surrogatepass")) <= 255
-    )
-
-
 def _served_config(text: str, metadata: dict[str, str]) -> str:
     try:
-        cfg = json.loads(text)
-    except (ValueError, RecursionError):
-        cfg = None
+        cfg = load_json(text, max_bytes=MAX_SMALL_FILES_BYTES, allow_nan=True)
+    except UntrustedJSONError as e:
+        raise CheckpointError(f"metadata {FILES_KEY}: config.json: {e}") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"metadata {FILES_KEY}: config.json is not a JSON object")
     dtype = CONFIG_DTYPE.get(metadata.get(FORMAT_KEY, ""))
@@ -127,15 +144,11 @@ def _served_config(text: str, metadata: dict[str, str]) -> str:
         cfg["dtype"] = dtype  # transformers >= 4.56 spelling; older ones read torch_dtype
         if "torch_dtype" in cfg:
             cfg["torch_dtype"] = dtype
-    quant = metadata.get(QUANT_KEY)
+    quant = _metadata_json(metadata, QUANT_KEY, MAX_QUANT_BYTES)
     if quant is not None:
-        try:
-            q = json.loads(quant)
-        except (ValueError, RecursionError):
-            q = None
-        if not isinstance(q, dict):
+        if not isinstance(quant, dict):
             raise CheckpointError(f"metadata {QUANT_KEY}: expected a JSON object")
-        cfg["quantization_config"] = q
+        cfg["quantization_config"] = quant
     return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
 
 
@@ -148,6 +161,13 @@ def write_checkpoint(
     target = Path(path)
     files = checkpoint_files(model.metadata)
     aliases = tied_aliases(model.metadata)
+    held = {s.name for s in model.specs}
+    for alias, source in sorted(aliases.items()):
+        # a tied alias is left out of the files: one the version holds would be lost, and one whose
+        # source it lacks could not be restored by a loader
+        if alias in held or source not in held:
+            why = "is in the version" if alias in held else f"its source {source!r} is not"
+            raise CheckpointError(f"metadata {TIED_KEY}: tied tensor {alias!r} {why}")
     data = {s.name: (s, d) for s, d in model if s.name not in aliases}
     plan = shard_plan([s for s, _ in data.values()], max_shard_bytes)
     names = (
@@ -177,8 +197,10 @@ def write_checkpoint(
             written.append(name)
         fsync_dir(tmp)
         _swap_into_place(tmp, target)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not e.filename:  # a write's ENOSPC / EFBIG names no file: say where
+            raise OSError(e.errno, e.strerror or str(e), str(target)) from None
         raise
     return WrittenCheckpoint(target, names, written)
 
@@ -229,12 +251,19 @@ def _existing_checkpoint(target: Path) -> list[str] | None:
 
 
 def _check_replaceable(target: Path, names: list[str]) -> None:
+    """An existing DIR is replaced only when it is empty or a checkpoint: nothing but .safetensors /
+    .json files, model.safetensors or the index among them (a folder of someone's JSON files is not one)."""
     for n in names:
         p = target / n
         if not n.endswith(_CHECKPOINT_SUFFIXES) or not (p.is_file() or p.is_symlink()):
             raise CheckpointError(
                 f"{target}: holds {n!r}, which is not a checkpoint file; refusing to replace the directory"
             )
+    if names and SINGLE_NAME not in names and INDEX_NAME not in names:
+        raise CheckpointError(
+            f"{target}: exists and holds no {SINGLE_NAME} or {INDEX_NAME}, so it is not a checkpoint; "
+            "refusing to replace the directory"
+        )
 
 
 _RENAME_EXCHANGE = 2

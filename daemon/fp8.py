@@ -32,6 +32,8 @@ import math
 
 import torch
 
+from patchswarm.protocol.errors import UnservableError
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ENGINE_BLOCK = 128  # the block size vLLM, SGLang and transformers' FineGrainedFP8 use
 
@@ -113,7 +115,7 @@ def amax(x: torch.Tensor, block: int | None, *, first_row: int = 0, rows: int | 
 def check_finite(name: str, a: torch.Tensor) -> None:
     """Refuse a tensor whose amax is inf or NaN (fp8 e4m3 has neither)."""
     if not bool(torch.isfinite(a).all()):
-        raise ValueError(f"{name} holds inf or NaN: fp8 e4m3 cannot serve it")
+        raise UnservableError(f"{name} holds inf or NaN: fp8 e4m3 cannot serve it")
 
 
 def expand(scale: torch.Tensor, shape: torch.Size | tuple[int, ...], block: int | None) -> torch.Tensor:

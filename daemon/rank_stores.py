@@ -20,7 +20,6 @@ for one rank (existing deployments keep their store), ``<store.name>.r<k>`` for 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from patchswarm.daemon import journal
+from patchswarm.daemon.checkpoint import FILES_KEY, MAX_SMALL_FILES_BYTES, CheckpointError
+from patchswarm.daemon.checkpoint_writer import checkpoint_files
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
 from patchswarm.daemon.store_format import (
     KIND_ENGINE_BUFFER,
@@ -52,6 +53,7 @@ from patchswarm.protocol.layout_file import MAX_FILE_BYTES, PlanFile, parse_plan
 from patchswarm.protocol.layout_plan import LayoutPlan, rank_model
 from patchswarm.protocol.layout_route import Router, SlotChange
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 log = logging.getLogger("patchswarm.store")
 
@@ -83,10 +85,14 @@ def resolve_plan(
             return plan_file.expand(canonical, ranks)
         except (PlanError, ValueError) as e:
             raise PlanRefused(f"store.plan: {setting}: {e}") from None
-    files = metadata.get("checkpoint.files")
-    try:
-        config = json.loads(json.loads(files)["config.json"]) if files else None
-    except (ValueError, KeyError, TypeError) as e:
+    try:  # the board's words: parsed strictly and bounded, as pull --to and export.dir parse them
+        files = checkpoint_files({k: v for k, v in metadata.items() if k == FILES_KEY})
+        config = (
+            load_json(files["config.json"], max_bytes=MAX_SMALL_FILES_BYTES, allow_nan=True)
+            if "config.json" in files
+            else None
+        )
+    except (CheckpointError, UntrustedJSONError) as e:
         raise PlanRefused(f"store.plan: the board's config.json (checkpoint.files) is unreadable: {e}") from None
     if not isinstance(config, dict):
         raise PlanRefused(

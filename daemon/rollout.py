@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from patchswarm.daemon import systemd
-from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
+from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, parse_rank, serve_unix
 from patchswarm.daemon.checkpoint_writer import export_version
 from patchswarm.daemon.config import ConfigError, DaemonConfig, bind_errors
 from patchswarm.daemon.engine import SHM_DIR, store_lock_path
@@ -632,7 +632,9 @@ class RolloutDaemon:
             return 409, {"error": "NotEngineStore", "message": msg}
         if self.ranks is not None:
             return await register_rank(self, self.ranks, body, peer)
-        if isinstance(body, dict) and body.get("rank") not in (None, 0):
+        try:  # the one rank check (daemon/api.py): `False in (None, 0)` and 0.0 == 0 let those through here
+            parse_rank(body.get("rank") if isinstance(body, dict) else None, 1)
+        except ValueError:
             return 400, {"error": "BadRequest", "message": "rank must be 0: this daemon feeds one store"}
         if self.store is None:
             msg = "the daemon holds no version yet, so the store has no layout: register once GET /v1/layout answers"

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from patchswarm.daemon import fp8
+from patchswarm.protocol.errors import UnservableError
 from patchswarm.protocol.served import ServedModel, TensorSpec
 
 FP8_MAX = fp8.FP8_MAX
@@ -100,7 +101,7 @@ class ServedFormat:
             self.converted = frozenset(state)
             clash = sorted(n for n in state if self.selects(n, state[n]) and fp8.scale_name(n, self.block) in state)
             if clash:
-                raise ValueError(f"{clash[0]!r} has a tensor named like its fp8 scale already in the state")
+                raise UnservableError(f"{clash[0]!r} has a tensor named like its fp8 scale already in the state")
         return out
 
     def reset(self) -> None:
@@ -177,7 +178,7 @@ class ServedFormat:
         meta = {"served.format": self.name}
         if self.is_fp8:
             if not any(s.dtype == "F8_E4M3" for s in specs):
-                raise ValueError(
+                raise UnservableError(
                     "served format fp8_e4m3 quantized no tensor: no floating matrix matches "
                     f"{list(self.quantize)} (give ServedFormat(..., quantize=...) patterns that name the weights)"
                 )
@@ -210,7 +211,7 @@ def check_fp16(name: str, t: torch.Tensor) -> None:
     if t.numel() == 0 or t.dtype == torch.float16:
         return
     a = t.abs().amax()
-    if bool(a > FP16_MAX):
+    if not bool(a <= FP16_MAX):  # (not <=: a NaN anywhere makes amax NaN, which must not pass unchecked)
         finite = t.abs()[torch.isfinite(t)]  # inf stays inf in fp16, NaN stays NaN: only finite ones overflow
         if finite.numel() and bool(finite.amax() > FP16_MAX):
-            raise ValueError(f"{name} holds values beyond fp16's range ({FP16_MAX:g}): serve it as bf16")
+            raise UnservableError(f"{name} holds values beyond fp16's range ({FP16_MAX:g}): serve it as bf16")

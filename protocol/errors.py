@@ -31,6 +31,12 @@ class UnsupportedDtypeError(FormatError):
     """A tensor dtype patchswarm does not handle."""
 
 
+class UnservableError(FormatError, ValueError):
+    """Weights the chosen served format cannot hold faithfully (inf/NaN under fp8, finite values past
+    fp16's range): the publisher's input, so one line for the user, never an internal error.  A
+    ValueError too, for the callers that caught it as one."""
+
+
 class LayoutMismatchError(PatchswarmError):
     """Two served versions do not have the same tensor names, dtypes and shapes."""
 

@@ -29,7 +29,6 @@ rule that matches a tensor applies.  KIND is one of:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 from patchswarm.protocol.errors import PlanError
 from patchswarm.protocol.layout_plan import MAX_DIMS, Box, LayoutPlan, PlanBuilder, full_box
 from patchswarm.protocol.served import TensorSpec
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 FORMAT = "patchswarm-layout-plan"
 VERSION = 1
@@ -100,10 +100,10 @@ def parse_plan_file(data: bytes | str) -> PlanFile:
     """Parse and validate a plan file's bytes (bounded; one line on any fault)."""
     if len(data) > MAX_FILE_BYTES:
         raise _fail(f"larger than {MAX_FILE_BYTES} bytes")
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise _fail(f"not JSON ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+    try:  # strict: a key given twice (two "rules") is refused, not resolved by whichever came last
+        doc = load_json(data, max_bytes=MAX_FILE_BYTES)
+    except UntrustedJSONError as e:
+        raise _fail(str(e)) from None
     if not isinstance(doc, dict):
         raise _fail("the document must be a JSON object")
     unknown = set(doc) - {"format", "version", "expert_parallel", "rules"}
