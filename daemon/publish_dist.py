@@ -57,7 +57,7 @@ from patchswarm.daemon.publish_work import (
     Served,
     Stages,
     cast_served,
-    prepare,
+    prepare_all,
     state_dict_of,
     work_pool,
 )
@@ -501,14 +501,7 @@ class DistPublisher:
         base = digests = None
         if mine.version == plan.base_version and mine.whole is not None and mine.whole.specs == served.specs:
             base, digests = mine.whole, mine.digests
-        prepared = prepare(base, digests, target, stages)
-        try:
-            deltas = list(prepared.deltas()) if prepared.has_deltas else None
-            final = prepared.digests()
-        except BaseException:
-            prepared.settle()
-            raise
-        stages.add("prepare", prepared.seconds)
+        deltas, final = prepare_all(base, digests, target, stages)
         fp8_weights = {x.name for x in served.specs if x.dtype == "F8_E4M3"}
         part = _Part(
             self.rank,

@@ -429,3 +429,19 @@ def prepare(
         bd = base_digests[i] if usable and base_digests is not None else None
         jobs.append(work_pool().submit(tensor_work, spec, data, cast, b, bd, level, stages))
     return Prepared(jobs, usable, start)
+
+
+def prepare_all(
+    base: ServedModel | None, base_digests: list[bytes] | None, target: Served, stages: Stages
+) -> tuple[list[TensorDelta] | None, list[bytes]]:
+    """``prepare`` run to the end: every tensor's delta (None without a base to diff against) and
+    digest; the worker threads are settled before an error leaves."""
+    prepared = prepare(base, base_digests, target, stages)
+    try:
+        deltas = list(prepared.deltas()) if prepared.has_deltas else None
+        digests = prepared.digests()
+    except BaseException:
+        prepared.settle()
+        raise
+    stages.add("prepare", prepared.seconds)
+    return deltas, digests

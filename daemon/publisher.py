@@ -62,6 +62,7 @@ from patchswarm.daemon.publish_work import (
     Stages,
     cast_served,
     prepare,
+    prepare_all,
     state_dict_of,
 )
 from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl, check_run_id
@@ -668,14 +669,7 @@ class ShardedPublish:
             r.format.basis = self.version
         served = target.model
         base, base_digests = self._base(r, served.specs)
-        prepared = prepare(base, base_digests, target, stages)
-        try:
-            deltas = list(prepared.deltas()) if prepared.has_deltas else None
-            digests = prepared.digests()
-        except BaseException:
-            prepared.settle()
-            raise
-        stages.add("prepare", prepared.seconds)
+        deltas, digests = prepare_all(base, base_digests, target, stages)
         return ShardPart(
             rank=rank,
             version=self.version,

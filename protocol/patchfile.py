@@ -235,6 +235,19 @@ def open_file(
     return Version(signed, manifest, payload)
 
 
+def check_base(manifest: Manifest, base: ServedModel, base_digests: list[bytes] | None) -> list[bytes]:
+    """The base's digests, after checking it is the patch's base (layout, then state root): before
+    anything of the payload is decoded."""
+    if base.specs != list(manifest.specs):
+        raise LayoutMismatchError("the base does not have the patch's tensor names, dtypes and shapes")
+    have = base_digests if base_digests is not None else base.digests()
+    root = state_root(list(manifest.specs), have)
+    assert manifest.base_root is not None
+    if root != manifest.base_root:
+        raise BaseMismatchError(f"base of version {manifest.version}", manifest.base_root, root)
+    return list(have)
+
+
 def apply_version(
     base: ServedModel | None,
     manifest: Manifest,
@@ -260,13 +273,7 @@ def apply_version(
     else:
         if base is None:
             raise FormatError(f"version {manifest.version} is a patch; it needs base version {manifest.base_version}")
-        if base.specs != specs:
-            raise LayoutMismatchError("the base does not have the patch's tensor names, dtypes and shapes")
-        have = base_digests if base_digests is not None else base.digests()
-        root = state_root(specs, have)
-        assert manifest.base_root is not None
-        if root != manifest.base_root:
-            raise BaseMismatchError(f"base of version {manifest.version}", manifest.base_root, root)
+        have = check_base(manifest, base, base_digests)
         model, digests, source = base, list(have), base
     for update in iter_updates(payload, specs, source, into=model):
         apply_update(model, update)

@@ -24,9 +24,10 @@ import torch
 
 from patchswarm.protocol.codec import _decode
 from patchswarm.protocol.diffscan import scan
-from patchswarm.protocol.errors import BaseMismatchError, FormatError, LayoutMismatchError, TargetMismatchError
+from patchswarm.protocol.errors import FormatError, TargetMismatchError
 from patchswarm.protocol.manifest import Kind, Manifest
 from patchswarm.protocol.patch_format import TensorUpdate
+from patchswarm.protocol.patchfile import check_base
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, state_root, word_view
 from patchswarm.protocol.value_coding import _ulp_update, _UlpSteps
 
@@ -70,14 +71,7 @@ def decode_changes(
     specs = list(manifest.specs)
     if manifest.kind != Kind.PATCH:
         raise FormatError(f"version {manifest.version} is an anchor: decode_changes needs a patch")
-    if base.specs != specs:
-        raise LayoutMismatchError("the base does not have the patch's tensor names, dtypes and shapes")
-    have = base_digests if base_digests is not None else base.digests()
-    root = state_root(specs, have)
-    assert manifest.base_root is not None
-    if root != manifest.base_root:
-        raise BaseMismatchError(f"base of version {manifest.version}", manifest.base_root, root)
-    digests = list(have)
+    digests = check_base(manifest, base, base_digests)
     changes: list[WordChange] = []
     for u in _decode(payload, specs, base):
         spec = specs[u.index]

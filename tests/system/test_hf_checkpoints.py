@@ -20,26 +20,12 @@ from patchswarm.daemon.checkpoint import read_checkpoint
 from patchswarm.protocol.keys import SigningKey
 from tests.support.boards import Keys
 from tests.support.daemonkit import make_daemon
+from tests.support.hf_models import tiny_llama, train_step
 from tests.support.swarmkit import RUN, Swarm
 
 transformers = pytest.importorskip("transformers")  # the dev extra
 
 SHARD_BYTES = 200_000  # the fp32 models are 430-560 KB: 3 shards or more
-
-
-def llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 def qwen3_moe() -> torch.nn.Module:
@@ -57,16 +43,6 @@ def qwen3_moe() -> torch.nn.Module:
     )
     torch.manual_seed(1)
     return transformers.AutoModelForCausalLM.from_config(cfg)
-
-
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, 512, (2, 16), generator=g)
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -99,7 +75,7 @@ def shards(path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [llama, qwen3_moe], ids=["llama-tied", "qwen3-moe"])
+@pytest.mark.parametrize("build", [tiny_llama, qwen3_moe], ids=["llama-tied", "qwen3-moe"])
 def test_checkpoints_publish_and_pull_bitwise_at_every_step(tmp_path: Path, build: object) -> None:
     assert callable(build)
     model = build()
@@ -155,7 +131,7 @@ async def wait_export(export: Path, version: int) -> None:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_daemon_exports_each_version_as_a_checkpoint_directory(tmp_path: Path) -> None:
-    model = llama()
+    model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sw = Swarm(tmp_path)
     assert sw.pub is not None

@@ -36,6 +36,7 @@ from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.served import raw_bytes
 from patchswarm.protocol.trust import Certificate
 from tests.support.daemonkit import Daemon, make_daemon
+from tests.support.hf_models import tiny_llama, train_step
 from tests.support.layout_models import expected_rank
 from tests.support.rank_swarm import rank_names
 from tests.support.store_worker import remove_segments
@@ -67,34 +68,10 @@ def qwen3_moe() -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,  # lm_head left out of the checkpoint; vLLM has no lm_head parameter then
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
-
-
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], list[str]]] = {
     "qwen3-moe-fp8": (qwen3_moe, ["--served-format", "fp8-e4m3", "--fp8-block", "128"]),
-    "llama-bf16": (llama, ["--served-format", "bf16"]),
+    "llama-bf16": (tiny_llama, ["--served-format", "bf16"]),
 }
-
-
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, 512, (2, 16), generator=g)
-    model.train()
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def cli(*args: str, cwd: Path) -> str:
