@@ -2,10 +2,11 @@
 
 A change to a canonical tensor (sparse: flat positions ascending with new and old words; dense: the
 whole tensor) becomes, for every rank holding a piece of it, a change to one runtime parameter at the
-positions of the same elements there.  Everything is vectorized torch on the changes' own device: per
-piece a few whole-tensor operations (a binary search where the piece is one flat run of the canonical
-tensor, a mask over the changed positions' coordinates otherwise), never a loop over elements.  A
-replicated piece (a norm, a kv head shared by several ranks) yields a change on every rank that holds it.
+positions of the same elements there.  Everything is vectorized torch on the changes' own device,
+never a loop over elements: the pieces that are flat runs of the canonical tensor (row splits) find
+their changes with one binary search per tensor; those split along an inner dim (column splits) are
+routed together in one pass per tensor (``_Grid``: cell by binary search, piece by table, one stable
+sort by piece), so the work per change does not grow with the number of ranks.  A replicated piece (a norm, a kv head shared by several ranks) yields a change on every rank that holds it.
 """
 
 from __future__ import annotations
