@@ -6,7 +6,8 @@ positions of the same elements there.  Everything is vectorized torch on the cha
 never a loop over elements: the pieces that are flat runs of the canonical tensor (row splits) find
 their changes with one binary search per tensor; those split along an inner dim (column splits) are
 routed together in one pass per tensor (``_Grid``: cell by binary search, piece by table, one stable
-sort by piece), so the work per change does not grow with the number of ranks.  A replicated piece (a norm, a kv head shared by several ranks) yields a change on every rank that holds it.
+sort by piece), so the work per change does not grow with the number of ranks.  A replicated
+piece (a norm, a kv head shared by several ranks) yields a change on every rank that holds it.
 """
 
 from __future__ import annotations
