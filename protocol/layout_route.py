@@ -12,6 +12,7 @@ piece (a norm, a kv head shared by several ranks) yields a change on every rank 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -374,11 +375,18 @@ def _merge(slot: int, parts: list[SlotChange]) -> SlotChange:
         return parts[0]
     if any(p.positions is None for p in parts):
         raise PlanError("layout route: a whole-parameter change meets another change of the same parameter")
-    parts.sort(key=lambda p: int(p.positions[0]) if p.positions is not None else 0)
+    # (each part ascending: the parts in order of their first and last positions need no sort when
+    # they do not interleave, the usual case: the pieces of a fused parameter lie one after another)
+    bounds = sorted(
+        (int(p.positions[0]), int(p.positions[-1]), i)
+        for i, p in enumerate(parts)
+        if p.positions is not None and p.positions.numel()
+    )
+    parts = [parts[i] for _, _, i in bounds] or parts[:1]
     pos = torch.cat([p.positions for p in parts if p.positions is not None])
     new = torch.cat([p.new for p in parts])
     old = torch.cat([p.old for p in parts])
-    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+    if any(a[1] >= b[0] for a, b in itertools.pairwise(bounds)):
         order = torch.argsort(pos)
         pos, new, old = pos[order], new[order], old[order]
     return SlotChange(slot, pos, new, old)
