@@ -25,6 +25,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,22 @@ def _kill_at(point: str) -> Callable[[str], None]:
 
 def _no_fault(point: str) -> None:
     pass
+
+
+def _hash(digester: RankDigests, model: ServedModel, jobs: list[tuple[int, int]]) -> list[bytes]:
+    """The digests of ``jobs`` (rank, slot): those hashed where they lie on a second thread, while
+    this one assembles and hashes the others (column splits).  TP=1 hashes its large parameters on
+    every core (served.bytes_digest); at TP=8 the parameters are small and were hashed on one."""
+    out: dict[tuple[int, int], bytes] = {}
+    here = [j for j in jobs if not digester.in_place(model, *j)]
+    there = [j for j in jobs if digester.in_place(model, *j)]
+    if not here or not there:
+        return [digester.digest(model, *j) for j in jobs]
+    with ThreadPoolExecutor(1, thread_name_prefix="rank-digest") as pool:
+        far = pool.submit(lambda: [digester.digest(model, *j) for j in there])
+        out.update(zip(here, (digester.digest(model, *j) for j in here), strict=True))
+        out.update(zip(there, far.result(), strict=True))
+    return [out[j] for j in jobs]
 
 
 class RankStores:
@@ -303,16 +320,18 @@ class RankStores:
         with torch_threads(1):
             if updates is not None:
                 routed = router.route([SlotChange(u.slot, u.positions, u.new, u.old) for u in updates])
+            jobs: list[tuple[int, int]] = []  # (rank, slot) to hash again
             for k in range(len(self)):
                 prev = self.digests[k]
                 if routed is not None and prev is not None:
-                    d = list(prev)
-                    for c in routed[k]:
-                        d[c.slot] = digester.digest(model, k, c.slot)
+                    digests.append(list(prev))
+                    jobs += [(k, c.slot) for c in routed[k]]
                 else:
-                    d = digester.rank_digests(model, k)
-                digests.append(d)
-                roots.append(digester.root(k, d))
+                    digests.append([b""] * len(digester.params[k]))
+                    jobs += [(k, i) for i in range(len(digester.params[k]))]
+            for (k, i), d in zip(jobs, _hash(digester, model, jobs), strict=True):
+                digests[k][i] = d
+            roots = [digester.root(k, d) for k, d in enumerate(digests)]
         incremental: list[int] = []
         loads: list[int] = []
         for k, s in enumerate(self.stores):

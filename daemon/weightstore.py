@@ -169,6 +169,9 @@ def diff_updates(old: ServedModel, new: ServedModel, dense_fraction: float = DEN
     return out
 
 
+FLAT_SLOT = -1  # a staged update of the whole store's words (WeightStore._flatten)
+
+
 def _no_fault(point: str) -> None:
     pass
 
@@ -503,12 +506,46 @@ class WeightStore:
                 p = u.positions
                 if p.dtype != torch.int64 or p.shape != u.new.shape:
                     raise ValueError(f"update for {spec.name}: positions must be int64, one per value")
-                if p.numel() and (int(p.min()) < 0 or int(p.max()) >= spec.numel):
-                    raise ValueError(f"update for {spec.name}: position out of range")
+                if p.numel():
+                    lo, hi = torch.aminmax(p)
+                    if int(lo) < 0 or int(hi) >= spec.numel:
+                        raise ValueError(f"update for {spec.name}: position out of range")
                 pos = p.to(device, non_blocking=True)
             out.append(TensorUpdate(u.slot, pos, u.new.to(device, non_blocking=True), u.old.to(device)))
+        out = self._flatten(out)
         _sync(device)
         return out
+
+    def _flatten(self, staged: list[TensorUpdate]) -> list[TensorUpdate]:
+        """The sparse updates as two updates of the whole store's words (``FLAT_SLOT``; positions
+        offset by each slot's start) when every slot has one word width: a rank store has hundreds
+        of parameters, and a scatter, gather and compare per parameter cost more than the values.
+        Two, so that the "mid_write" crash point falls between them."""
+        sparse = [u for u in staged if u.positions is not None]
+        data = self._require_data()
+        widths = {sl.spec.dt.width for sl in self.layout.slots}
+        if len(sparse) < 3 or len(widths) != 1 or data.data_ptr() % (w := widths.pop()):
+            return staged
+        if any(sl.offset % w for sl in self.layout.slots):
+            return staged
+        pos = torch.cat(
+            [u.positions + self.layout.slots[u.slot].offset // w for u in sparse if u.positions is not None]
+        )
+        new = torch.cat([u.new for u in sparse])
+        old = torch.cat([u.old for u in sparse])
+        half = pos.numel() // 2
+        flat = [
+            TensorUpdate(FLAT_SLOT, p, n, o)
+            for p, n, o in ((pos[:half], new[:half], old[:half]), (pos[half:], new[half:], old[half:]))
+        ]
+        return [u for u in staged if u.positions is None] + flat
+
+    def _words(self, slot: int) -> torch.Tensor:
+        """A slot's words, or (``FLAT_SLOT``) all of the store's words (one width: ``_flatten``)."""
+        if slot != FLAT_SLOT:
+            return self.slot_words(slot)
+        end = max(sl.offset + sl.nbytes for sl in self.layout.slots)
+        return self._require_data()[:end].view(self.layout.slots[0].spec.dt.word_dtype)
 
     def write_values(self, staged: list[TensorUpdate], *, new: bool = True) -> bool:
         """Scatter new (or old) values, then gather and compare them; True if all read back equal.
@@ -518,16 +555,16 @@ class WeightStore:
         data = self._require_data()
         bad = torch.zeros((), dtype=torch.int64, device=data.device)
         for k, u in enumerate(staged):
-            w = self.slot_words(u.slot)
+            w = self._words(u.slot)
             vals = u.new if new else u.old
             if u.positions is None:
                 w.copy_(vals)
             else:
                 w.index_copy_(0, u.positions, vals)
-            if k == len(staged) // 2:
+            if k == (len(staged) - 1) // 2:
                 self.fault("mid_write")
         for u in staged:
-            w = self.slot_words(u.slot)
+            w = self._words(u.slot)
             vals = u.new if new else u.old
             got = w if u.positions is None else torch.index_select(w, 0, u.positions)
             bad += torch.count_nonzero(got != vals)
@@ -587,5 +624,5 @@ class WeightStore:
         with contextlib.suppress(JournalError):
             journal.remove_journal(Path(journal_dir))
         changed = sum(u.count for u in staged)
-        written = sum(u.count * self.layout.slots[u.slot].spec.dt.width for u in staged)
+        written = sum(u.count * u.new.element_size() for u in staged)
         return ActivationStats(t2 - t1, t1 - t0, changed, written, jbytes)

@@ -80,11 +80,19 @@ class RankDigests:
             self.params.append(row)
         self._scratch: torch.Tensor | None = None
 
+    def in_place(self, model: ServedModel, rank: int, slot: int) -> bool:
+        """Whether ``digest`` hashes the parameter where its bytes lie (no scratch buffer: such calls
+        may run on several threads at once, BLAKE3 letting go of the GIL)."""
+        param = self.params[rank][slot]
+        return (
+            param.runs and param.spec.numel > 0 and all(model.data[p.source].device.type == "cpu" for p in param.parts)
+        )
+
     def digest(self, model: ServedModel, rank: int, slot: int) -> bytes:
         """BLAKE3 of rank ``rank``'s runtime parameter ``slot`` as ``model`` makes it (padding zero)."""
         param = self.params[rank][slot]
         spec = param.spec
-        if param.runs and spec.numel and all(model.data[p.source].device.type == "cpu" for p in param.parts):
+        if self.in_place(model, rank, slot):
             big = spec.nbytes > MULTI_THREAD_BYTES
             h = blake3.blake3(max_threads=blake3.blake3.AUTO) if big else blake3.blake3()
             width = spec.dt.width

@@ -2,14 +2,17 @@
 
 A change to a canonical tensor (sparse: flat positions ascending with new and old words; dense: the
 whole tensor) becomes, for every rank holding a piece of it, a change to one runtime parameter at the
-positions of the same elements there.  Everything is vectorized torch on the changes' own device: per
-piece a few whole-tensor operations (a binary search where the piece is one flat run of the canonical
-tensor, a mask over the changed positions' coordinates otherwise), never a loop over elements.  A
-replicated piece (a norm, a kv head shared by several ranks) yields a change on every rank that holds it.
+positions of the same elements there.  Everything is vectorized torch on the changes' own device,
+never a loop over elements: the pieces that are flat runs of the canonical tensor (row splits) find
+their changes with one binary search per tensor; those split along an inner dim (column splits) are
+routed together in one pass per tensor (``_Grid``: cell by binary search, piece by table, one stable
+sort by piece), so the work per change does not grow with the number of ranks.  A replicated
+piece (a norm, a kv head shared by several ranks) yields a change on every rank that holds it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -78,6 +81,11 @@ class Router:
         for routes in self.routes:
             bounds = [b for r in routes if _runs(r) for b in (r.src_flat, r.src_flat + math.prod(box_extents(r.src)))]
             self.cuts.append(torch.tensor(bounds, dtype=torch.int64) if bounds else None)
+        # per canonical tensor, its pieces that are not one run of it (column splits), routed together
+        self.grids = [
+            _Grid.compile(spec, [r for r in routes if not r.src_contiguous])
+            for spec, routes in zip(self.specs, self.routes, strict=True)
+        ]
         # pieces per (rank, slot): a parameter whose every piece changes densely is sent whole
         self.piece_count: dict[tuple[int, int], int] = defaultdict(int)
         for routes in self.routes:
@@ -127,6 +135,7 @@ class Router:
             seen.add(ch.slot)
             spec = self.specs[ch.slot]
             coords: list[torch.Tensor] = []  # the changes' coordinates, shared by this tensor's pieces
+            grid = self.grids[ch.slot]
             cuts = self.cuts[ch.slot]
             spans: list[int] = []
             if ch.positions is not None and cuts is not None:
@@ -136,11 +145,16 @@ class Router:
                 if ch.positions is None:
                     dense[(r.rank, r.slot)].append((spec, r, ch))
                     continue
+                if grid is not None and not r.src_contiguous:
+                    continue  # (routed below, all such pieces in one pass)
                 span = None
                 if _runs(r):
                     span, j = (spans[j], spans[j + 1]), j + 2
                 part = _sparse(spec, r, ch, coords, span)
                 if part is not None:
+                    parts[(r.rank, r.slot)].append(part)
+            if grid is not None and ch.positions is not None:
+                for r, part in grid.route(spec, ch, coords):
                     parts[(r.rank, r.slot)].append(part)
         for key, ds in dense.items():
             if len(ds) == self.piece_count[key] and key not in parts:
@@ -152,6 +166,113 @@ class Router:
         for (rank, slot), ps in sorted(parts.items()):
             out[rank].append(_merge(slot, ps))
         return out
+
+
+MAX_GRID_CELLS = 1 << 16  # more cells than this (a pathological plan): one mask per piece instead
+
+
+@dataclass(frozen=True, slots=True)
+class _Grid:
+    """A canonical tensor's pieces that are not one flat run of it (split along an inner dim), routed
+    in one pass: the pieces' box bounds cut every dim into intervals, so the tensor into cells; each
+    change finds its cell by one binary search per cut dim, its piece(s) by a table lookup, its
+    runtime position from the piece's offset and strides, and one stable sort by piece (positions stay
+    ascending within a piece) and one split hand each piece its changes.  The cost per change is the
+    same whatever the number of pieces; a mask per piece made it grow with the ranks."""
+
+    routes: tuple[_Route, ...]
+    cuts: tuple[tuple[int, torch.Tensor, int], ...]  # (dim, inner bounds, cell radix) of the dims cut
+    table: torch.Tensor  # [cells, cover]: the pieces covering each cell, -1 past the last
+    complete: bool  # every cell is covered by exactly one piece
+    offset: torch.Tensor  # per piece: dst_base - sum(src start * runtime stride)
+    strides: torch.Tensor  # [pieces, dims]: runtime stride of each source coordinate
+    uniform: tuple[int, ...] | None  # the strides when every piece has the same
+
+    @staticmethod
+    def compile(spec: TensorSpec, routes: list[_Route]) -> _Grid | None:
+        if not routes:
+            return None
+        bounds = [sorted({0, n} | {x for r in routes for x in r.src[d]}) for d, n in enumerate(spec.shape)]
+        cells = math.prod(len(b) - 1 for b in bounds)
+        if cells > MAX_GRID_CELLS:
+            return None
+        radix = strides_of(tuple(len(b) - 1 for b in bounds))
+        cover: list[list[int]] = [[] for _ in range(cells)]
+        for i, r in enumerate(routes):
+            ranges = [range(b.index(a), b.index(e)) for b, (a, e) in zip(bounds, r.src, strict=True)]
+            for cell in _product(ranges, radix):
+                cover[cell].append(i)
+        width = max(len(c) for c in cover)
+        table = torch.full((cells, width), -1, dtype=torch.int64)
+        for cell, c in enumerate(cover):
+            table[cell, : len(c)] = torch.tensor(c, dtype=torch.int64)
+        cuts = tuple(
+            (d, torch.tensor(b[1:-1], dtype=torch.int64), radix[d]) for d, b in enumerate(bounds) if len(b) > 2
+        )
+        offsets = [
+            r.dst_base - sum(a * s for (a, _), s in zip(r.src, r.dst_stride_of_src_dim, strict=True)) for r in routes
+        ]
+        strides = {r.dst_stride_of_src_dim for r in routes}
+        return _Grid(
+            routes=tuple(routes),
+            cuts=cuts,
+            table=table,
+            complete=all(len(c) == 1 for c in cover),
+            offset=torch.tensor(offsets, dtype=torch.int64),
+            strides=torch.tensor([r.dst_stride_of_src_dim for r in routes], dtype=torch.int64),
+            uniform=next(iter(strides)) if len(strides) == 1 else None,
+        )
+
+    def route(self, spec: TensorSpec, ch: SlotChange, coords: list[torch.Tensor]) -> list[tuple[_Route, SlotChange]]:
+        assert ch.positions is not None
+        pos = ch.positions if ch.positions.dtype == torch.int64 else ch.positions.long()
+        device = pos.device
+        if not coords:
+            coords.extend(_coords(pos, spec.shape))
+        cell = torch.zeros_like(pos)
+        for d, inner, radix in self.cuts:
+            cell += torch.searchsorted(inner.to(device), coords[d], right=True) * radix
+        table = self.table.to(device)
+        idx: torch.Tensor | None = None  # which changes (None: all, in order) ...
+        if self.complete:
+            piece = table[cell, 0]
+        else:  # ... each once per piece covering its cell
+            sel, pcs = [], []
+            for layer in range(table.shape[1]):
+                p = table[cell, layer]
+                keep = (p >= 0).nonzero().squeeze(1)
+                sel.append(keep)
+                pcs.append(p[keep])
+            idx, piece = torch.cat(sel), torch.cat(pcs)
+            coords = [c[idx] for c in coords]
+        dst = self.offset.to(device)[piece]
+        if self.uniform is not None:
+            for c, s in zip(coords, self.uniform, strict=True):
+                if s:
+                    dst += c * s
+        else:
+            strides = self.strides.to(device)[piece]
+            for d, c in enumerate(coords):
+                dst += c * strides[:, d]
+        order = torch.sort(piece, stable=True).indices
+        counts = torch.bincount(piece, minlength=len(self.routes)).tolist()
+        take = order if idx is None else idx[order]
+        out: list[tuple[_Route, SlotChange]] = []
+        at = 0
+        dst, new, old = dst[order], ch.new[take], ch.old[take]
+        for r, n in zip(self.routes, counts, strict=True):
+            if n:
+                out.append((r, SlotChange(r.slot, dst[at : at + n], new[at : at + n], old[at : at + n])))
+            at += n
+        return out
+
+
+def _product(ranges: list[range], radix: tuple[int, ...]) -> list[int]:
+    """The cell numbers of a box of cells (one range of interval indices per dim)."""
+    cells = [0]
+    for rng, step in zip(ranges, radix, strict=True):
+        cells = [c + i * step for c in cells for i in rng]
+    return cells
 
 
 def route_changes(
@@ -254,11 +375,18 @@ def _merge(slot: int, parts: list[SlotChange]) -> SlotChange:
         return parts[0]
     if any(p.positions is None for p in parts):
         raise PlanError("layout route: a whole-parameter change meets another change of the same parameter")
-    parts.sort(key=lambda p: int(p.positions[0]) if p.positions is not None else 0)
+    # (each part ascending: the parts in order of their first and last positions need no sort when
+    # they do not interleave, the usual case: the pieces of a fused parameter lie one after another)
+    bounds = sorted(
+        (int(p.positions[0]), int(p.positions[-1]), i)
+        for i, p in enumerate(parts)
+        if p.positions is not None and p.positions.numel()
+    )
+    parts = [parts[i] for _, _, i in bounds] or parts[:1]
     pos = torch.cat([p.positions for p in parts if p.positions is not None])
     new = torch.cat([p.new for p in parts])
     old = torch.cat([p.old for p in parts])
-    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+    if any(a[1] >= b[0] for a, b in itertools.pairwise(bounds)):
         order = torch.argsort(pos)
         pos, new, old = pos[order], new[order], old[order]
     return SlotChange(slot, pos, new, old)
