@@ -42,6 +42,7 @@ import torch.distributed as dist
 import zstandard
 
 from patchswarm.daemon import fp8
+from patchswarm.daemon.dist_join import Joined, Joiner, Part, Plan, SlicePart
 from patchswarm.daemon.dtensor_slices import (
     RowSlice,
     amax_part,
@@ -53,68 +54,23 @@ from patchswarm.daemon.dtensor_slices import (
 )
 from patchswarm.daemon.publish_work import (
     Buffers,
-    Prepared,
     Served,
     Stages,
     cast_served,
     prepare_all,
     state_dict_of,
-    work_pool,
 )
 from patchswarm.daemon.publisher import Publisher, PublishInfo
 from patchswarm.daemon.served_format import ServedFormat, scales_of
-from patchswarm.protocol.codec import TensorDelta, diff_tensor
-from patchswarm.protocol.diffscan import Changes, scan
+from patchswarm.protocol.diffscan import scan
 from patchswarm.protocol.dtypes import from_torch
-from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, raw_bytes, word_view
+from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes, word_view
 
 _ZSTD = zstandard.ZstdCompressor(level=1)
 
 
 class DistPublishError(RuntimeError):
     """A collective publish failed on some rank (or on the publishing rank's commit): nothing was written."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    version: int
-    base_version: int | None
-    anchor: bool
-    full_base: bool  # the publishing rank holds the sliced tensors of base_version: slices may send changes
-
-
-@dataclass(slots=True)
-class _SlicePart:
-    """One rank's rows of a tensor sharded on dim 0: the changes since its slice of the base, or its bytes."""
-
-    spec: TensorSpec  # the canonical (whole) tensor, served dtype
-    start: int  # first element of the slice in the canonical tensor
-    numel: int
-    gaps: torch.Tensor | None = None  # changed elements: gaps between positions from start (zstd likes them)
-    new: torch.Tensor | None = None  # their new words
-    data: torch.Tensor | None = None  # the slice's served bytes, when there are no changes to send
-
-    def positions(self) -> torch.Tensor:
-        """Changed elements, relative to ``start`` (int64)."""
-        if self.gaps is None:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.cumsum(self.gaps.to(torch.int64), 0)
-
-
-@dataclass(slots=True)
-class _Part:
-    """What one rank hands the publishing rank: small, whatever the size of its tensors."""
-
-    rank: int
-    error: str | None = None
-    specs: list[TensorSpec] = field(default_factory=list)  # whole tensors, sorted by name
-    digests: list[bytes] = field(default_factory=list)
-    deltas: list[TensorDelta] | None = None  # against the base version; None: no base
-    data: list[torch.Tensor] | None = None  # served bytes of the whole tensors (anchors only)
-    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # fp8 scales' bytes, every version (tiny)
-    refreshed: int = 0
-    slices: list[_SlicePart] = field(default_factory=list)
-    stages: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -165,10 +121,8 @@ class DistPublisher:
         self._fmt: ServedFormat = said[self.publisher_rank]
         self._buffers = Buffers()
         self._mine = _Mine()
-        # Publishing rank only: the served bytes of every sliced tensor of _full_version.
-        self._full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]] = {}
-        self._full_version: int | None = None
-        self._spare = Buffers()
+        # Publishing rank only: the served bytes of every sliced tensor of the last version written.
+        self._joiner = Joiner(publisher) if publisher is not None else None
         self._requested = False
         self.last_gathered_bytes = 0  # bytes the publishing rank received for the last version
         self.last_sent_bytes = 0  # bytes this rank sent for the last version (its parts, pickled)
@@ -185,7 +139,7 @@ class DistPublisher:
         dist.broadcast_object_list(box, src=self._src, group=self.group)
         return box[0]
 
-    def _gather(self, part: _Part | None, data: list[torch.Tensor] | None) -> list[_Part | list[torch.Tensor]] | None:
+    def _gather(self, part: Part | None, data: list[torch.Tensor] | None) -> list[Part | list[torch.Tensor]] | None:
         """A part (zstd-compressed: stream pieces are uncompressed, about 12 bytes per changed element)
         or served bytes (raw: compressing them would cost more time than the wire saves), gathered on
         the publishing rank (None elsewhere)."""
@@ -242,11 +196,12 @@ class DistPublisher:
             return self._run(plan, self._described(said, mine), whole, slices, error, start)
         except BaseException:
             self._fmt.basis = None  # scales half updated: the next version follows them from the chain
-            if self._pub is not None and self._full_version != plan.version:  # not written: give the number back
-                with self._pub._counter_lock:
-                    if self._pub._version == plan.version:
-                        self._pub._version -= 1
-                self._pub._anchor_requested |= self._requested
+            pub, joiner = self._pub, self._joiner
+            if pub is not None and joiner is not None and joiner.full_version != plan.version:
+                with pub._counter_lock:  # not written: give the number back
+                    if pub._version == plan.version:
+                        pub._version -= 1
+                pub._anchor_requested |= self._requested
             raise
 
     def _described(
@@ -264,7 +219,7 @@ class DistPublisher:
                 out.setdefault(name, (tuple(shape), dtype))
         return out
 
-    def _plan(self, said: list[tuple[bool, bytes, str | None]]) -> _Plan | str:
+    def _plan(self, said: list[tuple[bool, bytes, str | None]]) -> Plan | str:
         """Publishing rank: the version every rank works on, or why none is published."""
         errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(said) if e is not None]
         if errors:
@@ -282,11 +237,13 @@ class DistPublisher:
             wanted = pub._wants_anchor(version, any(a for a, _, _ in said))
         except Exception as e:
             return f"version not published: rank {self.rank}: {_text(e)}"
-        return _Plan(version, base, wanted, base is not None and self._full_version == base)
+        return Plan(
+            version, base, wanted, base is not None and self._joiner is not None and self._joiner.full_version == base
+        )
 
     def _run(
         self,
-        plan: _Plan,
+        plan: Plan,
         described: dict[str, tuple[tuple[int, ...], str]],
         whole: dict[str, torch.Tensor],
         slices: list[RowSlice],
@@ -299,7 +256,7 @@ class DistPublisher:
         names = frozenset(whole) | frozenset(described)
         if self._fmt.is_fp8:
             amax, error = self._follow(plan, names, quantized, described, slices)
-        part = _Part(self.rank)
+        part = Part(self.rank)
         target: Served | None = None
         mine: _Mine | None = None
         if error is None:
@@ -308,7 +265,7 @@ class DistPublisher:
             except Exception as e:
                 error = e
         if error is not None:
-            part = _Part(self.rank, error=_text(error))
+            part = Part(self.rank, error=_text(error))
         data, part.data = part.data, None
         t = time.perf_counter()
         gathered = self._gather(part, None)
@@ -316,20 +273,21 @@ class DistPublisher:
             sent = self._gather(None, data or [])
             if gathered is not None and sent is not None:
                 for p, d in zip(gathered, sent, strict=True):
-                    assert isinstance(p, _Part) and isinstance(d, list)
+                    assert isinstance(p, Part) and isinstance(d, list)
                     p.data = d
         outcome: Any = None
-        joined: _Joined | None = None
-        parts: list[_Part] = []
+        joined: Joined | None = None
+        parts: list[Part] = []
         if gathered is not None:  # the publishing rank
-            parts = [p for p in gathered if isinstance(p, _Part)]
+            parts = [p for p in gathered if isinstance(p, Part)]
             stages.add("gather", time.perf_counter() - t)
             bad = [f"rank {p.rank}: {p.error}" for p in parts if p.error is not None]
             outcome = _failed(plan, bad) if bad else None
             if outcome is None:
                 try:
                     with stages.time("join"):
-                        joined = self._join(plan, parts)
+                        assert self._joiner is not None
+                        joined = self._joiner.join(plan, parts)
                     outcome = "bytes" if joined.missing else None
                 except Exception as e:
                     outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
@@ -345,7 +303,8 @@ class DistPublisher:
                     outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
         if outcome is None and joined is not None:
             try:
-                outcome = self._commit(plan, joined, parts, start, stages)
+                assert self._joiner is not None
+                outcome = self._joiner.commit(plan, joined, parts, start, stages)
             except Exception as e:
                 outcome = _failed(plan, [f"rank {self.rank}: {_text(e)}"])
         outcome = self._broadcast(outcome)
@@ -365,7 +324,7 @@ class DistPublisher:
 
     def _follow(
         self,
-        plan: _Plan,
+        plan: Plan,
         names: frozenset[str],
         quantized: Mapping[str, tuple[str, torch.dtype]],
         described: Mapping[str, tuple[tuple[int, ...], str]],
@@ -432,17 +391,17 @@ class DistPublisher:
 
     def _make_part(
         self,
-        plan: _Plan,
+        plan: Plan,
         whole: dict[str, torch.Tensor],
         slices: list[RowSlice],
         quantized: Mapping[str, tuple[str, torch.dtype]],
         amax: Mapping[str, torch.Tensor],
         stages: Stages,
-    ) -> tuple[_Part, Served, _Mine]:
+    ) -> tuple[Part, Served, _Mine]:
         mine = self._mine
         extras: dict[str, torch.Tensor] = {}  # served already: fp8 scales of sliced tensors
         refreshed = 0
-        out_slices: list[_SlicePart] = []
+        out_slices: list[SlicePart] = []
         new_slices: dict[str, tuple[int, TensorSpec, torch.Tensor]] = {}
         with stages.time("cast"):
             # Every rank decides every sliced tensor's scale, from the same amax: they stay the same.
@@ -469,7 +428,7 @@ class DistPublisher:
                 data = data.clone()  # already in the served dtype: the copy is taken, as publish() does
             local_spec = TensorSpec(name, spec.dtype, (numel,))
             new_slices[name] = (start, local_spec, data)
-            sp = _SlicePart(spec, start, numel)
+            sp = SlicePart(spec, start, numel)
             prev = mine.slices.get(name)
             if (
                 plan.full_base
@@ -503,7 +462,7 @@ class DistPublisher:
             base, digests = mine.whole, mine.digests
         deltas, final = prepare_all(base, digests, target, stages)
         fp8_weights = {x.name for x in served.specs if x.dtype == "F8_E4M3"}
-        part = _Part(
+        part = Part(
             self.rank,
             specs=served.specs,
             digests=final,
@@ -520,193 +479,8 @@ class DistPublisher:
         )
         return part, target, _Mine(plan.version, served, final, new_slices, target.owned)
 
-    # ------------------------------------------------------------ the publishing rank: one version
 
-    def _join(self, plan: _Plan, parts: list[_Part]) -> _Joined:
-        """Merge the ranks' parts: whole tensors as they came, sliced tensors rebuilt from the previous
-        version's bytes and the changes (hashed and diffed here, where the whole tensor is)."""
-        pub = self._pub
-        assert pub is not None
-        owner: dict[str, int] = {}
-        entries: dict[str, tuple[TensorSpec, bytes, TensorDelta | None, torch.Tensor | None]] = {}
-        for p in parts:
-            if len(p.digests) != len(p.specs) or (p.deltas is not None and len(p.deltas) != len(p.specs)):
-                raise ValueError(f"rank {p.rank}'s part is malformed")
-            for i, s in enumerate(p.specs):
-                if s.name in owner:
-                    raise ValueError(f"tensor {s.name!r} is in the parts of ranks {owner[s.name]} and {p.rank}")
-                owner[s.name] = p.rank
-                delta = p.deltas[i] if p.deltas is not None else None
-                entries[s.name] = (s, p.digests[i], delta, p.data[i] if p.data is not None else p.scales.get(s.name))
-        rows: dict[str, list[tuple[int, _SlicePart]]] = {}
-        for p in parts:
-            for sp in p.slices:
-                if sp.spec.name in owner:
-                    raise ValueError(
-                        f"tensor {sp.spec.name!r} is whole on rank {owner[sp.spec.name]} and sliced on rank {p.rank}"
-                    )
-                rows.setdefault(sp.spec.name, []).append((p.rank, sp))
-        jobs = {name: work_pool().submit(self._join_tensor, plan, name, got) for name, got in rows.items()}
-        full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]] = {}
-        for name, job in jobs.items():
-            spec, data, delta, digest = job.result()
-            entries[name] = (spec, digest, delta, data)
-            full[name] = (spec, data, digest)
-        names = sorted(entries)
-        specs = [entries[n][0] for n in names]
-        sent = [entries[n][3] for n in names]
-        # Whole tensors a rank could not diff (it did not make the base: a resumed run, tensors that
-        # moved) are diffed here against the chain's bytes; their bytes travel for it, once.
-        pending: dict[int, torch.Tensor] = {}
-        deltas: list[TensorDelta | None] | None = []
-        for i, n in enumerate(names):
-            d = entries[n][2]
-            if d is None and deltas is not None:
-                old = self._from_chain(plan, specs[i])
-                if old is None:
-                    deltas = None
-                elif (arrived := sent[i]) is not None:
-                    d = diff_tensor(specs[i], old[1], arrived)
-                else:
-                    pending[i] = old[1]
-            if deltas is not None:
-                deltas.append(d)
-        if deltas is None:
-            pending.clear()
-        refreshed = sum(p.refreshed for p in parts)
-        patchable = deltas is not None and pub._prev is not None and pub._prev.specs == specs
-        anchor = plan.anchor or refreshed * 2 > len(specs) or not patchable
-        missing = bool(pending) or (anchor and any(d is None for d in sent))
-        placeholder = [
-            d if d is not None else torch.empty(s.nbytes, dtype=torch.uint8, device="meta")
-            for s, d in zip(specs, sent, strict=True)
-        ]
-        digests = [entries[n][1] for n in names]
-        return _Joined(specs, placeholder, digests, deltas, anchor, refreshed, missing, full, pending)
-
-    def _join_tensor(
-        self, plan: _Plan, name: str, got: list[tuple[int, _SlicePart]]
-    ) -> tuple[TensorSpec, torch.Tensor, TensorDelta | None, bytes]:
-        specs = {sp.spec for _, sp in got}
-        if len(specs) != 1:
-            raise ValueError(f"tensor {name!r}: ranks disagree on its shape or dtype: {sorted(map(str, specs))}")
-        (spec,) = specs
-        got = sorted(got, key=lambda rs: rs[1].start)
-        at = 0
-        for rank, sp in got:
-            if sp.start != at or sp.numel < 0:
-                raise ValueError(f"tensor {name!r}: rank {rank}'s rows start at element {sp.start}, expected {at}")
-            at += sp.numel
-        if at != spec.numel:
-            raise ValueError(f"tensor {name!r}: the ranks' rows cover {at} of its {spec.numel} elements")
-        old = self._full.get(name) if plan.full_base else None
-        if old is None:  # a resumed run: the publisher rebuilt the previous version from the board
-            old = self._from_chain(plan, spec)
-        base = old[1] if old is not None and old[0] == spec else None
-        w = spec.dt.width
-        if all(sp.data is None for _, sp in got):  # changes only: the common case
-            if base is None:
-                raise RuntimeError(f"tensor {name!r}: ranks sent changes, but there is no base to apply them to")
-            assert old is not None
-            pos = torch.cat([sp.positions() + sp.start for _, sp in got])
-            new = torch.cat([sp.new for _, sp in got if sp.new is not None])
-            if pos.numel() == 0:
-                same = diff_tensor(spec, base, base, changes=Changes(pos, new, new))  # SAME, without a scan
-                return spec, base, same, old[2]
-            data = self._spare.take(name, torch.uint8, base.shape, base.device)
-            data.copy_(base)
-            word_view(data, spec)[pos] = new
-            delta = diff_tensor(spec, base, data, changes=Changes(pos, word_view(base, spec)[pos], new))
-            return spec, data, delta, bytes_digest(data)
-        data = torch.empty(spec.nbytes, dtype=torch.uint8)
-        for rank, sp in got:
-            region = data[sp.start * w : (sp.start + sp.numel) * w]
-            if sp.data is not None:
-                region.copy_(sp.data)
-                continue
-            if base is None or sp.gaps is None or sp.new is None:
-                raise RuntimeError(f"tensor {name!r}: rank {rank} sent changes, but there is no base to apply them to")
-            region.copy_(base[sp.start * w : (sp.start + sp.numel) * w])
-            word_view(data, spec)[sp.positions() + sp.start] = sp.new
-        return spec, data, diff_tensor(spec, base, data) if base is not None else None, bytes_digest(data)
-
-    def _from_chain(self, plan: _Plan, spec: TensorSpec) -> tuple[TensorSpec, torch.Tensor, bytes] | None:
-        """``spec``'s tensor of the publisher's previous version, when it holds its bytes (not a placeholder)."""
-        pub = self._pub
-        assert pub is not None
-        prev, digests = pub._prev, pub._prev_digests
-        if prev is None or digests is None or pub._prev_version != plan.base_version or plan.base_version is None:
-            return None
-        i = next((i for i, s in enumerate(prev.specs) if s.name == spec.name), None)
-        if i is None or prev.specs[i] != spec or prev.data[i].device.type == "meta":
-            return None
-        return spec, prev.data[i], digests[i]
-
-    def _commit(self, plan: _Plan, joined: _Joined, parts: list[_Part], start: float, mine: Stages) -> PublishInfo:
-        pub = self._pub
-        assert pub is not None
-        stages = Stages()
-        for k in ("gather", "join"):  # the publishing rank's own: waiting for the parts, rebuilding sliced tensors
-            stages.add(k, mine.seconds.get(k, 0.0))
-        for p in parts:
-            for k, v in p.stages.items():
-                stages.add(k, v)
-        served = ServedModel(joined.specs, joined.data)
-        prepared = Prepared.ready(joined.final_deltas(), joined.digests)
-        with pub._lock:
-            if pub._prev_version != plan.base_version:
-                raise RuntimeError(f"the chain moved to version {pub._prev_version} since version {plan.version} began")
-            # owned=False: the whole tensors' bytes are copies that arrived, or placeholders
-            info = pub._commit(
-                plan.version, served, False, prepared, joined.anchor, start, stages, refreshed=joined.refreshed
-            )
-        kept = {id(new[1]) for new in joined.full.values()}  # unchanged tensors carry on as they are
-        replaced = [self._full[n] for n in sorted(self._full) if id(self._full[n][1]) not in kept]
-        if replaced:  # the bytes of the version before, no longer read: the next version's copies go there
-            self._spare.give(ServedModel([old[0] for old in replaced], [old[1] for old in replaced]))
-        self._full, self._full_version = joined.full, plan.version
-        return info
-
-
-@dataclass(slots=True)
-class _Joined:
-    """One version put together on the publishing rank, not yet written."""
-
-    specs: list[TensorSpec]
-    data: list[torch.Tensor]  # meta placeholders for whole tensors whose bytes did not travel
-    digests: list[bytes]
-    deltas: list[TensorDelta | None] | None  # None entries: pending, made once the bytes arrived
-    anchor: bool
-    refreshed: int
-    missing: bool  # bytes the ranks did not send are needed (an anchor, pending deltas)
-    full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]]
-    pending: dict[int, torch.Tensor]  # index -> the chain's bytes to diff that tensor against
-
-    def final_deltas(self) -> list[TensorDelta] | None:
-        if self.deltas is None:
-            return None
-        out = [d for d in self.deltas if d is not None]
-        if len(out) != len(self.deltas):
-            raise RuntimeError("deltas are still pending: the ranks' bytes did not arrive")
-        return out
-
-    def fill(self, parts: list[_Part], sent: list[list[torch.Tensor]]) -> None:
-        at = {s.name: i for i, s in enumerate(self.specs)}
-        for p, data in zip(parts, sent, strict=True):
-            if len(data) != len(p.specs):
-                raise ValueError(f"rank {p.rank} sent {len(data)} tensors, not {len(p.specs)}")
-            for s, d in zip(p.specs, data, strict=True):
-                if d.dtype != torch.uint8 or d.dim() != 1 or d.numel() != s.nbytes:
-                    raise ValueError(f"rank {p.rank} sent {s.name!r} with the wrong size")
-                self.data[at[s.name]] = d
-        if self.deltas is not None:
-            for i, base in self.pending.items():
-                self.deltas[i] = diff_tensor(self.specs[i], base, self.data[i])
-        self.pending = {}
-        self.missing = False
-
-
-def _failed(plan: _Plan, why: list[str]) -> str:
+def _failed(plan: Plan, why: list[str]) -> str:
     return f"version {plan.version} not published: " + "; ".join(why)
 
 
