@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from patchswarm.daemon import cli_args
+from patchswarm.daemon.certs import add_certs_parser
 from patchswarm.daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
 from patchswarm.daemon.simulate_cli import add_simulate_parser
 from patchswarm.daemon.swarm_cli import add_seed_args, add_swarm_args
@@ -417,8 +418,13 @@ def cmd_seed(args: argparse.Namespace) -> int:
         except SwarmCliError as e:
             raise UserError(str(e)) from None
     from patchswarm.daemon.config import ListenError, bind_errors
+    from patchswarm.daemon.swarm_cli import SwarmCliError, tls_from_args
 
-    ready = f"serving board {args.board} on http://{host}:{port}/"
+    try:
+        tls = tls_from_args(args)
+    except SwarmCliError as e:
+        raise UserError(str(e)) from None
+    ready = f"serving board {args.board} on {'https' if tls else 'http'}://{host}:{port}/"
     try:
         with bind_errors("--listen", args.listen):
             run_app(
@@ -427,6 +433,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
                 port,
                 limits,
                 on_ready=lambda: _err().print(ready, markup=False, highlight=False),
+                ssl_context=tls.server_context() if tls else None,
             )
     except ListenError as e:
         raise UserError(str(e)) from None
@@ -720,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     add_simulate_parser(sub)
+    add_certs_parser(sub)
     add_head_parser(sub)
     for sp in sub.choices.values():  # each subcommand knows its parser, for checks across arguments
         sp.set_defaults(subparser=sp)

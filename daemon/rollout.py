@@ -87,6 +87,7 @@ from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
 from patchswarm.swarm.stores import MemoryChunkStore
+from patchswarm.swarm.tls import TlsReloader
 
 T = TypeVar("T")
 
@@ -279,14 +280,20 @@ class RolloutDaemon:
         except (PermissionError, SocketInUseError) as e:
             raise DaemonError(str(e)) from None
         self._socket_id = file_id(self.cfg["api.socket"])  # (no await since the bind: still ours)
+        try:
+            tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
+        except ConfigError as e:
+            raise DaemonError(str(e)) from None
         if self.cfg["sidecar.enabled"]:
-            await self._start_sidecar(limits)
+            await self._start_sidecar(limits, tls if self.cfg["tls.sidecar"] else None)
         if self.cfg["metrics.listen"]:
-            self._runners.append(await serve_metrics(self._metrics_text, self.cfg["metrics.listen"], limits=limits))
+            on_tls = tls.server_context() if tls is not None and self.cfg["tls.metrics"] else None
+            listen = self.cfg["metrics.listen"]
+            self._runners.append(await serve_metrics(self._metrics_text, listen, limits=limits, ssl_context=on_tls))
         host, port = self.cfg.listen("node.listen")
         advertise = self.cfg["node.advertise"]
         if advertise is None and host in ("0.0.0.0", "::"):
-            advertise = f"http://{socket.getfqdn()}:{port}"
+            advertise = f"{'https' if tls else 'http'}://{socket.getfqdn()}:{port}"
         node_cfg = NodeConfig(
             node_id=self.cfg.node_name,
             run_id=self.cfg["swarm.run_id"],
@@ -311,6 +318,7 @@ class RolloutDaemon:
                 on_version=self._on_version,
                 apply=self._decode_once,  # (in a thread: the API and the sidecar keep answering)
                 limits=limits,
+                tls=tls,
             )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
@@ -334,13 +342,20 @@ class RolloutDaemon:
         text = " ".join(f"{k}={v}" for k, v in fields.items())
         log.info("started: %s version=%s", text, self.status.version, extra={**fields, "version": self.status.version})
 
-    async def _start_sidecar(self, limits: ServerLimits) -> None:
+    async def _start_sidecar(self, limits: ServerLimits, tls: TlsReloader | None) -> None:
         from patchswarm.daemon.sidecar import VersionGate, start_sidecar
 
         self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
         host, port = self.cfg.listen("sidecar.listen")
         with bind_errors("sidecar.listen", self.cfg["sidecar.listen"]):
-            server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=port, limits=limits)
+            server = await start_sidecar(
+                self.cfg["sidecar.upstream"],
+                self.gate,
+                host=host,
+                port=port,
+                limits=limits,
+                ssl_context=tls.server_context() if tls is not None else None,
+            )
         self._servers.append(server)
 
     # ------------------------------------------------------------ activation

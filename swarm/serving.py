@@ -35,6 +35,7 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -405,13 +406,18 @@ def raise_nofile_limit() -> tuple[int, int]:
 
 
 async def serve_tcp(
-    app: web.Application, host: str, port: int, limits: ServerLimits | None = None
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: ServerLimits | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[HardenedRunner, int]:
-    """Serve ``app`` on ``host:port`` under ``limits``; returns the runner and the bound port."""
+    """Serve ``app`` on ``host:port`` under ``limits`` (over TLS with ``ssl_context``: swarm/tls.py);
+    returns the runner and the bound port."""
     runner = HardenedRunner(app, limits)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
     except BaseException:
         await runner.cleanup()
@@ -425,11 +431,12 @@ def run_app(
     port: int,
     limits: ServerLimits | None = None,
     on_ready: Callable[[], None] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop); ``on_ready`` once bound."""
 
     async def main() -> None:
-        runner, _ = await serve_tcp(app, host, port, limits)
+        runner, _ = await serve_tcp(app, host, port, limits, ssl_context)
         if on_ready is not None:
             on_ready()  # after the bind: a port in use gives its one error line, not a "serving" line first
         stop = asyncio.Event()
