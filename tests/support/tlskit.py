@@ -48,14 +48,18 @@ class Pki:
         return TlsReloader(self.files(name), interval_s=interval_s)
 
     def client(self, name: str | None, ca: Path | None = None) -> ssl.SSLContext:
-        """A client context trusting ``ca`` (default the cluster CA), presenting ``name``'s certificate
-        (None: none).  Built directly, so an expired certificate can still be presented."""
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        ctx.load_verify_locations(cafile=ca or self.ca)
-        if name is not None:
-            ctx.load_cert_chain(self.root / f"{name}.pem", self.root / f"{name}.key")
-        return ctx
+        return client_context(self.root, name, ca or self.ca)
+
+
+def client_context(root: Path, name: str | None, ca: Path) -> ssl.SSLContext:
+    """A client context trusting ``ca``, presenting ``root/name.pem`` (None: no certificate).  Built
+    directly, not through swarm/tls.py, so an expired certificate can still be presented."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cafile=ca)
+    if name is not None:
+        ctx.load_cert_chain(root / f"{name}.pem", root / f"{name}.key")
+    return ctx
 
 
 def serial_of(pem: Path) -> int:

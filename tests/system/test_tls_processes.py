@@ -1,0 +1,147 @@
+"""Mutual TLS across real processes: `patchswarm certs` makes the cluster's certificates, a seed and
+nodes started with --tls-* converge over https, and a client without a cluster certificate learns
+nothing from the seed; a plain board seed (`patchswarm seed` without --run) over TLS too."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from patchswarm.daemon.certs import issue
+from tests.support.boards import free_port
+from tests.support.swarmkit import RUN, SECRET, Swarm
+from tests.support.tlskit import Pki, client_context, get_status, raw_exchange
+from tests.system.test_swarm_processes import Proc
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "patchswarm.daemon.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+def tls_args(d: Path, name: str) -> list[str]:
+    return [
+        "--tls-ca",
+        str(d / "ca" / "ca.pem"),
+        "--tls-cert",
+        str(d / f"{name}.pem"),
+        "--tls-key",
+        str(d / f"{name}.key"),
+    ]
+
+
+def add_refused_clients(d: Path) -> None:
+    """Another CA and its host, and an expired certificate of the cluster CA, next to what `certs` wrote."""
+    assert cli("certs", "ca", "--out", str(d / "other"), cwd=d).returncode == 0
+    issue(d / "other", d, "foreign", ips=["127.0.0.1"])
+    now = dt.datetime.now(dt.UTC)
+    issue(d / "ca", d, "expired", not_before=now - dt.timedelta(days=3), not_after=now - dt.timedelta(days=1))
+
+
+@pytest.mark.slow
+def test_seed_and_nodes_converge_over_mutual_tls(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    assert cli("certs", "ca", "--out", str(d / "ca"), cwd=tmp_path).returncode == 0
+    for name in ("seed", "p0", "p1", "client"):
+        r = cli(
+            "certs", "issue", "--ca", str(d / "ca"), "--name", name, "--ip", "127.0.0.1", "--out", str(d), cwd=tmp_path
+        )
+        assert r.returncode == 0, r.stderr
+    add_refused_clients(d)
+    ca = d / "ca" / "ca.pem"
+    s = Swarm(tmp_path)
+    s.publish()
+    (tmp_path / "secret").write_bytes(SECRET)
+    s.root.save(tmp_path / "root.key")
+    common = ["--run", RUN, "--secret-file", "secret"]
+    seed = Proc(
+        ["seed", "--board", str(s.board.root), "--listen", f"127.0.0.1:{free_port()}", "--name", "seed", *common]
+        + tls_args(ca, d, "seed"),
+        tmp_path,
+    )
+    procs: list[Proc] = []
+    try:
+        seed_url = str(seed.wait_event("listening", 60)["url"])
+        assert seed_url.startswith("https://")
+        for i in range(2):
+            procs.append(
+                Proc(
+                    ["node", "--listen", f"127.0.0.1:{free_port()}", "--name", f"p{i}", "--trust", "root.key.pub"]
+                    + ["--bootstrap", seed_url, "--seed-url", seed_url, "--print-root", *common]
+                    + tls_args(ca, d, f"p{i}"),
+                    tmp_path,
+                )
+            )
+        for v in (1, 2):
+            if v > 1:
+                s.publish(scale=5e-4)
+            for p in procs:
+                assert p.wait_version(v, 90) == s.served[v].root().hex()
+        chunk = next(p for p in sorted((s.board.root / "chunks").iterdir()) if p.is_file())
+        url = f"{seed_url}/chunks/{chunk.name}"
+        assert asyncio.run(get_status(url, client_context(d, "client", ca))) == (200, chunk.read_bytes())
+        port = int(seed_url.rsplit(":", 1)[1])
+        request = f"GET /chunks/{chunk.name} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+        for who in (None, "foreign", "expired"):
+            ctx = client_context(d, who, ca)
+            assert isinstance(asyncio.run(get_status(url, ctx)), str), who
+            leaked = asyncio.run(raw_exchange(port, ctx, request))
+            assert b"HTTP" not in leaked and chunk.read_bytes()[:64] not in leaked, who
+    finally:
+        rcs = [p.stop() for p in procs] + [seed.stop()]
+    assert rcs == [0] * 3
+
+
+def test_plain_board_seed_over_tls_and_half_flags_refused(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    pki = Pki(d)
+    board = tmp_path / "board"
+    (board / "chunks").mkdir(parents=True)
+    (board / "chunks" / ("ab" * 32)).write_bytes(b"weights only members may read")
+    r = cli("seed", "--board", str(board), "--tls-ca", str(pki.ca), cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--tls-cert and --tls-key together" in r.stderr
+    r = cli("node", "--listen", "127.0.0.1:0", "--run", RUN, "--trust", "x.pub", "--tls-ca", str(pki.ca), cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "patchswarm.daemon.cli", "seed", "--board", str(board)]
+        + ["--listen", f"127.0.0.1:{port}", *tls_args(pki.ca, pki.root, "h1")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stderr is not None
+        line = p.stderr.readline()
+        assert line.startswith("serving board") and "https://" in line, line
+        url = f"https://127.0.0.1:{port}/chunks/{'ab' * 32}"
+        deadline = time.monotonic() + 30
+        got = asyncio.run(get_status(url, pki.client("client")))
+        while not isinstance(got, tuple) and time.monotonic() < deadline:
+            got = asyncio.run(get_status(url, pki.client("client")))
+        assert got == (200, b"weights only members may read")  # (TLS: no sendfile, the fallback path)
+        for who in (None, "foreign", "expired"):
+            assert isinstance(asyncio.run(get_status(url, pki.client(who))), str), who
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+        if p.stderr:
+            p.stderr.close()
+
+
+def tls_args_from(pki: Pki, name: str) -> list[str]:
+    return [
+        "--tls-ca",
+        str(pki.ca),
+        "--tls-cert",
+        str(pki.root / f"{name}.pem"),
+        "--tls-key",
+        str(pki.root / f"{name}.key"),
+    ]
