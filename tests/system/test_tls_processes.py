@@ -26,15 +26,8 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def tls_args(d: Path, name: str) -> list[str]:
-    return [
-        "--tls-ca",
-        str(d / "ca" / "ca.pem"),
-        "--tls-cert",
-        str(d / f"{name}.pem"),
-        "--tls-key",
-        str(d / f"{name}.key"),
-    ]
+def tls_args(ca: Path, root: Path, name: str) -> list[str]:
+    return ["--tls-ca", str(ca), "--tls-cert", str(root / f"{name}.pem"), "--tls-key", str(root / f"{name}.key")]
 
 
 def add_refused_clients(d: Path) -> None:
@@ -134,14 +127,3 @@ def test_plain_board_seed_over_tls_and_half_flags_refused(tmp_path: Path) -> Non
         p.wait(timeout=20)
         if p.stderr:
             p.stderr.close()
-
-
-def tls_args_from(pki: Pki, name: str) -> list[str]:
-    return [
-        "--tls-ca",
-        str(pki.ca),
-        "--tls-cert",
-        str(pki.root / f"{name}.pem"),
-        "--tls-key",
-        str(pki.root / f"{name}.key"),
-    ]
