@@ -15,6 +15,7 @@ import pytest
 
 from patchswarm.daemon.certs import issue
 from tests.support.boards import free_port
+from tests.support.daemonkit import make_daemon
 from tests.support.swarmkit import RUN, SECRET, Swarm
 from tests.support.tlskit import Pki, client_context, get_status, raw_exchange
 from tests.system.test_swarm_processes import Proc
@@ -127,3 +128,41 @@ def test_plain_board_seed_over_tls_and_half_flags_refused(tmp_path: Path) -> Non
         p.wait(timeout=20)
         if p.stderr:
             p.stderr.close()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_daemon_with_tls_enabled_follows_a_tls_seed_and_guards_its_metrics(tmp_path: Path) -> None:
+    pki = Pki(tmp_path / "pki")
+    sw = Swarm(tmp_path)
+    sw.tls_for = lambda _name: pki.reloader("h1")
+    sw.publish()
+    await sw.start_seed()
+    port = free_port()
+    files = f'ca = "{pki.ca}"\ncert = "{pki.root / "h2.pem"}"\nkey = "{pki.root / "h2.key"}"\n'
+    extra = f'[metrics]\nlisten = "127.0.0.1:{port}"\n[tls]\nenabled = true\n{files}'
+    d = make_daemon(sw, "d1", tmp_path, extra=extra)
+    d.start()
+    try:
+        await d.wait_version(1)
+        await d.wait_version(sw.publish(scale=5e-4))
+        url = f"https://127.0.0.1:{port}/metrics"
+        got = await get_status(url, pki.client("client"))
+        assert isinstance(got, tuple) and got[0] == 200 and b"patchswarm_version_applied 2.0" in got[1]
+        for who in (None, "foreign", "expired"):
+            assert isinstance(await get_status(url, pki.client(who)), str), who
+        assert await d.stop() == 0
+    finally:
+        d.cleanup()
+        await sw.close()
+    # A plain seed URL with tls.enabled: the daemon refuses to start, in one line naming the key.
+    bad = make_daemon(sw, "d2", tmp_path, extra=f"[tls]\nenabled = true\n{files}")
+    text = bad.config.read_text().replace("https://", "http://")
+    bad.config.write_text(text)
+    r = subprocess.run(
+        [sys.executable, "-m", "patchswarm.daemon.cli", "daemon", "--config", str(bad.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "swarm.bootstrap" in r.stderr and "plain HTTP" in r.stderr, r.stderr
