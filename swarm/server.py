@@ -65,11 +65,12 @@ async def start_http_node(
 
     app = board_app(board.root) if board is not None else web.Application()
     add_routes(app, Handlers(gossip, chunk, obj, chunk_from=chunk))  # chunk_from: per-requester upload limits
+    if tls is not None:  # (TlsError) nothing reached, nor reaching us, over plain HTTP: checked before binding
+        for url in [*([advertise] if advertise else []), *config.bootstrap, *config.seed_urls]:
+            require_https(url, "advertised URL" if url == advertise else "bootstrap or seed URL")
     runner, bound = await serve_tcp(app, host, port, limits, tls.server_context() if tls is not None else None)
     scheme = "https" if tls is not None else "http"
     url = advertise or f"{scheme}://{f'[{host}]' if ':' in host else host}:{bound}"  # IPv6 literals in brackets
-    if tls is not None:
-        require_https(url, "advertised URL")  # (TlsError) peers would reach us over plain HTTP
     transport = HttpTransport(tls=tls)
     node = SwarmNode(
         config,

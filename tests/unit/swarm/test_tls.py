@@ -14,12 +14,15 @@ import pytest
 from aiohttp import web
 
 from patchswarm.daemon.certs import CA_CERT, issue, make_ca
+from patchswarm.protocol.keys import TrustedKeys
+from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.swarm.board_sources import HttpSource
 from patchswarm.swarm.http import HttpTransport
+from patchswarm.swarm.server import start_http_node
 from patchswarm.swarm.serving import serve_tcp
 from patchswarm.swarm.tls import TlsError, TlsFiles, TlsReloader
 from patchswarm.swarm.transport import TransportError
-from tests.support.swarmkit import Swarm
+from tests.support.swarmkit import RUN, SECRET, Swarm
 from tests.support.tlskit import Pki, get_status, raw_exchange, serial_of, server_serial
 
 REFUSED = ("none", "foreign", "expired")
@@ -90,6 +93,13 @@ async def test_a_tls_client_refuses_plain_http_peers_and_seeds(pki: Pki) -> None
         await transport.close()
     with pytest.raises(TlsError, match="https://"):
         HttpSource("http://127.0.0.1:9/board", tls=pki.reloader("h1"))
+    for urls in ({"bootstrap": ["http://127.0.0.1:9"]}, {"seed_urls": ["https://a:1", "http://127.0.0.1:9"]}):
+        config = NodeConfig("x", RUN, SECRET, **urls)  # type: ignore[arg-type]
+        with pytest.raises(TlsError, match=r"^bootstrap or seed URL http://127\.0\.0\.1:9: TLS is configured"):
+            await start_http_node(config, TrustedKeys(frozenset()), tls=pki.reloader("h1"))
+    with pytest.raises(TlsError, match=r"^advertised URL"):
+        config = NodeConfig("x", RUN, SECRET)
+        await start_http_node(config, TrustedKeys(frozenset()), advertise="http://h:1", tls=pki.reloader("h1"))
 
 
 def test_files_that_do_not_load_give_one_line(pki: Pki, tmp_path: Path) -> None:
