@@ -114,9 +114,11 @@ def _contexts(files: TlsFiles, check_hostname: bool) -> tuple[ssl.SSLContext, ss
         except (ssl.SSLError, UnicodeDecodeError, ValueError):
             raise TlsError(f"tls.ca {files.ca}: not a PEM certificate bundle") from None
         try:
-            ctx.load_cert_chain(files.cert, files.key)
+            # (an empty password: an encrypted key fails here instead of prompting on a terminal)
+            ctx.load_cert_chain(files.cert, files.key, password=lambda: b"")
         except ssl.SSLError as e:
-            raise TlsError(f"tls.key {files.key}: does not load with tls.cert {files.cert} ({e.reason})") from None
+            why = e.reason or "an encrypted key, or not a PEM key"
+            raise TlsError(f"tls.key {files.key}: does not load with tls.cert {files.cert} ({why})") from None
         except OSError as e:
             raise TlsError(f"tls.key {files.key}: {e.strerror or e}") from None
         out.append(ctx)

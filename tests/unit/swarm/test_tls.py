@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from cryptography.hazmat.primitives import serialization
 
 from patchswarm.daemon.certs import CA_CERT, issue, make_ca
 from patchswarm.protocol.keys import TrustedKeys
@@ -105,11 +106,16 @@ async def test_a_tls_client_refuses_plain_http_peers_and_seeds(pki: Pki) -> None
 def test_files_that_do_not_load_give_one_line(pki: Pki, tmp_path: Path) -> None:
     junk = tmp_path / "junk.pem"
     junk.write_bytes(b"not a certificate\n")
+    encrypted = tmp_path / "encrypted.key"
+    key = serialization.load_pem_private_key((pki.root / "h1.key").read_bytes(), None)
+    pem = serialization.BestAvailableEncryption(b"secret")
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, pem))
     cases = [
         (TlsFiles(pki.ca, tmp_path / "missing.pem", pki.root / "h1.key"), "missing.pem"),
         (TlsFiles(junk, pki.root / "h1.pem", pki.root / "h1.key"), "tls.ca"),
         (TlsFiles(pki.ca, junk, pki.root / "h1.key"), "tls.cert"),
         (TlsFiles(pki.ca, pki.root / "h1.pem", pki.root / "h2.key"), "tls.key"),  # another host's key
+        (TlsFiles(pki.ca, pki.root / "h1.pem", encrypted), "encrypted"),  # (never a password prompt)
         (TlsFiles(pki.ca, pki.root / "foreign.pem", pki.root / "foreign.key"), "not issued by a CA"),
         (TlsFiles(pki.ca, pki.root / "expired.pem", pki.root / "expired.key"), "not now"),
     ]
