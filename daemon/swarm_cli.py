@@ -69,7 +69,7 @@ def tls_from_args(args: argparse.Namespace) -> TlsReloader | None:
         raise SwarmCliError(str(e)) from None
 
 
-def add_swarm_args(p: argparse.ArgumentParser) -> None:
+def add_tls_args(p: argparse.ArgumentParser) -> None:
     for flag, what in (("ca", "cluster CA bundle"), ("cert", "this host's certificate"), ("key", "its key")):
         p.add_argument(
             f"--tls-{flag}",
@@ -77,6 +77,10 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
             metavar="PEM",
             help=f"mutual TLS: the {what} (all three --tls-* turn TLS on; docs/daemon.md)",
         )
+
+
+def add_swarm_args(p: argparse.ArgumentParser) -> None:
+    add_tls_args(p)
     p.add_argument(
         "--secret-file", type=cli_args.path, metavar="FILE", help=f"cluster secret for gossip (or ${SECRET_ENV})"
     )

@@ -146,6 +146,7 @@ class HttpTransport:
         # With TLS every request presents this host's certificate and checks the peer's (swarm/tls.py),
         # and a plain http:// peer is refused, never used.
         self.tls = tls
+        self._refused: set[str] = set()  # plain http:// peers refused (logged once each)
         self._session: aiohttp.ClientSession | None = None
         self._posts: set[asyncio.Task[None]] = set()  # gossip under way (post): close cancels it
         self._closed = False
@@ -165,6 +166,9 @@ class HttpTransport:
         try:
             require_https(addr, "peer")
         except TlsError as e:
+            if addr not in self._refused and len(self._refused) < MAX_HOLDERS * 64:
+                self._refused.add(addr)  # one line per address (a plain peer in a TLS cluster: misconfigured)
+                log.warning("%s", e)
             raise TransportError(str(e)) from None
         return self.tls.client_context()
 

@@ -88,6 +88,12 @@ def test_seed_and_nodes_converge_over_mutual_tls(tmp_path: Path) -> None:
             assert isinstance(asyncio.run(get_status(url, ctx)), str), who
             leaked = asyncio.run(raw_exchange(port, ctx, request))
             assert b"HTTP" not in leaked and chunk.read_bytes()[:64] not in leaked, who
+        # `patchswarm pull` from the seed's board: with the host's certificate, and refused without one.
+        pull = ["pull", "--from", seed_url, "--run", RUN, "--trust", "root.key.pub", "--to", "pulled.safetensors"]
+        r = cli(*pull, *tls_args(ca, d, "client"), cwd=tmp_path)
+        assert r.returncode == 0 and "version 2" in r.stdout + r.stderr, r.stderr
+        r = cli(*pull[:-1], "plain.safetensors", cwd=tmp_path)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and not (tmp_path / "plain.safetensors").exists()
     finally:
         rcs = [p.stop() for p in procs] + [seed.stop()]
     assert rcs == [0] * 3
