@@ -15,10 +15,10 @@ import pytest
 
 from patchswarm.daemon.certs import issue
 from tests.support.boards import free_port
+from tests.support.cli_procs import Proc
 from tests.support.daemonkit import make_daemon
 from tests.support.swarmkit import RUN, SECRET, Swarm
 from tests.support.tlskit import Pki, client_context, get_status, raw_exchange
-from tests.system.test_swarm_processes import Proc
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
