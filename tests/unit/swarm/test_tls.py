@@ -4,6 +4,7 @@ client without one, with another CA's or with an expired one learns nothing; rot
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import os
 import shutil
@@ -106,6 +107,8 @@ async def test_a_tls_client_refuses_plain_http_peers_and_seeds(pki: Pki) -> None
 def test_files_that_do_not_load_give_one_line(pki: Pki, tmp_path: Path) -> None:
     junk = tmp_path / "junk.pem"
     junk.write_bytes(b"not a certificate\n")
+    fifo = tmp_path / "fifo.key"
+    os.mkfifo(fifo)
     encrypted = tmp_path / "encrypted.key"
     key = serialization.load_pem_private_key((pki.root / "h1.key").read_bytes(), None)
     pem = serialization.BestAvailableEncryption(b"secret")
@@ -116,6 +119,7 @@ def test_files_that_do_not_load_give_one_line(pki: Pki, tmp_path: Path) -> None:
         (TlsFiles(pki.ca, junk, pki.root / "h1.key"), "tls.cert"),
         (TlsFiles(pki.ca, pki.root / "h1.pem", pki.root / "h2.key"), "tls.key"),  # another host's key
         (TlsFiles(pki.ca, pki.root / "h1.pem", encrypted), "encrypted"),  # (never a password prompt)
+        (TlsFiles(pki.ca, pki.root / "h1.pem", fifo), "not a regular file"),  # (never a wait)
         (TlsFiles(pki.ca, pki.root / "foreign.pem", pki.root / "foreign.key"), "not issued by a CA"),
         (TlsFiles(pki.ca, pki.root / "expired.pem", pki.root / "expired.key"), "not now"),
     ]
@@ -204,5 +208,55 @@ async def test_rotation_without_restart(pki: Pki, tmp_path: Path, caplog: pytest
         await _until(old_ca_refused, "the removed CA to be refused")
         assert await get_status(url, new_client) == (200, b"member")
         assert reloader.reloads >= 3
+    finally:
+        await runner.cleanup()
+
+
+def _server_only_cert(pki: Pki, out: Path) -> None:
+    """A certificate of the cluster CA whose extended key usage is serverAuth only."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key = serialization.load_pem_private_key((pki.root / "ca" / "ca.key").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate(pki.ca.read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = ca.not_valid_before_utc
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "server-only")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # (an EC key: cryptography's union)
+    )
+    (out / "server-only.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem = serialization.NoEncryption()
+    (out / "server-only.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, pem)
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_certificate_for_servers_only_is_refused_as_a_client(pki: Pki, tmp_path: Path) -> None:
+    # The check policy (docs/security.md): the cluster CA, plus the extended key usage for the role.
+    _server_only_cert(pki, tmp_path)
+
+    async def hello(_: web.Request) -> web.Response:
+        return web.Response(text="member")
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    runner, port = await serve_tcp(app, "127.0.0.1", 0, ssl_context=pki.reloader("h1").server_context())
+    try:
+        url = f"https://127.0.0.1:{port}/"
+        assert await get_status(url, pki.client("client")) == (200, b"member")
+        server_only = pki.client(None)
+        server_only.load_cert_chain(tmp_path / "server-only.pem", tmp_path / "server-only.key")
+        assert isinstance(await get_status(url, server_only), str)
     finally:
         await runner.cleanup()
