@@ -264,6 +264,10 @@ class RolloutDaemon:
         tune_malloc()  # freed tensors and chunks go back to the system (daemon/shadow.py)
         raise_nofile_limit()  # soft to hard: the servers' connection caps assume the unit's LimitNOFILE
         limits = self.cfg.server_limits()
+        try:
+            tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
+        except ConfigError as e:
+            raise DaemonError(str(e)) from None
         for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
             log.warning(warning)
         self._prepare_data_dir()
@@ -280,10 +284,6 @@ class RolloutDaemon:
         except (PermissionError, SocketInUseError) as e:
             raise DaemonError(str(e)) from None
         self._socket_id = file_id(self.cfg["api.socket"])  # (no await since the bind: still ours)
-        try:
-            tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
-        except ConfigError as e:
-            raise DaemonError(str(e)) from None
         if self.cfg["sidecar.enabled"]:
             await self._start_sidecar(limits, tls if self.cfg["tls.sidecar"] else None)
         if self.cfg["metrics.listen"]:

@@ -172,3 +172,14 @@ async def test_a_daemon_with_tls_enabled_follows_a_tls_seed_and_guards_its_metri
         timeout=60,
     )
     assert r.returncode != 0 and "swarm.bootstrap" in r.stderr and "plain HTTP" in r.stderr, r.stderr
+    # A certificate of another CA: the daemon refuses to start, in one line naming tls.cert.
+    foreign = files.replace("h2.pem", "foreign.pem").replace("h2.key", "foreign.key")
+    worse = make_daemon(sw, "d3", tmp_path, extra=f"[tls]\nenabled = true\n{foreign}")
+    r = subprocess.run(
+        [sys.executable, "-m", "patchswarm.daemon.cli", "daemon", "--config", str(worse.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "tls.cert" in r.stderr and "not issued by a CA" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
