@@ -146,6 +146,7 @@ class RolloutDaemon:
         self.store: WeightStore | None = None
         self.shadow: Held | None = None
         self.node: RunningNode | None = None
+        self.tls: TlsReloader | None = None  # mutual TLS contexts (tls.enabled), reloaded on SIGHUP too
         self.gate: Any = None  # the sidecar's VersionGate, when the sidecar runs
         self._runners: list[Any] = []
         self._servers: list[Any] = []  # sidecar servers (closed at shutdown)
@@ -265,7 +266,7 @@ class RolloutDaemon:
         raise_nofile_limit()  # soft to hard: the servers' connection caps assume the unit's LimitNOFILE
         limits = self.cfg.server_limits()
         try:
-            tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
+            tls = self.tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
         except ConfigError as e:
             raise DaemonError(str(e)) from None
         for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
@@ -846,12 +847,22 @@ async def run_daemon(cfg: DaemonConfig) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, reload_tls, lambda: daemon.tls)
     try:
         await daemon.start()
     except (DaemonError, ConfigError, StoreError, OSError) as e:
         await daemon.shutdown(f"start-up failed: {e}")
         raise
     await daemon.run_until(stop, why)
+
+
+def reload_tls(current: Callable[[], TlsReloader | None]) -> None:
+    """SIGHUP: look at the TLS files now rather than at the next reload interval (never a stop)."""
+    tls = current()
+    if tls is None:
+        log.info("SIGHUP: TLS is off, nothing to reload")
+    elif not tls.reload():
+        log.info("SIGHUP: TLS files unchanged (or not loadable: see the warning), kept")
 
 
 def _acquire(lock: FileLock, key: str) -> None:

@@ -167,11 +167,13 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
     )
 
 
-async def _serve_until_signalled() -> None:
+async def _serve_until_signalled(tls: TlsReloader | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, tls.reload)  # the certificate files, now
     await stop.wait()
 
 
@@ -224,7 +226,7 @@ def run_seed(args: argparse.Namespace) -> int:
         refreshing = refresher() if refresher else None  # with --key: re-signs the head while the trainer is idle
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled()
+            await _serve_until_signalled(tls)
         finally:
             if refreshing is not None:
                 refreshing.cancel()
@@ -256,7 +258,7 @@ def run_node(args: argparse.Namespace) -> int:
             )
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled()
+            await _serve_until_signalled(tls)
         finally:
             m = node.node.metrics
             print(json.dumps({"event": "stopped", "metrics": m.__dict__}), flush=True)

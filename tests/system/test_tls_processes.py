@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ from tests.support.boards import free_port
 from tests.support.cli_procs import Proc
 from tests.support.daemonkit import make_daemon
 from tests.support.swarmkit import RUN, SECRET, Swarm
-from tests.support.tlskit import Pki, client_context, get_status, raw_exchange
+from tests.support.tlskit import Pki, client_context, get_status, raw_exchange, serial_of, server_serial
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -146,7 +148,7 @@ async def test_a_daemon_with_tls_enabled_follows_a_tls_seed_and_guards_its_metri
     await sw.start_seed()
     port = free_port()
     files = f'ca = "{pki.ca}"\ncert = "{pki.root / "h2.pem"}"\nkey = "{pki.root / "h2.key"}"\n'
-    extra = f'[metrics]\nlisten = "127.0.0.1:{port}"\n[tls]\nenabled = true\n{files}'
+    extra = f'[metrics]\nlisten = "127.0.0.1:{port}"\n[tls]\nenabled = true\nreload_interval = "1h"\n{files}'
     d = make_daemon(sw, "d1", tmp_path, extra=extra)
     d.start()
     try:
@@ -157,6 +159,18 @@ async def test_a_daemon_with_tls_enabled_follows_a_tls_seed_and_guards_its_metri
         assert isinstance(got, tuple) and got[0] == 200 and b"patchswarm_version_applied 2.0" in got[1]
         for who in (None, "foreign", "expired"):
             assert isinstance(await get_status(url, pki.client(who)), str), who
+        # Rotation on SIGHUP (the interval is an hour): new handshakes see the new certificate.
+        assert await server_serial(port, pki.client("client")) == serial_of(pki.root / "h2.pem")
+        for ext in ("key", "pem"):
+            (pki.root / f"new.{ext}").write_bytes((pki.root / f"h3.{ext}").read_bytes())
+            os.replace(pki.root / f"new.{ext}", pki.root / f"h2.{ext}")
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while await server_serial(port, pki.client("client")) != serial_of(pki.root / "h3.pem"):
+            assert time.monotonic() < deadline, "SIGHUP did not bring in the new certificate"
+            await asyncio.sleep(0.2)
+        assert d.alive
         assert await d.stop() == 0
     finally:
         d.cleanup()
