@@ -358,6 +358,52 @@ class _AcceptErrors:
         loop.default_exception_handler(context)
 
 
+class TlsSite(web.SockSite):
+    """A SockSite whose TLS handshakes must finish within ``handshake_timeout_s`` (the guarded handler
+    sees a connection only once its handshake is done, so its header deadline starts after it; asyncio's
+    own handshake limit is 60 s)."""
+
+    __slots__ = ("_handshake_timeout",)
+
+    def __init__(
+        self, runner: web.BaseRunner, sock: socket.socket, ssl_context: ssl.SSLContext, handshake_timeout_s: float
+    ) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context)
+        self._handshake_timeout = handshake_timeout_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # (registers the site with its runner; SockSite.start would serve too)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server,
+            sock=self._sock,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout,
+        )
+
+
+def bind_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host:port`` (SO_REUSEADDR, as aiohttp's TCPSite); OSError
+    as bind raises it."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # (as asyncio's create_server)
+        sock.bind(addr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def limits_of(request: web.BaseRequest) -> ServerLimits:
     """The limits the request's server runs under (the defaults for a plain aiohttp server)."""
     proto = request.protocol
@@ -417,8 +463,15 @@ async def serve_tcp(
     runner = HardenedRunner(app, limits)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-        await site.start()
+        if ssl_context is None:
+            await web.TCPSite(runner, host, port).start()
+        else:
+            sock = bind_tcp(host, port)
+            try:
+                await TlsSite(runner, sock, ssl_context, runner.limits.header_timeout_s).start()
+            except BaseException:
+                sock.close()
+                raise
     except BaseException:
         await runner.cleanup()
         raise

@@ -21,7 +21,7 @@ from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.swarm.board_sources import HttpSource
 from patchswarm.swarm.http import HttpTransport
 from patchswarm.swarm.server import start_http_node
-from patchswarm.swarm.serving import serve_tcp
+from patchswarm.swarm.serving import ServerLimits, serve_tcp
 from patchswarm.swarm.tls import TlsError, TlsFiles, TlsReloader
 from patchswarm.swarm.transport import TransportError
 from tests.support.swarmkit import RUN, SECRET, Swarm
@@ -258,5 +258,25 @@ async def test_a_certificate_for_servers_only_is_refused_as_a_client(pki: Pki, t
         server_only = pki.client(None)
         server_only.load_cert_chain(tmp_path / "server-only.pem", tmp_path / "server-only.key")
         assert isinstance(await get_status(url, server_only), str)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_a_handshake_that_never_comes_is_cut_at_the_header_deadline(pki: Pki) -> None:
+    # A client that connects and sends nothing holds a socket until the handshake deadline, which is
+    # the header deadline (1 s here), not asyncio's 60 s.
+    limits = ServerLimits(header_timeout_s=1.0)
+    runner, port = await serve_tcp(web.Application(), "127.0.0.1", 0, limits, pki.reloader("h1").server_context())
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            got = await asyncio.wait_for(reader.read(), timeout=30)  # the server closes: EOF
+        except ConnectionResetError:
+            got = b""
+        finally:
+            writer.close()
+        assert got == b""
+        assert await get_status(f"https://127.0.0.1:{port}/", pki.client("client")) == (404, b"404: Not Found")
     finally:
         await runner.cleanup()
