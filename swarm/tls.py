@@ -11,7 +11,8 @@ a client) when a certificate carries one.  ``check_hostname`` turns the name che
 that address peers by names in their certificates.
 
 Rotation: :class:`TlsReloader` watches the three files (inode, size, mtime; at most once per
-``interval_s``, on a handshake or a client request) and builds fresh contexts when they change.  The
+``interval_s``, on a handshake or a client request, and whenever :meth:`TlsReloader.reload` is called:
+the daemon, seed and node call it on SIGHUP) and builds fresh contexts when they change.  The
 server socket keeps one *front* context whose ``sni_callback`` hands each new handshake the newest
 server context, the CA bundle included: ``load_verify_locations`` can only add a CA, so removing one
 needs a new context.  A file that does not load (half written, wrong key) keeps the old contexts and
