@@ -3,6 +3,7 @@
     python -m benchmarks.swarm_bench                      # 16 nodes, 10 MB/s each, 100 MB patch, 1 MiB chunks
     python -m benchmarks.swarm_bench --size-mb 20         # a quick run
     python -m benchmarks.swarm_bench --skip-libtorrent    # patchswarm only
+    python -m benchmarks.swarm_bench --tls                # also patchswarm over mutual TLS, same run
 
 Patchswarm: a board gets version 1 (a zero uint8 tensor of the patch size: a tiny anchor) and
 every node converges to it; then version 2 (the same tensor filled with random bytes) is
@@ -18,6 +19,10 @@ downloading sessions, each in its own process bound to its own 127.0.0.x, every 
 connections per IP allowed, DHT/LSD/UPnP/NAT-PMP and uTP off, peers connected explicitly.
 Time-to-all runs from the "go" (each downloader connects to the seed and to the other
 downloaders) to the last downloader finishing.
+
+``--tls``: patchswarm runs a second time, on a second board built alike, with every process presenting
+a certificate of a cluster CA made for the run (daemon/certs.py) and the whole swarm on https
+(swarm/tls.py); the report adds the time and CPU of the TLS run relative to the plain one.
 
 Both report, against the Kumar-Ross bound T >= max(F/u_seed, F/d_min, N*F/(u_seed + sum u_i)):
 time-to-all / bound, and the seed's chunk egress / F.
@@ -216,7 +221,7 @@ def worker_swarm(role: str, argv: list[str]) -> int:
     from patchswarm.daemon.board import Board
     from patchswarm.daemon.cli import build_parser
     from patchswarm.daemon.config import split_listen
-    from patchswarm.daemon.swarm_cli import _config
+    from patchswarm.daemon.swarm_cli import _config, tls_from_args
     from patchswarm.protocol.keys import TrustedKeys, load_public_key
     from patchswarm.protocol.trust import TrustState
     from patchswarm.swarm.server import start_http_node
@@ -243,6 +248,7 @@ def worker_swarm(role: str, argv: list[str]) -> int:
 
         gc.callbacks.append(gc_timer)
     host, port = split_listen(args.listen)
+    tls = tls_from_args(args)
     config = apply_overrides(_config(args, is_seed=role == "seed", listen=args.listen), overrides)
 
     async def main() -> None:
@@ -252,14 +258,14 @@ def worker_swarm(role: str, argv: list[str]) -> int:
             loop.add_signal_handler(sig, stop.set)
         if role == "seed":
             policy: Any = TrustedKeys(frozenset())
-            running = await start_http_node(config, policy, host=host, port=port, board=Board(args.board))
+            running = await start_http_node(config, policy, host=host, port=port, board=Board(args.board), tls=tls)
         else:
 
             def on_version(held: Any) -> None:
                 print(json.dumps({"event": "version", "version": held.version, "root": None}), flush=True)
 
             policy = TrustState(load_public_key(args.trust))
-            running = await start_http_node(config, policy, host=host, port=port, on_version=on_version)
+            running = await start_http_node(config, policy, host=host, port=port, on_version=on_version, tls=tls)
 
         def metrics(event: str) -> None:
             print(json.dumps({"event": event, "metrics": running.node.metrics.__dict__}), flush=True)
@@ -508,7 +514,7 @@ class Board:
     target: dict[str, Any]  # version 2's tensors
 
 
-def build_board(args: argparse.Namespace, tmp: Path) -> Board:
+def build_board(args: argparse.Namespace, tmp: Path, name: str = "patchswarm") -> Board:
     """Keys, certificate and a board holding version 1 (a tiny anchor); version 2 is built, not published."""
     import torch
 
@@ -517,7 +523,7 @@ def build_board(args: argparse.Namespace, tmp: Path) -> Board:
     from patchswarm.protocol.trust import Certificate
 
     nbytes = int(args.size_mb * 1e6)
-    work = tmp / "patchswarm"
+    work = tmp / name
     work.mkdir()
     root, trainer = SigningKey.generate(), SigningKey.generate()
     root.save(work / "root.key")
@@ -532,7 +538,20 @@ def build_board(args: argparse.Namespace, tmp: Path) -> Board:
     return Board(work, pub, {"w": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)})
 
 
-def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
+def make_certs(work: Path, nodes: int) -> dict[str, list[str]]:
+    """A cluster CA and one certificate per process (its 127.0.0.x address as SAN): --tls-* flags by name."""
+    from patchswarm.daemon.certs import issue, make_ca
+
+    pki = work / "pki"
+    make_ca(pki / "ca")
+    flags = {}
+    for name, ip in [("seed", "127.0.0.1"), *((f"n{i}", node_ip(i)) for i in range(nodes))]:
+        got = issue(pki / "ca", pki, name, ips=[ip], days=1)
+        flags[name] = ["--tls-ca", str(pki / "ca" / "ca.pem"), "--tls-cert", str(got.cert), "--tls-key", str(got.key)]
+    return flags
+
+
+def run_patchswarm(args: argparse.Namespace, board: Board, tls: bool = False) -> Result:
     overrides = load_overrides(args.config)
     env = dict(os.environ)
     env[CONFIG_ENV] = json.dumps(overrides)
@@ -543,12 +562,14 @@ def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
     rate = f"{args.rate:.0f}"
     common = ["--run", RUN, "--secret-file", "secret", "--upload-rate", rate]
     me = [sys.executable, str(Path(__file__).resolve())]
+    certs = make_certs(work, args.nodes) if tls else {}
+    name = "patchswarm+tls" if tls else "patchswarm"
     procs: list[Proc] = []
     try:
         seed = Proc(
             "seed",
             [*me, "--role", "seed", "seed", "--board", str(work / "board"), "--listen", "127.0.0.1:0"]
-            + ["--name", "seed", *common],
+            + ["--name", "seed", *common, *certs.get("seed", [])],
             work,
             env=env,
         )
@@ -556,7 +577,7 @@ def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
         seed_url = str(seed.wait("listening", 120)[1]["url"])
         for i in range(args.nodes):
             node_args = ["node", "--listen", f"{node_ip(i)}:0", "--name", f"n{i}", "--trust", "root.key.pub"]
-            node_args += ["--bootstrap", seed_url, "--seed-url", seed_url, *common]
+            node_args += ["--bootstrap", seed_url, "--seed-url", seed_url, *common, *certs.get(f"n{i}", [])]
             if overrides.get("node") or args.trace:
                 argv = [*me, "--role", "node", *node_args]
             else:
@@ -565,7 +586,7 @@ def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
         nodes = procs[1:]
         for p in nodes:
             p.wait("version:1", 180)
-        log(f"patchswarm: seed + {args.nodes} nodes at version 1; settling {args.settle:.0f}s")
+        log(f"{name}: seed + {args.nodes} nodes at version 1; settling {args.settle:.0f}s")
         idle = CpuMeter(procs)
         time.sleep(args.settle)
         idle_cpu = idle.stop()[0] / args.settle / len(procs)
@@ -573,13 +594,13 @@ def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
         before = seed.wait("metrics", 30)[1]["metrics"]
         seed.forget("metrics")
 
-        log(f"patchswarm: publishing version 2 ({nbytes / 1e6:.0f} MB of random bytes)")
+        log(f"{name}: publishing version 2 ({nbytes / 1e6:.0f} MB of random bytes)")
         info = pub.publish(target)
         t0 = time.monotonic()
         meter = CpuMeter(procs)
         size = info.patch_bytes
         bound = kumar_ross(size, args.nodes, args.rate, args.rate)
-        log(f"patchswarm: v2 patch {size} bytes published in {info.seconds:.1f}s; bound {bound:.2f}s; waiting")
+        log(f"{name}: v2 patch {size} bytes published in {info.seconds:.1f}s; bound {bound:.2f}s; waiting")
         times: list[float] = []
         timeout = max(60.0, args.timeout_factor * bound)
         time_to_all: float | None = None
@@ -589,7 +610,7 @@ def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
                 times.append(t - t0)
             time_to_all = max(times)
         except (TimeoutError, RuntimeError) as e:
-            log(f"patchswarm: {e}")
+            log(f"{name}: {e}")
         t1 = time.monotonic()
         cpu = meter.stop()
         seed.p.send_signal(signal.SIGUSR1)
@@ -611,7 +632,7 @@ def run_patchswarm(args: argparse.Namespace, board: Board) -> Result:
             "wall": t1 - t0,
         }
         return Result(
-            "patchswarm",
+            name,
             size,
             args.nodes,
             args.rate,
@@ -760,6 +781,14 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     for r in results:
         extra = {k: v for k, v in r.extra.items() if v not in ({}, None)}
         print(f"  {r.name}: {json.dumps(extra, default=str)}")
+    plain = next((r for r in results if r.name == "patchswarm"), None)
+    tls = next((r for r in results if r.name == "patchswarm+tls"), None)
+    if plain and tls and plain.time_to_all and tls.time_to_all:
+        print(
+            f"TLS/plain: time {tls.time_to_all / plain.time_to_all:.2f}x, "
+            f"CPU {tls.cpu_seconds / max(plain.cpu_seconds, 1e-9):.2f}x "
+            f"({plain.cpu_seconds:.1f} -> {tls.cpu_seconds:.1f} s)"
+        )
     parts = [f"{r.name}: time/bound {fmt(r.ratio, '.2f')}, seed egress/F {fmt(r.egress_ratio, '.2f')}" for r in results]
     print("RESULT " + " | ".join(parts))
     if args.json:
@@ -781,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=float, default=100, help="patch size in MB (1e6 bytes)")
     p.add_argument("--chunk-mib", type=int, default=1, help="chunk / piece size in MiB")
     p.add_argument("--skip-libtorrent", action="store_true")
+    p.add_argument("--tls", action="store_true", help="also run patchswarm over mutual TLS (a second board, same run)")
     p.add_argument("--skip-patchswarm", action="store_true", help="libtorrent only (the board is still built)")
     p.add_argument("--settle", type=float, default=3.0, help="seconds to let membership/connections settle")
     p.add_argument("--timeout-factor", type=float, default=10.0, help="give up after this many bounds")
@@ -804,6 +834,8 @@ def main(argv: list[str] | None = None) -> int:
             board.pub.publish(board.target)
         else:
             results.append(run_patchswarm(args, board))
+            if args.tls:
+                results.append(run_patchswarm(args, build_board(args, tmp, "patchswarm-tls"), tls=True))
         if args.skip_libtorrent:
             log("libtorrent: skipped (--skip-libtorrent)")
         else:

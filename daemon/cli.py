@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from patchswarm.daemon import cli_args
+from patchswarm.daemon.certs import add_certs_parser
 from patchswarm.daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
 from patchswarm.daemon.simulate_cli import add_simulate_parser
-from patchswarm.daemon.swarm_cli import add_seed_args, add_swarm_args
+from patchswarm.daemon.swarm_cli import add_seed_args, add_swarm_args, add_tls_args
 from patchswarm.daemon.user_error import UserError
 from patchswarm.protocol.board_names import root_rel
 
@@ -417,8 +418,13 @@ def cmd_seed(args: argparse.Namespace) -> int:
         except SwarmCliError as e:
             raise UserError(str(e)) from None
     from patchswarm.daemon.config import ListenError, bind_errors
+    from patchswarm.daemon.swarm_cli import SwarmCliError, tls_from_args
 
-    ready = f"serving board {args.board} on http://{host}:{port}/"
+    try:
+        tls = tls_from_args(args)
+    except SwarmCliError as e:
+        raise UserError(str(e)) from None
+    ready = f"serving board {args.board} on {'https' if tls else 'http'}://{host}:{port}/"
     try:
         with bind_errors("--listen", args.listen):
             run_app(
@@ -427,6 +433,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
                 port,
                 limits,
                 on_ready=lambda: _err().print(ready, markup=False, highlight=False),
+                ssl_context=tls.server_context() if tls else None,
             )
     except ListenError as e:
         raise UserError(str(e)) from None
@@ -495,13 +502,20 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     from patchswarm.daemon.checkpoint import read_served
     from patchswarm.daemon.pull_state import PullState
+    from patchswarm.daemon.swarm_cli import SwarmCliError, tls_from_args
     from patchswarm.protocol.held import Held
     from patchswarm.protocol.keys import load_public_key
     from patchswarm.protocol.trust import TrustState
-    from patchswarm.swarm.board_sources import source_for
+    from patchswarm.swarm.board_sources import HttpSource, source_for
     from patchswarm.swarm.puller import Puller
 
     url, run = args.source, args.run
+    try:
+        tls = tls_from_args(args)
+    except SwarmCliError as e:
+        raise UserError(str(e)) from None
+    if tls is not None and not url.startswith("https://"):
+        raise UserError(f"--tls-* is for a board served over https://, got --from {url[:200]}")
     trust = TrustState(load_public_key(args.trust))
     state = PullState.load(Path(args.state), run) if args.state else None
     if state:
@@ -509,7 +523,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     have = read_served(args.have) if args.have else None
 
     async def go() -> tuple[Held, Puller]:
-        src = source_for(url)
+        src = HttpSource(url, tls=tls) if tls is not None else source_for(url)
         try:
             puller = Puller(src, trust, run, tracker=state.tracker if state else None)
             head = await puller.fetch_head()
@@ -679,6 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--have", type=path, metavar="OLD", help="a version already held, file or directory (patches from it)"
     )
     pl.add_argument("--state", type=out, metavar="FILE", help="persist the high-water mark here (refuses rewinds)")
+    add_tls_args(pl)  # (a seed serving over mutual TLS: --from https://...)
     pl.set_defaults(func=cmd_pull, check=_check_pull)
 
     d = sub.add_parser("diff", help="encode TARGET against BASE into a self-contained patch file")
@@ -720,6 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     add_simulate_parser(sub)
+    add_certs_parser(sub)
     add_head_parser(sub)
     for sp in sub.choices.values():  # each subcommand knows its parser, for checks across arguments
         sp.set_defaults(subparser=sp)

@@ -27,6 +27,7 @@ from patchswarm.protocol.files import InputFileError, MissingFileError, read_fil
 from patchswarm.protocol.keys import MAX_KEY_FILE_BYTES
 from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.swarm.serving import ServerLimits
+from patchswarm.swarm.tls import TlsError, TlsFiles, TlsReloader
 
 
 class ConfigError(Exception):
@@ -475,6 +476,47 @@ SCHEMA: list[Key] = [
         "Serve Prometheus metrics over TCP here (HOST:PORT, GET /metrics); they are always on the API socket.",
     ),
     Key(
+        "tls",
+        "enabled",
+        parse_bool,
+        False,
+        "Mutual TLS for the swarm endpoints (node.listen) and every request to peers and seeds, against the "
+        "cluster CA (docs/security.md): then every peer, bootstrap and seed URL must be https:// (never a "
+        "silent fallback to plain HTTP).",
+    ),
+    Key("tls", "ca", parse_str, None, "PEM bundle of the cluster CA(s) peers' certificates must chain to."),
+    Key("tls", "cert", parse_str, None, "PEM certificate of this host (from the cluster CA; `patchswarm certs`)."),
+    Key("tls", "key", parse_str, None, "PEM private key of tls.cert (unencrypted; keep it 0600)."),
+    Key(
+        "tls",
+        "sidecar",
+        parse_bool,
+        True,
+        "With tls.enabled, the sidecar listener too (its clients then present a cluster certificate).",
+    ),
+    Key(
+        "tls",
+        "metrics",
+        parse_bool,
+        True,
+        "With tls.enabled, the metrics listener too (the scraper then presents a cluster certificate).",
+    ),
+    Key(
+        "tls",
+        "check_hostname",
+        parse_bool,
+        False,
+        "Also check that a peer's certificate names the host in its URL (off: peers announce bare addresses; "
+        "the cluster CA is the check, docs/security.md).",
+    ),
+    Key(
+        "tls",
+        "reload_interval",
+        parse_positive_duration,
+        5.0,
+        "How often the certificate files are checked for changes (rotation without restart).",
+    ),
+    Key(
         "log",
         "format",
         choice("json", "text"),
@@ -554,6 +596,18 @@ class DaemonConfig:
     def data_dir(self) -> Path:
         return Path(self.values["data.dir"])
 
+    def tls(self) -> TlsReloader | None:
+        """The TLS contexts (swarm/tls.py) when tls.enabled; ConfigError naming the file at fault."""
+        if not self.values["tls.enabled"]:
+            return None
+        files = TlsFiles(*(Path(self.values[f"tls.{n}"]) for n in ("ca", "cert", "key")))
+        try:
+            return TlsReloader(
+                files, check_hostname=self.values["tls.check_hostname"], interval_s=self.values["tls.reload_interval"]
+            )
+        except TlsError as e:
+            raise ConfigError(str(e)) from None
+
     def cluster_secret(self) -> bytes:
         path = Path(self.values["swarm.cluster_secret_file"])
         try:
@@ -611,7 +665,22 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
     _check_ranks(values)
+    _check_tls(values)
     return DaemonConfig(values, source, tuple(unknown_env(env)))
+
+
+def _check_tls(values: Mapping[str, Any]) -> None:
+    """With tls.enabled: the three files named, and no peer or seed reached over plain HTTP."""
+    if not values["tls.enabled"]:
+        return
+    for name in ("ca", "cert", "key"):
+        if not values[f"tls.{name}"]:
+            raise ConfigError(f"tls.{name}: required with tls.enabled")
+    for key in ("swarm.bootstrap", "swarm.seed_urls", "node.advertise"):
+        value = values[key]
+        for url in value if isinstance(value, list) else [value] if value else []:
+            if not url.startswith("https://"):
+                raise ConfigError(f"{key}: {url[:200]} is plain HTTP and tls.enabled is set: use https://")
 
 
 def _check_ranks(values: Mapping[str, Any]) -> None:

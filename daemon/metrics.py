@@ -6,6 +6,7 @@ They are served on the API socket's ``/metrics`` and, when ``metrics.listen`` is
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Callable
 
@@ -170,7 +171,11 @@ class DaemonMetrics:
 
 
 async def serve_metrics(
-    render: Callable[[], bytes], listen: str, key: str = "metrics.listen", limits: ServerLimits | None = None
+    render: Callable[[], bytes],
+    listen: str,
+    key: str = "metrics.listen",
+    limits: ServerLimits | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> web.AppRunner:
     """Serve ``GET /metrics`` (``render()``) over TCP at ``listen`` (HOST:PORT, IPv6 as [::1]:PORT), under the
     same connection cap and deadlines as the daemon's other servers (swarm/serving.py).
@@ -185,5 +190,5 @@ async def serve_metrics(
     app.router.add_get("/metrics", metrics)
     host, port = split_listen(listen)
     with bind_errors(key, listen):
-        runner, _ = await serve_tcp(app, host, port, limits)
+        runner, _ = await serve_tcp(app, host, port, limits, ssl_context)  # (TLS: a scraper needs a cluster cert)
     return runner

@@ -87,6 +87,7 @@ from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
 from patchswarm.swarm.stores import MemoryChunkStore
+from patchswarm.swarm.tls import TlsReloader
 
 T = TypeVar("T")
 
@@ -145,6 +146,7 @@ class RolloutDaemon:
         self.store: WeightStore | None = None
         self.shadow: Held | None = None
         self.node: RunningNode | None = None
+        self.tls: TlsReloader | None = None  # mutual TLS contexts (tls.enabled), reloaded on SIGHUP too
         self.gate: Any = None  # the sidecar's VersionGate, when the sidecar runs
         self._runners: list[Any] = []
         self._servers: list[Any] = []  # sidecar servers (closed at shutdown)
@@ -263,6 +265,10 @@ class RolloutDaemon:
         tune_malloc()  # freed tensors and chunks go back to the system (daemon/shadow.py)
         raise_nofile_limit()  # soft to hard: the servers' connection caps assume the unit's LimitNOFILE
         limits = self.cfg.server_limits()
+        try:
+            tls = self.tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
+        except ConfigError as e:
+            raise DaemonError(str(e)) from None
         for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
             log.warning(warning)
         self._prepare_data_dir()
@@ -280,13 +286,15 @@ class RolloutDaemon:
             raise DaemonError(str(e)) from None
         self._socket_id = file_id(self.cfg["api.socket"])  # (no await since the bind: still ours)
         if self.cfg["sidecar.enabled"]:
-            await self._start_sidecar(limits)
+            await self._start_sidecar(limits, tls if self.cfg["tls.sidecar"] else None)
         if self.cfg["metrics.listen"]:
-            self._runners.append(await serve_metrics(self._metrics_text, self.cfg["metrics.listen"], limits=limits))
+            on_tls = tls.server_context() if tls is not None and self.cfg["tls.metrics"] else None
+            listen = self.cfg["metrics.listen"]
+            self._runners.append(await serve_metrics(self._metrics_text, listen, limits=limits, ssl_context=on_tls))
         host, port = self.cfg.listen("node.listen")
         advertise = self.cfg["node.advertise"]
         if advertise is None and host in ("0.0.0.0", "::"):
-            advertise = f"http://{socket.getfqdn()}:{port}"
+            advertise = f"{'https' if tls else 'http'}://{socket.getfqdn()}:{port}"
         node_cfg = NodeConfig(
             node_id=self.cfg.node_name,
             run_id=self.cfg["swarm.run_id"],
@@ -311,6 +319,7 @@ class RolloutDaemon:
                 on_version=self._on_version,
                 apply=self._decode_once,  # (in a thread: the API and the sidecar keep answering)
                 limits=limits,
+                tls=tls,
             )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
@@ -334,13 +343,20 @@ class RolloutDaemon:
         text = " ".join(f"{k}={v}" for k, v in fields.items())
         log.info("started: %s version=%s", text, self.status.version, extra={**fields, "version": self.status.version})
 
-    async def _start_sidecar(self, limits: ServerLimits) -> None:
+    async def _start_sidecar(self, limits: ServerLimits, tls: TlsReloader | None) -> None:
         from patchswarm.daemon.sidecar import VersionGate, start_sidecar
 
         self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
         host, port = self.cfg.listen("sidecar.listen")
         with bind_errors("sidecar.listen", self.cfg["sidecar.listen"]):
-            server = await start_sidecar(self.cfg["sidecar.upstream"], self.gate, host=host, port=port, limits=limits)
+            server = await start_sidecar(
+                self.cfg["sidecar.upstream"],
+                self.gate,
+                host=host,
+                port=port,
+                limits=limits,
+                ssl_context=tls.server_context() if tls is not None else None,
+            )
         self._servers.append(server)
 
     # ------------------------------------------------------------ activation
@@ -831,12 +847,22 @@ async def run_daemon(cfg: DaemonConfig) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, reload_tls, lambda: daemon.tls)
     try:
         await daemon.start()
     except (DaemonError, ConfigError, StoreError, OSError) as e:
         await daemon.shutdown(f"start-up failed: {e}")
         raise
     await daemon.run_until(stop, why)
+
+
+def reload_tls(current: Callable[[], TlsReloader | None]) -> None:
+    """SIGHUP: look at the TLS files now rather than at the next reload interval (never a stop)."""
+    tls = current()
+    if tls is None:
+        log.info("SIGHUP: TLS is off, nothing to reload")
+    elif not tls.reload():
+        log.info("SIGHUP: TLS files unchanged (or not loadable: see the warning), kept")
 
 
 def _acquire(lock: FileLock, key: str) -> None:

@@ -36,6 +36,7 @@ import json
 import logging
 import re
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -45,7 +46,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from patchswarm.swarm.client_errors import describe
-from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
+from patchswarm.swarm.serving import HardenedRunner, ServerLimits, TlsSite, read_body
 
 log = logging.getLogger(__name__)
 
@@ -711,11 +712,12 @@ class RunningServer:
     runner: web.AppRunner
     host: str
     port: int
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     async def close(self) -> None:
         await self.runner.cleanup()
@@ -727,6 +729,7 @@ async def serve_app(
     port: int = 0,
     limits: ServerLimits | None = None,
     shutdown_grace_s: float = 60.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> RunningServer:
     """Serve ``app`` on ``host:port`` (port 0: any free port, reported in the result) under ``limits``
     (the connection cap and deadlines; default: ServerLimits.from_env()).  ``close()`` gives the
@@ -744,12 +747,15 @@ async def serve_app(
     runner = HardenedRunner(app, limits, shutdown_timeout=shutdown_grace_s)
     await runner.setup()
     try:
-        await web.SockSite(runner, sock).start()
+        if ssl_context is None:
+            await web.SockSite(runner, sock).start()
+        else:
+            await TlsSite(runner, sock, ssl_context, runner.limits.header_timeout_s).start()
     except BaseException:
         await runner.cleanup()
         sock.close()
         raise
-    return RunningServer(runner, host, sock.getsockname()[1])
+    return RunningServer(runner, host, sock.getsockname()[1], "https" if ssl_context else "http")
 
 
 async def start_sidecar(
@@ -758,8 +764,10 @@ async def start_sidecar(
     host: str = "127.0.0.1",
     port: int = 0,
     limits: ServerLimits | None = None,
+    ssl_context: ssl.SSLContext | None = None,
     **options: Any,
 ) -> RunningServer:
-    """Run the sidecar on a TCP port (``options``: keyword arguments of :func:`make_sidecar_app`)."""
+    """Run the sidecar on a TCP port (``options``: keyword arguments of :func:`make_sidecar_app`), over
+    mutual TLS with ``ssl_context`` (swarm/tls.py: rollout clients then present a cluster certificate)."""
     app = make_sidecar_app(upstream_url, gate, **options)
-    return await serve_app(app, host, port, limits, shutdown_grace_s=SHUTDOWN_GRACE_S)
+    return await serve_app(app, host, port, limits, shutdown_grace_s=SHUTDOWN_GRACE_S, ssl_context=ssl_context)

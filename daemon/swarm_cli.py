@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from patchswarm.protocol.held import Held
     from patchswarm.protocol.node_config import NodeConfig
     from patchswarm.swarm.server import RunningNode
+    from patchswarm.swarm.tls import TlsReloader
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
 # NodeConfig's defaults, for the help text only (swarm.node loads torch: --help must not);
@@ -51,7 +52,35 @@ def cluster_secret(path: str | None) -> bytes:
     return data
 
 
+def tls_from_args(args: argparse.Namespace) -> TlsReloader | None:
+    """Mutual TLS from --tls-ca, --tls-cert and --tls-key (all three, or none: plain HTTP)."""
+    given = [args.tls_ca, args.tls_cert, args.tls_key]
+    if not any(given):
+        return None
+    if not all(given):
+        raise SwarmCliError("TLS needs --tls-ca, --tls-cert and --tls-key together")
+    from pathlib import Path
+
+    from patchswarm.swarm.tls import TlsError, TlsFiles, TlsReloader
+
+    try:
+        return TlsReloader(TlsFiles(Path(args.tls_ca), Path(args.tls_cert), Path(args.tls_key)))
+    except TlsError as e:
+        raise SwarmCliError(str(e)) from None
+
+
+def add_tls_args(p: argparse.ArgumentParser) -> None:
+    for flag, what in (("ca", "cluster CA bundle"), ("cert", "this host's certificate"), ("key", "its key")):
+        p.add_argument(
+            f"--tls-{flag}",
+            type=cli_args.path,
+            metavar="PEM",
+            help=f"mutual TLS: the {what} (all three --tls-* turn TLS on; docs/daemon.md)",
+        )
+
+
 def add_swarm_args(p: argparse.ArgumentParser) -> None:
+    add_tls_args(p)
     p.add_argument(
         "--secret-file", type=cli_args.path, metavar="FILE", help=f"cluster secret for gossip (or ${SECRET_ENV})"
     )
@@ -138,11 +167,13 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
     )
 
 
-async def _serve_until_signalled() -> None:
+async def _serve_until_signalled(tls: TlsReloader | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, tls.reload)  # the certificate files, now
     await stop.wait()
 
 
@@ -175,6 +206,7 @@ def run_seed(args: argparse.Namespace) -> int:
     host, port = _listen(args.listen)
     board = Board(args.board)
     config = _config(args, is_seed=True, listen=args.listen)
+    tls = tls_from_args(args)
     running: list[RunningNode] = []
 
     def head_moved() -> None:
@@ -187,12 +219,14 @@ def run_seed(args: argparse.Namespace) -> int:
         # A seed serves its own board and never takes anything from peers: it trusts no key.
         policy = TrustedKeys(frozenset())
         with bind_errors("--listen", args.listen):
-            node = await start_http_node(config, policy, host=host, port=port, advertise=args.advertise, board=board)
+            node = await start_http_node(
+                config, policy, host=host, port=port, advertise=args.advertise, board=board, tls=tls
+            )
         running.append(node)
         refreshing = refresher() if refresher else None  # with --key: re-signs the head while the trainer is idle
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled()
+            await _serve_until_signalled(tls)
         finally:
             if refreshing is not None:
                 refreshing.cancel()
@@ -211,6 +245,7 @@ def run_node(args: argparse.Namespace) -> int:
     host, port = _listen(args.listen)
     trust = TrustState(load_public_key(args.trust))
     config = _config(args, is_seed=False, listen=args.listen)
+    tls = tls_from_args(args)
 
     def on_version(held: Held) -> None:
         root = held.model.root().hex() if args.print_root else None
@@ -219,11 +254,11 @@ def run_node(args: argparse.Namespace) -> int:
     async def main() -> None:
         with bind_errors("--listen", args.listen):
             node = await start_http_node(
-                config, trust, host=host, port=port, advertise=args.advertise, on_version=on_version
+                config, trust, host=host, port=port, advertise=args.advertise, on_version=on_version, tls=tls
             )
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled()
+            await _serve_until_signalled(tls)
         finally:
             m = node.node.metrics
             print(json.dumps({"event": "stopped", "metrics": m.__dict__}), flush=True)

@@ -16,6 +16,7 @@ from patchswarm.protocol.files import FileTooLargeError
 from patchswarm.swarm.board_files import BoardFiles
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.http import read_bounded
+from patchswarm.swarm.tls import TlsReloader, require_https
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -54,8 +55,18 @@ class DirSource:
 class HttpSource:
     """Plain HTTP GETs against a board URL (nginx, object store, CDN or ``patchswarm seed``)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, connections: int = 16) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connections: int = 16,
+        tls: TlsReloader | None = None,
+    ) -> None:
+        if tls is not None:
+            require_https(base_url, "board URL")  # TlsError: with TLS, never a plain seed
         self.base_url = base_url.rstrip("/") + "/"
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
         self._connections = connections
@@ -71,7 +82,9 @@ class HttpSource:
         url = self.base_url + rel
         try:
             async with self._client().get(
-                url, headers={"Cache-Control": "no-cache"} if rel.endswith("head") else None
+                url,
+                headers={"Cache-Control": "no-cache"} if rel.endswith("head") else None,
+                ssl=self._tls.client_context() if self._tls is not None else True,
             ) as r:
                 if r.status == 404:
                     return None

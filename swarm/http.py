@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 import aiohttp
 from aiohttp import web
@@ -20,6 +21,7 @@ from patchswarm.protocol.board_names import TOP_LEVEL
 from patchswarm.protocol.errors import LimitExceededError
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.serving import address_key, is_loopback, read_body
+from patchswarm.swarm.tls import TlsError, TlsReloader, require_https
 from patchswarm.swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
 log = logging.getLogger(__name__)
@@ -136,9 +138,15 @@ class _Sending:
 
 
 class HttpTransport:
-    def __init__(self, *, connections_per_host: int = 8, connect_timeout: float = 3.0) -> None:
+    def __init__(
+        self, *, connections_per_host: int = 8, connect_timeout: float = 3.0, tls: TlsReloader | None = None
+    ) -> None:
         self._per_host = connections_per_host
         self._connect_timeout = connect_timeout
+        # With TLS every request presents this host's certificate and checks the peer's (swarm/tls.py),
+        # and a plain http:// peer is refused, never used.
+        self.tls = tls
+        self._refused: set[str] = set()  # plain http:// peers refused (logged once each)
         self._session: aiohttp.ClientSession | None = None
         self._posts: set[asyncio.Task[None]] = set()  # gossip under way (post): close cancels it
         self._closed = False
@@ -150,12 +158,28 @@ class HttpTransport:
             )
         return self._session
 
+    def _ssl(self, addr: str) -> ssl.SSLContext | bool:
+        """The ``ssl`` argument of a request to ``addr``: the newest client context with TLS (a new one
+        after a rotation opens new connections: aiohttp pools by context), else aiohttp's default."""
+        if self.tls is None:
+            return True
+        try:
+            require_https(addr, "peer")
+        except TlsError as e:
+            if addr not in self._refused and len(self._refused) < MAX_HOLDERS * 64:
+                self._refused.add(addr)  # one line per address (a plain peer in a TLS cluster: misconfigured)
+                log.warning("%s", e)
+            raise TransportError(str(e)) from None
+        return self.tls.client_context()
+
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self._connect_timeout)
 
     async def send(self, addr: str, data: bytes) -> None:
         try:
-            async with self._client().post(f"{addr}{PREFIX}/gossip", data=data, timeout=self._timeout(5.0)) as r:
+            async with self._client().post(
+                f"{addr}{PREFIX}/gossip", data=data, timeout=self._timeout(5.0), ssl=self._ssl(addr)
+            ) as r:
                 if r.status >= 400:
                     raise TransportError(f"gossip to {addr}: HTTP {r.status}")
         except (TimeoutError, aiohttp.ClientError) as e:
@@ -182,7 +206,9 @@ class HttpTransport:
         if held >= 0:
             headers[HELD_HEADER] = str(held)
         try:
-            async with self._client().get(url, timeout=self._timeout(timeout), headers=headers) as r:
+            async with self._client().get(
+                url, timeout=self._timeout(timeout), headers=headers, ssl=self._ssl(addr)
+            ) as r:
                 if r.status in (503, 404):
                     holders = _holders(r)
                     if r.status == 404:
@@ -203,7 +229,9 @@ class HttpTransport:
         if insist:
             headers[INSIST_HEADER] = "1"
         try:
-            async with self._client().get(url, timeout=self._timeout(timeout), headers=headers) as r:
+            async with self._client().get(
+                url, timeout=self._timeout(timeout), headers=headers, ssl=self._ssl(addr)
+            ) as r:
                 if r.status == 404:
                     holders = _holders(r)
                     return Missing(holders) if holders else None

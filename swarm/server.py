@@ -18,6 +18,7 @@ from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, serve_tcp
 from patchswarm.swarm.staging import ApplyVersion, StagedApply
 from patchswarm.swarm.stores import BoardChunkStore
+from patchswarm.swarm.tls import TlsReloader, require_https
 from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
 
 
@@ -48,6 +49,7 @@ async def start_http_node(
     on_version: Callable[[Held], Awaitable[None] | None] | None = None,
     apply: ApplyVersion | None = None,  # default: swarm.staging.StagedApply (one per node)
     limits: ServerLimits | None = None,  # default: ServerLimits.from_env()
+    tls: TlsReloader | None = None,  # mutual TLS for the endpoints and every request (swarm/tls.py)
 ) -> RunningNode:
     """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
     box: list[SwarmNode] = []
@@ -63,9 +65,13 @@ async def start_http_node(
 
     app = board_app(board.root) if board is not None else web.Application()
     add_routes(app, Handlers(gossip, chunk, obj, chunk_from=chunk))  # chunk_from: per-requester upload limits
-    runner, bound = await serve_tcp(app, host, port, limits)
-    url = advertise or f"http://{f'[{host}]' if ':' in host else host}:{bound}"  # IPv6 literals in brackets
-    transport = HttpTransport()
+    if tls is not None:  # (TlsError) nothing reached, nor reaching us, over plain HTTP: checked before binding
+        for url in [*([advertise] if advertise else []), *config.bootstrap, *config.seed_urls]:
+            require_https(url, "advertised URL" if url == advertise else "bootstrap or seed URL")
+    runner, bound = await serve_tcp(app, host, port, limits, tls.server_context() if tls is not None else None)
+    scheme = "https" if tls is not None else "http"
+    url = advertise or f"{scheme}://{f'[{host}]' if ':' in host else host}:{bound}"  # IPv6 literals in brackets
+    transport = HttpTransport(tls=tls)
     node = SwarmNode(
         config,
         url,

@@ -35,6 +35,7 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -357,6 +358,52 @@ class _AcceptErrors:
         loop.default_exception_handler(context)
 
 
+class TlsSite(web.SockSite):
+    """A SockSite whose TLS handshakes must finish within ``handshake_timeout_s`` (the guarded handler
+    sees a connection only once its handshake is done, so its header deadline starts after it; asyncio's
+    own handshake limit is 60 s)."""
+
+    __slots__ = ("_handshake_timeout",)
+
+    def __init__(
+        self, runner: web.BaseRunner, sock: socket.socket, ssl_context: ssl.SSLContext, handshake_timeout_s: float
+    ) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context)
+        self._handshake_timeout = handshake_timeout_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # (registers the site with its runner; SockSite.start would serve too)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server,
+            sock=self._sock,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout,
+        )
+
+
+def bind_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host:port`` (SO_REUSEADDR, as aiohttp's TCPSite); OSError
+    as bind raises it."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # (as asyncio's create_server)
+        sock.bind(addr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def limits_of(request: web.BaseRequest) -> ServerLimits:
     """The limits the request's server runs under (the defaults for a plain aiohttp server)."""
     proto = request.protocol
@@ -405,14 +452,26 @@ def raise_nofile_limit() -> tuple[int, int]:
 
 
 async def serve_tcp(
-    app: web.Application, host: str, port: int, limits: ServerLimits | None = None
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: ServerLimits | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[HardenedRunner, int]:
-    """Serve ``app`` on ``host:port`` under ``limits``; returns the runner and the bound port."""
+    """Serve ``app`` on ``host:port`` under ``limits`` (over TLS with ``ssl_context``: swarm/tls.py);
+    returns the runner and the bound port."""
     runner = HardenedRunner(app, limits)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        if ssl_context is None:
+            await web.TCPSite(runner, host, port).start()
+        else:
+            sock = bind_tcp(host, port)
+            try:
+                await TlsSite(runner, sock, ssl_context, runner.limits.header_timeout_s).start()
+            except BaseException:
+                sock.close()
+                raise
     except BaseException:
         await runner.cleanup()
         raise
@@ -425,11 +484,12 @@ def run_app(
     port: int,
     limits: ServerLimits | None = None,
     on_ready: Callable[[], None] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop); ``on_ready`` once bound."""
 
     async def main() -> None:
-        runner, _ = await serve_tcp(app, host, port, limits)
+        runner, _ = await serve_tcp(app, host, port, limits, ssl_context)
         if on_ready is not None:
             on_ready()  # after the bind: a port in use gives its one error line, not a "serving" line first
         stop = asyncio.Event()

@@ -107,7 +107,8 @@ class SwarmSource:
         # Who served the last head: it verified it, so holds its certificate, and fetched the manifest
         # it names while we fetched the head (so the seed is not every host's manifest source at once).
         self._head_from: str | None = None
-        self._boards = [HttpSource(url) for url in seed_urls]
+        tls = getattr(node.transport, "tls", None)  # (HttpTransport's: seeds are reached as peers are)
+        self._boards = [HttpSource(url, tls=tls) for url in seed_urls]
 
     def forget(self, rel: str) -> None:
         """Drop the fetched copy of an object the caller verified (and now holds itself)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, TrustState
 from patchswarm.swarm.server import RunningNode, start_http_node
+from patchswarm.swarm.tls import TlsReloader
 
 SECRET = b"test-cluster-secret-0123456789ab"
 RUN = "swarm-run"
@@ -38,6 +40,7 @@ class Swarm:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     pub: Publisher | None = None
     gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
+    tls_for: Callable[[str], TlsReloader] | None = None  # a node's TLS contexts, by name (tests/support/tlskit.py)
 
     def __post_init__(self) -> None:
         now = int(time.time() * 1000)
@@ -66,12 +69,17 @@ class Swarm:
         head = Head.from_bytes(Envelope.from_bytes(self.board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
         return next(e.size for e in head.catalog if e.version == version and e.kind.value == "patch")
 
+    def _tls(self, name: str) -> TlsReloader | None:
+        return self.tls_for(name) if self.tls_for is not None else None
+
     def policy(self) -> TrustState:
         return TrustState(self.root.key_id)
 
     async def start_seed(self, zone: str = "z0", **kw: object) -> RunningNode:
         cfg = NodeConfig("seed", RUN, SECRET, zone=zone, region="r0", is_seed=True, membership=FAST_MEMBERSHIP, **kw)  # type: ignore[arg-type]
-        self.seed = await start_http_node(cfg, self.policy(), board=self.board, rng=random.Random(0))
+        self.seed = await start_http_node(
+            cfg, self.policy(), board=self.board, rng=random.Random(0), tls=self._tls("seed")
+        )
         return self.seed
 
     async def start_node(self, name: str, zone: str = "z0", region: str = "r0", **kw: object) -> RunningNode:
@@ -89,7 +97,7 @@ class Swarm:
             head_poll_interval=0.5,
             **kw,  # type: ignore[arg-type]
         )
-        node = await start_http_node(cfg, self.policy(), rng=random.Random(hash(name) & 0xFFFF))
+        node = await start_http_node(cfg, self.policy(), rng=random.Random(hash(name) & 0xFFFF), tls=self._tls(name))
         self.nodes[name] = node
         return node
 

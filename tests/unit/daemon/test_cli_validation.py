@@ -274,6 +274,8 @@ TEMPLATES: dict[str, list[str]] = {
     "daemon": ["--config", "daemon.toml"],
     "head": ["refresh", "--board", "board", "--key", "key", "--run-id", "run-1", "--head-ttl", "60"],
     "simulate": ["scenario.toml", "--out", "out", "--seed", "3", "--workers", "2"],
+    "certs": ["issue", "--ca", "dir", "--name", "h1", "--ip", "127.0.0.1", "--dns", "h1.local", "--days", "30"]
+    + ["--out", "out"],
 }
 
 
