@@ -86,6 +86,7 @@ from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
+from patchswarm.swarm.spool import SpoolChunkStore
 from patchswarm.swarm.stores import MemoryChunkStore
 
 T = TypeVar("T")
@@ -163,6 +164,8 @@ class RolloutDaemon:
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the API socket this process bound
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
+        # The download in progress: an unnamed file here (page cache, not the heap; swarm/spool.py).
+        self.chunks = SpoolChunkStore(cfg.data_dir / "spool", int(cfg["swarm.cache_size"]) or 1 << 30)
         # store.plan other than none: N rank stores in the engine's runtime layout (daemon/rank_stores.py)
         self.ranks: RankStores | None = rank_stores_for(cfg, self.journal_dir, self.engine_kind)
 
@@ -311,6 +314,7 @@ class RolloutDaemon:
                 on_version=self._on_version,
                 apply=self._decode_once,  # (in a thread: the API and the sidecar keep answering)
                 limits=limits,
+                chunks=self.chunks,
             )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
@@ -351,7 +355,7 @@ class RolloutDaemon:
         stores hold runtime layouts, not the canonical model, so the daemon keeps its own copy."""
         return not self.engine_kind and self.ranks is None
 
-    async def _decode_once(self, held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+    async def _decode_once(self, held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
         """The swarm node's apply hook: decode and verify each version once (daemon/shadow.py).  When
         the store is the held copy and a patch does not verify against it, the store's digests tell
         whether it changed under the daemon (an engine that wrote into it): then the held version is
@@ -812,6 +816,7 @@ class RolloutDaemon:
                 self.store.close()
             if self.ranks is not None:
                 self.ranks.close()
+            self.chunks.close()
         version = self.shadow.version if self.shadow is not None else None
         log.info("stopped: reason=%s version=%s", reason, version, extra={"reason": reason, "version": version})
         if self.store_lock is not None:

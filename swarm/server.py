@@ -17,7 +17,7 @@ from patchswarm.swarm.http import HttpTransport, add_routes
 from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, serve_tcp
 from patchswarm.swarm.staging import ApplyVersion, StagedApply
-from patchswarm.swarm.stores import BoardChunkStore
+from patchswarm.swarm.stores import BoardChunkStore, ChunkStore
 from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
 
 
@@ -48,6 +48,7 @@ async def start_http_node(
     on_version: Callable[[Held], Awaitable[None] | None] | None = None,
     apply: ApplyVersion | None = None,  # default: swarm.staging.StagedApply (one per node)
     limits: ServerLimits | None = None,  # default: ServerLimits.from_env()
+    chunks: ChunkStore | None = None,  # default: the board's (a seed), else a MemoryChunkStore
 ) -> RunningNode:
     """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
     box: list[SwarmNode] = []
@@ -73,7 +74,7 @@ async def start_http_node(
         SystemClock(),
         policy,
         rng or random.Random(),
-        chunks=BoardChunkStore(board) if board is not None else None,
+        chunks=BoardChunkStore(board) if board is not None else chunks,
         board=board,
         held=held,
         on_version=on_version,
