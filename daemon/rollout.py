@@ -360,6 +360,12 @@ class RolloutDaemon:
         the store is the held copy and a patch does not verify against it, the store's digests tell
         whether it changed under the daemon (an engine that wrote into it): then the held version is
         dropped, so the node fetches an anchor and the store is reloaded."""
+        try:
+            return await self._decode_verified(held, manifest, parts)
+        finally:
+            self.chunks.release()  # decoded or refused: its spool goes before the activation's journal
+
+    async def _decode_verified(self, held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
         self._bound_chunk_cache(manifest)
         into = None
         if manifest.base_version is None and self.store_is_copy:

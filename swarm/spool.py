@@ -10,9 +10,11 @@ The finished download is handed to the decoder as one read-only mapping of that 
 hashed again over the mapping first: page cache the kernel can reclaim or write back, never
 anonymous memory.
 
-The spool's chunks stay servable to peers (read back and hashed again per request) until the
-next download begins; then the most recent of them, up to the cache's bound, move into the
-memory LRU, as a ``MemoryChunkStore`` would have kept them.  Any write error (a full disk) falls
+The spool's chunks are servable to peers (read back and hashed again per request) until its
+version is decoded (the owner calls ``release``) or the next download begins; then the most recent
+of them, up to the cache's bound, move into the memory LRU, as a ``MemoryChunkStore`` would have
+kept them, and the file goes (it takes the disk space of one payload only while it is needed:
+the journal shares data.dir).  Any write error (a full disk) falls
 back to memory for that download: it costs RAM, never correctness.
 """
 
@@ -86,12 +88,10 @@ class SpoolChunkStore(MemoryChunkStore):
 
     def begin(self, manifest: Manifest) -> None:
         """Spool ``manifest``'s chunks from now on (the chunks held already are copied in).  A retry of
-        the same download keeps its spool; another download's spool is let go, its newest chunks
-        kept in memory up to the cache's bound."""
+        the same download keeps its spool; another download's spool is released first."""
         old = self._spool
         if old is not None and old.manifest_id == manifest.manifest_id:
             return
-        self._spool = None
         spool = self._open(manifest)
         if spool is not None:
             try:
@@ -103,10 +103,17 @@ class SpoolChunkStore(MemoryChunkStore):
                 log.warning("cannot spool to %s (%s): the download is kept in memory", self.folder, e)
                 spool.close()
                 spool = None
+        self.release()
+        self._spool = spool
+
+    def release(self) -> None:
+        """Let the spool go (its version is decoded, or another download begins): its newest chunks
+        stay servable from memory, up to the cache's bound, and its disk space is freed once the
+        mapping handed out is dropped too."""
+        old, self._spool = self._spool, None
         if old is not None:
             self._keep_newest(old)
             old.close()
-        self._spool = spool
 
     def _open(self, manifest: Manifest) -> _Spool | None:
         where: dict[bytes, list[int]] = {}
@@ -184,6 +191,6 @@ class SpoolChunkStore(MemoryChunkStore):
         return self._spool is not None and chunk_hash in self._spool.written
 
     def close(self) -> None:
-        if self._spool is not None:
-            self._spool.close()
-            self._spool = None
+        spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close()

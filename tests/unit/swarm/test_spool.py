@@ -58,14 +58,19 @@ def test_a_spooled_download_is_one_mapping_of_the_payload_and_its_chunks_stay_se
     assert bytes(whole) == bytes(v.payload)  # the mapping outlives the store's descriptor
 
 
-def test_the_next_download_keeps_the_newest_chunks_in_memory_within_the_bound(tmp_path: Path) -> None:
+@pytest.mark.parametrize("by", ["release", "next download"])
+def test_a_released_spool_keeps_its_newest_chunks_in_memory_within_the_bound(tmp_path: Path, by: str) -> None:
     a, b = _version(1), _version(2, version=2)
     s = SpoolChunkStore(tmp_path, max_bytes=3 * CHUNK)
     s.begin(a.manifest)
     chunks = _chunks(a)
     for h, data in chunks:
         s.put(h, data)
-    s.begin(b.manifest)
+    if by == "release":
+        s.release()
+        assert s._spool is None
+    else:
+        s.begin(b.manifest)
     kept = [h for h, _ in chunks if h in s]
     assert kept == [h for h, _ in chunks[-3:]]  # the three last received
     assert s.nbytes == sum(len(d) for _, d in chunks[-3:]) and all(s.get(h) == d for h, d in chunks[-3:])
