@@ -1,6 +1,7 @@
 """Host memory of a rollout daemon following a board, against the served model's size.
 
     python -m benchmarks.memory_bench                         # 100 MB bf16, anchor + 4 patches, store.kind shm
+    .venv/bin/python benchmarks/memory_bench.py               # the same, from the repository's root
     python -m benchmarks.memory_bench --kind engine-shm       # the engine allocates the buffer (CPU twin of cuda)
     python -m benchmarks.memory_bench --env MALLOC_ARENA_MAX=2
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+if not __package__:  # run as a script (.venv/bin/python benchmarks/memory_bench.py): this repository first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
@@ -133,7 +139,9 @@ async def run(args: argparse.Namespace) -> None:
     await sw.start_seed()
     env = dict(e.split("=", 1) for e in args.env)
     d = make_daemon(sw, "mem", tmp)
-    d.env = {"PATCHSWARM_STORE_KIND": args.kind, **env}
+    root = str(Path(__file__).resolve().parents[1])  # the daemon runs this repository's code, from any folder
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    d.env = {"PATCHSWARM_STORE_KIND": args.kind, "PYTHONPATH": path, **env}
     d.start()
     view = None
     try:
