@@ -62,7 +62,7 @@ class _Spool:
             return None
         try:
             data = os.pread(self.file.fileno(), self.sizes[h], self.where[h][0])
-        except OSError:
+        except (OSError, ValueError):  # (ValueError: closed meanwhile by ``payload``'s thread)
             return None
         if chunk_hash(data) != h:
             log.error("a spooled chunk changed on disk: dropped")
