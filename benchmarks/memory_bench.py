@@ -1,6 +1,7 @@
 """Host memory of a rollout daemon following a board, against the served model's size.
 
     python -m benchmarks.memory_bench                         # 100 MB bf16, anchor + 4 patches, store.kind shm
+    .venv/bin/python benchmarks/memory_bench.py               # the same, from the repository's root
     python -m benchmarks.memory_bench --kind engine-shm       # the engine allocates the buffer (CPU twin of cuda)
     python -m benchmarks.memory_bench --env MALLOC_ARENA_MAX=2
 
@@ -11,15 +12,20 @@ values by 1-2 ulps; a seed node (this process) serves it; the daemon is a real p
 cache, interpreter) and ``RssShmem`` (the store's pages it has touched).  Printed per version: the
 peak and the steady value (after the version is served and the daemon is idle again) of both, and
 ``host`` = (anon - baseline + store bytes) / model, where the baseline is the daemon's anonymous
-memory before the first version (interpreter, torch, aiohttp).  For ``engine-shm`` the engine's
-buffer is allocated in this process and registered by socket (``DaemonClient.open_store``): it is
-the store, and counts once in ``host``.  ``/proc/PID/smaps_rollup`` is printed at the end.
+memory before the first version (interpreter, torch, aiohttp).  ``file+`` is the peak of ``RssFile``
+above its baseline: the mapped spool of a download (swarm/spool.py), page cache the kernel can
+reclaim (data.dir on a disk; on tmpfs it would be shared memory), not counted in ``host``.  For
+``engine-shm`` the engine's buffer is allocated in this process and registered by socket
+(``DaemonClient.open_store``): it is the store, and counts once in ``host``.  ``/proc/PID/smaps_rollup``
+is printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import sys
 import tempfile
 import threading
 import time
@@ -27,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+if not __package__:  # run as a script (.venv/bin/python benchmarks/memory_bench.py): this repository first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
@@ -130,7 +139,9 @@ async def run(args: argparse.Namespace) -> None:
     await sw.start_seed()
     env = dict(e.split("=", 1) for e in args.env)
     d = make_daemon(sw, "mem", tmp)
-    d.env = {"PATCHSWARM_STORE_KIND": args.kind, **env}
+    root = str(Path(__file__).resolve().parents[1])  # the daemon runs this repository's code, from any folder
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    d.env = {"PATCHSWARM_STORE_KIND": args.kind, "PYTHONPATH": path, **env}
     d.start()
     view = None
     try:
@@ -141,14 +152,17 @@ async def run(args: argparse.Namespace) -> None:
         pid = d.proc.pid
         await asyncio.sleep(2.0)
         base = read_status(pid)
-        baseline = base["RssAnon"]
+        baseline, file_base = base["RssAnon"], base["RssFile"]
         sampler = Sampler(pid)
         sampler.start()
         print(
             f"model {mb(model_bytes)} MB bf16 in {args.tensors} tensors, store.kind {args.kind}, "
             f"frac {args.frac}, env {env or '-'}; daemon baseline anon {mb(baseline)} MB"
         )
-        print("version  kind    payload MB | peak anon  peak shm | steady anon  steady shm | host peak  host steady")
+        print(
+            "version  kind    payload MB | peak anon  peak shm  file+ | steady anon  steady shm "
+            "| host peak  host steady"
+        )
         host_steady: list[float] = []
         host_peak: list[float] = []
         for v in range(1, args.versions + 2):
@@ -172,7 +186,8 @@ async def run(args: argparse.Namespace) -> None:
             payload = (info.anchor_bytes or 0) if v == 1 else info.patch_bytes
             print(
                 f"{v:7d}  {'anchor' if v == 1 else 'patch ':6s}  {mb(payload)}   | {mb(peak['RssAnon'])}  "
-                f"{mb(peak['RssShmem'])}  | {mb(steady['RssAnon'])}     {mb(steady['RssShmem'])}    | "
+                f"{mb(peak['RssShmem'])} {mb(peak['RssFile'] - file_base)} | {mb(steady['RssAnon'])}     "
+                f"{mb(steady['RssShmem'])}    | "
                 f"{hp:6.2f}x   {hs:6.2f}x"
             )
         sampler.stop()

@@ -86,6 +86,7 @@ from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.server import RunningNode, start_http_node
 from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit
+from patchswarm.swarm.spool import SpoolChunkStore
 from patchswarm.swarm.stores import MemoryChunkStore
 from patchswarm.swarm.tls import TlsReloader
 
@@ -165,6 +166,8 @@ class RolloutDaemon:
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the API socket this process bound
         self.state_path = cfg.data_dir / "pull-state.msgpack"
         self.journal_dir = cfg.data_dir / "journal"
+        # The download in progress: an unnamed file here (page cache, not the heap; swarm/spool.py).
+        self.chunks = SpoolChunkStore(cfg.data_dir / "spool", int(cfg["swarm.cache_size"]) or 1 << 30)
         # store.plan other than none: N rank stores in the engine's runtime layout (daemon/rank_stores.py)
         self.ranks: RankStores | None = rank_stores_for(cfg, self.journal_dir, self.engine_kind)
 
@@ -320,6 +323,7 @@ class RolloutDaemon:
                 apply=self._decode_once,  # (in a thread: the API and the sidecar keep answering)
                 limits=limits,
                 tls=tls,
+                chunks=self.chunks,
             )
         self.node.node.puller.tracker = state.tracker
         if self.status.phase != Phase.ERROR:
@@ -367,11 +371,17 @@ class RolloutDaemon:
         stores hold runtime layouts, not the canonical model, so the daemon keeps its own copy."""
         return not self.engine_kind and self.ranks is None
 
-    async def _decode_once(self, held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+    async def _decode_once(self, held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
         """The swarm node's apply hook: decode and verify each version once (daemon/shadow.py).  When
         the store is the held copy and a patch does not verify against it, the store's digests tell
         whether it changed under the daemon (an engine that wrote into it): then the held version is
         dropped, so the node fetches an anchor and the store is reloaded."""
+        try:
+            return await self._decode_verified(held, manifest, parts)
+        finally:
+            self.chunks.release()  # decoded or refused: its spool goes before the activation's journal
+
+    async def _decode_verified(self, held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
         self._bound_chunk_cache(manifest)
         into = None
         if manifest.base_version is None and self.store_is_copy:
@@ -828,6 +838,7 @@ class RolloutDaemon:
                 self.store.close()
             if self.ranks is not None:
                 self.ranks.close()
+            self.chunks.close()
         version = self.shadow.version if self.shadow is not None else None
         log.info("stopped: reason=%s version=%s", reason, version, extra={"reason": reason, "version": version})
         if self.store_lock is not None:

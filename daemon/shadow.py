@@ -76,9 +76,12 @@ class StagedVersion(Held):
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-def join_payload(parts: list[bytes], size: int) -> memoryview:
+def join_payload(parts: list[bytes | memoryview], size: int) -> memoryview:
     """The chunks as one buffer, written once; the list's references are dropped as they are copied,
-    so a chunk nobody else holds (the chunk cache may) is freed before the next is copied."""
+    so a chunk nobody else holds (the chunk cache may) is freed before the next is copied.  One part
+    that is the whole payload (a spooled download's mapping, swarm/spool.py) is used as it is."""
+    if len(parts) == 1 and len(parts[0]) == size:
+        return memoryview(parts[0])
     buf = np.empty(size, dtype=np.uint8)
     at = 0
     for i, part in enumerate(parts):
@@ -93,7 +96,9 @@ def join_payload(parts: list[bytes], size: int) -> memoryview:
     return buf.data
 
 
-def decode_once(held: Held | None, manifest: Manifest, parts: list[bytes], *, into: ServedModel | None = None) -> Held:
+def decode_once(
+    held: Held | None, manifest: Manifest, parts: list[bytes | memoryview], *, into: ServedModel | None = None
+) -> Held:
     """The swarm node's apply hook: an anchor into a new model (or into ``into``: the buffers of a
     store that serves nothing yet), a patch into a ``StagedVersion``."""
     payload = join_payload(parts, manifest.payload_size)

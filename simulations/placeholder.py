@@ -36,7 +36,7 @@ def verify_size(index: int, data: bytes, ref: ChunkRef) -> None:
         raise ChunkError(index, f"{len(data)} bytes, manifest says {ref.size}")
 
 
-def apply_nothing(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+def apply_nothing(held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
     """No-op apply (``SwarmNode(apply=...)``): the node now holds ``manifest.version`` of nothing."""
     if len(parts) != len(manifest.chunks):
         raise ChunkError(-1, f"{len(parts)} chunks for a manifest of {len(manifest.chunks)}")

@@ -74,9 +74,13 @@ class ChunkFetcher:
         self.change_waiter: asyncio.Future[None] | None = None  # the download loop, while it waits
         self.full = False  # it waits with every request it may have in flight out
 
-    async def download(self, manifest: Manifest) -> list[bytes]:
-        """Every chunk of ``manifest``, verified and stored, in order (the caller applies them)."""
+    async def download(self, manifest: Manifest) -> list[bytes | memoryview]:
+        """Every chunk of ``manifest``, verified and stored, in order (the caller applies them); or, from a
+        store that spools downloads to a file (swarm/spool.py), one part: the whole payload, mapped."""
         mid = manifest.manifest_id
+        begin = getattr(self.chunks, "begin", None)
+        if begin is not None:
+            begin(manifest)
         sizes = [c.size for c in manifest.chunks]
         have = Bitfield(len(sizes))
         for i, ref in enumerate(manifest.chunks):
@@ -118,7 +122,12 @@ class ChunkFetcher:
             self.downloads.finish(mid)
             if isinstance(pinned, set):
                 pinned.difference_update(ref.hash for ref in manifest.chunks)
-        parts = []
+        spooled = getattr(self.chunks, "payload", None)
+        if spooled is not None:  # (hashed again over the file: off the loop)
+            whole = await asyncio.to_thread(spooled, manifest)
+            if whole is not None:
+                return [whole]
+        parts: list[bytes | memoryview] = []
         for ref in manifest.chunks:
             data = self.chunks.get(ref.hash)
             if data is None:

@@ -17,7 +17,7 @@ from patchswarm.swarm.http import HttpTransport, add_routes
 from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, serve_tcp
 from patchswarm.swarm.staging import ApplyVersion, StagedApply
-from patchswarm.swarm.stores import BoardChunkStore
+from patchswarm.swarm.stores import BoardChunkStore, ChunkStore
 from patchswarm.swarm.tls import TlsReloader, require_https
 from patchswarm.swarm.transport import Busy, Handlers, Missing, SendChunk, SystemClock
 
@@ -50,6 +50,7 @@ async def start_http_node(
     apply: ApplyVersion | None = None,  # default: swarm.staging.StagedApply (one per node)
     limits: ServerLimits | None = None,  # default: ServerLimits.from_env()
     tls: TlsReloader | None = None,  # mutual TLS for the endpoints and every request (swarm/tls.py)
+    chunks: ChunkStore | None = None,  # default: the board's (a seed), else a MemoryChunkStore
 ) -> RunningNode:
     """Bind, then build the node with its real address, then start it.  A seed also serves its board."""
     box: list[SwarmNode] = []
@@ -79,7 +80,7 @@ async def start_http_node(
         SystemClock(),
         policy,
         rng or random.Random(),
-        chunks=BoardChunkStore(board) if board is not None else None,
+        chunks=BoardChunkStore(board) if board is not None else chunks,
         board=board,
         held=held,
         on_version=on_version,

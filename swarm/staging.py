@@ -32,10 +32,10 @@ from patchswarm.protocol.served import ServedModel
 PAGE = 4096
 
 # Injection points (the simulator passes size-only checks and a no-op apply for sized placeholders).
-ApplyVersion = Callable[[Held | None, Manifest, list[bytes]], Held | Awaitable[Held]]
+ApplyVersion = Callable[[Held | None, Manifest, list[bytes | memoryview]], Held | Awaitable[Held]]
 
 
-def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+def apply_chunks(held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
     """The production apply: join the verified chunks and apply them to a copy of the held model."""
     base = held if held is not None and manifest.base_version is not None else None
     model, digests = apply_version(
@@ -74,7 +74,7 @@ class StagedApply:
         if stage is not None:
             stage.task.cancel()  # the thread finishes its copy; the result is dropped
 
-    async def __call__(self, held: Held | None, manifest: Manifest, parts: list[bytes]) -> Held:
+    async def __call__(self, held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
         stage = self._stages.pop(manifest.manifest_id, None)
         if stage is None or stage.held is not held:
             if stage is not None:

@@ -26,7 +26,9 @@ from tests.support.swarmkit import RUN, Swarm
 pytestmark = pytest.mark.asyncio
 
 MB = 1 << 20
-MARGIN = 16 * MB  # bookkeeping that does not scale with the model (sockets, logs, Python objects)
+# The fixed allowance on every bound: what does not scale with the model (sockets, logs, Python
+# objects, the decoder's per-stream zstd contexts and 4 MiB hash slice): 0.25x of this 64 MiB model.
+MARGIN = 16 * MB
 
 
 def rss(pid: int) -> dict[str, int]:
@@ -39,20 +41,28 @@ def rss(pid: int) -> dict[str, int]:
 
 
 class PeakSampler(threading.Thread):
+    """The daemon's peak ``RssAnon`` since the last ``take``.  The update and ``take`` hold one lock: a
+    sample read before a ``take`` and stored after it used to put the anchor's peak back into the
+    first patch's window (the 2.0x "patch" peak seen once in 11 runs)."""
+
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.peak, self.stop = pid, 0, threading.Event()
+        self.lock = threading.Lock()
 
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                self.peak = max(self.peak, rss(self.pid)["RssAnon"])
+                now = rss(self.pid)["RssAnon"]
             except (OSError, KeyError):
                 return
+            with self.lock:
+                self.peak = max(self.peak, now)
             time.sleep(0.005)
 
     def take(self) -> int:
-        peak, self.peak = self.peak, 0
+        with self.lock:
+            peak, self.peak = self.peak, 0
         return peak
 
 
@@ -92,10 +102,9 @@ async def test_host_memory_of_a_daemon_following_versions_stays_within_1_3x_the_
             # Steady: the store (the model) plus at most 0.3x of it besides what the daemon had before.
             tail = d.log.read_text()[-3000:]  # (what the daemon did, when a bound fails)
             assert now_rss["RssAnon"] - baseline + model <= 1.3 * model + MARGIN, (v, now_rss, baseline, tail)
-            if v == 1:  # the anchor: its compressed payload (about 0.75x for these values) on top
-                assert peak - baseline + model <= 2.0 * model + MARGIN, (v, peak, baseline, tail)
-            else:
-                assert peak - baseline + model <= 1.3 * model + MARGIN, (v, peak, baseline, tail)
+            # Peak, the anchor too: its payload (about 0.75x for these values) is spooled to a file
+            # under data.dir and decoded from its mapping (page cache), straight into the store.
+            assert peak - baseline + model <= 1.3 * model + MARGIN, (v, peak, baseline, tail)
         sampler.stop.set()
         expected = ServedModel.from_tensors(weights)
         st = await d.status()

@@ -1,0 +1,124 @@
+"""SpoolChunkStore: the download in progress in an unnamed file, handed over as one verified mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from patchswarm.protocol.chunks import chunk_views, split
+from patchswarm.protocol.errors import ChunkError
+from patchswarm.protocol.patchfile import Version, build_version
+from patchswarm.protocol.served import ServedModel
+from patchswarm.swarm.spool import SpoolChunkStore
+
+RUN = "spool-test"
+NOW_MS = 1_800_000_000_000
+CHUNK = 4 << 10
+
+
+def _version(seed: int, version: int = 1) -> Version:
+    gen = torch.Generator().manual_seed(seed)
+    model = ServedModel.from_tensors({f"w{i}": torch.randn(64, 96, generator=gen).bfloat16() for i in range(3)})
+    return build_version(None, model, run_id=RUN, version=version, now_ms=NOW_MS, chunk_size=CHUNK, level=1)
+
+
+def _with_repeats(v: Version) -> Version:
+    """The same manifest over a payload whose chunks 1 and 3 are equal (one hash at two offsets): the
+    store sees only hashes, sizes and offsets."""
+    payload = bytearray(v.payload)
+    payload[3 * CHUNK : 4 * CHUNK] = payload[CHUNK : 2 * CHUNK]
+    manifest = dataclasses.replace(v.manifest, chunks=tuple(split(payload, CHUNK)))
+    return dataclasses.replace(v, manifest=manifest, payload=bytes(payload))
+
+
+def _chunks(v: Version) -> list[tuple[bytes, bytes]]:
+    return [(ref.hash, bytes(data)) for ref, data in chunk_views(v.payload, v.manifest.chunks)]
+
+
+def test_a_spooled_download_is_one_mapping_of_the_payload_and_its_chunks_stay_servable(tmp_path: Path) -> None:
+    v = _with_repeats(_version(1))
+    chunks = _chunks(v)
+    assert len({h for h, _ in chunks}) < len(chunks)  # (the test covers a repeated chunk)
+    s = SpoolChunkStore(tmp_path / "spool", max_bytes=1 << 20)
+    s.begin(v.manifest)
+    assert s.payload(v.manifest) is None  # nothing yet
+    for h, data in reversed(chunks):  # (any order)
+        s.put(h, data)
+    assert s.nbytes == 0  # nothing in the heap's cache
+    assert os.listdir(tmp_path / "spool") == []  # the file has no name
+    whole = s.payload(v.manifest)
+    assert whole is not None and whole.readonly and bytes(whole) == bytes(v.payload)
+    for h, data in chunks:
+        assert h in s and s.get(h) == data
+    s.close()
+    assert bytes(whole) == bytes(v.payload)  # the mapping outlives the store's descriptor
+
+
+@pytest.mark.parametrize("by", ["release", "next download"])
+def test_a_released_spool_keeps_its_newest_chunks_in_memory_within_the_bound(tmp_path: Path, by: str) -> None:
+    a, b = _version(1), _version(2, version=2)
+    s = SpoolChunkStore(tmp_path, max_bytes=3 * CHUNK)
+    s.begin(a.manifest)
+    chunks = _chunks(a)
+    for h, data in chunks:
+        s.put(h, data)
+    if by == "release":
+        s.release()
+        assert s._spool is None
+    else:
+        s.begin(b.manifest)
+    kept = [h for h, _ in chunks if h in s]
+    assert kept == [h for h, _ in chunks[-3:]]  # the three last received
+    assert s.nbytes == sum(len(d) for _, d in chunks[-3:]) and all(s.get(h) == d for h, d in chunks[-3:])
+    s.close()
+
+
+def test_chunks_held_before_a_download_begins_are_spooled_too(tmp_path: Path) -> None:
+    v = _version(3)
+    chunks = _chunks(v)
+    s = SpoolChunkStore(tmp_path, max_bytes=1 << 20)
+    s.put(*chunks[0])  # (cached from an earlier download)
+    s.begin(v.manifest)
+    for h, data in chunks[1:]:
+        s.put(h, data)
+    whole = s.payload(v.manifest)
+    assert whole is not None and bytes(whole) == bytes(v.payload)
+    s.begin(v.manifest)  # a retry of the same download keeps its spool
+    assert s.payload(v.manifest) is not None
+    s.close()
+
+
+@pytest.mark.parametrize("served_first", [False, True])
+def test_a_spool_changed_on_disk_is_caught(tmp_path: Path, served_first: bool) -> None:
+    v = _version(4)
+    chunks = _chunks(v)
+    s = SpoolChunkStore(tmp_path, max_bytes=1 << 20)
+    s.begin(v.manifest)
+    for h, data in chunks:
+        s.put(h, data)
+    spool = s._spool
+    assert spool is not None
+    os.pwrite(spool.file.fileno(), b"\xff" * 8, len(chunks[0][1]) + 5)  # inside the second chunk
+    if served_first:
+        assert s.get(chunks[1][0]) is None  # never served, and no longer held: downloaded again
+        assert chunks[1][0] not in s and s.payload(v.manifest) is None
+        s.close()
+        return
+    with pytest.raises(ChunkError):
+        s.payload(v.manifest)  # never decoded
+    assert s._spool is None and chunks[0][0] not in s  # the retry fetches it all again
+
+
+def test_without_a_usable_folder_the_download_stays_in_memory(tmp_path: Path) -> None:
+    (tmp_path / "spool").write_bytes(b"")  # a file where the folder should be
+    v = _version(5)
+    s = SpoolChunkStore(tmp_path / "spool", max_bytes=1 << 30)
+    s.begin(v.manifest)
+    for h, data in _chunks(v):
+        s.put(h, data)
+    assert s.payload(v.manifest) is None  # the caller assembles the chunks from get()
+    assert b"".join(s.get(h) or b"" for h, _ in _chunks(v)) == bytes(v.payload)
