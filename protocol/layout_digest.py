@@ -78,7 +78,7 @@ class RankDigests:
                 runs = runs and at == spec.numel
                 row.append(_Param(spec, tuple(p for _, p in ordered), runs))
             self.params.append(row)
-        self._scratch: torch.Tensor | None = None
+        self._scratch: dict[int, torch.Tensor] = {}  # per worker: see ``digest``
 
     def in_place(self, model: ServedModel, rank: int, slot: int) -> bool:
         """Whether ``digest`` hashes the parameter where its bytes lie (no scratch buffer: such calls
@@ -88,8 +88,10 @@ class RankDigests:
             param.runs and param.spec.numel > 0 and all(model.data[p.source].device.type == "cpu" for p in param.parts)
         )
 
-    def digest(self, model: ServedModel, rank: int, slot: int) -> bytes:
-        """BLAKE3 of rank ``rank``'s runtime parameter ``slot`` as ``model`` makes it (padding zero)."""
+    def digest(self, model: ServedModel, rank: int, slot: int, worker: int = 0) -> bytes:
+        """BLAKE3 of rank ``rank``'s runtime parameter ``slot`` as ``model`` makes it (padding zero).
+        Calls with different ``worker`` numbers may run on several threads at once (each assembles
+        in its own scratch buffer)."""
         param = self.params[rank][slot]
         spec = param.spec
         if self.in_place(model, rank, slot):
@@ -100,16 +102,17 @@ class RankDigests:
                 src = model.data[p.source][p.src_start * width : (p.src_start + p.numel) * width]
                 h.update(src.numpy().data)
             return h.digest()
-        return bytes_digest(self._assemble(model, param))
+        return bytes_digest(self._assemble(model, param, worker))
 
-    def _assemble(self, model: ServedModel, param: _Param) -> torch.Tensor:
-        """The parameter's bytes in the scratch buffer (reused: allocated once per size and device)."""
+    def _assemble(self, model: ServedModel, param: _Param, worker: int) -> torch.Tensor:
+        """The parameter's bytes in the worker's scratch buffer (reused: allocated once per size and device)."""
         spec = param.spec
         device = model.data[param.parts[0].source].device if param.parts else torch.device("cpu")
-        if self._scratch is None or self._scratch.device != device or self._scratch.numel() < spec.nbytes:
+        scratch = self._scratch.get(worker)
+        if scratch is None or scratch.device != device or scratch.numel() < spec.nbytes:
             need = max(p.spec.nbytes for row in self.params for p in row)
-            self._scratch = torch.empty(need, dtype=torch.uint8, device=device)
-        out = self._scratch[: spec.nbytes]
+            scratch = self._scratch[worker] = torch.empty(need, dtype=torch.uint8, device=device)
+        out = scratch[: spec.nbytes]
         if not spec.numel:
             return out
         words = word_view(out, spec).reshape(spec.shape)
@@ -122,6 +125,9 @@ class RankDigests:
                 box_extents(p.dst)
             )
         return out
+
+    def nbytes(self, rank: int, slot: int) -> int:
+        return self.params[rank][slot].spec.nbytes
 
     def rank_digests(self, model: ServedModel, rank: int) -> list[bytes]:
         """Every runtime parameter's digest of rank ``rank``."""
