@@ -26,9 +26,11 @@ caller uses ``Router.route``; both give the same writes (tests/unit/protocol/tes
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from patchswarm.protocol.errors import PlanError
@@ -79,18 +81,13 @@ class FlatRouter:
 
     def __init__(self, router: Router, bases: Sequence[Sequence[int]]) -> None:
         self.router = router
-        specs = router.specs
         self.world = router.plan.world
-        self.numel = [s.numel for s in specs]
-        goff = [0]
-        for s in specs:
-            goff.append(goff[-1] + s.numel)
-        self.goff = goff
-        self.bound_values: list[int] = []
-        # every segment: (rank, slot, dst first, dst last, kind, a, b, delta); kind 0: a run of the
-        # concatenated changes between bounds a and b (indices into bound_values); kind 1: grid piece
-        # b of canonical tensor a
-        segs: list[tuple[int, int, int, int, int, int, int, int]] = []
+        # per canonical tensor, the flat bounds of its pieces that are runs at both ends (one binary
+        # search of them per change), and its grid's pieces' numbers
+        bounds: list[list[int]] = [[] for _ in router.specs]
+        # every segment: (rank, slot, dst first, dst last, canonical tensor, kind, a, b, shift); kind
+        # 0: the changes between bounds a and b of the tensor; kind 1: the tensor's grid piece a
+        segs: list[tuple[int, int, int, int, int, int, int, int, int]] = []
         for i, routes in enumerate(router.routes):
             grid = router.grids[i]
             for r in routes:
@@ -101,42 +98,22 @@ class FlatRouter:
                     n = 1
                     for e in box_extents(r.src):
                         n *= e
-                    lo = goff[i] + r.src_flat
-                    a, b = len(self.bound_values), len(self.bound_values) + 1
-                    self.bound_values += [lo, lo + n]
-                    segs.append((r.rank, r.slot, first, last, 0, a, b, base + r.dst_base - lo))
+                    at = len(bounds[i])
+                    bounds[i] += [r.src_flat, r.src_flat + n]
+                    segs.append((r.rank, r.slot, first, last, i, 0, at, at + 1, base + r.dst_base - r.src_flat))
                 elif not r.src_contiguous and grid is not None and grid.complete:
-                    segs.append((r.rank, r.slot, first, last, 1, i, grid.routes.index(r), base))
+                    segs.append((r.rank, r.slot, first, last, i, 1, grid.routes.index(r), 0, base))
                 else:
                     raise _Unsupported
         segs.sort(key=lambda t: (t[0], t[1], t[2]))
         for x, y in itertools.pairwise(segs):
             if (x[0], x[1]) == (y[0], y[1]) and x[3] >= y[2]:
                 raise _Unsupported  # (two pieces of one parameter interleave: the output would need a sort)
-        # grid pieces numbered across tensors, in canonical order, then piece order
-        self.grid_first: dict[int, int] = {}
-        ngrid = 0
-        for i, grid in enumerate(router.grids):
-            if grid is not None:
-                self.grid_first[i] = ngrid
-                ngrid += len(grid.routes)
-        self.ngrid = ngrid
-        self.kind = torch.tensor([t[4] for t in segs], dtype=torch.bool)
-        self.bound_a = torch.tensor([t[5] if t[4] == 0 else 0 for t in segs], dtype=torch.int64)
-        self.bound_b = torch.tensor([t[6] if t[4] == 0 else 0 for t in segs], dtype=torch.int64)
-        self.grid_id = torch.tensor([self.grid_first[t[5]] + t[6] if t[4] == 1 else 0 for t in segs], dtype=torch.int64)
-        self.delta = torch.tensor([t[7] for t in segs], dtype=torch.int64)
-        self.bounds = torch.tensor(self.bound_values, dtype=torch.int64)
-        # groups: one per (rank, slot), in output order
-        groups: list[tuple[int, int]] = []
-        gid: list[int] = []
+        self.bounds = [torch.tensor(b, dtype=torch.int64) if b else None for b in bounds]
+        # per rank, its segments in the order of its store's words: (slot, tensor, kind, a, b, shift)
+        self.segments: list[list[tuple[int, int, int, int, int, int]]] = [[] for _ in range(self.world)]
         for t in segs:
-            if not groups or groups[-1] != (t[0], t[1]):
-                groups.append((t[0], t[1]))
-            gid.append(len(groups) - 1)
-        self.groups = groups
-        self.group_of = torch.tensor(gid, dtype=torch.int64)
-        self.rank_groups = [[g for g, (r, _) in enumerate(groups) if r == k] for k in range(self.world)]
+            self.segments[t[0]].append((t[1], *t[4:]))
 
     @staticmethod
     def compile(router: Router, bases: Sequence[Sequence[int]]) -> FlatRouter | None:
@@ -151,101 +128,99 @@ class FlatRouter:
         several word dtypes (``Router.route`` handles those).  PlanError: a change the canonical
         layout cannot hold (a slot twice or out of range, positions out of range or not ascending)."""
         specs = self.router.specs
-        order = sorted(changes, key=lambda c: c.slot)
-        for a, b in itertools.pairwise(order):
-            if a.slot == b.slot:
-                raise PlanError(f"layout route: two changes for {specs[a.slot].name}")
-        if order and not (order[0].slot >= 0 and order[-1].slot < len(specs)):
-            bad = order[0].slot if order[0].slot < 0 else order[-1].slot
-            raise PlanError(f"layout route: canonical slot {bad} outside {len(specs)} tensors")
-        if any(c.positions is None for c in order):
+        by: dict[int, SlotChange] = {}
+        for c in changes:
+            if not 0 <= c.slot < len(specs):
+                raise PlanError(f"layout route: canonical slot {c.slot} outside {len(specs)} tensors")
+            if c.slot in by:
+                raise PlanError(f"layout route: two changes for {specs[c.slot].name}")
+            by[c.slot] = c
+        if any(c.positions is None for c in by.values()):
             return None
-        if not order:
-            empty = torch.empty(0, dtype=torch.int64)
-            return [RankChanges([], [], empty, empty, empty) for _ in range(self.world)]
-        wd = order[0].new.dtype
-        if any(c.new.dtype != wd or c.old.dtype != wd for c in order):
+        words = {c.new.dtype for c in by.values()} | {c.old.dtype for c in by.values()}
+        if len(words) > 1:
             return None
-        device = order[0].new.device
-        for c in order:
-            pos = c.positions
-            assert pos is not None
-            if pos.dim() != 1 or pos.shape != c.new.shape or c.old.shape != c.new.shape:
-                raise PlanError(f"layout route: {specs[c.slot].name}: positions, new and old must be flat, one each")
-        counts = [c.new.numel() for c in order]
-        total = sum(counts)
-        cnt = torch.tensor(counts, dtype=torch.int64, device=device)
-        offs = torch.tensor([self.goff[c.slot] for c in order], dtype=torch.int64, device=device)
-        ends = torch.tensor([self.goff[c.slot + 1] for c in order], dtype=torch.int64, device=device)
-        glob = torch.cat([c.positions.long() for c in order if c.positions is not None])
-        glob += torch.repeat_interleave(offs, cnt, output_size=total)
-        # each tensor's positions inside it (first and last, with the whole ascending)
-        if total:
-            nz = cnt > 0
-            last = torch.cumsum(cnt, 0) - 1
-            first = last - cnt + 1
-            outside = (glob[first[nz]] < offs[nz]) | (glob[last[nz]] >= ends[nz])
-            if bool(outside.any()) or (total > 1 and not bool((glob[1:] > glob[:-1]).all())):
-                raise PlanError("layout route: change positions out of range or not strictly ascending")
-        new = torch.cat([c.new for c in order])
-        old = torch.cat([c.old for c in order])
-        spans = torch.searchsorted(glob, self.bounds.to(device))
-        lo = spans[self.bound_a.to(device)]
-        hi = spans[self.bound_b.to(device)]
-        take_all: torch.Tensor | None = None
-        pos_all = glob
-        if self.ngrid:
-            glo = torch.zeros(self.ngrid, dtype=torch.int64)
-            ghi = torch.zeros(self.ngrid, dtype=torch.int64)
-            ext_pos: list[torch.Tensor] = []
-            ext_take: list[torch.Tensor] = []
-            at, start = total, 0
-            for c, n in zip(order, counts, strict=True):
-                grid = self.router.grids[c.slot]
-                if grid is not None and n:
-                    assert c.positions is not None
-                    dst, take, per = grid.sorted_by_piece(specs[c.slot], c.positions, [])
-                    ext_pos.append(dst)
-                    ext_take.append(take + start)
-                    f = self.grid_first[c.slot]
-                    cum = torch.tensor(per, dtype=torch.int64).cumsum(0)
-                    ghi[f : f + len(per)] = cum + at
-                    glo[f : f + len(per)] = cum - torch.tensor(per, dtype=torch.int64) + at
-                    at += int(cum[-1]) if len(per) else 0
-                start += n
-            if ext_pos:  # (grid segments of unchanged tensors: bounds 0..0, empty)
-                kind = self.kind.to(device)
-                gid = self.grid_id.to(device)
-                lo = torch.where(kind, glo.to(device)[gid], lo)
-                hi = torch.where(kind, ghi.to(device)[gid], hi)
-                pos_all = torch.cat([glob, *ext_pos])
-                take_all = torch.cat([torch.arange(total, dtype=torch.int64, device=device), *ext_take])
-        length = hi - lo
-        out_n = int(length.sum())
-        start_of = torch.cumsum(length, 0) - length
-        shift = torch.repeat_interleave(self.delta.to(device), length, output_size=out_n)
-        if take_all is None and out_n == total and bool((lo == start_of).all()):
-            # every change once, in the order it came (one rank, no replicated piece): no gather
-            positions, new_out, old_out = glob, new, old
-            positions += shift
-        else:
-            idx = torch.arange(out_n, dtype=torch.int64, device=device)
-            idx += torch.repeat_interleave(lo - start_of, length, output_size=out_n)
-            positions = torch.index_select(pos_all, 0, idx)
-            positions += shift
-            take = idx if take_all is None else torch.index_select(take_all, 0, idx)
-            new_out, old_out = torch.index_select(new, 0, take), torch.index_select(old, 0, take)
-        per_group = torch.zeros(len(self.groups), dtype=torch.int64, device=device)
-        per_group.index_add_(0, self.group_of.to(device), length)
-        group_counts = per_group.tolist()
+        # per changed tensor: its positions (checked), the spans of its run pieces, its grid's pieces
+        pos: dict[int, torch.Tensor] = {}
+        spans: dict[int, list[int]] = {}
+        grids: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = {}
+        for i, c in by.items():
+            p = c.positions
+            assert p is not None
+            p = p if p.dtype == torch.int64 else p.long()
+            n = p.numel()
+            if p.dim() != 1 or c.new.shape != (n,) or c.old.shape != (n,):
+                raise PlanError(f"layout route: {specs[i].name}: positions, new and old must be flat, one each")
+            if n and (int(p[0]) < 0 or int(p[-1]) >= specs[i].numel or (n > 1 and not bool((p[1:] > p[:-1]).all()))):
+                raise PlanError(f"layout route: {specs[i].name}: positions out of range or not strictly ascending")
+            pos[i] = p
+            bounds = self.bounds[i]
+            if bounds is not None:
+                spans[i] = torch.searchsorted(p, bounds.to(p.device)).tolist()
+            grid = self.router.grids[i]
+            if grid is not None and n:
+                dst, take, per = grid.sorted_by_piece(specs[i], p, [])
+                starts = [0]
+                for k in per:
+                    starts.append(starts[-1] + k)
+                grids[i] = (dst, torch.index_select(c.new, 0, take), torch.index_select(c.old, 0, take), starts)
+        # each source as arrays to cut: numpy views on the host (a numpy slice costs a tenth of a
+        # torch one, and a rank at TP=8 has ~40 segments of 3 arrays each), tensors elsewhere
+        host = all(c.new.device.type == "cpu" for c in by.values())
+        cut: Callable[[torch.Tensor], Any] = (lambda t: t.numpy()) if host else (lambda t: t)
+        runs = {i: (cut(pos[i]), cut(by[i].new), cut(by[i].old)) for i in pos}
+        cells = {i: (cut(d), cut(n), cut(o), starts) for i, (d, n, o, starts) in grids.items()}
         out: list[RankChanges] = []
-        at = 0
         for k in range(self.world):
-            slots = [self.groups[g][1] for g in self.rank_groups[k] if group_counts[g]]
-            ns = [group_counts[g] for g in self.rank_groups[k] if group_counts[g]]
-            n = sum(ns)
-            out.append(RankChanges(slots, ns, positions[at : at + n], new_out[at : at + n], old_out[at : at + n]))
-            at += n
+            ps: list[Any] = []
+            ns: list[Any] = []
+            os_: list[Any] = []
+            shifts: list[int] = []
+            lengths: list[int] = []
+            slots: list[int] = []
+            counts: list[int] = []
+            for slot, i, kind, a, b, shift in self.segments[k]:
+                if kind == 0:
+                    if i not in runs:
+                        continue
+                    lo, hi = spans[i][a], spans[i][b]
+                    p, n, o = runs[i]
+                else:
+                    if i not in cells:
+                        continue
+                    p, n, o, starts = cells[i]
+                    lo, hi = starts[a], starts[a + 1]
+                if lo == hi:
+                    continue
+                ps.append(p[lo:hi])
+                ns.append(n[lo:hi])
+                os_.append(o[lo:hi])
+                shifts.append(shift)
+                lengths.append(hi - lo)
+                if slots and slots[-1] == slot:
+                    counts[-1] += hi - lo
+                else:
+                    slots.append(slot)
+                    counts.append(hi - lo)
+            if not ps:
+                empty = torch.empty(0, dtype=torch.int64)
+                none = torch.empty(0, dtype=next(iter(words), torch.int16))
+                out.append(RankChanges([], [], empty, none, none))
+                continue
+            if host:
+                positions = torch.from_numpy(np.concatenate(ps))
+                positions += torch.from_numpy(np.repeat(np.array(shifts, dtype=np.int64), lengths))
+                new, old = torch.from_numpy(np.concatenate(ns)), torch.from_numpy(np.concatenate(os_))
+            else:
+                positions = torch.cat(ps)
+                device = positions.device
+                positions += torch.repeat_interleave(
+                    torch.tensor(shifts, dtype=torch.int64, device=device),
+                    torch.tensor(lengths, dtype=torch.int64, device=device),
+                    output_size=positions.numel(),
+                )
+                new, old = torch.cat(ns), torch.cat(os_)
+            out.append(RankChanges(slots, counts, positions, new, old))
         return out
 
 

@@ -190,6 +190,17 @@ class _Grid:
     strides: torch.Tensor  # [pieces, dims]: runtime stride of each source coordinate
     uniform: tuple[int, ...] | None  # the strides when every piece has the same
 
+    @property
+    def split_matrix(self) -> bool:
+        """A matrix cut along one dim into equal widths, one piece per cell, one set of strides."""
+        return (
+            self.complete
+            and self.uniform is not None
+            and len(self.uniform) == 2
+            and len(self.cuts) == 1
+            and bool(self.widths[0])
+        )
+
     @staticmethod
     def compile(spec: TensorSpec, routes: list[_Route]) -> _Grid | None:
         if not routes:
@@ -247,6 +258,24 @@ class _Grid:
         ``positions``), and how many each piece has."""
         pos = positions if positions.dtype == torch.int64 else positions.long()
         device = pos.device
+        if self.split_matrix and not coords:
+            # (the usual column split: a matrix cut along one dim into equal widths) the same
+            # arithmetic with one division for the coordinates and one for the piece
+            cols = spec.shape[1]
+            row = torch.div(pos, cols, rounding_mode="floor")
+            col = pos - row * cols
+            assert self.uniform is not None
+            d = self.cuts[0][0]  # (one cut dim, the other whole: the cell is the interval)
+            piece = self.table[:, 0].to(device)[
+                torch.div(row if d == 0 else col, self.widths[0], rounding_mode="floor")
+            ]
+            dst = self.offset.to(device)[piece]
+            for c, st in ((row, self.uniform[0]), (col, self.uniform[1])):
+                if st:
+                    dst += c * st
+            order = stable_order(piece, len(self.routes))
+            counts = torch.bincount(piece, minlength=len(self.routes)).tolist()
+            return torch.index_select(dst, 0, order), order, counts
         if not coords:
             coords.extend(_coords(pos, spec.shape))
         cell = torch.zeros_like(pos)
