@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,35 +139,42 @@ def _no_fault(point: str) -> None:
 MAX_DIGEST_WORKERS = 8
 
 
-def _hash(digester: RankDigests, model: ServedModel, jobs: list[tuple[int, int]]) -> list[bytes]:
-    """The digests of ``jobs`` (rank, slot), on one thread per core (at most ``MAX_DIGEST_WORKERS``)
-    taking the largest first, when some are hashed where they lie (BLAKE3 and torch's copies let go
-    of the GIL) and others are assembled first (column splits): at TP=8 the parameters are small,
-    each hashed on one core, and TP=1 hashes its large parameters on every core already
-    (served.bytes_digest).  A second thread for those in place and this one for the others left
-    one core idle for a third of the time (issue 33)."""
-    workers = min(len(jobs), max(2, os.cpu_count() or 1), MAX_DIGEST_WORKERS)
-    in_place = [digester.in_place(model, *j) for j in jobs]
-    if workers < 2 or all(in_place) or not any(in_place):
-        return [digester.digest(model, *j) for j in jobs]
-    order = iter(sorted(range(len(jobs)), key=lambda i: -digester.nbytes(*jobs[i])))
-    take = threading.Lock()
-    out = [b""] * len(jobs)
+class _Hashing:
+    """The digests of ``jobs`` (rank, slot) on one thread per core (at most ``MAX_DIGEST_WORKERS``),
+    the largest first, started at once: the caller routes the version meanwhile and joins as a
+    worker in ``finish``.  BLAKE3 and torch's copies let go of the GIL.  At TP=8 every parameter is
+    small (hashed on one core each) and a third of the bytes are assembled first (column splits);
+    one thread for those hashed in place and one for the others left a core idle (issue 33)."""
 
-    def work(worker: int) -> None:
+    def __init__(self, digester: RankDigests, model: ServedModel, jobs: list[tuple[int, int]]) -> None:
+        self.digester, self.model, self.jobs = digester, model, jobs
+        self.out = [b""] * len(jobs)
+        self.order = iter(sorted(range(len(jobs)), key=lambda i: -digester.nbytes(*jobs[i])))
+        self.take = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.far: list[Future[None]] = []
+        workers = min(len(jobs), os.cpu_count() or 1, MAX_DIGEST_WORKERS)
+        if workers > 1 and all(t.device.type == "cpu" for t in model.data):
+            self.pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="rank-digest")
+            self.far = [self.pool.submit(self._work, w) for w in range(1, workers)]
+
+    def _work(self, worker: int) -> None:
         while True:
-            with take:
-                i = next(order, None)
+            with self.take:
+                i = next(self.order, None)
             if i is None:
                 return
-            out[i] = digester.digest(model, *jobs[i], worker=worker)
+            self.out[i] = self.digester.digest(self.model, *self.jobs[i], worker=worker)
 
-    with ThreadPoolExecutor(workers - 1, thread_name_prefix="rank-digest") as pool:
-        far = [pool.submit(work, w) for w in range(1, workers)]
-        work(0)
-        for f in far:
-            f.result()
-    return out
+    def finish(self) -> list[bytes]:
+        try:
+            self._work(0)
+        finally:
+            for f in self.far:
+                f.result()
+            if self.pool is not None:
+                self.pool.shutdown()
+        return self.out
 
 
 class RankStores:
@@ -346,27 +353,33 @@ class RankStores:
         # One torch thread: these are many small copies, which a second OpenMP thread on a busy host
         # slows down (a strided copy of 0.7 MB: 0.1 ms on one thread, 8 ms on two of two shared cores).
         routed: list[list[SlotChange]] | list[RankChanges] | None = None
-        roots: list[bytes] = []
         digests: list[list[bytes]] = []
         t0 = time.perf_counter()
         with torch_threads(1):
-            if updates is not None:
-                changes = [SlotChange(u.slot, u.positions, u.new, u.old) for u in updates]
-                routed = self.flat.route(changes) if self.flat is not None else None
-                if routed is None:
-                    routed = router.route(changes)
-            t1 = time.perf_counter()
-            jobs: list[tuple[int, int]] = []  # (rank, slot) to hash again
+            # The parameters to hash again: those any changed canonical tensor feeds (the exact set
+            # the routing reaches, but for a piece whose own region saw no change: hashed again,
+            # its digest the same), so that hashing starts before the routing and runs beside it.
+            changed = {u.slot for u in updates} if updates is not None else set()
+            jobs: list[tuple[int, int]] = []
             for k in range(len(self)):
                 prev = self.digests[k]
-                if routed is not None and prev is not None:
+                if updates is not None and prev is not None:
                     digests.append(list(prev))
-                    r = routed[k]
-                    jobs += [(k, slot) for slot in r.slots] if isinstance(r, RankChanges) else [(k, c.slot) for c in r]
+                    jobs += [(k, i) for i, sources in enumerate(digester.sources[k]) if not sources.isdisjoint(changed)]
                 else:
                     digests.append([b""] * len(digester.params[k]))
                     jobs += [(k, i) for i in range(len(digester.params[k]))]
-            for (k, i), d in zip(jobs, _hash(digester, model, jobs), strict=True):
+            hashing = _Hashing(digester, model, jobs)
+            try:
+                if updates is not None:
+                    changes = [SlotChange(u.slot, u.positions, u.new, u.old) for u in updates]
+                    routed = self.flat.route(changes) if self.flat is not None else None
+                    if routed is None:
+                        routed = router.route(changes)
+            finally:
+                t1 = time.perf_counter()
+                hashed = hashing.finish()
+            for (k, i), d in zip(jobs, hashed, strict=True):
                 digests[k][i] = d
             roots = [digester.root(k, d) for k, d in enumerate(digests)]
         self.phases = {"route": t1 - t0, "digests": time.perf_counter() - t1}

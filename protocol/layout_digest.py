@@ -78,6 +78,8 @@ class RankDigests:
                 runs = runs and at == spec.numel
                 row.append(_Param(spec, tuple(p for _, p in ordered), runs))
             self.params.append(row)
+        # per rank, per runtime parameter: the canonical tensors it is made of
+        self.sources = [[frozenset(p.source for p in param.parts) for param in row] for row in self.params]
         self._scratch: dict[int, torch.Tensor] = {}  # per worker: see ``digest``
 
     def in_place(self, model: ServedModel, rank: int, slot: int) -> bool:
