@@ -133,7 +133,8 @@ class Case:
             self.longest.append(st.pause_s)
             self.total.append(st.total_pause_s)
             phases = getattr(self.rs, "phases", {})  # (a tree before the phases were kept: none)
-            self.phases.append(phases | {"other": dt - sum(phases.values())})
+            spent = dc if rank_stores.time is not time else dt  # (--phase-clock cpu: of the CPU time)
+            self.phases.append(phases | {"other": spent - sum(phases.values())})
         self.changed = st.changed
 
     def result(self, version: int) -> dict[str, Any]:

@@ -153,6 +153,7 @@ class _Hashing:
         self.take = threading.Lock()
         self.pool: ThreadPoolExecutor | None = None
         self.far: list[Future[None]] = []
+        digester.hold(model)
         workers = min(len(jobs), os.cpu_count() or 1, MAX_DIGEST_WORKERS)
         if workers > 1 and all(t.device.type == "cpu" for t in model.data):
             self.pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="rank-digest")
@@ -170,10 +171,13 @@ class _Hashing:
         try:
             self._work(0)
         finally:
-            for f in self.far:
-                f.result()
-            if self.pool is not None:
-                self.pool.shutdown()
+            try:
+                for f in self.far:
+                    f.result()
+            finally:
+                if self.pool is not None:
+                    self.pool.shutdown()
+                self.digester.release()
         return self.out
 
 
