@@ -3,6 +3,7 @@
     python -m benchmarks.rank_bench [--hidden 1024] [--inter 2816] [--layers 4] [--vocab 4096]
                                     [--heads 16] [--kv-heads 4] [--frac 0.005] [--repeat 5]
                                     [--tp 1,2,4,8] [--threads N] [--profile OUT.prof] [--json OUT.json]
+                                    [--phase-clock wall|cpu]
 
 Builds a Llama-shaped canonical bf16 model (the defaults: ~107 MB), a version with ``--frac`` of
 its values moved by an ulp or two, and for each TP host shared-memory rank stores with the built-in
@@ -12,8 +13,11 @@ over ``--repeat`` applies (after one warm-up): the apply time (``RankStores.appl
 roots, staging, journal, the fenced writes) and its ratio to TP=1 (of the medians, of the minima,
 and the median of each round's ratio: the TPs apply each version in turn), the longest single
 rank's pause (fence odd -> even) against a torch copy of that rank's bytes timed in the same run,
-and first fence odd -> last fence even.  ``--threads`` sets torch's intra-op threads (on a busy
-host one thread is steadier: OpenMP's fork/join around small operations waits for a descheduled thread).
+and first fence odd -> last fence even; then the apply's CPU time (every thread of the process)
+and the median of each phase of the apply (``RankStores.phases``: route, digests, stage, journal,
+write: the fenced writes, remove: the journal's removal; other: the rest).  ``--threads`` sets
+torch's intra-op threads (on a busy host one thread is steadier: OpenMP's fork/join around small
+operations waits for a descheduled thread).
 ``--profile`` writes a cProfile of the largest TP's applies.
 """
 
@@ -29,11 +33,13 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from patchswarm.daemon import rank_stores
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
 from patchswarm.daemon.rank_stores import RankStores, rank_store_names
 from patchswarm.daemon.weightstore import diff_updates
@@ -102,8 +108,10 @@ class Case:
         self.base = f"psbench{os.getpid()}x{secrets.token_hex(3)}tp{tp}"
         self.rs = RankStores(self.base, tp, jdir, engine_kind=False)
         self.applies: list[float] = []
+        self.cpu: list[float] = []
         self.longest: list[float] = []
         self.total: list[float] = []
+        self.phases: list[dict[str, float]] = []
         self.changed = 0
         self.rs.prepare(builtin_plan(config, a.specs, tp), a.specs)
         self.rs.apply(1, a, None)
@@ -113,16 +121,20 @@ class Case:
     ) -> None:
         if prof is not None:
             prof.enable()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         st = self.rs.apply(version, model, ups)
-        dt = time.perf_counter() - t
+        dt, dc = time.perf_counter() - t, time.process_time() - c
         if prof is not None:
             prof.disable()
         assert st is not None
         if keep:
             self.applies.append(dt)
+            self.cpu.append(dc)
             self.longest.append(st.pause_s)
             self.total.append(st.total_pause_s)
+            phases = getattr(self.rs, "phases", {})  # (a tree before the phases were kept: none)
+            spent = dc if rank_stores.time is not time else dt  # (--phase-clock cpu: of the CPU time)
+            self.phases.append(phases | {"other": spent - sum(phases.values())})
         self.changed = st.changed
 
     def result(self, version: int) -> dict[str, Any]:
@@ -138,7 +150,8 @@ class Case:
             "pause_s": statistics.median(self.longest), "pause_min_s": min(self.longest),
             "total_pause_s": statistics.median(self.total), "total_pause_min_s": min(self.total),
             "rank_bytes": rank_bytes, "host_bytes": host, "copy_s": copy_s(rank_bytes, 5), "changed": self.changed,
-            "applies_s": self.applies,
+            "applies_s": self.applies, "cpu_s": statistics.median(self.cpu), "cpu_min_s": min(self.cpu),
+            "phases_s": {k: statistics.median(p[k] for p in self.phases) for k in self.phases[0]},
         }  # fmt: skip
 
     def close(self) -> None:
@@ -181,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", default="1,2,4,8")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--profile", type=Path, help="write a cProfile of the largest TP's applies here")
+    ap.add_argument(
+        "--phase-clock", choices=["wall", "cpu"], default="wall",
+        help="cpu: RankStores' phases in process CPU time (every thread: the route phase then holds the "
+        "digests hashed beside it)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     tps = sorted({int(x) for x in args.tp.split(",")})
@@ -188,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tp takes positive integers, --repeat >= 1, 0 < --frac < 1")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.phase_clock == "cpu":  # (rank_stores' own clock only; the apply columns stay wall-clock)
+        rank_stores.time = types.SimpleNamespace(perf_counter=time.process_time)  # type: ignore[assignment]
     print("command:", "python -m benchmarks.rank_bench", *(argv if argv is not None else sys.argv[1:]))
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden,
@@ -226,6 +246,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['pause_min_s'] * 1e3:>7.2f} {r['copy_s'] * 1e3:>8.2f} {r['pause_s'] / r['copy_s']:>10.2f} "
             f"{r['total_pause_s'] * 1e3:>12.2f} {r['total_pause_min_s'] * 1e3:>7.2f}"
         )
+    print("\nCPU time of the apply (every thread of the process; steadier than the wall clock on a busy host)")
+    print(f"{'TP':>3} {'cpu ms':>9} {'min':>7} {'x TP=1':>7} {'min x':>6}")
+    for r in rows:
+        print(
+            f"{r['tp']:>3} {r['cpu_s'] * 1e3:>9.1f} {r['cpu_min_s'] * 1e3:>7.1f} {r['cpu_s'] / rows[0]['cpu_s']:>7.2f} "
+            f"{r['cpu_min_s'] / rows[0]['cpu_min_s']:>6.2f}"
+        )
+    names = list(rows[0]["phases_s"])
+    print("\nphases of the apply, median ms (RankStores.phases; other: the rest of apply)")
+    print(f"{'TP':>3} " + " ".join(f"{n:>8}" for n in names))
+    for r in rows:
+        print(f"{r['tp']:>3} " + " ".join(f"{r['phases_s'][n] * 1e3:>8.2f}" for n in names))
     if args.json:
         args.json.write_text(json.dumps({"model_bytes": model_bytes, "rows": rows}, indent=1))
     return 0

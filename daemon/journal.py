@@ -67,11 +67,38 @@ class TornJournalError(JournalError):
 
 
 @dataclass(frozen=True, slots=True)
+class RunUpdates:
+    """One store's sparse updates given as one run (rank stores, protocol/layout_flat.py): ``counts[i]``
+    changes of slot ``slots[i]`` (ascending) one after another; ``positions`` within each slot's
+    tensor.  Written exactly as the per-slot ``TensorUpdate`` list they stand for (the same bytes),
+    without a conversion and a system-call-sized part per slot."""
+
+    slots: list[int]
+    counts: list[int]
+    positions: torch.Tensor  # int64
+    new: torch.Tensor
+    old: torch.Tensor
+
+    def updates(self) -> list[TensorUpdate]:
+        return [
+            TensorUpdate(s, p, n, o)
+            for s, p, n, o in zip(
+                self.slots,
+                torch.split(self.positions, self.counts),
+                torch.split(self.new, self.counts),
+                torch.split(self.old, self.counts),
+                strict=True,
+            )
+        ]
+
+
+@dataclass(frozen=True, slots=True)
 class Journal:
     layout_hash: bytes
     base: tuple[int, bytes]  # (version, root) the store held
     target: tuple[int, bytes]  # (version, root) being activated
     updates: list[TensorUpdate]  # CPU tensors viewing the file's bytes
+    run: RunUpdates | None = None  # (writing only) the updates as one run, instead of ``updates``
 
 
 def journal_path(journal_dir: Path) -> Path:
@@ -110,6 +137,9 @@ def write_rank_journal(journal_dir: Path, ranks: list[Journal], *, fault: Callab
 
 def _rank_header(j: Journal) -> tuple[dict[str, object], list[list[int]]]:
     tensors = []
+    if j.run is not None:  # (_as_updates: every position below 2**32)
+        ww = j.run.new.element_size()
+        tensors = [[s, n, 4, ww] for s, n in zip(j.run.slots, j.run.counts, strict=True)]
     for u in j.updates:
         n = u.count
         pw = 0 if u.positions is None else 4 if n == 0 or int(u.positions.max()) < (1 << 32) else 8
@@ -117,7 +147,30 @@ def _rank_header(j: Journal) -> tuple[dict[str, object], list[list[int]]]:
     return {"layout_hash": j.layout_hash, "base": list(j.base), "target": list(j.target), "tensors": tensors}, tensors
 
 
+def _run_parts(run: RunUpdates) -> list[memoryview]:
+    """A run's body: per slot its positions (u32), old words, new words, as slices of three arrays."""
+    pos = run.positions.detach().cpu().numpy().astype("<u4").data
+    old, new = (t.detach().cpu().contiguous().numpy().data for t in (run.old, run.new))
+    parts: list[memoryview] = []
+    at = 0
+    for n in run.counts:
+        parts += [pos[at : at + n].cast("B"), old[at : at + n].cast("B"), new[at : at + n].cast("B")]
+        at += n
+    return parts
+
+
+def _as_updates(j: Journal) -> Journal:
+    """A run with a position of 2**32 or more: its per-slot updates (8-byte positions where needed)."""
+    if j.run is None:
+        return j
+    pos = j.run.positions
+    if pos.numel() == 0 or int(pos.max()) < (1 << 32):
+        return j
+    return Journal(j.layout_hash, j.base, j.target, j.updates + j.run.updates())
+
+
 def _write(journal_dir: Path, entries: list[Journal], fmt: int, fault: Callable[[str], None] | None) -> int:
+    entries = [_as_updates(j) for j in entries]
     heads = [_rank_header(j) for j in entries]
     header = msgpack.packb(heads[0][0] if fmt == FORMAT else {"ranks": [h for h, _ in heads]})
     path = journal_path(journal_dir)
@@ -130,6 +183,9 @@ def _write(journal_dir: Path, entries: list[Journal], fmt: int, fault: Callable[
         try:
             parts = [memoryview(_PREFIX.pack(MAGIC, fmt, len(header))), memoryview(header)]
             for j, (_, tensors) in zip(entries, heads, strict=True):
+                if j.run is not None:
+                    parts += _run_parts(j.run)
+                    tensors = tensors[len(j.run.slots) :]
                 for u, (_, _, pw, _) in zip(j.updates, tensors, strict=True):
                     if u.positions is not None:
                         pos = u.positions.detach().cpu().numpy().astype("<u4" if pw == 4 else "<i8", copy=False)

@@ -23,9 +23,10 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from patchswarm.protocol.files import InputFileError, read_file
 from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.layout_digest import RankDigests
 from patchswarm.protocol.layout_file import MAX_FILE_BYTES, PlanFile, parse_plan_file
+from patchswarm.protocol.layout_flat import FlatRouter, RankChanges
 from patchswarm.protocol.layout_plan import LayoutPlan, rank_model
 from patchswarm.protocol.layout_route import Router, SlotChange
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
@@ -134,20 +136,49 @@ def _no_fault(point: str) -> None:
     pass
 
 
-def _hash(digester: RankDigests, model: ServedModel, jobs: list[tuple[int, int]]) -> list[bytes]:
-    """The digests of ``jobs`` (rank, slot): those hashed where they lie on a second thread, while
-    this one assembles and hashes the others (column splits).  TP=1 hashes its large parameters on
-    every core (served.bytes_digest); at TP=8 the parameters are small and were hashed on one."""
-    out: dict[tuple[int, int], bytes] = {}
-    here = [j for j in jobs if not digester.in_place(model, *j)]
-    there = [j for j in jobs if digester.in_place(model, *j)]
-    if not here or not there:
-        return [digester.digest(model, *j) for j in jobs]
-    with ThreadPoolExecutor(1, thread_name_prefix="rank-digest") as pool:
-        far = pool.submit(lambda: [digester.digest(model, *j) for j in there])
-        out.update(zip(here, (digester.digest(model, *j) for j in here), strict=True))
-        out.update(zip(there, far.result(), strict=True))
-    return [out[j] for j in jobs]
+MAX_DIGEST_WORKERS = 8
+
+
+class _Hashing:
+    """The digests of ``jobs`` (rank, slot) on one thread per core (at most ``MAX_DIGEST_WORKERS``),
+    the largest first, started at once: the caller routes the version meanwhile and joins as a
+    worker in ``finish``.  BLAKE3 and torch's copies let go of the GIL.  At TP=8 every parameter is
+    small (hashed on one core each) and a third of the bytes are assembled first (column splits);
+    one thread for those hashed in place and one for the others left a core idle (issue 33)."""
+
+    def __init__(self, digester: RankDigests, model: ServedModel, jobs: list[tuple[int, int]]) -> None:
+        self.digester, self.model, self.jobs = digester, model, jobs
+        self.out = [b""] * len(jobs)
+        self.order = iter(sorted(range(len(jobs)), key=lambda i: -digester.nbytes(*jobs[i])))
+        self.take = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.far: list[Future[None]] = []
+        digester.hold(model)
+        workers = min(len(jobs), os.cpu_count() or 1, MAX_DIGEST_WORKERS)
+        if workers > 1 and all(t.device.type == "cpu" for t in model.data):
+            self.pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="rank-digest")
+            self.far = [self.pool.submit(self._work, w) for w in range(1, workers)]
+
+    def _work(self, worker: int) -> None:
+        while True:
+            with self.take:
+                i = next(self.order, None)
+            if i is None:
+                return
+            self.out[i] = self.digester.digest(self.model, *self.jobs[i], worker=worker)
+
+    def finish(self) -> list[bytes]:
+        try:
+            self._work(0)
+        finally:
+            try:
+                for f in self.far:
+                    f.result()
+            finally:
+                if self.pool is not None:
+                    self.pool.shutdown()
+                self.digester.release()
+        return self.out
 
 
 class RankStores:
@@ -171,6 +202,12 @@ class RankStores:
         # parameters its changes reach (protocol/layout_digest.py), never the whole rank
         self.digests: list[list[bytes] | None] = [None] * ranks
         self.digester: RankDigests | None = None
+        # the changes routed in one pass into each rank store's words (None: this plan or these stores
+        # cannot be: ``router`` hands each rank one change per parameter) and each slot's first word
+        self.flat: FlatRouter | None = None
+        self.bases: list[list[int]] = []
+        # the last apply's phases, seconds (benchmarks/rank_bench.py prints them)
+        self.phases: dict[str, float] = {}
         # Crash tests: called at "journal_tmp", "journaled", "between_ranks", "all_flipped"; store
         # points are "rank<k>:<point>" (odd, mid_write, written, flipped, loading).
         self.fault: Callable[[str], None] = _no_fault
@@ -288,6 +325,11 @@ class RankStores:
                 )
         self.plan, self.router, self.canonical = plan, router, list(canonical)
         self.digester = RankDigests(plan, canonical)
+        self.flat, self.bases = None, []
+        bases = [lay.word_bases() for lay in layouts]
+        if all(b is not None for b in bases):
+            self.bases = [b for b in bases if b is not None]
+            self.flat = FlatRouter.compile(router, self.bases)
         self.digests = [None] * len(self)
 
     def store(self, rank: int) -> WeightStore | None:
@@ -314,24 +356,37 @@ class RankStores:
         # the changes reach (a rank without previous digests is hashed whole, from ``model``).
         # One torch thread: these are many small copies, which a second OpenMP thread on a busy host
         # slows down (a strided copy of 0.7 MB: 0.1 ms on one thread, 8 ms on two of two shared cores).
-        routed: list[list[SlotChange]] | None = None
-        roots: list[bytes] = []
+        routed: list[list[SlotChange]] | list[RankChanges] | None = None
         digests: list[list[bytes]] = []
+        t0 = time.perf_counter()
         with torch_threads(1):
-            if updates is not None:
-                routed = router.route([SlotChange(u.slot, u.positions, u.new, u.old) for u in updates])
-            jobs: list[tuple[int, int]] = []  # (rank, slot) to hash again
+            # The parameters to hash again: those any changed canonical tensor feeds (the exact set
+            # the routing reaches, but for a piece whose own region saw no change: hashed again,
+            # its digest the same), so that hashing starts before the routing and runs beside it.
+            changed = {u.slot for u in updates} if updates is not None else set()
+            jobs: list[tuple[int, int]] = []
             for k in range(len(self)):
                 prev = self.digests[k]
-                if routed is not None and prev is not None:
+                if updates is not None and prev is not None:
                     digests.append(list(prev))
-                    jobs += [(k, c.slot) for c in routed[k]]
+                    jobs += [(k, i) for i, sources in enumerate(digester.sources[k]) if not sources.isdisjoint(changed)]
                 else:
                     digests.append([b""] * len(digester.params[k]))
                     jobs += [(k, i) for i in range(len(digester.params[k]))]
-            for (k, i), d in zip(jobs, _hash(digester, model, jobs), strict=True):
+            hashing = _Hashing(digester, model, jobs)
+            try:
+                if updates is not None:
+                    changes = [SlotChange(u.slot, u.positions, u.new, u.old) for u in updates]
+                    routed = self.flat.route(changes) if self.flat is not None else None
+                    if routed is None:
+                        routed = router.route(changes)
+            finally:
+                t1 = time.perf_counter()
+                hashed = hashing.finish()
+            for (k, i), d in zip(jobs, hashed, strict=True):
                 digests[k][i] = d
             roots = [digester.root(k, d) for k, d in enumerate(digests)]
+        self.phases = {"route": t1 - t0, "digests": time.perf_counter() - t1}
         incremental: list[int] = []
         loads: list[int] = []
         for k, s in enumerate(self.stores):
@@ -367,23 +422,39 @@ class RankStores:
         return s
 
     def _activate(
-        self, ranks: list[int], version: int, roots: list[bytes], routed: list[list[SlotChange]]
+        self, ranks: list[int], version: int, roots: list[bytes], routed: list[list[SlotChange]] | list[RankChanges]
     ) -> RanksApplied:
+        t0 = time.perf_counter()
         stores = {k: self._rank(k) for k in ranks}
-        per_rank = {k: [TensorUpdate(c.slot, c.positions, c.new, c.old) for c in routed[k]] for k in ranks}
+        per_rank: dict[int, list[TensorUpdate]] = {}
+        runs: dict[int, journal.RunUpdates] = {}
+        staged: dict[int, list[TensorUpdate]] = {}
+        # Every rank stages (moves its updates to its device) before any fence goes odd: routed in
+        # one pass, as one run over its store's words (protocol/layout_flat.py), or one per parameter.
+        with torch_threads(1):  # (small operations per rank: see apply)
+            for k in ranks:
+                r = routed[k]
+                if isinstance(r, RankChanges):
+                    runs[k] = journal.RunUpdates(r.slots, r.counts, r.within(self.bases[k]), r.new, r.old)
+                    per_rank[k] = []
+                    flat = stores[k].stage_flat(r.positions, r.new, r.old)
+                    staged[k] = flat if flat is not None else stores[k].stage(runs[k].updates())
+                else:
+                    per_rank[k] = [TensorUpdate(c.slot, c.positions, c.new, c.old) for c in r]
+                    staged[k] = stores[k].stage(per_rank[k])
         bases = {k: stores[k].header() for k in ranks}
-        # Every rank stages (moves its updates to its device) before any fence goes odd.
-        staged = {k: stores[k].stage(per_rank[k]) for k in ranks}
         for k in ranks:
             stores[k].fault = self._rank_fault(k)
         # One journal for every rank taking part (all ranks, unless an engine rank is being reloaded).
         entries = [
-            journal.Journal(stores[k].layout.layout_hash, (b.version, b.root), (version, roots[k]), per_rank[k])
+            journal.Journal(
+                stores[k].layout.layout_hash, (b.version, b.root), (version, roots[k]), per_rank[k], runs.get(k)
+            )
             for k, b in bases.items()
         ]
-        t0 = time.perf_counter()
-        jbytes = journal.write_rank_journal(self.journal_dir, entries, fault=self.fault)
         t1 = time.perf_counter()
+        jbytes = journal.write_rank_journal(self.journal_dir, entries, fault=self.fault)
+        t2 = time.perf_counter()
         self.fault("journaled")
         longest = 0.0
         try:
@@ -402,12 +473,13 @@ class RankStores:
             except StoreError as again:
                 log.error("rank recovery after the failed activation failed too: %s", again)
             raise
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         self.fault("all_flipped")
         with contextlib.suppress(JournalError):  # a journal left behind only re-applies what the ranks hold
             journal.remove_journal(self.journal_dir)
         changed = sum(u.count for st in staged.values() for u in st)
-        return RanksApplied(longest, t2 - t1, t1 - t0, jbytes, changed)
+        self.phases |= {"stage": t1 - t0, "journal": t2 - t1, "write": t3 - t2, "remove": time.perf_counter() - t3}
+        return RanksApplied(longest, t3 - t2, t2 - t1, jbytes, changed)
 
     def _rank_fault(self, k: int) -> Callable[[str], None]:
         return lambda point: self.fault(f"rank{k}:{point}")

@@ -108,6 +108,17 @@ class StoreLayout:
     def layout_hash(self) -> bytes:
         return layout_hash(self.specs)
 
+    def word_bases(self) -> list[int] | None:
+        """Each slot's first word when every slot has one word width and starts aligned to it (the
+        store's data then reads as one array of words), else None."""
+        widths = {s.spec.dt.width for s in self.slots}
+        if len(widths) != 1:
+            return None
+        w = widths.pop()
+        if any(s.offset % w for s in self.slots):
+            return None
+        return [s.offset // w for s in self.slots]
+
     def index(self, name: str) -> int:
         for i, s in enumerate(self.slots):
             if s.name == name:

@@ -516,6 +516,35 @@ class WeightStore:
         _sync(device)
         return out
 
+    def stage_flat(self, positions: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> list[TensorUpdate] | None:
+        """``stage`` for updates given as one run over the store's words (positions: word indices,
+        ``StoreLayout.word_bases``; protocol/layout_flat.py routes them so): checked against the
+        store's words and moved to its device as two updates of the whole store's words
+        (``FLAT_SLOT``), so that the "mid_write" crash point falls between them.  None: the store's
+        words are not one width or its buffer is not aligned to it (stage them per slot)."""
+        data = self._require_data()
+        if self.layout.word_bases() is None or data.data_ptr() % self.layout.slots[0].spec.dt.width:
+            return None
+        wd = self.layout.slots[0].spec.dt.word_dtype
+        if new.dtype != wd or old.dtype != wd or new.shape != old.shape or new.dim() != 1:
+            raise ValueError(f"store updates: new/old must be flat {wd} tensors of equal length")
+        if positions.dtype != torch.int64 or positions.shape != new.shape:
+            raise ValueError("store updates: positions must be int64, one per value")
+        if positions.numel():
+            lo, hi = torch.aminmax(positions)
+            if int(lo) < 0 or int(hi) >= self._words(FLAT_SLOT).numel():
+                raise ValueError("store updates: position out of range")
+        device = data.device
+        pos = positions.to(device, non_blocking=True)
+        nv, ov = new.to(device, non_blocking=True), old.to(device)
+        half = pos.numel() // 2
+        out = [
+            TensorUpdate(FLAT_SLOT, p, n, o)
+            for p, n, o in ((pos[:half], nv[:half], ov[:half]), (pos[half:], nv[half:], ov[half:]))
+        ]
+        _sync(device)
+        return out
+
     def _flatten(self, staged: list[TensorUpdate]) -> list[TensorUpdate]:
         """The sparse updates as two updates of the whole store's words (``FLAT_SLOT``; positions
         offset by each slot's start) when every slot has one word width: a rank store has hundreds

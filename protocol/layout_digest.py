@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
+import numpy as np
 import torch
 
 from patchswarm.protocol.layout_plan import (
@@ -78,18 +80,45 @@ class RankDigests:
                 runs = runs and at == spec.numel
                 row.append(_Param(spec, tuple(p for _, p in ordered), runs))
             self.params.append(row)
-        self._scratch: torch.Tensor | None = None
+        # per rank, per runtime parameter: the canonical tensors it is made of
+        self.sources = [[frozenset(p.source for p in param.parts) for param in row] for row in self.params]
+        self._scratch: dict[int, torch.Tensor] = {}  # per worker: see ``digest``
+        # while ``hold`` is in effect: the held model's host tensors as numpy arrays, made once per
+        # tensor rather than once per piece (a torch slice and ``.numpy()`` per piece cost ~5 us, and
+        # TP=8 hashes ~300 pieces a version); dropped by ``release`` so no model outlives its use
+        self._held: ServedModel | None = None
+        self._views: dict[int, np.ndarray[Any, Any]] = {}
+
+    def hold(self, model: ServedModel) -> None:
+        """Hash ``model`` with its tensors' numpy views kept until ``release``."""
+        self._held, self._views = model, {}
+
+    def release(self) -> None:
+        self._held, self._views = None, {}
+
+    def _host(self, model: ServedModel, source: int) -> np.ndarray[Any, Any] | None:
+        """Canonical tensor ``source``'s bytes as a numpy array, or None when not on the host."""
+        held = model is self._held
+        if held and (v := self._views.get(source)) is not None:
+            return v
+        t = model.data[source]
+        if t.device.type != "cpu":
+            return None
+        v = t.numpy()
+        if held:
+            self._views[source] = v
+        return v
 
     def in_place(self, model: ServedModel, rank: int, slot: int) -> bool:
         """Whether ``digest`` hashes the parameter where its bytes lie (no scratch buffer: such calls
         may run on several threads at once, BLAKE3 letting go of the GIL)."""
         param = self.params[rank][slot]
-        return (
-            param.runs and param.spec.numel > 0 and all(model.data[p.source].device.type == "cpu" for p in param.parts)
-        )
+        return param.runs and param.spec.numel > 0 and all(self._host(model, p.source) is not None for p in param.parts)
 
-    def digest(self, model: ServedModel, rank: int, slot: int) -> bytes:
-        """BLAKE3 of rank ``rank``'s runtime parameter ``slot`` as ``model`` makes it (padding zero)."""
+    def digest(self, model: ServedModel, rank: int, slot: int, worker: int = 0) -> bytes:
+        """BLAKE3 of rank ``rank``'s runtime parameter ``slot`` as ``model`` makes it (padding zero).
+        Calls with different ``worker`` numbers may run on several threads at once (each assembles
+        in its own scratch buffer)."""
         param = self.params[rank][slot]
         spec = param.spec
         if self.in_place(model, rank, slot):
@@ -97,19 +126,21 @@ class RankDigests:
             h = blake3.blake3(max_threads=blake3.blake3.AUTO) if big else blake3.blake3()
             width = spec.dt.width
             for p in param.parts:
-                src = model.data[p.source][p.src_start * width : (p.src_start + p.numel) * width]
-                h.update(src.numpy().data)
+                src = self._host(model, p.source)
+                assert src is not None
+                h.update(src[p.src_start * width : (p.src_start + p.numel) * width].data)
             return h.digest()
-        return bytes_digest(self._assemble(model, param))
+        return bytes_digest(self._assemble(model, param, worker))
 
-    def _assemble(self, model: ServedModel, param: _Param) -> torch.Tensor:
-        """The parameter's bytes in the scratch buffer (reused: allocated once per size and device)."""
+    def _assemble(self, model: ServedModel, param: _Param, worker: int) -> torch.Tensor:
+        """The parameter's bytes in the worker's scratch buffer (reused: allocated once per size and device)."""
         spec = param.spec
         device = model.data[param.parts[0].source].device if param.parts else torch.device("cpu")
-        if self._scratch is None or self._scratch.device != device or self._scratch.numel() < spec.nbytes:
+        scratch = self._scratch.get(worker)
+        if scratch is None or scratch.device != device or scratch.numel() < spec.nbytes:
             need = max(p.spec.nbytes for row in self.params for p in row)
-            self._scratch = torch.empty(need, dtype=torch.uint8, device=device)
-        out = self._scratch[: spec.nbytes]
+            scratch = self._scratch[worker] = torch.empty(need, dtype=torch.uint8, device=device)
+        out = scratch[: spec.nbytes]
         if not spec.numel:
             return out
         words = word_view(out, spec).reshape(spec.shape)
@@ -123,9 +154,16 @@ class RankDigests:
             )
         return out
 
+    def nbytes(self, rank: int, slot: int) -> int:
+        return self.params[rank][slot].spec.nbytes
+
     def rank_digests(self, model: ServedModel, rank: int) -> list[bytes]:
         """Every runtime parameter's digest of rank ``rank``."""
-        return [self.digest(model, rank, i) for i in range(len(self.params[rank]))]
+        self.hold(model)
+        try:
+            return [self.digest(model, rank, i) for i in range(len(self.params[rank]))]
+        finally:
+            self.release()
 
     def root(self, rank: int, digests: list[bytes]) -> bytes:
         return state_root(self.rank_specs[rank], digests)

@@ -22,6 +22,9 @@ SPECS = [
     TensorSpec("up.weight", "F16", (128, 16)),
 ]
 FUSED = ("q.weight", "k.weight")
+# one word width (a 1-D tensor changed sparsely): the rank stores route these in one pass
+# (protocol/layout_flat.py); SPECS' F32 norm, changed densely, takes the per-parameter routing
+ONE_WIDTH = [*SPECS[:2], TensorSpec("ln.weight", "BF16", (48,)), *SPECS[3:]]
 
 
 def split_plan(specs: list[TensorSpec], world: int, *, leave_out: str | None = None) -> LayoutPlan:

@@ -21,11 +21,15 @@ import torch
 from patchswarm.daemon.engine import EngineView, attach
 from patchswarm.daemon.journal import (
     Action,
+    Journal,
+    RunUpdates,
     TornJournalError,
     journal_path,
     read_journal,
+    read_journals,
     recover,
     write_journal,
+    write_rank_journal,
 )
 from patchswarm.daemon.store_format import (
     StoreError,
@@ -98,6 +102,37 @@ def test_journal_round_trip(tmp_path: Path) -> None:
             assert torch.equal(want.positions, got.positions) and got.positions.dtype == torch.int64
         assert torch.equal(want.new, got.new) and torch.equal(want.old, got.old)
     assert read_journal(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["u32 positions", "a position past 2**32"])
+def test_a_run_of_updates_is_journaled_as_its_updates_one_per_slot(tmp_path: Path, far: bool) -> None:
+    # rank stores hand the journal each rank's updates as one run (protocol/layout_flat.py): the
+    # file must be byte for byte the one the same updates given one per slot make
+    gen = torch.Generator().manual_seed(3)
+    slots, counts = [0, 2, 5], [4, 1, 7]
+    pos = torch.cat([torch.randperm(50, generator=gen)[:n].sort().values for n in counts])
+    if far:
+        pos[-1] = (1 << 33) + 5
+    new = torch.randint(-100, 100, (12,), dtype=torch.int16, generator=gen)
+    old = torch.randint(-100, 100, (12,), dtype=torch.int16, generator=gen)
+    run = RunUpdates(slots, counts, pos, new, old)
+    per_slot = [
+        TensorUpdate(s, p, n, o)
+        for s, p, n, o in zip(slots, pos.split(counts), new.split(counts), old.split(counts), strict=True)
+    ]
+    other = [TensorUpdate(1, torch.tensor([2, 3]), torch.tensor([1, 2], dtype=torch.int16), new[:2])]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ends = ((1, b"a" * 32), (2, b"b" * 32))
+    write_rank_journal(a, [Journal(b"L" * 32, *ends, [], run), Journal(b"M" * 32, *ends, other)])
+    write_rank_journal(b, [Journal(b"L" * 32, *ends, per_slot), Journal(b"M" * 32, *ends, other)])
+    assert journal_path(a).read_bytes() == journal_path(b).read_bytes()
+    js = read_journals(a)
+    assert js is not None
+    assert [u.slot for u in js[0].updates] == slots
+    got = torch.cat([u.positions for u in js[0].updates if u.positions is not None])
+    assert torch.equal(got, pos)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])

@@ -30,7 +30,7 @@ from patchswarm.protocol.held import Held
 from patchswarm.protocol.layout_plan import rank_model
 from patchswarm.protocol.patchfile import build_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes
-from tests.support.rank_plans import SPECS, expected_rank, llama_rank, llama_state, split_plan, version_model
+from tests.support.rank_plans import ONE_WIDTH, SPECS, expected_rank, llama_rank, llama_state, split_plan, version_model
 from tests.support.store_worker import remove_segments, unique_name
 
 SEED = 5
@@ -53,9 +53,9 @@ def make(name: str, world: int, tmp: Path, **kw: object) -> RankStores:
     return RankStores(name, world, jd, engine_kind=False, **kw)  # type: ignore[arg-type]
 
 
-def assert_ranks_hold(rs: RankStores, world: int, version: int) -> None:
+def assert_ranks_hold(rs: RankStores, world: int, version: int, specs: list[TensorSpec] = SPECS) -> None:
     """Every rank's header names ``version`` and its bytes are that version's slice, bit for bit."""
-    m = version_model(SEED, version)
+    m = version_model(SEED, version, specs)
     for r in range(world):
         store = rs.store(r)
         assert store is not None
@@ -68,20 +68,24 @@ def assert_ranks_hold(rs: RankStores, world: int, version: int) -> None:
         assert store.root() == h.root  # the per-rank root, computed where the weights live
 
 
-def apply(rs: RankStores, version: int) -> None:
-    new = version_model(SEED, version)
-    updates = None if version == 1 else diff_updates(version_model(SEED, version - 1), new)
+def apply(rs: RankStores, version: int, specs: list[TensorSpec] = SPECS) -> None:
+    new = version_model(SEED, version, specs)
+    updates = None if version == 1 else diff_updates(version_model(SEED, version - 1, specs), new)
     rs.apply(version, new, updates)
 
 
+@pytest.mark.parametrize("specs", [SPECS, ONE_WIDTH], ids=["per-parameter", "one-pass"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_every_rank_holds_its_slice_after_every_version(name: str, tmp_path: Path, world: int) -> None:
+def test_every_rank_holds_its_slice_after_every_version(
+    name: str, tmp_path: Path, world: int, specs: list[TensorSpec]
+) -> None:
     rs = make(name, world, tmp_path)
-    rs.prepare(split_plan(SPECS, world), SPECS)
+    rs.prepare(split_plan(specs, world), specs)
+    assert (rs.flat is not None) == (specs is ONE_WIDTH)  # (the routing this case means to test)
     assert [s.segment.name for s in rs.stores if s is not None] == rank_store_names(name, world)
     for v in range(1, 5):
-        apply(rs, v)
-        assert_ranks_hold(rs, world, v)
+        apply(rs, v, specs)
+        assert_ranks_hold(rs, world, v, specs)
         assert rs.common_version() == v
         assert not journal_path(rs.journal_dir).exists()
     entries = rs.entries()
@@ -109,16 +113,19 @@ def raise_at(point: str) -> Callable[[str], None]:
     return fault
 
 
+@pytest.mark.parametrize("specs", [SPECS, ONE_WIDTH], ids=["per-parameter", "one-pass"])
 @pytest.mark.parametrize("point", CRASH_POINTS)
-def test_a_crash_at_any_point_leaves_every_rank_at_one_version(name: str, tmp_path: Path, point: str) -> None:
+def test_a_crash_at_any_point_leaves_every_rank_at_one_version(
+    name: str, tmp_path: Path, point: str, specs: list[TensorSpec]
+) -> None:
     world = 2
     rs = make(name, world, tmp_path)
-    rs.prepare(split_plan(SPECS, world), SPECS)
-    apply(rs, 1)
-    apply(rs, 2)
+    rs.prepare(split_plan(specs, world), specs)
+    apply(rs, 1, specs)
+    apply(rs, 2, specs)
     rs.fault = raise_at(point)
     with pytest.raises(Crash):
-        apply(rs, 3)
+        apply(rs, 3, specs)
     if point not in ("journal_tmp",):
         assert len(read_journals(rs.journal_dir) or []) == world  # one journal for every rank
     # A restarted daemon: re-open the stores, recover from the journal.
@@ -127,7 +134,7 @@ def test_a_crash_at_any_point_leaves_every_rank_at_one_version(name: str, tmp_pa
     version = again.recover()
     expect = 2 if point == "journal_tmp" else 3  # a complete journal is rolled forward on every rank
     assert version == expect
-    assert_ranks_hold(again, world, expect)
+    assert_ranks_hold(again, world, expect, specs)
     assert not journal_path(rs.journal_dir).exists()
     rs.close()
     again.close()
