@@ -29,7 +29,7 @@ from patchswarm.protocol.board_names import root_rel
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import AnyBoard
     from patchswarm.daemon.publisher import Publisher
     from patchswarm.daemon.served_format import ServedFormat
     from patchswarm.protocol.keys import SigningKey, TrustedKeys
@@ -276,7 +276,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import open_board
     from patchswarm.protocol.files import write_atomic
     from patchswarm.protocol.keys import SigningKey, load_public_key
     from patchswarm.protocol.trust import Certificate
@@ -288,7 +288,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     if args.output:
         write_atomic(Path(args.output), env)
     if args.board:
-        Board(args.board).put_certificate(cert.key, env)
+        open_board(args.board).put_certificate(cert.key, env)
     say(
         f"certified key {cert.key.hex()[:16]} for run {args.run_id!r} until "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(cert.not_after_ms / 1000))}"
@@ -296,7 +296,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _next_root(board: Board, root: SigningKey) -> RootDocument:
+def _next_root(board: AnyBoard, root: SigningKey) -> RootDocument:
     from patchswarm.protocol.trust import RootDocument, TrustState
 
     state = TrustState(root.key_id)
@@ -308,11 +308,11 @@ def _next_root(board: Board, root: SigningKey) -> RootDocument:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import open_board
     from patchswarm.protocol.keys import SigningKey, load_public_key
     from patchswarm.protocol.trust import RootDocument
 
-    board = Board(args.board)
+    board = open_board(args.board)
     root = SigningKey.load(args.root)
     cur = _next_root(board, root)
     revoked = load_public_key(args.key)
@@ -323,11 +323,11 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_rotate_root(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import open_board
     from patchswarm.protocol.keys import SigningKey, load_public_key
     from patchswarm.protocol.trust import RootDocument
 
-    board = Board(args.board)
+    board = open_board(args.board)
     root = SigningKey.load(args.root)
     cur = _next_root(board, root)
     doc = RootDocument(cur.version + 1, (load_public_key(args.new_root),), cur.revoked)
@@ -590,24 +590,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"validity in days (default 30, at most {cli_args.MAX_CERT_DAYS:g})",
     )
     c.add_argument("-o", "--output", type=out, metavar="CERT", help="write the certificate here")
-    c.add_argument("--board", type=cli_args.board, metavar="DIR", help="and/or place it on this board")
+    c.add_argument("--board", type=cli_args.board, metavar="BOARD", help="and/or place it on this board")
     c.set_defaults(func=cmd_certify, check=_check_certify)
 
     r = sub.add_parser("revoke", help="publish the next root document, revoking a trainer key")
     r.add_argument("--root", type=path, required=True, metavar="ROOT.key")
-    r.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    r.add_argument("--board", type=cli_args.board, required=True, metavar="BOARD")
     r.add_argument("key", type=path, metavar="TRAINER.key.pub")
     r.set_defaults(func=cmd_revoke)
 
     rr = sub.add_parser("rotate-root", help="publish the next root document, handing over to a new root key")
     rr.add_argument("--root", type=path, required=True, metavar="ROOT.key")
-    rr.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    rr.add_argument("--board", type=cli_args.board, required=True, metavar="BOARD")
     rr.add_argument("--new-root", type=path, required=True, metavar="NEW_ROOT.key.pub")
     rr.set_defaults(func=cmd_rotate_root)
 
     pb = sub.add_parser("publish", help="publish a served version of a checkpoint onto a board")
     pb.add_argument("model", type=path, metavar="MODEL", help="checkpoint directory or .safetensors file")
-    pb.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    pb.add_argument(
+        "--board", type=cli_args.board, required=True, metavar="BOARD", help="a directory or s3:// gs:// az:// URL"
+    )
     pb.add_argument("--key", type=path, required=True, metavar="KEY")
     pb.add_argument("--run-id", type=cli_args.run_id, required=True)
     pb.add_argument("--cert", type=path, metavar="CERT", help="certificate of KEY to place on the board")
@@ -631,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.set_defaults(func=cmd_publish)
 
     sd = sub.add_parser("seed", help="serve a board over HTTP")
-    sd.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    sd.add_argument("--board", type=cli_args.board, required=True, metavar="BOARD")
     sd.add_argument("--listen", type=cli_args.listen, default="127.0.0.1:8700", metavar="HOST:PORT")
     sd.add_argument(
         "--run", type=cli_args.run_id, help="also join the swarm of this run as a peer that holds everything"
@@ -658,14 +660,21 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--run", type=cli_args.run_id, required=True)
     nd.add_argument("--trust", type=path, required=True, metavar="ROOT.pub")
     nd.add_argument(
-        "--seed-url", type=cli_args.url, action="append", metavar="URL", help="board URL polled for the head"
+        "--seed-url", type=cli_args.board_url, action="append", metavar="URL", help="board URL polled for the head"
     )
     nd.add_argument("--print-root", action="store_true", help="print each version's state root")
     add_swarm_args(nd)
     nd.set_defaults(func=cmd_node)
 
     pl = sub.add_parser("pull", help="fetch, verify and write the head version of a run")
-    pl.add_argument("--from", dest="source", type=path, required=True, metavar="URL", help="board URL or directory")
+    pl.add_argument(
+        "--from",
+        dest="source",
+        type=cli_args.board_source,
+        required=True,
+        metavar="URL",
+        help="board: http(s)://, s3://, gs://, az:// URL or a directory",
+    )
     pl.add_argument("--run", type=cli_args.run_id, metavar="RUN", help="run id (or give --from as BOARD/runs/RUN)")
     pl.add_argument("--trust", type=path, required=True, metavar="ROOT.pub")
     pl.add_argument(

@@ -1,7 +1,10 @@
-"""Where a host reads a board from: a local directory or any static HTTP server.
+"""Where a host reads a board from: a local directory, any static HTTP server (the object store's
+HTTPS endpoint, a CDN) or an object store through its SDK (swarm/board_store.py).
 
 Every read is bounded: a source never returns more than ``limit`` bytes (an endless or
-oversized response is cut off with LimitExceededError), and a missing file is ``None``.
+oversized response is cut off with LimitExceededError), and a missing file is ``None``.  Over
+HTTP a 403 is missing too: S3 answers 403 instead of 404 for a missing key when the reader may
+not list the bucket (a public board without public listing, the usual setting).
 """
 
 from __future__ import annotations
@@ -11,17 +14,13 @@ from typing import Protocol
 
 import aiohttp
 
-from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
+from patchswarm.protocol.errors import LimitExceededError
 from patchswarm.protocol.files import FileTooLargeError
 from patchswarm.swarm.board_files import BoardFiles
-from patchswarm.swarm.client_errors import describe
+from patchswarm.swarm.client_errors import SourceError, describe
 from patchswarm.swarm.http import read_bounded
 
 DEFAULT_TIMEOUT_S = 30.0
-
-
-class SourceError(PatchswarmError):
-    """A board source failed (connection refused, HTTP error, timeout)."""
 
 
 class BoardSource(Protocol):
@@ -73,7 +72,7 @@ class HttpSource:
             async with self._client().get(
                 url, headers={"Cache-Control": "no-cache"} if rel.endswith("head") else None
             ) as r:
-                if r.status == 404:
+                if r.status in (403, 404):
                     return None
                 if r.status != 200:
                     raise SourceError(f"GET {url}: HTTP {r.status}")
@@ -88,6 +87,14 @@ class HttpSource:
 
 
 def source_for(location: str) -> BoardSource:
+    """The source for a board location: an http(s) URL, a store URL (``s3://``, ``gs://``, ``az://``),
+    a ``file://`` URL or a directory.  ValueError for a malformed store URL; StoreError when the
+    store cannot be configured from the environment (no credentials)."""
+    from patchswarm.swarm.board_store import StoreSource, local_path, parse_store_url
+
     if location.startswith(("http://", "https://")):
         return HttpSource(location)
-    return DirSource(location)
+    store = parse_store_url(location)
+    if store is not None:
+        return StoreSource(store)
+    return DirSource(local_path(location) or location)

@@ -1,10 +1,10 @@
 """Board objects (heads, manifests, certificates, root documents) fetched from the swarm.
 
 A node asks, in order: what it already holds, the peer that announced the object, peers
-likely to hold it, then the seed's board over plain HTTP.  Root documents are asked of the
-board (``seed_urls``) and then a seed first: the usual question is whether root N+1 exists, and
-only a board can say it does not (a peer's "not here" settles nothing, so asking peers first cost
-every head a round trip per peer).
+likely to hold it, then the boards (``seed_urls``: http(s), or an object store's s3:// gs:// az://
+URL).  Root documents are asked of the boards and then a seed first: the usual question is
+whether root N+1 exists, and only a board can say it does not (a peer's "not here" settles
+nothing, so asking peers first cost every head a round trip per peer).
 Manifests are named by the hash of their body, so a peer's wrong answer is discarded here and
 the next source is tried; everything else is verified by the caller (signatures).  What is fetched
 here is never served: the node re-serves only the bytes that verified (a manifest as the puller
@@ -15,6 +15,7 @@ never put other bytes (an empty or stale answer) in their place.
 from __future__ import annotations
 
 import enum
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -36,8 +37,11 @@ from patchswarm.protocol.membership_messages import NodeInfo
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.wire import Announcement
-from patchswarm.swarm.board_sources import HttpSource, SourceError
+from patchswarm.swarm.board_sources import BoardSource, source_for
+from patchswarm.swarm.client_errors import SourceError
 from patchswarm.swarm.transport import Missing, Transport, TransportError
+
+log = logging.getLogger(__name__)
 
 
 class PeerLike(Protocol):
@@ -107,7 +111,8 @@ class SwarmSource:
         # Who served the last head: it verified it, so holds its certificate, and fetched the manifest
         # it names while we fetched the head (so the seed is not every host's manifest source at once).
         self._head_from: str | None = None
-        self._boards = [HttpSource(url) for url in seed_urls]
+        self._boards = [source_for(url) for url in seed_urls]
+        self._board_errors: dict[int, str] = {}  # the last failure of each board, logged once
 
     def forget(self, rel: str) -> None:
         """Drop the fetched copy of an object the caller verified (and now holds itself)."""
@@ -263,11 +268,15 @@ class SwarmSource:
     def _is_seed(self, addr: str) -> bool:
         return any(v.ann.seed and v.info.addr == addr for v in self.node.peers.values())
 
-    async def _ask_board(self, board: HttpSource, rel: str, limit: int) -> bytes | _Unreachable | None:
+    async def _ask_board(self, board: BoardSource, rel: str, limit: int) -> bytes | _Unreachable | None:
         try:
             data = await board.get(rel, limit)
-        except (SourceError, LimitExceededError):
+        except (SourceError, LimitExceededError) as e:
+            if self._board_errors.get(id(board)) != (text := str(e)):  # (bad credentials: once, not per poll)
+                log.warning("board: %s", text)
+            self._board_errors[id(board)] = text
             return _UNREACHABLE
+        self._board_errors.pop(id(board), None)
         return self._keep_if_acceptable(rel, data)
 
     def _keep_if_acceptable(self, rel: str, data: bytes | None) -> bytes | None:
