@@ -397,9 +397,16 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
 def cmd_seed(args: argparse.Namespace) -> int:
     from patchswarm.daemon.config import split_listen
     from patchswarm.swarm.board_http import board_app
+    from patchswarm.swarm.board_store import local_path
     from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
     host, port = split_listen(args.listen)
+    args.board = local_path(args.board) or args.board
+    if "://" in args.board:
+        raise UserError(
+            f"{args.board}: a seed serves a board directory; hosts read a board in an object store directly "
+            "(swarm.seed_urls = [its s3:// gs:// az:// or https URL], docs/daemon.md)"
+        )
     if not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
     if args.key and not args.run:

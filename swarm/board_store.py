@@ -50,7 +50,6 @@ _CREDENTIAL_CODES = (
     "AuthenticationFailed",  # Azure
 )
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
-CLIENT_OPTIONS = {"connect_timeout": "10s", "timeout": "60s"}
 STREAM_CHUNK = 1 << 20
 
 
@@ -134,11 +133,13 @@ def _s3_credentials() -> dict[str, Any]:
 def open_store(loc: StoreURL) -> ObjectStore:
     """An obstore store for ``loc``, configured from the environment (StoreError if it cannot be)."""
     try:
+        # No client_options here: given, they replace those obstore reads from the environment
+        # (AWS_ALLOW_HTTP, proxies, timeouts) instead of adding to them.
         if loc.provider == "s3":
-            return S3Store.from_url(loc.url, client_options=CLIENT_OPTIONS, **_s3_credentials())  # type: ignore[arg-type]
+            return S3Store.from_url(loc.url, **_s3_credentials())
         if loc.provider == "gs":
-            return GCSStore.from_url(loc.url, client_options=CLIENT_OPTIONS)  # type: ignore[arg-type]
-        return AzureStore.from_url(loc.url, client_options=CLIENT_OPTIONS)  # type: ignore[arg-type]
+            return GCSStore.from_url(loc.url)
+        return AzureStore.from_url(loc.url)
     except StoreError:
         raise
     except Exception as e:  # obstore's configuration errors (no account name, an unreadable key file)
