@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -340,3 +342,41 @@ def test_an_interrupted_upload_leaves_no_object(aws: Moto, keys: Keys) -> None:
     assert "cut/chunks/" + "ab" * 32 not in object_names(aws, bucket)
     assert check_board(url, keys, RUN) == 1
     assert pull(url, keys).bitwise_equal(served(w))
+
+
+# ---------------------------------------------------------------- over HTTP(S): 403 is missing
+
+
+def test_an_anonymous_403_counts_as_missing(aws: Moto, keys: Keys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A public board without public listing: S3 answers an anonymous GET of a key it will not show
+    with 403, not 404.  Hosts reading the store's HTTP endpoint (or the SDK unsigned) take it as
+    missing, and reach the head over HTTP bitwise."""
+    bucket = aws.new_bucket()
+    pub = Publisher(f"s3://{bucket}/pub", keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), refresh=False)
+    w = weights(5)
+    pub.publish(w)
+    pub.close()
+    s3 = aws.client()
+    for name in object_names(aws, bucket):
+        s3.put_object_acl(Bucket=bucket, Key=name, ACL="public-read")
+    s3.put_object(Bucket=bucket, Key="pub/runs/private/head", Body=b"not for you")  # private
+    http = f"{aws.endpoint}/{bucket}/pub"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{http}/runs/private/head", timeout=10)
+    assert refused.value.code == 403  # what the store says: forbidden, not missing
+
+    async def read(url: str, rel: str) -> bytes | None:
+        src = source_for(url)
+        try:
+            return await src.get(rel, 1 << 20)
+        finally:
+            await src.close()
+
+    assert asyncio.run(read(http, "runs/private/head")) is None
+    assert asyncio.run(read(http, f"runs/{RUN}/head")) == pub.board.read(head_rel(RUN))
+    assert pull(http, keys).bitwise_equal(served(w))
+    monkeypatch.setenv("AWS_SKIP_SIGNATURE", "true")  # the SDK, unsigned: the same answers
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    assert asyncio.run(read(f"s3://{bucket}/pub", "runs/private/head")) is None
+    assert pull(f"s3://{bucket}/pub", keys).bitwise_equal(served(w))
