@@ -91,7 +91,8 @@ class StoreBoard:
             raise FileNotFoundError(f"{self.location}/{manifest_rel(manifest_id)}")
         return SignedManifest.from_bytes(data).verify(None)
 
-    def _names(self, folder: str) -> list[BoardName]:
+    def names(self, folder: str) -> list[BoardName]:
+        """The board names listed under ``folder`` (needs the permission to list the bucket)."""
         try:
             listed = [meta["path"] for batch in obstore.list(self.store, f"{folder}/") for meta in batch]
         except Exception as e:
@@ -100,7 +101,7 @@ class StoreBoard:
         return [n for n in names if n is not None]
 
     def root_versions(self) -> list[int]:
-        return sorted(n.version for n in self._names("trust") if isinstance(n, RootName))
+        return sorted(n.version for n in self.names("trust") if isinstance(n, RootName))
 
     # ------------------------------------------------------------ writing
 
@@ -185,7 +186,7 @@ class StoreBoard:
         keep: set[BoardName] = {ManifestName(mid) for mid in keep_ids}
         for mid in keep_ids:
             keep.update(ChunkName(ref.hash) for ref in self.manifest(mid).chunks)
-        doomed = [n.rel for folder in ("manifests", "chunks") for n in self._names(folder) if n not in keep]
+        doomed = [n.rel for folder in ("manifests", "chunks") for n in self.names(folder) if n not in keep]
         for rel in doomed:
             try:
                 obstore.delete(self.store, rel)

@@ -397,17 +397,19 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
 def cmd_seed(args: argparse.Namespace) -> int:
     from patchswarm.daemon.config import split_listen
     from patchswarm.swarm.board_http import board_app
-    from patchswarm.swarm.board_store import local_path
+    from patchswarm.swarm.board_store import local_path, parse_store_url
     from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
     host, port = split_listen(args.listen)
     args.board = local_path(args.board) or args.board
-    if "://" in args.board:
-        raise UserError(
-            f"{args.board}: a seed serves a board directory; hosts read a board in an object store directly "
-            "(swarm.seed_urls = [its s3:// gs:// az:// or https URL], docs/daemon.md)"
-        )
-    if not Path(args.board).is_dir():
+    if parse_store_url(args.board) is not None:
+        if not (args.run and args.cache):
+            raise UserError(
+                f"{args.board}: a seed serves a local copy of a board in an object store: give --run RUN and "
+                "--cache DIR (or let hosts read the store directly: swarm.seed_urls, docs/daemon.md)"
+            )
+        Path(args.cache).mkdir(parents=True, exist_ok=True)
+    elif not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
     if args.key and not args.run:
         raise UserError("--key needs --run (the run whose head the seed re-signs)")
@@ -644,6 +646,12 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--listen", type=cli_args.listen, default="127.0.0.1:8700", metavar="HOST:PORT")
     sd.add_argument(
         "--run", type=cli_args.run_id, help="also join the swarm of this run as a peer that holds everything"
+    )
+    sd.add_argument(
+        "--cache",
+        type=path,
+        metavar="DIR",
+        help="with an s3:// gs:// az:// board: the local copy of the run the seed serves (kept in step)",
     )
     add_swarm_args(sd)
     add_seed_args(sd)

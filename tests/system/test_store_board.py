@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -35,8 +36,10 @@ from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.board_sources import source_for
 from patchswarm.swarm.puller import Puller
-from tests.support.boards import Keys
+from tests.support.boards import Keys, free_port
+from tests.support.daemonkit import Daemon
 from tests.support.moto_server import Moto, clean_env, moto_server
+from tests.support.swarmkit import SECRET
 
 RUN = "run-s3"
 CLI = [sys.executable, "-m", "patchswarm.daemon.cli"]
@@ -380,3 +383,95 @@ def test_an_anonymous_403_counts_as_missing(aws: Moto, keys: Keys, monkeypatch: 
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     assert asyncio.run(read(f"s3://{bucket}/pub", "runs/private/head")) is None
     assert pull(f"s3://{bucket}/pub", keys).bitwise_equal(served(w))
+
+
+# ---------------------------------------------------------------- a seed and a rollout daemon on an s3:// board
+
+
+@contextlib.contextmanager
+def seed_process(url: str, env: dict[str, str], tmp: Path) -> Iterator[str]:
+    """``patchswarm seed --board s3://... --cache DIR --run RUN``: the store's run copied locally and served."""
+    port = free_port()
+    log = tmp / "seed.log"
+    args = ["seed", "--board", url, "--cache", str(tmp / "cache"), "--run", RUN, "--listen", f"127.0.0.1:{port}"]
+    args += ["--secret-file", str(tmp / "secret"), "--name", "seed"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*CLI, *args], cwd=ROOT, stdout=out, stderr=out, env=clean_env(env) | {"PYTHONPATH": str(ROOT)}
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"seed did not start: {log.read_text()[-2000:]}") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(20)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_seed_and_a_rollout_daemon_follow_an_s3_board_bitwise(aws: Moto, keys: Keys, tmp_path: Path) -> None:
+    """The trainer publishes to the store only.  The seed keeps a local copy of the run and serves it
+    to the swarm; the rollout daemon polls the store's head through the SDK (credentials from its
+    environment) and reaches each version; its state root is the published one."""
+    url = f"s3://{aws.new_bucket()}/fleet"
+    pub = Publisher(url, keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), chunk_size=16 << 10)
+    w = weights(6)
+    pub.publish(w)
+    (tmp_path / "secret").write_bytes(SECRET)
+    keys.root.save(tmp_path / "root.key")
+    d = tmp_path / "d1"
+    d.mkdir()
+    store = f"ps-test-{uuid.uuid4().hex[:12]}"
+    daemon: Daemon | None = None
+    try:
+        with seed_process(url, aws.env(), tmp_path) as seed:
+            (d / "daemon.toml").write_text(
+                f"""
+[node]
+name = "d1"
+listen = "127.0.0.1:0"
+[swarm]
+run_id = "{RUN}"
+bootstrap = ["{seed}"]
+seed_urls = ["{url}"]
+cluster_secret_file = "{tmp_path / "secret"}"
+[trust]
+root = "{tmp_path / "root.key.pub"}"
+[store]
+name = "{store}"
+size = 0
+[api]
+socket = "{d / "api.sock"}"
+[data]
+dir = "{d / "data"}"
+[log]
+format = "json"
+"""
+            )
+            daemon = Daemon("d1", d, d / "daemon.toml", store, str(d / "api.sock"), env=clean_env(aws.env()))
+            daemon.start()
+            for v in (1, 2, 3):
+                if v > 1:
+                    step(w, 50 + v)
+                    pub.publish(w)
+                st = await daemon.wait_version(v, timeout=90)
+                assert st["root"] == served(w).root().hex()  # the state root: every byte, hashed
+            assert await daemon.stop() == 0
+        cached = open_board(tmp_path / "cache")
+        assert cached.read(head_rel(RUN)) == pub.board.read(head_rel(RUN))  # the seed's copy is the store's head
+    finally:
+        pub.close()
+        if daemon is not None:
+            daemon.cleanup()
