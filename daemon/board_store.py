@@ -59,6 +59,9 @@ from patchswarm.swarm.board_store import (
 )
 
 UPLOADS = 16  # chunk puts in flight (obstore releases the GIL while a request runs)
+# What a CDN or HTTP client in front of the store may cache (the same rules as swarm/board_http.py).
+IMMUTABLE = {"Cache-Control": "public, max-age=31536000, immutable"}
+MUTABLE = {"Cache-Control": "no-cache"}
 
 
 class StoreBoard:
@@ -106,8 +109,9 @@ class StoreBoard:
     # ------------------------------------------------------------ writing
 
     def _put(self, rel: str, data: bytes | memoryview, **opts: Any) -> None:
+        attributes = MUTABLE if rel.startswith("runs/") else IMMUTABLE
         try:
-            obstore.put(self.store, rel, data, **opts)
+            obstore.put(self.store, rel, data, attributes=attributes, **opts)
         except (AlreadyExistsError, PreconditionError):
             raise
         except Exception as e:

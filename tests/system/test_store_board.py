@@ -124,6 +124,10 @@ def test_publisher_writes_an_s3_board_hosts_reach_each_head_bitwise(aws: Moto, k
     chunks = {n.rsplit("/", 1)[1] for n in names if n.startswith("boards/a/chunks/")}
     wanted = {ref.hash.hex() for e in head.catalog for ref in pub.board.manifest(e.manifest_id).chunks}
     assert chunks == wanted
+    # What a CDN in front of the store may cache: everything but heads, forever.
+    s3 = aws.client()
+    assert s3.head_object(Bucket=bucket, Key=f"boards/a/{head_rel(RUN)}")["CacheControl"] == "no-cache"
+    assert "immutable" in s3.head_object(Bucket=bucket, Key=min(manifests))["CacheControl"]
     # A publisher that comes back resumes the chain from the store.
     again = Publisher(url, keys.trainer, run_id=RUN, anchor_every=3, keep_anchors=1, refresh=False)
     assert again.version == 7
