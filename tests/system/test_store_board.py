@@ -24,12 +24,14 @@ from urllib.parse import urlparse
 import pytest
 import torch
 
-from patchswarm.daemon.board import HeadRaceError
+from patchswarm.daemon.board import Board, HeadRaceError
+from patchswarm.daemon.board_mirror import BoardMirror
 from patchswarm.daemon.board_store import StoreBoard, open_board
 from patchswarm.daemon.head_refresh import board_head, refresh_board_head
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.served_format import ServedFormat
 from patchswarm.protocol.board_names import head_rel
+from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 from patchswarm.protocol.served import ServedModel
@@ -479,3 +481,29 @@ format = "json"
         pub.close()
         if daemon is not None:
             daemon.cleanup()
+
+
+def test_a_seed_copy_refuses_a_chunk_that_is_not_what_its_name_says(aws: Moto, keys: Keys, tmp_path: Path) -> None:
+    """The seed's copy checks each object against its name: a damaged chunk in the store stops the
+    copy of that version, and the local head stays at the last complete one."""
+    bucket = aws.new_bucket()
+    url = f"s3://{bucket}/m"
+    pub = Publisher(url, keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), refresh=False)
+    w = weights(7)
+    pub.publish(w)
+    local = Board(tmp_path / "copy")
+    store = pub.board
+    assert isinstance(store, StoreBoard)
+    mirror = BoardMirror(store, local, RUN)
+    assert mirror.sync() and not mirror.sync()  # copied once; nothing new the second time
+    first = local.read(head_rel(RUN))
+    assert first == store.read(head_rel(RUN))
+    step(w, 70)
+    info = pub.publish(w)
+    pub.close()
+    manifest = store.manifest(getattr(info, "manifest_id", b""))
+    victim = f"m/chunks/{manifest.chunks[0].hash.hex()}"
+    aws.client().put_object(Bucket=bucket, Key=victim, Body=b"\0" * manifest.chunks[0].size)
+    with pytest.raises(FormatError, match="does not hold the chunk its name says"):
+        mirror.sync()
+    assert local.read(head_rel(RUN)) == first
