@@ -149,6 +149,7 @@ def run_cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Compl
     )
 
 
+@pytest.mark.slow
 def test_cli_publish_and_pull_an_s3_board(moto: Moto, keys: Keys, tmp_path: Path) -> None:
     bucket = moto.new_bucket()
     board = f"s3://{bucket}/cli"
@@ -173,10 +174,10 @@ def test_cli_publish_and_pull_an_s3_board(moto: Moto, keys: Keys, tmp_path: Path
         assert r.returncode == 0, r.stderr
         assert load_safetensors(tmp_path / "out.safetensors").bitwise_equal(served(w))
         step(w, 10 + v)
-    # The seed serves directories only: an object-store board is read by hosts directly.
+    # A seed of a store board serves a local copy of one run: it needs the run and a place for the copy.
     r = run_cli(["seed", "--board", board, "--listen", "127.0.0.1:0"], moto.env(), tmp_path)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
-    assert "hosts read a board in an object store directly" in r.stderr
+    assert "give --run RUN and --cache DIR" in r.stderr
 
 
 # ---------------------------------------------------------------- the head's conditional write
