@@ -31,6 +31,7 @@ import obstore
 from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import AzureStore, GCSStore, ObjectStore, S3Store
 
+from patchswarm.protocol.board_names import board_limit
 from patchswarm.protocol.errors import LimitExceededError
 from patchswarm.swarm.client_errors import SourceError
 
@@ -221,7 +222,13 @@ class StoreSource:
         self.store = open_store(loc)
 
     async def get(self, rel: str, limit: int) -> bytes | None:
+        """The object at board path ``rel`` (None outside the board's layout, as a directory would
+        have it), at most ``limit`` bytes and its kind's bound."""
         url = self.loc.url
+        bound = board_limit(rel)
+        if bound is None:
+            return None
+        limit = min(limit, bound)
         try:
             resp = await obstore.get_async(self.store, rel)
             if resp.meta["size"] > limit:

@@ -389,6 +389,8 @@ def test_an_anonymous_403_counts_as_missing(aws: Moto, keys: Keys, monkeypatch: 
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     assert asyncio.run(read(f"s3://{bucket}/pub", "runs/private/head")) is None
+    s3.put_object(Bucket=bucket, Key="pub/extra/x", Body=b"x", ACL="public-read")
+    assert asyncio.run(read(f"s3://{bucket}/pub", "extra/x")) is None  # not a board name: not read
     assert pull(f"s3://{bucket}/pub", keys).bitwise_equal(served(w))
 
 
