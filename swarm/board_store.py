@@ -48,7 +48,10 @@ _CREDENTIAL_CODES = (
     "InvalidToken",
     "TokenRefreshRequired",
     "InvalidClientTokenId",
-    "AuthenticationFailed",  # Azure
+    # Azure answers 404 for a missing blob whenever it answers at all: its 403s are all about access.
+    "AuthenticationFailed",
+    "AuthorizationFailure",  # (Azurite's answer to a wrong key; Azure's to a request its rules forbid)
+    "InvalidAuthenticationInfo",
 )
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 STREAM_CHUNK = 1 << 20

@@ -86,7 +86,7 @@ def test_a_refusal_is_missing_unless_it_is_about_the_credentials() -> None:
     assert is_missing(NotFoundError("404"))
     assert is_missing(PermissionDeniedError(body.format("AccessDenied")))  # S3 without ListBucket
     assert is_missing(PermissionDeniedError("403 Forbidden: "))  # an anonymous GET: no body
-    for code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken"):
+    for code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken", "AuthenticationFailed"):
         e = PermissionDeniedError(body.format(code))
         assert not is_missing(e)
         err = store_error(e, "GET s3://b/x")
