@@ -7,6 +7,11 @@ served version, encode, sign and write to the board, then move the head.
         ...
         info = pub.publish(model)        # version, changed fraction, patch bytes, seconds
 
+``board`` is a directory or an object store URL (``s3://bucket/prefix``, ``gs://``, ``az://``;
+daemon/board_store.py), credentials from the provider's environment.  Two publishers of one run
+never fork or rewind its head: the one that loses a head write raises ``HeadRaceError`` and
+writes nothing more.
+
 A run outlives any one trainer process: a Publisher resumes the run it finds on its board after
 any pause (its own key, or a newly certified one: key rotation), re-signing the head with a fresh
 expiry, and re-signs it in the background while the trainer is idle (``head_ttl``; docs/board.md,
