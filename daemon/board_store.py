@@ -18,6 +18,8 @@ on a head that was replaced by identical bytes.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -59,6 +61,9 @@ from patchswarm.swarm.board_store import (
 )
 
 UPLOADS = 16  # chunk puts in flight (obstore releases the GIL while a request runs)
+# Crash tests only: PATCHSWARM_FAULT_AT=board.chunks@N (half of the N-th version's chunks stored) or
+# board.manifest@N (its manifest stored, the head not yet moved) kills this process with SIGKILL there.
+FAULT_ENV = "PATCHSWARM_FAULT_AT"
 # What a CDN or HTTP client in front of the store may cache (the same rules as swarm/board_http.py).
 IMMUTABLE = {"Cache-Control": "public, max-age=31536000, immutable"}
 MUTABLE = {"Cache-Control": "no-cache"}
@@ -70,6 +75,9 @@ class StoreBoard:
     def __init__(self, loc: StoreURL) -> None:
         self.loc = loc
         self.store = open_store(loc)
+        self._versions_put = 0
+        point, _, nth = os.environ.get(FAULT_ENV, "").partition("@")
+        self._fault = (point, int(nth)) if point.startswith("board.") and nth.isdigit() else None
 
     @property
     def location(self) -> str:
@@ -77,6 +85,10 @@ class StoreBoard:
 
     def source(self) -> BoardSource:
         return StoreSource(self.loc)
+
+    def _reached(self, point: str) -> None:
+        if self._fault == (point, self._versions_put):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # ------------------------------------------------------------ reading
 
@@ -132,12 +144,17 @@ class StoreBoard:
 
     def put_version(self, version: Version) -> bytes:
         """Upload the chunks (in parallel), then, once every one is stored, the manifest; returns its id."""
+        self._versions_put += 1
         chunks = {chunk_rel(ref.hash): data for ref, data in chunk_views(version.payload, version.manifest.chunks)}
         with ThreadPoolExecutor(min(UPLOADS, max(len(chunks), 1)), thread_name_prefix="board-put") as pool:
-            for f in [pool.submit(self._put_chunk, rel, data) for rel, data in chunks.items()]:
+            futures = [pool.submit(self._put_chunk, rel, data) for rel, data in chunks.items()]
+            for i, f in enumerate(futures):
                 f.result()  # the first failure propagates (the others finish or fail; none is named yet)
+                if i == len(futures) // 2:
+                    self._reached("board.chunks")
         mid = version.manifest.manifest_id
         self._put(manifest_rel(mid), version.signed.to_bytes())
+        self._reached("board.manifest")
         return mid
 
     def put_head(self, run_id: str, envelope_bytes: bytes) -> None:

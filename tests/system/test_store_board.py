@@ -327,6 +327,60 @@ def test_publisher_killed_mid_upload_leaves_the_board_valid(aws: Moto, keys: Key
         last = version
 
 
+def worker(url: str, tmp: Path, aws: Moto, seed: int, fault: str | None = None) -> subprocess.Popen[str]:
+    env = clean_env(aws.env()) | {"PYTHONPATH": str(ROOT)} | ({"PATCHSWARM_FAULT_AT": fault} if fault else {})
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.support.publisher_worker", url, "crash"]
+        + [str(tmp / "trainer.key"), str(tmp / "cert"), str(seed)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_a_publisher_killed_between_chunks_or_before_the_head_leaves_the_old_head(
+    aws: Moto, keys: Keys, tmp_path: Path
+) -> None:
+    """Killed at set points (PATCHSWARM_FAULT_AT): with half of a version's chunks stored, and with
+    its manifest stored but the head not moved.  Each time the store holds objects no head names,
+    and readers get the previous head, verified; a publisher started next resumes and moves on."""
+    bucket = aws.new_bucket()
+    url = f"s3://{bucket}/points"
+    keys.trainer.save(tmp_path / "trainer.key")
+    (tmp_path / "cert").write_bytes(keys.certificate("crash"))
+
+    def unnamed(folder: str) -> set[str]:
+        head = board_head(open_board(url), "crash")
+        assert head is not None
+        board = open_board(url)
+        named = {f"points/manifests/{e.manifest_id.hex()}" for e in head.catalog}
+        if folder == "chunks":
+            named = {
+                f"points/chunks/{r.hash.hex()}" for e in head.catalog for r in board.manifest(e.manifest_id).chunks
+            }
+        return {n for n in object_names(aws, bucket) if n.startswith(f"points/{folder}/")} - named
+
+    proc = worker(url, tmp_path, aws, 0, fault="board.chunks@2")  # version 1 lands; version 2 dies mid-chunks
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and out.split("\n")[0] == "published 1", out
+    assert unnamed("chunks") and not unnamed("manifests")  # it did die with part of version 2 stored
+    assert check_board(url, keys, "crash") == 1
+
+    proc = worker(url, tmp_path, aws, 1, fault="board.manifest@1")  # resumes at 1; dies before the head moves
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and "published" not in out, out
+    assert unnamed("manifests")
+    assert check_board(url, keys, "crash") == 1
+
+    proc = worker(url, tmp_path, aws, 2)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "published 2"
+    proc.kill()
+    proc.communicate()
+    assert check_board(url, keys, "crash") >= 2
+
+
 def test_an_interrupted_upload_leaves_no_object(aws: Moto, keys: Keys) -> None:
     """A put cut off mid-body (the uploader died): the store keeps nothing, so neither a chunk nor
     the head can ever be half written; the head before it still verifies."""
