@@ -179,6 +179,8 @@ def store_error(e: BaseException, what: str) -> StoreError:
             f"{what}: the store rejected the credentials ({code or 'unauthenticated'}): check the provider's "
             "environment variables or config files"
         )
+    if "token request" in first_line(e):  # GCS/Azure found no credentials and asked a metadata service
+        return StoreCredentialsError(f"{what}: no credentials found for the store ({first_line(e)[:160]})")
     return StoreError(f"{what}: {first_line(e)}" + (f" ({code})" if code else ""))
 
 

@@ -94,3 +94,7 @@ def test_a_refusal_is_missing_unless_it_is_about_the_credentials() -> None:
     assert isinstance(store_error(UnauthenticatedError("401"), "GET"), StoreCredentialsError)
     other = store_error(GenericError("Generic S3 error: connection refused\n\nDebug source: ..."), "GET s3://b/x")
     assert type(other) is StoreError and str(other) == "GET s3://b/x: Generic S3 error: connection refused"
+    no_token = GenericError(
+        "Generic GCS error: Error performing token request: Error performing GET http://169.254.169.254/"
+    )
+    assert isinstance(store_error(no_token, "GET gs://b/x"), StoreCredentialsError)
