@@ -29,8 +29,10 @@ from patchswarm.protocol.board_names import (
     HeadName,
     ManifestName,
     RootName,
+    chunk_rel,
     parse_rel,
 )
+from patchswarm.protocol.chunks import ChunkRef
 from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.membership_messages import NodeInfo
@@ -205,6 +207,13 @@ class SwarmSource:
             return held
         if isinstance(name, RootName):
             return await self._get_root(rel, limit)
+        if isinstance(name, HeadName) and prefer is None and self._boards and not self._knows_a_seed():
+            # A head poll in a swarm without a seed: nobody announces new heads, so peers hold only
+            # what they polled themselves; the board is the one that knows.
+            for board in self._boards:
+                found = await self._ask_board(board, rel, limit)
+                if isinstance(found, bytes):
+                    return found
         for addr in self._candidates(rel, prefer):
             found = await self._ask(addr, rel, limit)
             if isinstance(found, bytes):
@@ -213,6 +222,15 @@ class SwarmSource:
                 return found
         for board in self._boards:
             found = await self._ask_board(board, rel, limit)
+            if isinstance(found, bytes):
+                return found
+        return None
+
+    async def board_chunk(self, ref: ChunkRef) -> bytes | None:
+        """A chunk from the boards (``seed_urls``), for a node that knows no seed; None if none has it.
+        The caller verifies it (a board is a relay like any other)."""
+        for board in self._boards:
+            found = await self._ask_board_raw(board, chunk_rel(ref.hash), ref.size)
             if isinstance(found, bytes):
                 return found
         return None
@@ -265,10 +283,17 @@ class SwarmSource:
                 return found
         return await self._ask(seed, rel, limit, insist=True)
 
+    def _knows_a_seed(self) -> bool:
+        return any(v.ann.seed for v in self.node.peers.values())
+
     def _is_seed(self, addr: str) -> bool:
         return any(v.ann.seed and v.info.addr == addr for v in self.node.peers.values())
 
     async def _ask_board(self, board: BoardSource, rel: str, limit: int) -> bytes | _Unreachable | None:
+        data = await self._ask_board_raw(board, rel, limit)
+        return data if isinstance(data, _Unreachable) else self._keep_if_acceptable(rel, data)
+
+    async def _ask_board_raw(self, board: BoardSource, rel: str, limit: int) -> bytes | _Unreachable | None:
         try:
             data = await board.get(rel, limit)
         except (SourceError, LimitExceededError) as e:
@@ -277,7 +302,7 @@ class SwarmSource:
             self._board_errors[id(board)] = text
             return _UNREACHABLE
         self._board_errors.pop(id(board), None)
-        return self._keep_if_acceptable(rel, data)
+        return data
 
     def _keep_if_acceptable(self, rel: str, data: bytes | None) -> bytes | None:
         if data is None or not self._acceptable(rel, data):

@@ -540,6 +540,68 @@ format = "json"
             daemon.cleanup()
 
 
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_rollout_daemons_without_a_seed_take_chunks_from_the_store(aws: Moto, keys: Keys, tmp_path: Path) -> None:
+    """No seed at all: two daemons with only ``seed_urls = ["s3://..."]`` (one joins through the
+    other) take heads, manifests and the chunks no peer has from the store, and reach each version."""
+    url = f"s3://{aws.new_bucket()}/seedless"
+    pub = Publisher(url, keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), chunk_size=16 << 10)
+    w = weights(8)
+    pub.publish(w)
+    (tmp_path / "secret").write_bytes(SECRET)
+    keys.root.save(tmp_path / "root.key")
+    port = free_port()
+    d1 = daemon_config(tmp_path, "d1", url, port=port, bootstrap=[], env=aws.env())
+    d2 = daemon_config(tmp_path, "d2", url, port=free_port(), bootstrap=[f"http://127.0.0.1:{port}"], env=aws.env())
+    try:
+        d1.start()
+        d2.start()
+        for v in (1, 2, 3):
+            if v > 1:
+                step(w, 80 + v)
+                pub.publish(w)
+            for d in (d1, d2):
+                st = await d.wait_version(v, timeout=90)
+                assert st["root"] == served(w).root().hex()
+        assert await d1.stop() == 0 and await d2.stop() == 0
+    finally:
+        pub.close()
+        d1.cleanup()
+        d2.cleanup()
+
+
+def daemon_config(tmp: Path, name: str, url: str, *, port: int, bootstrap: list[str], env: dict[str, str]) -> Daemon:
+    d = tmp / name
+    d.mkdir()
+    store = f"ps-test-{uuid.uuid4().hex[:12]}"
+    boot = ", ".join(f'"{b}"' for b in bootstrap)
+    (d / "daemon.toml").write_text(
+        f"""
+[node]
+name = "{name}"
+listen = "127.0.0.1:{port}"
+[swarm]
+run_id = "{RUN}"
+bootstrap = [{boot}]
+seed_urls = ["{url}"]
+cluster_secret_file = "{tmp / "secret"}"
+[trust]
+root = "{tmp / "root.key.pub"}"
+[store]
+name = "{store}"
+size = 0
+[api]
+socket = "{d / "api.sock"}"
+[data]
+dir = "{d / "data"}"
+[log]
+format = "json"
+"""
+    )
+    return Daemon(name, d, d / "daemon.toml", store, str(d / "api.sock"), env=clean_env(env))
+
+
 def test_a_seed_copy_refuses_a_chunk_that_is_not_what_its_name_says(aws: Moto, keys: Keys, tmp_path: Path) -> None:
     """The seed's copy checks each object against its name: a damaged chunk in the store stops the
     copy of that version, and the local head stays at the last complete one."""
