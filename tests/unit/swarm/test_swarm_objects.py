@@ -380,3 +380,30 @@ async def test_a_failing_board_is_logged_once_per_distinct_failure(caplog: pytes
         assert len(lines) == 1 and "connection refused" in lines[0], lines
     finally:
         await src.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("with_seed", [False, True])
+async def test_a_head_poll_asks_the_board_first_only_in_a_swarm_without_a_seed(tmp_path: Path, with_seed: bool) -> None:
+    """Without a seed nobody announces new heads: peers hold only what they polled, so a poll asks the
+    board (here a directory, read as a store board is) before them.  With a seed, peers come first
+    as before (the seed announces every head, so the board is not every host's poll target)."""
+    head = head_rel(RUN)
+    board = tmp_path / "board"
+    (board / "runs" / RUN).mkdir(parents=True)
+    (board / head).write_bytes(b"the board's head")
+    t = Recorder(have={f"p{i}": {head: b"a peer's head"} for i in range(3)} | {"seed": {head: b"a peer's head"}})
+    views = {f"p{i}": view(f"p{i}") for i in range(3)} | ({"seed": view("seed", seed=True)} if with_seed else {})
+    node: Any = SimpleNamespace(
+        info=SimpleNamespace(node_id="me", addr="me"),
+        peers=views,
+        objects={},
+        transport=t,
+        rng=random.Random(0),
+        policy=TrustState(ROOT.key_id),
+    )
+    src = SwarmSource(node, [str(board)])
+    got = await src.get(head, 1 << 20)
+    assert got == (b"a peer's head" if with_seed else b"the board's head")
+    assert (t.asked == []) is not with_seed
+    assert await src.get(head, 1 << 20, prefer="p1") == b"a peer's head"  # an announcement: its announcer first
