@@ -61,8 +61,9 @@ from patchswarm.swarm.board_store import (
 )
 
 UPLOADS = 16  # chunk puts in flight (obstore releases the GIL while a request runs)
-# Crash tests only: PATCHSWARM_FAULT_AT=board.chunks@N (half of the N-th version's chunks stored) or
-# board.manifest@N (its manifest stored, the head not yet moved) kills this process with SIGKILL there.
+# Crash tests only: PATCHSWARM_FAULT_AT=board.chunks@N (half of the chunks of this board's N-th
+# put_version stored; an anchor and a patch of one version are two) or board.manifest@N (its
+# manifest stored, the head not yet moved) kills this process with SIGKILL there.
 FAULT_ENV = "PATCHSWARM_FAULT_AT"
 # What a CDN or HTTP client in front of the store may cache (the same rules as swarm/board_http.py).
 IMMUTABLE = {"Cache-Control": "public, max-age=31536000, immutable"}
