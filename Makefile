@@ -44,9 +44,9 @@ $(NATIVE)/.built: $(STAMP) $(NATIVE_SRC)
 clean:
 	rm -rf $(VENV) build .mypy_cache .pytest_cache .ruff_cache
 
-# Tests need nginx (serving a board), systemd-analyze (checking the unit) and faketime (clock-skew
-# faults); as root this installs
-# them from apt, otherwise those tests are skipped with a message.
+# Tests need nginx (serving a board), systemd-analyze (checking the unit), faketime (clock-skew
+# faults) and Azurite (an Azure board); as root this installs
+# them from apt (Azurite from npm), otherwise those tests are skipped with a message.
 system-deps:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
@@ -55,4 +55,9 @@ system-deps:
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
 	  echo "could not install$$missing; the tests that need them will be skipped"; \
+	fi
+	@# Azurite, the Azure Storage emulator (tests/system/test_store_board_azure.py), from npm when npm is there.
+	@if ! command -v azurite-blob >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  npm install -g --no-audit --no-fund --loglevel=error azurite@3.37.0 >/dev/null 2>&1 || \
+	  echo "could not install azurite; the Azure board tests will be skipped"; \
 	fi

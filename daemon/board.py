@@ -8,7 +8,10 @@ per run, laid out so that any static HTTP server (nginx, an object store, a CDN)
     trust/root.<N>           root documents, version N (a host fetches N+1 until it gets a 404)
 
 Durability: every file is written to a temporary name, fsynced, renamed and its directory
-fsynced, and a version's chunks and manifest are durable before the head moves.
+fsynced, and a version's chunks and manifest are durable before the head moves.  The head is
+replaced under a per-run lock (``head_slot``: flock, re-read, os.replace), so two signers on this
+host never fork or rewind it; a board in an object store does the same with conditional writes
+(daemon/board_store.py).
 
 Reading: the layout above is the only thing a board serves.  Its path rules (``TOP_LEVEL``,
 ``board_limit``) and names live in protocol/board_names.py; ``Board`` reads through swarm/board_files.py's
@@ -18,7 +21,10 @@ seed node and ``patchswarm seed`` use.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import fcntl
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from patchswarm.protocol.board_names import (
@@ -35,13 +41,38 @@ from patchswarm.protocol.board_names import (
 )
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import chunk_views
+from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.files import fsync_dir, write_atomic
 from patchswarm.protocol.patchfile import Version
 from patchswarm.swarm.board_files import BoardFiles
+from patchswarm.swarm.board_sources import BoardSource, DirSource
+
+
+class HeadRaceError(PatchswarmError):
+    """Another writer replaced the head between this writer's read and its write (nothing was written)."""
+
+
+class HeadSlot:
+    """A run's head as read at the start of a replacement, and the one write that replaces it."""
+
+    def __init__(self, data: bytes | None, write: Callable[[bytes], None]) -> None:
+        self.data = data
+        self._write = write
+
+    def write(self, envelope_bytes: bytes) -> None:
+        self._write(envelope_bytes)
 
 
 class Board(BoardFiles):
     """A board directory: ``BoardFiles``' confined reads plus the publisher's durable writes."""
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def source(self) -> BoardSource:
+        """The board read as hosts read it (a resuming publisher rebuilds its chain through this)."""
+        return DirSource(self.root)
 
     # ------------------------------------------------------------ writing
 
@@ -61,6 +92,20 @@ class Board(BoardFiles):
 
     def put_head(self, run_id: str, envelope_bytes: bytes) -> None:
         write_atomic(self.path(head_rel(run_id)), envelope_bytes)
+
+    @contextmanager
+    def head_slot(self, run_id: str) -> Iterator[HeadSlot]:
+        """The run's head, read under the per-run lock (``runs/<run>/.lock``, flock: exclusive across
+        the processes of this host, released when the holder dies); ``write`` replaces it before the
+        lock is released.  Across hosts (a network file system) flock may not hold: use an object store."""
+        run_dir = self.path(head_rel(run_id)).parent
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield HeadSlot(self.read(head_rel(run_id)), lambda data: self.put_head(run_id, data))
+        finally:
+            os.close(fd)  # releases the lock
 
     def put_certificate(self, key_id: bytes, envelope_bytes: bytes) -> None:
         write_atomic(self.path(cert_rel(key_id)), envelope_bytes)

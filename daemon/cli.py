@@ -30,7 +30,7 @@ from patchswarm.protocol.board_names import root_rel
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import AnyBoard
     from patchswarm.daemon.publisher import Publisher
     from patchswarm.daemon.served_format import ServedFormat
     from patchswarm.protocol.keys import SigningKey, TrustedKeys
@@ -277,7 +277,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import open_board
     from patchswarm.protocol.files import write_atomic
     from patchswarm.protocol.keys import SigningKey, load_public_key
     from patchswarm.protocol.trust import Certificate
@@ -289,7 +289,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     if args.output:
         write_atomic(Path(args.output), env)
     if args.board:
-        Board(args.board).put_certificate(cert.key, env)
+        open_board(args.board).put_certificate(cert.key, env)
     say(
         f"certified key {cert.key.hex()[:16]} for run {args.run_id!r} until "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(cert.not_after_ms / 1000))}"
@@ -297,7 +297,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _next_root(board: Board, root: SigningKey) -> RootDocument:
+def _next_root(board: AnyBoard, root: SigningKey) -> RootDocument:
     from patchswarm.protocol.trust import RootDocument, TrustState
 
     state = TrustState(root.key_id)
@@ -309,11 +309,11 @@ def _next_root(board: Board, root: SigningKey) -> RootDocument:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import open_board
     from patchswarm.protocol.keys import SigningKey, load_public_key
     from patchswarm.protocol.trust import RootDocument
 
-    board = Board(args.board)
+    board = open_board(args.board)
     root = SigningKey.load(args.root)
     cur = _next_root(board, root)
     revoked = load_public_key(args.key)
@@ -324,11 +324,11 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_rotate_root(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import open_board
     from patchswarm.protocol.keys import SigningKey, load_public_key
     from patchswarm.protocol.trust import RootDocument
 
-    board = Board(args.board)
+    board = open_board(args.board)
     root = SigningKey.load(args.root)
     cur = _next_root(board, root)
     doc = RootDocument(cur.version + 1, (load_public_key(args.new_root),), cur.revoked)
@@ -398,10 +398,19 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
 def cmd_seed(args: argparse.Namespace) -> int:
     from patchswarm.daemon.config import split_listen
     from patchswarm.swarm.board_http import board_app
+    from patchswarm.swarm.board_store import local_path, parse_store_url
     from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit, run_app
 
     host, port = split_listen(args.listen)
-    if not Path(args.board).is_dir():
+    args.board = local_path(args.board) or args.board
+    if parse_store_url(args.board) is not None:
+        if not (args.run and args.cache):
+            raise UserError(
+                f"{args.board}: a seed serves a local copy of a board in an object store: give --run RUN and "
+                "--cache DIR (or let hosts read the store directly: swarm.seed_urls, docs/daemon.md)"
+            )
+        Path(args.cache).mkdir(parents=True, exist_ok=True)
+    elif not Path(args.board).is_dir():
         raise UserError(f"{args.board} is not a directory")
     if args.key and not args.run:
         raise UserError("--key needs --run (the run whose head the seed re-signs)")
@@ -506,7 +515,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from patchswarm.protocol.held import Held
     from patchswarm.protocol.keys import load_public_key
     from patchswarm.protocol.trust import TrustState
-    from patchswarm.swarm.board_sources import HttpSource, source_for
+    from patchswarm.swarm.board_sources import source_for
     from patchswarm.swarm.puller import Puller
 
     url, run = args.source, args.run
@@ -523,7 +532,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     have = read_served(args.have) if args.have else None
 
     async def go() -> tuple[Held, Puller]:
-        src = HttpSource(url, tls=tls) if tls is not None else source_for(url)
+        src = source_for(url, tls=tls)
         try:
             puller = Puller(src, trust, run, tracker=state.tracker if state else None)
             head = await puller.fetch_head()
@@ -604,24 +613,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"validity in days (default 30, at most {cli_args.MAX_CERT_DAYS:g})",
     )
     c.add_argument("-o", "--output", type=out, metavar="CERT", help="write the certificate here")
-    c.add_argument("--board", type=cli_args.board, metavar="DIR", help="and/or place it on this board")
+    c.add_argument("--board", type=cli_args.board, metavar="BOARD", help="and/or place it on this board")
     c.set_defaults(func=cmd_certify, check=_check_certify)
 
     r = sub.add_parser("revoke", help="publish the next root document, revoking a trainer key")
     r.add_argument("--root", type=path, required=True, metavar="ROOT.key")
-    r.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    r.add_argument("--board", type=cli_args.board, required=True, metavar="BOARD")
     r.add_argument("key", type=path, metavar="TRAINER.key.pub")
     r.set_defaults(func=cmd_revoke)
 
     rr = sub.add_parser("rotate-root", help="publish the next root document, handing over to a new root key")
     rr.add_argument("--root", type=path, required=True, metavar="ROOT.key")
-    rr.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    rr.add_argument("--board", type=cli_args.board, required=True, metavar="BOARD")
     rr.add_argument("--new-root", type=path, required=True, metavar="NEW_ROOT.key.pub")
     rr.set_defaults(func=cmd_rotate_root)
 
     pb = sub.add_parser("publish", help="publish a served version of a checkpoint onto a board")
     pb.add_argument("model", type=path, metavar="MODEL", help="checkpoint directory or .safetensors file")
-    pb.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    pb.add_argument(
+        "--board", type=cli_args.board, required=True, metavar="BOARD", help="a directory or s3:// gs:// az:// URL"
+    )
     pb.add_argument("--key", type=path, required=True, metavar="KEY")
     pb.add_argument("--run-id", type=cli_args.run_id, required=True)
     pb.add_argument("--cert", type=path, metavar="CERT", help="certificate of KEY to place on the board")
@@ -645,10 +656,16 @@ def build_parser() -> argparse.ArgumentParser:
     pb.set_defaults(func=cmd_publish)
 
     sd = sub.add_parser("seed", help="serve a board over HTTP")
-    sd.add_argument("--board", type=cli_args.board, required=True, metavar="DIR")
+    sd.add_argument("--board", type=cli_args.board, required=True, metavar="BOARD")
     sd.add_argument("--listen", type=cli_args.listen, default="127.0.0.1:8700", metavar="HOST:PORT")
     sd.add_argument(
         "--run", type=cli_args.run_id, help="also join the swarm of this run as a peer that holds everything"
+    )
+    sd.add_argument(
+        "--cache",
+        type=path,
+        metavar="DIR",
+        help="with an s3:// gs:// az:// board: the local copy of the run the seed serves (kept in step)",
     )
     add_swarm_args(sd)
     add_seed_args(sd)
@@ -672,14 +689,21 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--run", type=cli_args.run_id, required=True)
     nd.add_argument("--trust", type=path, required=True, metavar="ROOT.pub")
     nd.add_argument(
-        "--seed-url", type=cli_args.url, action="append", metavar="URL", help="board URL polled for the head"
+        "--seed-url", type=cli_args.board_url, action="append", metavar="URL", help="board URL polled for the head"
     )
     nd.add_argument("--print-root", action="store_true", help="print each version's state root")
     add_swarm_args(nd)
     nd.set_defaults(func=cmd_node)
 
     pl = sub.add_parser("pull", help="fetch, verify and write the head version of a run")
-    pl.add_argument("--from", dest="source", type=path, required=True, metavar="URL", help="board URL or directory")
+    pl.add_argument(
+        "--from",
+        dest="source",
+        type=cli_args.board_source,
+        required=True,
+        metavar="URL",
+        help="board: http(s)://, s3://, gs://, az:// URL or a directory",
+    )
     pl.add_argument("--run", type=cli_args.run_id, metavar="RUN", help="run id (or give --from as BOARD/runs/RUN)")
     pl.add_argument("--trust", type=path, required=True, metavar="ROOT.pub")
     pl.add_argument(

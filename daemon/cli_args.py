@@ -131,6 +131,18 @@ def url(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def board_url(text: str) -> str:
+    """A board URL to poll: http(s), or an object store's s3:// gs:// az:// (``swarm.seed_urls``)."""
+    from patchswarm.daemon.config import parse_board_url
+
+    if any(not c.isprintable() or c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expected a board URL, got {text!r}")
+    try:
+        return parse_board_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
@@ -197,9 +209,36 @@ def output_path(text: str) -> str:
 
 
 def board(text: str) -> str:
-    """A board: a directory, or a name where one will be created."""
-    if os.path.exists(path(text)) and not os.path.isdir(text):
+    """A board to write: an object store URL (s3://, gs://, az://), a file:// URL or a directory (or a
+    name where one will be created).  Credentials come from the environment, never from here."""
+    from patchswarm.swarm.board_store import local_path, parse_store_url
+
+    path(text)
+    if text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: an HTTP board is read-only; write to its store (s3://, gs://, az://) or a directory"
+        )
+    try:
+        if parse_store_url(text) is not None:
+            return text
+        local = local_path(text) or text
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if os.path.exists(local) and not os.path.isdir(local):
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
+def board_source(text: str) -> str:
+    """A board to read: an http(s) URL, a store URL, a file:// URL or a directory."""
+    from patchswarm.swarm.board_store import local_path, parse_store_url
+
+    path(text)
+    try:
+        parse_store_url(text)
+        local_path(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

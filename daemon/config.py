@@ -159,12 +159,33 @@ def parse_url(v: Any) -> str:
     return v.rstrip("/")
 
 
-def parse_urls(v: Any) -> list[str]:
+def parse_board_url(v: Any) -> str:
+    """A board URL: http(s) (a seed, nginx, the store's HTTPS endpoint, a CDN) or an object store's
+    s3:// gs:// az:// URL, read through its SDK with the provider's environment credentials."""
+    from patchswarm.swarm.board_store import parse_store_url
+
+    if isinstance(v, str) and parse_store_url(v) is not None:
+        return v.rstrip("/")
+    try:
+        return parse_url(v)
+    except ValueError:
+        raise ValueError(f"expected an http(s), s3://, gs:// or az:// URL, got {v!r}") from None
+
+
+def _url_list(v: Any, parse: Callable[[Any], str]) -> list[str]:
     if isinstance(v, str):
         v = [x for x in v.split(",") if x.strip()]
     if not isinstance(v, list):
         raise ValueError("expected a list of URLs")
-    return [parse_url(x.strip() if isinstance(x, str) else x) for x in v]
+    return [parse(x.strip() if isinstance(x, str) else x) for x in v]
+
+
+def parse_urls(v: Any) -> list[str]:
+    return _url_list(v, parse_url)
+
+
+def parse_board_urls(v: Any) -> list[str]:
+    return _url_list(v, parse_board_url)
 
 
 def parse_str(v: Any) -> str:
@@ -276,7 +297,13 @@ SCHEMA: list[Key] = [
     Key("node", "zone", parse_str, "", "Zone label; peers in the same zone are preferred first."),
     Key("swarm", "run_id", parse_run_id, None, "The training run whose versions this host follows.", required=True),
     Key("swarm", "bootstrap", parse_urls, [], "Swarm URLs of peers or the seed to join through."),
-    Key("swarm", "seed_urls", parse_urls, [], "Board URLs (the trainer seed, nginx, a CDN) polled for the head."),
+    Key(
+        "swarm",
+        "seed_urls",
+        parse_board_urls,
+        [],
+        "Board URLs polled for the head: http(s) (a seed, nginx, a CDN) or s3:// gs:// az://.",
+    ),
     Key(
         "swarm",
         "cluster_secret_file",

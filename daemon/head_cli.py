@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from patchswarm.daemon import cli_args
@@ -21,7 +20,7 @@ from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, MAX_HEAD_TTL_S, MIN_
 # The board, keys and the refresher load torch and cryptography: only inside the commands, so that
 # ``patchswarm --help`` stays light (daemon/cli.py).
 if TYPE_CHECKING:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import AnyBoard
     from patchswarm.protocol.keys import SigningKey
 
 log = logging.getLogger("patchswarm.head")
@@ -61,7 +60,9 @@ def add_head_parser(sub: Any) -> None:
     h = sub.add_parser("head", help="manage a run's signed head on a board")
     hsub = h.add_subparsers(dest="head_command", required=True)
     r = hsub.add_parser("refresh", help="re-sign a run's head with a fresh expiry (once; for cron)")
-    r.add_argument("--board", required=True, type=cli_args.path, metavar="DIR")
+    r.add_argument(
+        "--board", required=True, type=cli_args.board, metavar="BOARD", help="a directory or s3:// gs:// az:// URL"
+    )
     r.add_argument("--key", required=True, metavar="KEY", help="a key certified for the run (or the one it began with)")
     r.add_argument("--run-id", required=True, type=cli_args.run_id)
     r.add_argument("--cert", metavar="CERT", help="certificate of KEY to place on the board")
@@ -69,17 +70,19 @@ def add_head_parser(sub: Any) -> None:
     r.set_defaults(func=cmd_head_refresh)
 
 
-def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[Board, SigningKey, bytes | None]:
+def _signer(board_dir: str, key_path: str, cert_path: str | None) -> tuple[AnyBoard, SigningKey, bytes | None]:
     from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_store import open_board
     from patchswarm.protocol.board_names import MAX_DOC_BYTES
     from patchswarm.protocol.files import read_file
     from patchswarm.protocol.keys import SigningKey
 
-    if not Path(board_dir).is_dir():
+    board = open_board(board_dir)
+    if isinstance(board, Board) and not board.root.is_dir():
         raise HeadCliError(f"{board_dir} is not a directory")
     key = SigningKey.load(key_path)
     cert = read_file(cert_path, MAX_DOC_BYTES) if cert_path else None
-    return Board(board_dir), key, cert
+    return board, key, cert
 
 
 def cmd_head_refresh(args: argparse.Namespace) -> int:

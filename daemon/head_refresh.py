@@ -3,39 +3,36 @@
 A head expires (a host notices a frozen board), so the run's signer re-signs it while the trainer
 is idle, and a trainer that comes back after any pause continues the run from it.  Whoever writes:
 
-- holds ``runs/<run>/.lock`` (flock) and re-reads the board's head under it, so two signers on one
-  host never fork the head: a new head's counter is always above the board's (never reused), and
-  its version never below the board's (never rewound);
+- replaces the head through the board's ``head_slot``: on a directory, under ``runs/<run>/.lock``
+  (flock) with the head re-read under it; in an object store, with a write conditional on the ETag
+  of the head it read (daemon/board_store.py).  So two signers never fork the head: a new head's
+  counter is always above the board's (never reused), and its version never below the board's
+  (never rewound);
 - trusts the board's head through the signer's own trust chain (its key, or keys certified for the
   run by the root that certified it, revocations applied), but tolerates its expiry: an expired
   head is still the run's latest word (``verify_head(allow_expired=True)``, used only here and by a
   resuming publisher, never by hosts).
 
-Across hosts (a board on a network file system) flock may not hold: run one refresher per board.
+Across hosts a directory board's flock may not hold (a network file system): run one refresher
+per such board, or use an object store.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 
-from patchswarm.daemon.board import Board
+from patchswarm.daemon.board_store import AnyBoard
 from patchswarm.daemon.run_rules import DEFAULT_HEAD_TTL_S, check_head_ttl
 from patchswarm.protocol.board_names import (
     CERT_TAG,
     HEAD_TAG,
-    MAX_DOC_BYTES,
-    MAX_HEAD_BYTES,
     cert_rel,
     head_rel,
     root_rel,
 )
 from patchswarm.protocol.errors import ExpiredError, PatchswarmError, UntrustedKeyError
-from patchswarm.protocol.files import read_file
 from patchswarm.protocol.head import Head, verify_head
 from patchswarm.protocol.keys import KeyPolicy, SigningKey, TrustedKeys
 from patchswarm.protocol.signed import Envelope
@@ -46,33 +43,21 @@ class HeadWriteError(PatchswarmError):
     """The board's head cannot be re-signed by this signer (none yet, another history, untrusted)."""
 
 
-@contextmanager
-def head_lock(board: Board, run_id: str) -> Iterator[None]:
-    """Exclusive, per run, across the processes of this host (released when the holder dies)."""
-    run_dir = board.path(head_rel(run_id)).parent
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+def board_head_bytes(board: AnyBoard, run_id: str) -> bytes | None:
+    return board.read(head_rel(run_id))
 
 
-def board_head_bytes(board: Board, run_id: str) -> bytes | None:
-    path = board.path(head_rel(run_id))
-    if not path.exists():
-        return None
-    return read_file(path, MAX_HEAD_BYTES)
-
-
-def board_head(board: Board, run_id: str) -> Head | None:
+def board_head(board: AnyBoard, run_id: str) -> Head | None:
     """The board's head as written (parsed, not verified: for a signer checking its own board)."""
     data = board_head_bytes(board, run_id)
-    return None if data is None else Head.from_bytes(Envelope.from_bytes(data, HEAD_TAG).body)
+    return None if data is None else parse_head(data)
 
 
-def signer_policy(board: Board, key: SigningKey, certificate: bytes | None = None) -> KeyPolicy:
+def parse_head(data: bytes) -> Head:
+    return Head.from_bytes(Envelope.from_bytes(data, HEAD_TAG).body)
+
+
+def signer_policy(board: AnyBoard, key: SigningKey, certificate: bytes | None = None) -> KeyPolicy:
     """What a signer of a run trusts its board's head from.
 
     Without a certificate (a run trusted by key, not through a root): its own key only.  With one
@@ -80,10 +65,7 @@ def signer_policy(board: Board, key: SigningKey, certificate: bytes | None = Non
     after the board's root documents from that root on (so a revoked key is refused), and its own.
     A newly certified key thus continues a run an earlier key signed (key rotation).
     """
-    cert = certificate
-    if cert is None:
-        path = board.path(cert_rel(key.key_id))
-        cert = read_file(path, MAX_DOC_BYTES) if path.exists() else None
+    cert = certificate if certificate is not None else board.read(cert_rel(key.key_id))
     if cert is None:
         return TrustedKeys(frozenset([key.key_id]))
     trust = TrustState(Envelope.from_bytes(cert, CERT_TAG).key_id)
@@ -99,13 +81,13 @@ def signer_policy(board: Board, key: SigningKey, certificate: bytes | None = Non
     return trust
 
 
-def verify_board_head(board: Board, data: bytes, policy: KeyPolicy, run_id: str, *, now_ms: int) -> Head:
+def verify_board_head(board: AnyBoard, data: bytes, policy: KeyPolicy, run_id: str, *, now_ms: int) -> Head:
     """The board's head, checked as its signer does: signature and trust chain, expiry tolerated."""
     env = Envelope.from_bytes(data, HEAD_TAG)
     if isinstance(policy, TrustState) and env.key_id not in policy.certificates:
-        path = board.path(cert_rel(env.key_id))
-        if path.exists():
-            policy.add_certificate(read_file(path, MAX_DOC_BYTES))
+        cert = board.read(cert_rel(env.key_id))
+        if cert is not None:
+            policy.add_certificate(cert)
     try:
         head, _ = verify_head(data, policy, now_ms=now_ms, skew_ms=0, allow_expired=True)
     except UntrustedKeyError as e:
@@ -132,7 +114,7 @@ def resign(head: Head, key: SigningKey, *, counter: int, now_ms: int, ttl_ms: in
 
 
 def refresh_board_head(
-    board: Board,
+    board: AnyBoard,
     key: SigningKey,
     run_id: str,
     *,
@@ -148,13 +130,13 @@ def refresh_board_head(
     """
     ttl_ms = int(check_head_ttl(head_ttl) * 1000)
     missing = HeadWriteError(f"the board has no head for run {run_id!r} yet: publish a version first")
-    if not board.path(head_rel(run_id)).exists():
+    if board.read(head_rel(run_id)) is None:
         raise missing  # before the lock, which would create the run's folder
     if certificate is not None and board.read(cert_rel(key.key_id)) != certificate:
         board.put_certificate(key.key_id, certificate)
     policy = signer_policy(board, key, certificate)
-    with head_lock(board, run_id):
-        data = board_head_bytes(board, run_id)
+    with board.head_slot(run_id) as slot:
+        data = slot.data
         if data is None:
             raise missing
         now_ms = int(clock() * 1000)
@@ -163,5 +145,5 @@ def refresh_board_head(
             return None
         check_own_key(policy, key, run_id, now_ms=now_ms)
         out = resign(head, key, counter=head.counter + 1, now_ms=now_ms, ttl_ms=ttl_ms)
-        board.put_head(run_id, out)
+        slot.write(out)
         return Head.from_bytes(Envelope.from_bytes(out, HEAD_TAG).body)

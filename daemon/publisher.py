@@ -7,6 +7,11 @@ served version, encode, sign and write to the board, then move the head.
         ...
         info = pub.publish(model)        # version, changed fraction, patch bytes, seconds
 
+``board`` is a directory or an object store URL (``s3://bucket/prefix``, ``gs://``, ``az://``;
+daemon/board_store.py), credentials from the provider's environment.  Two publishers of one run
+never fork or rewind its head: the one that loses a head write raises ``HeadRaceError`` and
+writes nothing more.
+
 A run outlives any one trainer process: a Publisher resumes the run it finds on its board after
 any pause (its own key, or a newly certified one: key rotation), re-signing the head with a fresh
 expiry, and re-signs it in the background while the trainer is idle (``head_ttl``; docs/board.md,
@@ -48,11 +53,12 @@ from pathlib import Path
 
 import torch
 
-from patchswarm.daemon.board import Board
+from patchswarm.daemon.board import HeadRaceError
+from patchswarm.daemon.board_store import AnyBoard, open_board
 from patchswarm.daemon.head_refresh import (
     board_head,
     check_own_key,
-    head_lock,
+    parse_head,
     signer_policy,
 )
 from patchswarm.daemon.publish_work import (
@@ -78,7 +84,6 @@ from patchswarm.protocol.keys import KeyPolicy, SigningKey
 from patchswarm.protocol.manifest import Kind
 from patchswarm.protocol.patchfile import Version, sign_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
-from patchswarm.swarm.board_sources import DirSource
 from patchswarm.swarm.puller import Puller
 
 log = logging.getLogger("patchswarm.publisher")
@@ -117,7 +122,7 @@ class Publisher:
 
     def __init__(
         self,
-        board: Board | str | Path,
+        board: AnyBoard | str | Path,
         signing_key: SigningKey,
         *,
         run_id: str,
@@ -150,7 +155,7 @@ class Publisher:
                 f"certificate must be bytes (the certificate file's contents), not {type(certificate).__name__}"
             )
         self.format = served_format if isinstance(served_format, ServedFormat) else ServedFormat(served_format)
-        self.board = board if isinstance(board, Board) else Board(board)
+        self.board = open_board(board)  # a directory, or s3:// gs:// az:// (daemon/board_store.py)
         self.key = signing_key
         self.run_id = run_id
         self.anchor_every = anchor_every
@@ -182,6 +187,7 @@ class Publisher:
         self._worker: threading.Thread | None = None
         self._closed = threading.Event()
         self._refresher: threading.Thread | None = None
+        self._lost: str | None = None  # why this publisher may no longer write the head (another one won it)
         if resume:
             self._resume()
         if background:
@@ -329,8 +335,7 @@ class Publisher:
             if not self._catalog:
                 return False
             if only_after is not None:
-                with head_lock(self.board, self.run_id):
-                    current = board_head(self.board, self.run_id)
+                current = board_head(self.board, self.run_id)
                 if current is not None and self.clock() * 1000 - current.created_ms < only_after * 1000:
                     return False
             self._write_head()
@@ -358,11 +363,15 @@ class Publisher:
             return
         policy = self._policy()
         check_own_key(policy, self.key, self.run_id, now_ms=int(self.clock() * 1000))
-        puller = Puller(DirSource(self.board.root), policy, self.run_id, clock=self.clock, allow_expired=True)
+        source = self.board.source()
+        puller = Puller(source, policy, self.run_id, clock=self.clock, allow_expired=True)
 
         async def rebuild() -> tuple[Head, Held]:
-            head = await puller.fetch_head()
-            return head, await puller.catch_up(None, head)
+            try:
+                head = await puller.fetch_head()
+                return head, await puller.catch_up(None, head)
+            finally:
+                await source.close()
 
         try:
             asyncio.get_running_loop()
@@ -422,6 +431,8 @@ class Publisher:
         the previous version, and/or an anchor), then move the head.  Call with the chain lock held.
         """
         assert self._lock.locked()
+        if self._lost is not None:
+            raise HeadRaceError(self._lost)  # nothing more goes onto a board another publisher writes
         if refreshed * 2 > len(served):
             anchor = True  # most fp8 scales moved: the patch is dense anyway
         served.metadata.update(self.format.metadata(served.specs))  # served.format, quantization_config
@@ -511,16 +522,19 @@ class Publisher:
         on this host (a seed or cron job re-signing it) may have moved its counter, which this head
         then goes past.  A head for a version this publisher did not write is another history.
         """
+        if self._lost is not None:
+            raise HeadRaceError(self._lost)
         latest = max(self._catalog, key=lambda e: (e.version, e.kind == Kind.PATCH))
-        with head_lock(self.board, self.run_id):
-            current = board_head(self.board, self.run_id)
+        with self.board.head_slot(self.run_id) as slot:
+            current = None if slot.data is None else parse_head(slot.data)
             if current is not None and current.counter >= self._counter:
                 known = {(e.version, e.manifest_id) for e in (*self._catalog, *self._dropped)}
                 if current.version > latest.version or (current.version, current.manifest_id) not in known:
-                    raise RuntimeError(
+                    self._lost = (
                         f"the head of run {self.run_id!r} moved to version {current.version} (counter "
                         f"{current.counter}) under this publisher: another publisher writes this run"
                     )
+                    raise HeadRaceError(self._lost)
                 self._counter = current.counter
             now_ms = int(self.clock() * 1000)
             self._counter += 1
@@ -533,7 +547,11 @@ class Publisher:
                 expires_ms=now_ms + self.head_ttl_ms,
                 catalog=tuple(self._catalog),
             )
-            self.board.put_head(self.run_id, head.sign(self.key).to_bytes())
+            try:
+                slot.write(head.sign(self.key).to_bytes())
+            except HeadRaceError as e:
+                self._lost = str(e)  # the run is another publisher's now: nothing more is written
+                raise
 
     def _collect_garbage(self) -> None:
         if self._dropped:

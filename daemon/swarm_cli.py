@@ -10,19 +10,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
 from patchswarm.daemon import cli_args
 from patchswarm.daemon.head_cli import add_seed_refresh_args, seed_refresher
 
 if TYPE_CHECKING:
+    from patchswarm.daemon.board_mirror import BoardMirror
     from patchswarm.protocol.held import Held
     from patchswarm.protocol.node_config import NodeConfig
     from patchswarm.swarm.server import RunningNode
     from patchswarm.swarm.tls import TlsReloader
+
+log = logging.getLogger("patchswarm.seed")
 
 SECRET_ENV = "PATCHSWARM_CLUSTER_SECRET"
 # NodeConfig's defaults, for the help text only (swarm.node loads torch: --help must not);
@@ -199,12 +203,20 @@ def _run(main: Coroutine[None, None, None]) -> None:
 
 def run_seed(args: argparse.Namespace) -> int:
     from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board_mirror import BoardMirror
+    from patchswarm.daemon.board_store import StoreBoard
     from patchswarm.daemon.config import bind_errors
     from patchswarm.protocol.keys import TrustedKeys
+    from patchswarm.swarm.board_store import parse_store_url
     from patchswarm.swarm.server import start_http_node
 
     host, port = _listen(args.listen)
-    board = Board(args.board)
+    store = parse_store_url(args.board)
+    board = Board(args.cache if store is not None else args.board)
+    # A board in an object store: the seed serves a local copy of the run, kept in step (daemon/board_mirror.py).
+    mirror = BoardMirror(StoreBoard(store), board, args.run) if store is not None else None
+    if mirror is not None:
+        mirror.sync()
     config = _config(args, is_seed=True, listen=args.listen)
     tls = tls_from_args(args)
     running: list[RunningNode] = []
@@ -224,16 +236,39 @@ def run_seed(args: argparse.Namespace) -> int:
             )
         running.append(node)
         refreshing = refresher() if refresher else None  # with --key: re-signs the head while the trainer is idle
+        copying = asyncio.get_running_loop().create_task(_mirroring(mirror, head_moved)) if mirror else None
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
             await _serve_until_signalled(tls)
         finally:
             if refreshing is not None:
                 refreshing.cancel()
+            if copying is not None:
+                copying.cancel()
             await node.stop()
 
     _run(main())
     return 0
+
+
+async def _mirroring(mirror: BoardMirror, head_moved: Callable[[], None]) -> None:
+    """Keep a seed's copy of a board in an object store in step (a store error: tried again next tick)."""
+    from patchswarm.daemon.board_mirror import MIRROR_INTERVAL_S
+    from patchswarm.protocol.errors import PatchswarmError
+
+    last = ""
+    while True:
+        await asyncio.sleep(MIRROR_INTERVAL_S)
+        try:
+            changed = await asyncio.to_thread(mirror.sync)
+        except (OSError, PatchswarmError) as e:
+            if str(e) != last:  # once per distinct failure, not every second
+                log.warning("seed: cannot copy the board from %s: %s", mirror.src.location, e)
+            last = str(e)
+            continue
+        last = ""
+        if changed:
+            head_moved()
 
 
 def run_node(args: argparse.Namespace) -> int:

@@ -31,6 +31,9 @@ _EXPORTS = {
     "DistPublisher": "patchswarm.daemon.publish_dist",
     "DistPublishError": "patchswarm.daemon.publish_dist",
     "Board": "patchswarm.daemon.board",
+    "HeadRaceError": "patchswarm.daemon.board",
+    "StoreBoard": "patchswarm.daemon.board_store",
+    "open_board": "patchswarm.daemon.board_store",
     "SigningKey": "patchswarm.protocol.keys",
     "TrustedKeys": "patchswarm.protocol.keys",
     "load_public_key": "patchswarm.protocol.keys",
@@ -64,6 +67,7 @@ __all__ = [
     "DaemonClient",
     "DistPublishError",
     "DistPublisher",
+    "HeadRaceError",
     "Held",
     "PatchswarmError",
     "PublishInfo",
@@ -74,6 +78,7 @@ __all__ = [
     "ShardPart",
     "ShardedPublish",
     "SigningKey",
+    "StoreBoard",
     "TensorSpec",
     "TrustedKeys",
     "Version",
@@ -83,6 +88,7 @@ __all__ = [
     "build_version",
     "load_public_key",
     "make_sidecar_app",
+    "open_board",
     "open_file",
     "read_checkpoint",
     "source_for",
@@ -92,7 +98,8 @@ __all__ = [
 ]  # = sorted(_EXPORTS) (tests/unit/test_package.py)
 
 if TYPE_CHECKING:
-    from patchswarm.daemon.board import Board
+    from patchswarm.daemon.board import Board, HeadRaceError
+    from patchswarm.daemon.board_store import StoreBoard, open_board
     from patchswarm.daemon.checkpoint import Checkpoint, read_checkpoint
     from patchswarm.daemon.checkpoint_writer import write_checkpoint
     from patchswarm.daemon.engine_client import DaemonClient

@@ -1,7 +1,10 @@
-"""Where a host reads a board from: a local directory or any static HTTP server.
+"""Where a host reads a board from: a local directory, any static HTTP server (the object store's
+HTTPS endpoint, a CDN) or an object store through its SDK (swarm/board_store.py).
 
 Every read is bounded: a source never returns more than ``limit`` bytes (an endless or
-oversized response is cut off with LimitExceededError), and a missing file is ``None``.
+oversized response is cut off with LimitExceededError), and a missing file is ``None``.  Over
+HTTP a 403 is missing too: S3 answers 403 instead of 404 for a missing key when the reader may
+not list the bucket (a public board without public listing, the usual setting).
 """
 
 from __future__ import annotations
@@ -11,18 +14,14 @@ from typing import Protocol
 
 import aiohttp
 
-from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
+from patchswarm.protocol.errors import LimitExceededError
 from patchswarm.protocol.files import FileTooLargeError
 from patchswarm.swarm.board_files import BoardFiles
-from patchswarm.swarm.client_errors import describe
+from patchswarm.swarm.client_errors import SourceError, describe
 from patchswarm.swarm.http import read_bounded
 from patchswarm.swarm.tls import TlsReloader, require_https
 
 DEFAULT_TIMEOUT_S = 30.0
-
-
-class SourceError(PatchswarmError):
-    """A board source failed (connection refused, HTTP error, timeout)."""
 
 
 class BoardSource(Protocol):
@@ -86,7 +85,7 @@ class HttpSource:
                 headers={"Cache-Control": "no-cache"} if rel.endswith("head") else None,
                 ssl=self._tls.client_context() if self._tls is not None else True,
             ) as r:
-                if r.status == 404:
+                if r.status in (403, 404):
                     return None
                 if r.status != 200:
                     raise SourceError(f"GET {url}: HTTP {r.status}")
@@ -100,7 +99,16 @@ class HttpSource:
             self._session = None
 
 
-def source_for(location: str) -> BoardSource:
+def source_for(location: str, *, tls: TlsReloader | None = None) -> BoardSource:
+    """The source for a board location: an http(s) URL, a store URL (``s3://``, ``gs://``, ``az://``),
+    a ``file://`` URL or a directory; ``tls``: mutual TLS for an https URL.  ValueError for a
+    malformed store URL; StoreError when the store cannot be configured from the environment (no
+    credentials)."""
+    from patchswarm.swarm.board_store import StoreSource, local_path, parse_store_url
+
     if location.startswith(("http://", "https://")):
-        return HttpSource(location)
-    return DirSource(location)
+        return HttpSource(location, tls=tls)
+    store = parse_store_url(location)
+    if store is not None:
+        return StoreSource(store)
+    return DirSource(local_path(location) or location)

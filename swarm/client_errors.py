@@ -13,6 +13,13 @@ import socket
 import aiohttp
 from aiohttp.client_exceptions import UnixClientConnectorError
 
+from patchswarm.protocol.errors import PatchswarmError
+
+
+class SourceError(PatchswarmError):
+    """A board source failed (connection refused, HTTP error, timeout, an object store's refusal)."""
+
+
 _ERRNO = {
     errno.ECONNREFUSED: "connection refused",
     errno.ECONNRESET: "connection reset",

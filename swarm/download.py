@@ -3,6 +3,12 @@
 What to ask of whom is decided by sans-IO objects: the chunk scheduler (protocol/scheduler.py) and
 what the downloads know of their peers (protocol/download.py).  This module holds the tasks of the
 fetches under way, the one future the loop waits on, the download rate limit, and the transfers.
+
+A node that knows no seed but has boards (``seed_urls``: an object store, its HTTPS endpoint, a CDN)
+takes from the board the chunks no peer can give it (and polls the board, not its peers, for the
+head: swarm/sources.py): only when it has nothing to ask of anyone
+and nothing under way, a few at a time (``BOARD_FETCHES``), chosen at random so that hosts starting
+together fetch different chunks and then trade them; each is verified and announced like any other.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.chunks import ChunkRef
@@ -31,6 +37,10 @@ from patchswarm.swarm.transport import Busy, Clock, Missing, Transport, Transpor
 log = logging.getLogger("patchswarm.swarm")
 
 VerifyChunk = Callable[[int, bytes, ChunkRef], None]
+FromBoard = Callable[[ChunkRef], Awaitable[bytes | None]]
+
+BOARD = "(board)"  # the peer id board fetches are filed under (no peer has it)
+BOARD_FETCHES = 4  # board fetches at once, per download
 
 
 class ChunkFetcher:
@@ -52,6 +62,7 @@ class ChunkFetcher:
         marks: deque[tuple[str, int, float]],
         got_chunk: Callable[[bytes, int, bool], None],
         loop: Callable[[], asyncio.AbstractEventLoop],
+        from_board: FromBoard | None = None,
     ) -> None:
         self.config = config
         self.me = me
@@ -66,6 +77,7 @@ class ChunkFetcher:
         self.marks = marks
         self.got_chunk = got_chunk
         self.loop = loop
+        self.from_board = from_board
         self.bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
         # Chunk bytes received per manifest id, from the seed and from peers (per-version accounting;
         # kept out of Metrics, which daemons print as JSON).
@@ -109,6 +121,12 @@ class ChunkFetcher:
                     running[(req.chunk, req.peer_id)] = self.loop().create_task(
                         self.fetch(sched, manifest, mid, req, running)
                     )
+                if not requests and not running and self._board_due():
+                    left = [c for c in range(len(sizes)) if not sched.holds(c)]
+                    for c in self.rng.sample(left, min(BOARD_FETCHES, len(left))):
+                        running[(c, BOARD)] = self.loop().create_task(
+                            self.fetch_board(sched, manifest, mid, c, running)
+                        )
                 if sched.complete:
                     break
                 self.full = sched.full
@@ -134,6 +152,49 @@ class ChunkFetcher:
                 raise ChunkError(-1, "a verified chunk was evicted before assembly")
             parts.append(data)
         return parts
+
+    def _board_due(self) -> bool:
+        """Boards are asked only by a node that knows no seed (a seed holds every chunk the board does)."""
+        return self.from_board is not None and not any(v.ann.seed for v in self.peers.values())
+
+    async def fetch_board(
+        self,
+        sched: ChunkScheduler,
+        manifest: Manifest,
+        mid: bytes,
+        chunk: int,
+        running: dict[tuple[int, str], asyncio.Task[None]],
+    ) -> None:
+        """Chunk ``chunk`` from a board: verified, stored and announced as a peer's would be."""
+        ref = manifest.chunks[chunk]
+        assert self.from_board is not None
+        try:
+            now = self.clock.now()
+            if (pause := self.bucket.reserve(now, ref.size) - now) > 0:
+                await self.clock.sleep(pause)
+            start = self.clock.now()
+            data = await self.from_board(ref)
+            if data is None or sched.holds(chunk):
+                return
+            try:
+                self.verify_chunk(chunk, data, ref)
+            except ChunkError as e:
+                log.warning("%s: %s from the board", self.me.node_id, e)
+                return
+            self.chunks.put(ref.hash, data)
+            if sched.held_count == 0:
+                self.marks.append(("chunk", manifest.version, self.clock.now()))
+            self.metrics.bytes_from_seed += len(data)  # the board is the seed of a swarm that has none
+            self.seed_bytes_by_manifest[mid] = self.seed_bytes_by_manifest.get(mid, 0) + len(data)
+            end = self.clock.now()
+            for dup in sched.on_success(end, chunk, BOARD, len(data), max(end - start, 1e-6)):
+                task = running.pop((dup.chunk, dup.peer_id), None)
+                if task is not None and task is not asyncio.current_task():
+                    task.cancel()
+            self.got_chunk(mid, chunk, True)
+        finally:
+            running.pop((chunk, BOARD), None)
+            self.wake()
 
     def wake(self, *, news: bool = False) -> None:
         """Wake the download loop.  ``news`` (an announcement): not while every request it may have in

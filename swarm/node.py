@@ -176,6 +176,7 @@ class SwarmNode:
             self.marks,
             self._got_chunk,
             self._loop,
+            from_board=self.source.board_chunk if config.seed_urls and not config.is_seed else None,
         )
         self.download_bucket = self.fetcher.bucket
         self.seed_bytes_by_manifest = self.fetcher.seed_bytes_by_manifest  # chunk bytes per manifest id

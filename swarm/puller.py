@@ -111,7 +111,8 @@ class Puller:
         await self.refresh_trust()
         data = await self.source.get(head_rel(self.run_id), MAX_HEAD_BYTES)
         if data is None:
-            raise MissingError(f"the board has no head for run {self.run_id!r}")
+            # (over HTTP or S3, a 403 is "missing" too: a reader not allowed to read the head lands here)
+            raise MissingError(f"the board has no head for run {self.run_id!r} (or this reader may not read it)")
         head = await self.accept_head(data)
         assert head is not None  # any head's counter is above -1
         return head

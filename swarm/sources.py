@@ -1,10 +1,10 @@
 """Board objects (heads, manifests, certificates, root documents) fetched from the swarm.
 
 A node asks, in order: what it already holds, the peer that announced the object, peers
-likely to hold it, then the seed's board over plain HTTP.  Root documents are asked of the
-board (``seed_urls``) and then a seed first: the usual question is whether root N+1 exists, and
-only a board can say it does not (a peer's "not here" settles nothing, so asking peers first cost
-every head a round trip per peer).
+likely to hold it, then the boards (``seed_urls``: http(s), or an object store's s3:// gs:// az://
+URL).  Root documents are asked of the boards and then a seed first: the usual question is
+whether root N+1 exists, and only a board can say it does not (a peer's "not here" settles
+nothing, so asking peers first cost every head a round trip per peer).
 Manifests are named by the hash of their body, so a peer's wrong answer is discarded here and
 the next source is tried; everything else is verified by the caller (signatures).  What is fetched
 here is never served: the node re-serves only the bytes that verified (a manifest as the puller
@@ -15,6 +15,7 @@ never put other bytes (an empty or stale answer) in their place.
 from __future__ import annotations
 
 import enum
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -28,16 +29,21 @@ from patchswarm.protocol.board_names import (
     HeadName,
     ManifestName,
     RootName,
+    chunk_rel,
     parse_rel,
 )
+from patchswarm.protocol.chunks import ChunkRef
 from patchswarm.protocol.errors import LimitExceededError, PatchswarmError
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.membership_messages import NodeInfo
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import TrustState
 from patchswarm.protocol.wire import Announcement
-from patchswarm.swarm.board_sources import HttpSource, SourceError
+from patchswarm.swarm.board_sources import BoardSource, source_for
+from patchswarm.swarm.client_errors import SourceError
 from patchswarm.swarm.transport import Missing, Transport, TransportError
+
+log = logging.getLogger(__name__)
 
 
 class PeerLike(Protocol):
@@ -108,7 +114,8 @@ class SwarmSource:
         # it names while we fetched the head (so the seed is not every host's manifest source at once).
         self._head_from: str | None = None
         tls = getattr(node.transport, "tls", None)  # (HttpTransport's: seeds are reached as peers are)
-        self._boards = [HttpSource(url, tls=tls) for url in seed_urls]
+        self._boards = [source_for(url, tls=tls) for url in seed_urls]
+        self._board_errors: dict[int, str] = {}  # the last failure of each board, logged once
 
     def forget(self, rel: str) -> None:
         """Drop the fetched copy of an object the caller verified (and now holds itself)."""
@@ -201,6 +208,13 @@ class SwarmSource:
             return held
         if isinstance(name, RootName):
             return await self._get_root(rel, limit)
+        if isinstance(name, HeadName) and prefer is None and self._boards and not self._knows_a_seed():
+            # A head poll in a swarm without a seed: nobody announces new heads, so peers hold only
+            # what they polled themselves; the board is the one that knows.
+            for board in self._boards:
+                found = await self._ask_board(board, rel, limit)
+                if isinstance(found, bytes):
+                    return found
         for addr in self._candidates(rel, prefer):
             found = await self._ask(addr, rel, limit)
             if isinstance(found, bytes):
@@ -209,6 +223,15 @@ class SwarmSource:
                 return found
         for board in self._boards:
             found = await self._ask_board(board, rel, limit)
+            if isinstance(found, bytes):
+                return found
+        return None
+
+    async def board_chunk(self, ref: ChunkRef) -> bytes | None:
+        """A chunk from the boards (``seed_urls``), for a node that knows no seed; None if none has it.
+        The caller verifies it (a board is a relay like any other)."""
+        for board in self._boards:
+            found = await self._ask_board_raw(board, chunk_rel(ref.hash), ref.size)
             if isinstance(found, bytes):
                 return found
         return None
@@ -261,15 +284,26 @@ class SwarmSource:
                 return found
         return await self._ask(seed, rel, limit, insist=True)
 
+    def _knows_a_seed(self) -> bool:
+        return any(v.ann.seed for v in self.node.peers.values())
+
     def _is_seed(self, addr: str) -> bool:
         return any(v.ann.seed and v.info.addr == addr for v in self.node.peers.values())
 
-    async def _ask_board(self, board: HttpSource, rel: str, limit: int) -> bytes | _Unreachable | None:
+    async def _ask_board(self, board: BoardSource, rel: str, limit: int) -> bytes | _Unreachable | None:
+        data = await self._ask_board_raw(board, rel, limit)
+        return data if isinstance(data, _Unreachable) else self._keep_if_acceptable(rel, data)
+
+    async def _ask_board_raw(self, board: BoardSource, rel: str, limit: int) -> bytes | _Unreachable | None:
         try:
             data = await board.get(rel, limit)
-        except (SourceError, LimitExceededError):
+        except (SourceError, LimitExceededError) as e:
+            if self._board_errors.get(id(board)) != (text := str(e)):  # (bad credentials: once, not per poll)
+                log.warning("board: %s", text)
+            self._board_errors[id(board)] = text
             return _UNREACHABLE
-        return self._keep_if_acceptable(rel, data)
+        self._board_errors.pop(id(board), None)
+        return data
 
     def _keep_if_acceptable(self, rel: str, data: bytes | None) -> bytes | None:
         if data is None or not self._acceptable(rel, data):

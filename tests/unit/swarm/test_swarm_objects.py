@@ -6,7 +6,9 @@ HTTP, or the simulated network for round-trip counts in virtual time)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -351,3 +353,57 @@ async def test_a_liar_s_answer_for_an_odd_length_key_s_certificate_is_refused_an
     assert await src.get(cert, 1 << 16) is None  # refused, every source asked, nothing held
     assert src.refused >= 1
     assert cert not in src.fetched
+
+
+@pytest.mark.asyncio
+async def test_a_failing_board_is_logged_once_per_distinct_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """A board that cannot be read (wrong credentials, a store down) is polled at every head: one
+    warning line until the failure changes or the board answers again, not one per poll."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    t = Recorder(down={f"p{i}" for i in range(5)} | {"seed"})
+    node: Any = SimpleNamespace(
+        info=SimpleNamespace(node_id="me", addr="me"),
+        peers={},
+        objects={},
+        transport=t,
+        rng=random.Random(0),
+        policy=TrustState(ROOT.key_id),
+    )
+    src = SwarmSource(node, [url])
+    try:
+        with caplog.at_level(logging.WARNING, logger="patchswarm.swarm.sources"):
+            for _ in range(3):
+                assert await src.get(head_rel(RUN), 1 << 20) is None
+        lines = [r.getMessage() for r in caplog.records if r.name == "patchswarm.swarm.sources"]
+        assert len(lines) == 1 and "connection refused" in lines[0], lines
+    finally:
+        await src.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("with_seed", [False, True])
+async def test_a_head_poll_asks_the_board_first_only_in_a_swarm_without_a_seed(tmp_path: Path, with_seed: bool) -> None:
+    """Without a seed nobody announces new heads: peers hold only what they polled, so a poll asks the
+    board (here a directory, read as a store board is) before them.  With a seed, peers come first
+    as before (the seed announces every head, so the board is not every host's poll target)."""
+    head = head_rel(RUN)
+    board = tmp_path / "board"
+    (board / "runs" / RUN).mkdir(parents=True)
+    (board / head).write_bytes(b"the board's head")
+    t = Recorder(have={f"p{i}": {head: b"a peer's head"} for i in range(3)} | {"seed": {head: b"a peer's head"}})
+    views = {f"p{i}": view(f"p{i}") for i in range(3)} | ({"seed": view("seed", seed=True)} if with_seed else {})
+    node: Any = SimpleNamespace(
+        info=SimpleNamespace(node_id="me", addr="me"),
+        peers=views,
+        objects={},
+        transport=t,
+        rng=random.Random(0),
+        policy=TrustState(ROOT.key_id),
+    )
+    src = SwarmSource(node, [str(board)])
+    got = await src.get(head, 1 << 20)
+    assert got == (b"a peer's head" if with_seed else b"the board's head")
+    assert (t.asked == []) is not with_seed
+    assert await src.get(head, 1 << 20, prefer="p1") == b"a peer's head"  # an announcement: its announcer first

@@ -1,0 +1,91 @@
+"""A seed of a board in an object store: what the run's head names, copied into a local directory the
+seed serves (``patchswarm seed --board s3://... --cache DIR --run RUN``).
+
+A seed serves chunks from files (confined reads, sendfile); an object store answers each request in
+tens of milliseconds and bills it, and hosts ask a seed for every chunk nobody else holds yet.  So
+the seed keeps a local copy, made in the publisher's order: root documents and certificates, then
+for each version the head lists its chunks (each checked against its name: BLAKE3 and size) and its
+manifest (its id is the hash of its body), and the head last; then what the head no longer lists
+goes (``Board.collect_garbage``).  A copy cut off anywhere (a crash, a store error) leaves the local
+head naming only complete versions, like the store's.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from patchswarm.daemon.board import Board
+from patchswarm.daemon.board_store import UPLOADS, StoreBoard
+from patchswarm.daemon.head_refresh import parse_head
+from patchswarm.protocol.board_names import (
+    CertName,
+    cert_rel,
+    chunk_rel,
+    head_rel,
+    manifest_rel,
+    root_rel,
+)
+from patchswarm.protocol.chunks import ChunkRef, chunk_hash
+from patchswarm.protocol.errors import FormatError
+from patchswarm.protocol.files import fsync_dir, write_atomic
+from patchswarm.protocol.manifest import SignedManifest
+
+MIRROR_INTERVAL_S = 1.0  # how often a seed reads the store's head (one GET; a new head costs the copy)
+
+
+class BoardMirror:
+    """Copies one run of ``src`` (an object store) into ``dst`` (the seed's directory)."""
+
+    def __init__(self, src: StoreBoard, dst: Board, run_id: str) -> None:
+        self.src = src
+        self.dst = dst
+        self.run_id = run_id
+
+    def sync(self) -> bool:
+        """Bring the local copy to the store's head; True if the local head changed."""
+        rel = head_rel(self.run_id)
+        data = self.src.read(rel)
+        if data is None or data == self.dst.read(rel):
+            return False
+        head = parse_head(data)
+        for version in self.src.root_versions():
+            if self.dst.read(root_rel(version)) is None:
+                doc = self.src.read(root_rel(version))
+                if doc is not None:
+                    self.dst.put_root(version, doc)
+        for name in self.src.names("certs"):
+            if isinstance(name, CertName) and self.dst.read(cert_rel(name.key_id)) is None:
+                cert = self.src.read(cert_rel(name.key_id))
+                if cert is not None:
+                    self.dst.put_certificate(name.key_id, cert)
+        for entry in head.catalog:
+            if self.dst.read(manifest_rel(entry.manifest_id)) is None:
+                self._copy_version(entry.manifest_id)
+        self.dst.put_head(self.run_id, data)
+        self.dst.collect_garbage(head.catalog)
+        return True
+
+    def _copy_version(self, manifest_id: bytes) -> None:
+        rel = manifest_rel(manifest_id)
+        envelope = self.src.read(rel)
+        if envelope is None:
+            raise FileNotFoundError(f"{self.src.location}/{rel}: named by the head, not in the store")
+        manifest = SignedManifest.from_bytes(envelope).verify(None)
+        if manifest.manifest_id != manifest_id:
+            raise FormatError(f"{self.src.location}/{rel} holds another manifest")
+        missing = [ref for ref in manifest.chunks if not self.dst.path(chunk_rel(ref.hash)).exists()]
+        with ThreadPoolExecutor(min(UPLOADS, max(len(missing), 1)), thread_name_prefix="mirror") as pool:
+            for f in [pool.submit(self._copy_chunk, ref) for ref in missing]:
+                f.result()
+        if missing:
+            fsync_dir(self.dst.path("chunks"))
+        write_atomic(self.dst.path(rel), envelope)  # after its chunks, as the publisher wrote them
+
+    def _copy_chunk(self, ref: ChunkRef) -> None:
+        rel = chunk_rel(ref.hash)
+        data = self.src.read(rel, ref.size)
+        if data is None:
+            raise FileNotFoundError(f"{self.src.location}/{rel}: named by a manifest, not in the store")
+        if len(data) != ref.size or chunk_hash(data) != ref.hash:
+            raise FormatError(f"{self.src.location}/{rel} does not hold the chunk its name says")
+        write_atomic(self.dst.path(rel), data, sync_dir=False)

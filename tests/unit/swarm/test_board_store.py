@@ -1,0 +1,100 @@
+"""Board locations: store URLs parse into (provider, bucket, prefix) or are refused with one line;
+a refusal from a store is "missing" unless it is about the credentials."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from obstore.exceptions import GenericError, NotFoundError, PermissionDeniedError, UnauthenticatedError
+
+from patchswarm.swarm.board_store import (
+    MAX_URL,
+    StoreCredentialsError,
+    StoreError,
+    StoreURL,
+    is_missing,
+    local_path,
+    parse_store_url,
+    store_error,
+)
+
+SCHEMES = st.sampled_from([("s3", "s3"), ("gs", "gs"), ("az", "az"), ("azure", "az"), ("S3", "s3")])
+BUCKET = st.from_regex(r"[a-z0-9][a-z0-9-]{1,40}[a-z0-9]", fullmatch=True)
+SEGMENT = st.from_regex(r"[A-Za-z0-9_~+=@,-][A-Za-z0-9._~+=@,-]{0,20}", fullmatch=True)
+
+
+@given(SCHEMES, BUCKET, st.lists(SEGMENT, max_size=5), st.booleans())
+def test_a_store_url_parses_into_its_parts_and_back(
+    scheme: tuple[str, str], bucket: str, segments: list[str], slash: bool
+) -> None:
+    text = f"{scheme[0]}://{bucket}" + "".join(f"/{s}" for s in segments) + ("/" if slash else "")
+    loc = parse_store_url(text)
+    assert loc == StoreURL(scheme[1], bucket, "/".join(segments))
+    assert parse_store_url(loc.url) == loc
+
+
+@given(st.text(max_size=80))
+def test_any_text_is_a_store_url_none_or_one_clear_refusal(text: str) -> None:
+    try:
+        loc = parse_store_url(text)
+    except ValueError as e:
+        assert "\n" not in str(e).replace(repr(text), "")
+        return
+    if loc is None:
+        assert not text.lower().startswith(("s3://", "gs://", "az://", "azure://"))
+        return
+    assert len(loc.url) <= MAX_URL
+    assert all(c not in loc.bucket for c in ":@/?#") and ".." not in loc.bucket
+    assert all(s not in ("", ".", "..") for s in loc.prefix.split("/")) or loc.prefix == ""
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "s3://key:secret@bucket/p",  # credentials never come from a URL
+        "s3://bucket:9000/p",  # nor endpoints
+        "s3://b/p",  # too short for any provider
+        "s3://Bucket/p",
+        "s3://bucket/a/../b",
+        "s3://bucket/a//b",
+        "s3://bucket/./b",
+        "s3://bucket?versionId=1",
+        "s3://bucket/a b",
+        "gs://bucket/a\nb",
+        "az://",
+        "s3://" + "a" * 300,
+        "s3://bucket/" + "a/" * 600,
+    ],
+)
+def test_malformed_store_urls_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_store_url(text)
+
+
+def test_other_locations_are_not_store_urls() -> None:
+    for text in ("/srv/board", "board", "https://cdn.example/board", "file:///srv/board", "s3:/bucket", "s3bucket"):
+        assert parse_store_url(text) is None
+    assert local_path("file:///srv/board") == "/srv/board"
+    assert local_path("/srv/board") is None
+    with pytest.raises(ValueError, match="absolute path"):
+        local_path("file://host/srv/board")
+
+
+def test_a_refusal_is_missing_unless_it_is_about_the_credentials() -> None:
+    body = "Server returned non-2xx status code: 403 Forbidden: <?xml ?><Error><Code>{}</Code></Error>"
+    assert is_missing(NotFoundError("404"))
+    assert is_missing(PermissionDeniedError(body.format("AccessDenied")))  # S3 without ListBucket
+    assert is_missing(PermissionDeniedError("403 Forbidden: "))  # an anonymous GET: no body
+    for code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken", "AuthenticationFailed"):
+        e = PermissionDeniedError(body.format(code))
+        assert not is_missing(e)
+        err = store_error(e, "GET s3://b/x")
+        assert isinstance(err, StoreCredentialsError) and code in str(err) and "\n" not in str(err)
+    assert isinstance(store_error(UnauthenticatedError("401"), "GET"), StoreCredentialsError)
+    other = store_error(GenericError("Generic S3 error: connection refused\n\nDebug source: ..."), "GET s3://b/x")
+    assert type(other) is StoreError and str(other) == "GET s3://b/x: Generic S3 error: connection refused"
+    no_token = GenericError(
+        "Generic GCS error: Error performing token request: Error performing GET http://169.254.169.254/"
+    )
+    assert isinstance(store_error(no_token, "GET gs://b/x"), StoreCredentialsError)
