@@ -280,3 +280,48 @@ async def test_a_handshake_that_never_comes_is_cut_at_the_header_deadline(pki: P
         assert await get_status(f"https://127.0.0.1:{port}/", pki.client("client")) == (404, b"404: Not Found")
     finally:
         await runner.cleanup()
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """The server closed this connection (EOF or reset) well before any deadline of the test's limits."""
+    try:
+        return await asyncio.wait_for(reader.read(), timeout=30) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "limits",
+    [
+        ServerLimits(max_connections=4, header_timeout_s=300.0),
+        ServerLimits(max_connections_per_address=4, exempt_loopback=False, header_timeout_s=300.0),
+    ],
+    ids=["cap", "per-address-cap"],
+)
+async def test_handshakes_in_progress_count_against_the_connection_caps(pki: Pki, limits: ServerLimits) -> None:
+    # Connections that never finish their handshake hold a socket each: they count against the caps as
+    # plain connections do, so one past a cap is closed at once (not after the handshake deadline),
+    # and once they go the server serves a cluster client again.
+    runner, port = await serve_tcp(web.Application(), "127.0.0.1", 0, limits, pki.reloader("h1").server_context())
+    hogs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            assert await _closed_by_server(reader)
+        finally:
+            writer.close()
+        for _, w in hogs:
+            w.close()
+            await w.wait_closed()
+        for _ in range(100):  # (the server sees the hogs' FINs asynchronously)
+            if await get_status(f"https://127.0.0.1:{port}/", pki.client("client")) == (404, b"404: Not Found"):
+                break
+            await asyncio.sleep(0.1)
+        assert await get_status(f"https://127.0.0.1:{port}/", pki.client("client")) == (404, b"404: Not Found")
+    finally:
+        for _, w in hogs:
+            w.close()
+        await runner.cleanup()
