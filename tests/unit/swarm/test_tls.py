@@ -212,8 +212,8 @@ async def test_rotation_without_restart(pki: Pki, tmp_path: Path, caplog: pytest
         await runner.cleanup()
 
 
-def _server_only_cert(pki: Pki, out: Path) -> None:
-    """A certificate of the cluster CA whose extended key usage is serverAuth only."""
+def _server_only_cert(pki: Pki, out: Path, name: str = "server-only", role: str = "server") -> None:
+    """A certificate of the cluster CA whose extended key usage is serverAuth (or clientAuth) only."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -225,18 +225,23 @@ def _server_only_cert(pki: Pki, out: Path) -> None:
     now = ca.not_valid_before_utc
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "server-only")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now)
         .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if role == "server" else ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # (an EC key: cryptography's union)
     )
-    (out / "server-only.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     pem = serialization.NoEncryption()
-    (out / "server-only.key").write_bytes(
+    (out / f"{name}.key").write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, pem)
     )
 
@@ -325,3 +330,20 @@ async def test_handshakes_in_progress_count_against_the_connection_caps(pki: Pki
         for _, w in hogs:
             w.close()
         await runner.cleanup()
+
+
+def test_a_host_certificate_peers_would_refuse_stops_the_start(pki: Pki, tmp_path: Path) -> None:
+    # Every host both serves peers and fetches from them: a certificate OpenSSL refuses in either role
+    # (a serverAuth-only or clientAuth-only one, the CA's own) would start, then fail every exchange.
+    _server_only_cert(pki, tmp_path)
+    _server_only_cert(pki, tmp_path, "client-only", role="client")
+    cases = [
+        (TlsFiles(pki.ca, tmp_path / "server-only.pem", tmp_path / "server-only.key"), "as a client"),
+        (TlsFiles(pki.ca, tmp_path / "client-only.pem", tmp_path / "client-only.key"), "as a server"),
+        (TlsFiles(pki.ca, pki.ca, pki.root / "ca" / "ca.key"), "a CA certificate"),
+    ]
+    for files, expect in cases:
+        with pytest.raises(TlsError, match=f"tls.cert {files.cert}: .*{expect}") as e:
+            TlsReloader(files)
+        assert "\n" not in str(e.value)
+    TlsReloader(pki.files("h1"))  # (the check passes what `patchswarm certs` issues)
