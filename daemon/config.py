@@ -486,7 +486,13 @@ SCHEMA: list[Key] = [
     ),
     Key("tls", "ca", parse_str, None, "PEM bundle of the cluster CA(s) peers' certificates must chain to."),
     Key("tls", "cert", parse_str, None, "PEM certificate of this host (from the cluster CA; `patchswarm certs`)."),
-    Key("tls", "key", parse_str, None, "PEM private key of tls.cert (unencrypted; keep it 0600)."),
+    Key(
+        "tls",
+        "key",
+        parse_str,
+        None,
+        "PEM private key of tls.cert (unencrypted; keep it 0600: one every user can read is warned about).",
+    ),
     Key(
         "tls",
         "sidecar",

@@ -170,6 +170,16 @@ def _handshake_with_self(files: TlsFiles, server: ssl.SSLContext, client: ssl.SS
         client.check_hostname = check_hostname
 
 
+def _warn_if_exposed(key: Path) -> None:
+    """A key every user can read is named (not refused: Kubernetes secret volumes default to 0644)."""
+    try:
+        mode = os.stat(key).st_mode & 0o777  # (follows symlinks: the file, not the link)
+    except OSError:
+        return
+    if mode & 0o004:
+        log.warning("tls.key %s: readable by every user (mode %o): chmod 600 it", key, mode)
+
+
 def _signature(files: TlsFiles) -> tuple[tuple[int, int, int, int] | None, ...]:
     sig: list[tuple[int, int, int, int] | None] = []
     for path in files.paths():
@@ -191,6 +201,7 @@ class TlsReloader:
         self._lock = threading.Lock()  # (contexts are used from the loop; a reload may come from a thread)
         self._signature = _signature(files)
         self._server, self._client = _contexts(files, check_hostname)  # TlsError at start: refuse to run
+        _warn_if_exposed(files.key)
         self._failed: tuple[object, ...] | None = None
         self._checked = time.monotonic()
         self.reloads = 0
@@ -232,6 +243,7 @@ class TlsReloader:
                 log.warning("TLS files changed but do not load, keeping the previous ones: %s", e)
                 return False
             self._server, self._client, self._signature, self._failed = server, client, sig, None
+            _warn_if_exposed(self.files.key)
             self.reloads += 1
             log.info("TLS: loaded new certificate files (%s)", self.files.cert)
             return True

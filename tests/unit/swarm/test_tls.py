@@ -347,3 +347,17 @@ def test_a_host_certificate_peers_would_refuse_stops_the_start(pki: Pki, tmp_pat
             TlsReloader(files)
         assert "\n" not in str(e.value)
     TlsReloader(pki.files("h1"))  # (the check passes what `patchswarm certs` issues)
+
+
+def test_a_key_other_users_can_read_is_warned_about(pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Not refused (a Kubernetes secret volume's files are 0644 unless defaultMode says otherwise), but
+    # named, once per load; 0640 (a group such as ssl-cert) is an operator's choice, left alone.
+    for mode, warned in ((0o644, True), (0o640, False), (0o600, False)):
+        key = tmp_path / f"h1-{mode:o}.key"
+        shutil.copyfile(pki.root / "h1.key", key)
+        key.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="patchswarm.swarm.tls"):
+            TlsReloader(TlsFiles(pki.ca, pki.root / "h1.pem", key))
+        lines = [r.getMessage() for r in caplog.records if "readable" in r.getMessage()]
+        assert lines == ([f"tls.key {key}: readable by every user (mode {mode:o}): chmod 600 it"] if warned else [])
