@@ -269,7 +269,7 @@ class RolloutDaemon:
             tls = self.tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
         except ConfigError as e:
             raise DaemonError(str(e)) from None
-        for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
+        for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables, TLS files with TLS off
             log.warning(warning)
         self._prepare_data_dir()
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
