@@ -251,8 +251,13 @@ class _GuardedHandler(web.RequestHandler):
             self._handshaking = None
             self._release()
             self._manager = None
-            if isinstance(e, OSError | TimeoutError):  # (ssl.SSLError is an OSError)
-                self._guard.lines.log(logging.DEBUG, "handshake", "TLS handshake failed: %s", _one_line(e))
+            if isinstance(e, ssl.SSLError):  # (no certificate, another CA's, expired, TLS 1.2, not TLS)
+                peer = transport.get_extra_info("peername")
+                who = peer[0] if isinstance(peer, tuple) and peer else "?"
+                why = getattr(e, "verify_message", None) or (e.reason or "").lower().replace("_", " ") or _one_line(e)
+                self._guard.lines.log(logging.INFO, "handshake", "TLS handshake from %s refused: %s", who, why)
+                return
+            if isinstance(e, OSError | TimeoutError):  # (gone, or cut at the header deadline: logged there)
                 return
             raise
         self._handshaking = None

@@ -361,3 +361,23 @@ def test_a_key_other_users_can_read_is_warned_about(pki: Pki, tmp_path: Path, ca
             TlsReloader(TlsFiles(pki.ca, pki.root / "h1.pem", key))
         lines = [r.getMessage() for r in caplog.records if "readable" in r.getMessage()]
         assert lines == ([f"tls.key {key}: readable by every user (mode {mode:o}): chmod 600 it"] if warned else [])
+
+
+@pytest.mark.asyncio
+async def test_a_refused_handshake_is_one_line_for_the_operator(pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    # A peer whose certificate is refused hears why on its side; the server's operator gets one line
+    # too (which address, why), rate-limited like the server's other lines about clients.
+    runner, port = await serve_tcp(web.Application(), "127.0.0.1", 0, ssl_context=pki.reloader("h1").server_context())
+    try:
+        with caplog.at_level(logging.INFO, logger="patchswarm.swarm.serving"):
+            assert isinstance(await get_status(f"https://127.0.0.1:{port}/", pki.client("foreign")), str)
+            await _until(lambda: _async_true(any("TLS" in r.getMessage() for r in caplog.records)), "a log line")
+        [line] = [r.getMessage() for r in caplog.records if "TLS" in r.getMessage()]
+        assert line.startswith("TLS handshake from 127.0.0.1 refused:") and "certificate" in line, line
+        assert "\n" not in line
+    finally:
+        await runner.cleanup()
+
+
+async def _async_true(value: bool) -> bool:
+    return value
