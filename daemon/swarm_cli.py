@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING
 
@@ -167,16 +166,6 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
     )
 
 
-async def _serve_until_signalled(tls: TlsReloader | None = None) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if tls is not None:
-        loop.add_signal_handler(signal.SIGHUP, tls.reload)  # the certificate files, now
-    await stop.wait()
-
-
 def _listen(listen: str) -> tuple[str, int]:
     from patchswarm.daemon.config import split_listen
 
@@ -202,6 +191,7 @@ def run_seed(args: argparse.Namespace) -> int:
     from patchswarm.daemon.config import bind_errors
     from patchswarm.protocol.keys import TrustedKeys
     from patchswarm.swarm.server import start_http_node
+    from patchswarm.swarm.serving import serve_until_signalled
 
     host, port = _listen(args.listen)
     board = Board(args.board)
@@ -226,7 +216,7 @@ def run_seed(args: argparse.Namespace) -> int:
         refreshing = refresher() if refresher else None  # with --key: re-signs the head while the trainer is idle
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled(tls)
+            await serve_until_signalled(tls.reload if tls is not None else None)
         finally:
             if refreshing is not None:
                 refreshing.cancel()
@@ -241,6 +231,7 @@ def run_node(args: argparse.Namespace) -> int:
     from patchswarm.protocol.keys import load_public_key
     from patchswarm.protocol.trust import TrustState
     from patchswarm.swarm.server import start_http_node
+    from patchswarm.swarm.serving import serve_until_signalled
 
     host, port = _listen(args.listen)
     trust = TrustState(load_public_key(args.trust))
@@ -258,7 +249,7 @@ def run_node(args: argparse.Namespace) -> int:
             )
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled(tls)
+            await serve_until_signalled(tls.reload if tls is not None else None)
         finally:
             m = node.node.metrics
             print(json.dumps({"event": "stopped", "metrics": m.__dict__}), flush=True)

@@ -485,6 +485,18 @@ async def serve_tcp(
     return runner, runner.addresses[0][1]
 
 
+async def serve_until_signalled(on_hangup: Callable[[], object] | None = None) -> None:
+    """Return on SIGINT or SIGTERM.  With ``on_hangup`` (TLS: reload the certificate files, swarm/tls.py),
+    SIGHUP calls it and the process goes on; without, SIGHUP keeps its default (the process ends)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if on_hangup is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    await stop.wait()
+
+
 def run_app(
     app: web.Application,
     host: str,
@@ -492,19 +504,17 @@ def run_app(
     limits: ServerLimits | None = None,
     on_ready: Callable[[], None] | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    on_hangup: Callable[[], object] | None = None,
 ) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop); ``on_ready`` once bound."""
+    """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop); ``on_ready`` once bound;
+    ``on_hangup`` on SIGHUP (see :func:`serve_until_signalled`)."""
 
     async def main() -> None:
         runner, _ = await serve_tcp(app, host, port, limits, ssl_context)
         if on_ready is not None:
             on_ready()  # after the bind: a port in use gives its one error line, not a "serving" line first
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         try:
-            await stop.wait()
+            await serve_until_signalled(on_hangup)
         finally:
             await runner.cleanup()
 

@@ -131,11 +131,27 @@ def test_plain_board_seed_over_tls_and_half_flags_refused(tmp_path: Path) -> Non
         assert got == (200, b"weights only members may read")  # (TLS: no sendfile, the fallback path)
         for who in (None, "foreign", "expired"):
             assert isinstance(asyncio.run(get_status(url, pki.client(who))), str), who
+        # SIGHUP reloads the certificate files (as on the daemon and `seed --run`); it never ends the seed.
+        for ext in ("key", "pem"):
+            (pki.root / f"new.{ext}").write_bytes((pki.root / f"h3.{ext}").read_bytes())
+            os.replace(pki.root / f"new.{ext}", pki.root / f"h1.{ext}")
+        p.send_signal(signal.SIGHUP)
+        while asyncio.run(_serial_or_none(port, pki)) != serial_of(pki.root / "h3.pem"):
+            assert p.poll() is None, f"SIGHUP ended the seed: {p.stderr.read()}"
+            assert time.monotonic() < deadline + 30, "SIGHUP did not bring in the new certificate"
+            time.sleep(0.2)
     finally:
         p.terminate()
         p.wait(timeout=20)
         if p.stderr:
             p.stderr.close()
+
+
+async def _serial_or_none(port: int, pki: Pki) -> int | None:
+    try:
+        return await server_serial(port, pki.client("client"))
+    except OSError:
+        return None
 
 
 @pytest.mark.slow
