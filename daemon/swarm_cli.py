@@ -69,12 +69,12 @@ def tls_from_args(args: argparse.Namespace) -> TlsReloader | None:
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
-    for flag, what in (("ca", "cluster CA bundle"), ("cert", "this host's certificate"), ("key", "its key")):
+    for flag, what in (("ca", "the cluster CA bundle"), ("cert", "this host's certificate"), ("key", "its key")):
         p.add_argument(
             f"--tls-{flag}",
             type=cli_args.path,
             metavar="PEM",
-            help=f"mutual TLS: the {what} (all three --tls-* turn TLS on; docs/daemon.md)",
+            help=f"mutual TLS: {what} (all three --tls-* turn TLS on; docs/daemon.md)",
         )
 
 
