@@ -733,6 +733,8 @@ class RolloutDaemon:
         return self.metrics.render()
 
     def _refresh(self) -> None:
+        if self.tls is not None:
+            self.metrics.tls_expiry.labels(file=str(self.tls.files.cert)).set(self.tls.not_after)
         if self.node is None:
             return
         n = self.node.node

@@ -67,9 +67,10 @@ def _read(path: Path, what: str) -> bytes:
         raise TlsError(f"{what} {e}") from None
 
 
-def _check_cert(files: TlsFiles, ca_pem: bytes, cert_pem: bytes, now: dt.datetime) -> None:
+def _check_cert(files: TlsFiles, ca_pem: bytes, cert_pem: bytes, now: dt.datetime) -> float:
     """The host certificate is current and issued by a CA of the bundle: a mistake the operator should
-    hear about at start (or on a reload) rather than as every peer's refusal."""
+    hear about at start (or on a reload) rather than as every peer's refusal.  Returns when it expires
+    (Unix time)."""
     try:
         cas = x509.load_pem_x509_certificates(ca_pem)
     except ValueError:
@@ -92,23 +93,25 @@ def _check_cert(files: TlsFiles, ca_pem: bytes, cert_pem: bytes, now: dt.datetim
             f"tls.cert {files.cert}: valid from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} to "
             f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now"
         )
+    not_after = cert.not_valid_after_utc.timestamp()
     if len(chain) > 1:
-        return  # (a chain with intermediates: OpenSSL checks the path when a peer connects)
+        return not_after  # (a chain with intermediates: the handshake with itself checks the path)
     for ca in cas:
         try:
             cert.verify_directly_issued_by(ca)
-            return
+            return not_after
         except (InvalidSignature, ValueError, TypeError):  # another CA's certificate, or another key type
             continue
     raise TlsError(f"tls.cert {files.cert}: not issued by a CA in tls.ca {files.ca}")
 
 
-def _contexts(files: TlsFiles, check_hostname: bool) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """(server, client) contexts from the files as they are now; TlsError for any problem."""
+def _contexts(files: TlsFiles, check_hostname: bool) -> tuple[ssl.SSLContext, ssl.SSLContext, float]:
+    """(server, client) contexts from the files as they are now, and when the certificate expires;
+    TlsError for any problem."""
     ca_pem = _read(files.ca, "tls.ca")
     cert_pem = _read(files.cert, "tls.cert")
     _read(files.key, "tls.key")  # (bounded and a regular file: load_cert_chain then reads it by name)
-    _check_cert(files, ca_pem, cert_pem, dt.datetime.now(dt.UTC))
+    not_after = _check_cert(files, ca_pem, cert_pem, dt.datetime.now(dt.UTC))
     out = []
     for protocol in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
         ctx = ssl.SSLContext(protocol)
@@ -132,7 +135,7 @@ def _contexts(files: TlsFiles, check_hostname: bool) -> tuple[ssl.SSLContext, ss
             raise TlsError(f"tls.key {files.key}: {e.strerror or e}") from None
         out.append(ctx)
     _handshake_with_self(files, out[0], out[1])
-    return out[0], out[1]
+    return out[0], out[1], not_after
 
 
 def _handshake_with_self(files: TlsFiles, server: ssl.SSLContext, client: ssl.SSLContext) -> None:
@@ -200,12 +203,13 @@ class TlsReloader:
         self.interval_s = interval_s
         self._lock = threading.Lock()  # (contexts are used from the loop; a reload may come from a thread)
         self._signature = _signature(files)
-        self._server, self._client = _contexts(files, check_hostname)  # TlsError at start: refuse to run
+        # TlsError at start: refuse to run.  not_after: when the certificate in use expires (Unix time).
+        self._server, self._client, self.not_after = _contexts(files, check_hostname)
         _warn_if_exposed(files.key)
         self._failed: tuple[object, ...] | None = None
         self._checked = time.monotonic()
         self.reloads = 0
-        front, _ = _contexts(files, check_hostname)
+        front, _, _ = _contexts(files, check_hostname)
         front.sni_callback = self._pick
         self._front = front
 
@@ -237,12 +241,13 @@ class TlsReloader:
             if sig == self._signature or sig == self._failed:
                 return False
             try:
-                server, client = _contexts(self.files, self.check_hostname)
+                server, client, not_after = _contexts(self.files, self.check_hostname)
             except TlsError as e:
                 self._failed = sig
                 log.warning("TLS files changed but do not load, keeping the previous ones: %s", e)
                 return False
             self._server, self._client, self._signature, self._failed = server, client, sig, None
+            self.not_after = not_after
             _warn_if_exposed(self.files.key)
             self.reloads += 1
             log.info("TLS: loaded new certificate files (%s)", self.files.cert)

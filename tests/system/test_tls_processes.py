@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from patchswarm.daemon.certs import issue
 from tests.support.boards import free_port
@@ -173,6 +174,10 @@ async def test_a_daemon_with_tls_enabled_follows_a_tls_seed_and_guards_its_metri
         url = f"https://127.0.0.1:{port}/metrics"
         got = await get_status(url, pki.client("client"))
         assert isinstance(got, tuple) and got[0] == 200 and b"patchswarm_version_applied 2.0" in got[1]
+        expiry = x509.load_pem_x509_certificate((pki.root / "h2.pem").read_bytes()).not_valid_after_utc.timestamp()
+        [line] = [x for x in got[1].decode().splitlines() if x.startswith("patchswarm_tls_cert_expiry_timestamp")]
+        assert line.startswith(f'patchswarm_tls_cert_expiry_timestamp_seconds{{file="{pki.root / "h2.pem"}"}}')
+        assert float(line.split()[-1]) == expiry
         for who in (None, "foreign", "expired"):
             assert isinstance(await get_status(url, pki.client(who)), str), who
         # Rotation on SIGHUP (the interval is an hour): new handshakes see the new certificate.

@@ -381,3 +381,21 @@ async def test_a_refused_handshake_is_one_line_for_the_operator(pki: Pki, caplog
 
 async def _async_true(value: bool) -> bool:
     return value
+
+
+def test_the_certificate_in_use_says_when_it_expires(pki: Pki, tmp_path: Path) -> None:
+    # (the daemon exports it: patchswarm_tls_cert_expiry_timestamp_seconds, for an alert before peers refuse)
+    from cryptography import x509
+
+    def not_after(pem: Path) -> float:
+        return x509.load_pem_x509_certificate(pem.read_bytes()).not_valid_after_utc.timestamp()
+
+    for ext in ("pem", "key"):
+        shutil.copyfile(pki.root / f"h1.{ext}", tmp_path / f"host.{ext}")
+    tls = TlsReloader(TlsFiles(pki.ca, tmp_path / "host.pem", tmp_path / "host.key"))
+    assert tls.not_after == not_after(pki.root / "h1.pem")
+    issue(pki.root / "ca", tmp_path / "short", "host", days=3)
+    for ext in ("key", "pem"):
+        _install(tmp_path / "short" / f"host.{ext}", tmp_path / f"host.{ext}")
+    assert tls.reload()
+    assert tls.not_after == not_after(tmp_path / "short" / "host.pem") < not_after(pki.root / "h1.pem")
