@@ -261,8 +261,8 @@ class _GuardedHandler(web.RequestHandler):
                 return
             raise
         self._handshaking = None
-        if tls is None:  # (only for a transport start_tls cannot wrap: not ours)
-            transport.abort()
+        if tls is None:  # (the connection was lost mid-handshake without an error: EOF, or cut at the deadline)
+            self._manager = None
             self._release()
             return
         super().connection_made(tls)  # (its connection_lost now comes through the TLS protocol)
