@@ -35,17 +35,30 @@ def host_name(text: str) -> str:
     """--name: the certificate's common name and its files' stem (NAME.pem, NAME.key)."""
     if not _NAME.fullmatch(text) or text.endswith("."):
         raise argparse.ArgumentTypeError(f"expected 1-63 letters, digits and . _ - (not first), got {text[:80]!r}")
+    if f"{text.lower()}.pem" == CA_CERT:  # (`issue --ca DIR` would take DIR/ca.pem for the CA)
+        raise argparse.ArgumentTypeError(f"{text!r} would be taken for the CA's own files ({CA_CERT}, {CA_KEY})")
     return text
 
 
 def ip(text: str) -> str:
     try:
-        return str(ipaddress.ip_address(text))
+        addr = ipaddress.ip_address(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an IP address: {text[:80]!r}") from None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.scope_id:  # (a SAN holds 16 bytes: the scope would go)
+        raise argparse.ArgumentTypeError(f"a scoped address ({text[:80]}) cannot be named in a certificate")
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:  # (peers reach it as IPv4)
+        return str(addr.ipv4_mapped)
+    return str(addr)
 
 
 def dns(text: str) -> str:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        pass
+    else:  # (a DNS name entry never matches an address: TLS checks addresses against IP entries)
+        raise argparse.ArgumentTypeError(f"{text[:80]} is an IP address: give it with --ip")
     name = text.removesuffix(".")
     if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(p) for p in name.split(".")):
         raise argparse.ArgumentTypeError(f"not a DNS name: {text[:80]!r}")

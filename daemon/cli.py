@@ -443,6 +443,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
                 limits,
                 on_ready=lambda: _err().print(ready, markup=False, highlight=False),
                 ssl_context=tls.server_context() if tls else None,
+                on_hangup=tls.reload if tls else None,  # (SIGHUP: the certificate files, now)
             )
     except ListenError as e:
         raise UserError(str(e)) from None

@@ -513,7 +513,13 @@ SCHEMA: list[Key] = [
     ),
     Key("tls", "ca", parse_str, None, "PEM bundle of the cluster CA(s) peers' certificates must chain to."),
     Key("tls", "cert", parse_str, None, "PEM certificate of this host (from the cluster CA; `patchswarm certs`)."),
-    Key("tls", "key", parse_str, None, "PEM private key of tls.cert (unencrypted; keep it 0600)."),
+    Key(
+        "tls",
+        "key",
+        parse_str,
+        None,
+        "PEM private key of tls.cert (unencrypted; keep it 0600: one every user can read is warned about).",
+    ),
     Key(
         "tls",
         "sidecar",
@@ -591,7 +597,7 @@ def unknown_env(env: Mapping[str, str]) -> list[str]:
 class DaemonConfig:
     values: Mapping[str, Any]
     source: str
-    warnings: tuple[str, ...] = ()  # logged once the daemon's logging is set up
+    warnings: tuple[str, ...] = ()  # (TLS files with TLS off, unknown variables) logged once logging is set up
 
     def __getitem__(self, path: str) -> Any:
         return self.values[path]
@@ -693,7 +699,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
             raise ConfigError(f"{where}: {e}") from None
     _check_ranks(values)
     _check_tls(values)
-    return DaemonConfig(values, source, tuple(unknown_env(env)))
+    return DaemonConfig(values, source, (*_tls_warnings(values), *unknown_env(env)))
 
 
 def _check_tls(values: Mapping[str, Any]) -> None:
@@ -708,6 +714,15 @@ def _check_tls(values: Mapping[str, Any]) -> None:
         for url in value if isinstance(value, list) else [value] if value else []:
             if not url.startswith("https://"):
                 raise ConfigError(f"{key}: {url[:200]} is plain HTTP and tls.enabled is set: use https://")
+
+
+def _tls_warnings(values: Mapping[str, Any]) -> list[str]:
+    """TLS files named with tls.enabled off: most likely a forgotten switch, and the swarm in the clear."""
+    named = [f"tls.{n}" for n in ("ca", "cert", "key") if values[f"tls.{n}"]]
+    if values["tls.enabled"] or not named:
+        return []
+    verb = "is" if len(named) == 1 else "are"
+    return [f"{', '.join(named)} {verb} set but tls.enabled is off: the swarm runs over plain HTTP"]
 
 
 def _check_ranks(values: Mapping[str, Any]) -> None:

@@ -77,6 +77,12 @@ class DaemonMetrics:
             "Seconds since the newest head this host saw (accepted, or refused as expired) was signed",
             registry=r,
         )
+        self.tls_expiry = Gauge(  # (labelled by file, so absent with TLS off rather than 0)
+            "patchswarm_tls_cert_expiry_timestamp_seconds",
+            "Unix time the TLS certificate in use (tls.cert) expires; peers refuse it from then on",
+            ["file"],
+            registry=r,
+        )
         self.apply_failures = Counter("patchswarm_apply_failures", "Versions that failed to fetch or apply", registry=r)
         self.pause = Histogram(
             "patchswarm_activation_pause_seconds",

@@ -272,7 +272,7 @@ class RolloutDaemon:
             tls = self.tls = self.cfg.tls()  # (a file that does not load: one line, the daemon does not start)
         except ConfigError as e:
             raise DaemonError(str(e)) from None
-        for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables
+        for warning in self.cfg.warnings:  # unknown PATCHSWARM_* variables, TLS files with TLS off
             log.warning(warning)
         self._prepare_data_dir()
         state = PullState.load(self.state_path, self.cfg["swarm.run_id"])
@@ -743,6 +743,8 @@ class RolloutDaemon:
         return self.metrics.render()
 
     def _refresh(self) -> None:
+        if self.tls is not None:
+            self.metrics.tls_expiry.labels(file=str(self.tls.files.cert)).set(self.tls.not_after)
         if self.node is None:
             return
         n = self.node.node

@@ -46,7 +46,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from patchswarm.swarm.client_errors import describe
-from patchswarm.swarm.serving import HardenedRunner, ServerLimits, TlsSite, read_body
+from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
 
 log = logging.getLogger(__name__)
 
@@ -744,13 +744,10 @@ async def serve_app(
     except OSError:
         sock.close()
         raise
-    runner = HardenedRunner(app, limits, shutdown_timeout=shutdown_grace_s)
+    runner = HardenedRunner(app, limits, ssl_context, shutdown_timeout=shutdown_grace_s)
     await runner.setup()
     try:
-        if ssl_context is None:
-            await web.SockSite(runner, sock).start()
-        else:
-            await TlsSite(runner, sock, ssl_context, runner.limits.header_timeout_s).start()
+        await web.SockSite(runner, sock).start()
     except BaseException:
         await runner.cleanup()
         sock.close()

@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
@@ -74,12 +73,12 @@ def tls_from_args(args: argparse.Namespace) -> TlsReloader | None:
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
-    for flag, what in (("ca", "cluster CA bundle"), ("cert", "this host's certificate"), ("key", "its key")):
+    for flag, what in (("ca", "the cluster CA bundle"), ("cert", "this host's certificate"), ("key", "its key")):
         p.add_argument(
             f"--tls-{flag}",
             type=cli_args.path,
             metavar="PEM",
-            help=f"mutual TLS: the {what} (all three --tls-* turn TLS on; docs/daemon.md)",
+            help=f"mutual TLS: {what} (all three --tls-* turn TLS on; docs/daemon.md)",
         )
 
 
@@ -171,16 +170,6 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
     )
 
 
-async def _serve_until_signalled(tls: TlsReloader | None = None) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if tls is not None:
-        loop.add_signal_handler(signal.SIGHUP, tls.reload)  # the certificate files, now
-    await stop.wait()
-
-
 def _listen(listen: str) -> tuple[str, int]:
     from patchswarm.daemon.config import split_listen
 
@@ -209,6 +198,7 @@ def run_seed(args: argparse.Namespace) -> int:
     from patchswarm.protocol.keys import TrustedKeys
     from patchswarm.swarm.board_store import parse_store_url
     from patchswarm.swarm.server import start_http_node
+    from patchswarm.swarm.serving import serve_until_signalled
 
     host, port = _listen(args.listen)
     store = parse_store_url(args.board)
@@ -239,7 +229,7 @@ def run_seed(args: argparse.Namespace) -> int:
         copying = asyncio.get_running_loop().create_task(_mirroring(mirror, head_moved)) if mirror else None
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled(tls)
+            await serve_until_signalled(tls.reload if tls is not None else None)
         finally:
             if refreshing is not None:
                 refreshing.cancel()
@@ -276,6 +266,7 @@ def run_node(args: argparse.Namespace) -> int:
     from patchswarm.protocol.keys import load_public_key
     from patchswarm.protocol.trust import TrustState
     from patchswarm.swarm.server import start_http_node
+    from patchswarm.swarm.serving import serve_until_signalled
 
     host, port = _listen(args.listen)
     trust = TrustState(load_public_key(args.trust))
@@ -293,7 +284,7 @@ def run_node(args: argparse.Namespace) -> int:
             )
         print(json.dumps({"event": "listening", "url": node.url, "node": config.node_id}), flush=True)
         try:
-            await _serve_until_signalled(tls)
+            await serve_until_signalled(tls.reload if tls is not None else None)
         finally:
             m = node.node.metrics
             print(json.dumps({"event": "stopped", "metrics": m.__dict__}), flush=True)

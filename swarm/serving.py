@@ -9,7 +9,8 @@ deadline on a response the client never reads, and it logs a traceback for every
 - at most ``max_connections`` connections, and at most ``max_connections_per_address`` from one
   address (:func:`address_key`: an IPv6 client counts by its /64; loopback exempt unless
   ``exempt_loopback`` is off): one past either cap is answered 503 and closed at once, established
-  ones are untouched;
+  ones are untouched (over TLS a connection counts from its accept, its handshake included, and one
+  past a cap is closed without an answer);
 - a connection's first request must complete its request line and headers within
   ``header_timeout_s`` of connecting (half-open connections and slowloris); between requests a
   connection may stay idle ``idle_timeout_s``, and the next request's headers must complete in that
@@ -152,7 +153,7 @@ _AIOHTTP_QUIET.disabled = True
 class _GuardedServer(web.Server):
     """aiohttp's connection manager, counting connections and making :class:`_GuardedHandler`s."""
 
-    def __init__(self, inner: web.Server, limits: ServerLimits) -> None:
+    def __init__(self, inner: web.Server, limits: ServerLimits, ssl_context: ssl.SSLContext | None) -> None:
         # The application's handler, request factory and handler arguments, as AppRunner built them.
         kwargs: dict[str, Any] = dict(inner._kwargs)
         kwargs.update(
@@ -177,13 +178,20 @@ class _GuardedServer(web.Server):
         self.open = 0
         self.by_address: dict[str, int] = {}  # open connections per address_key (loopback left out when exempt)
         self.lines = _LineLimiter(limits.log_interval_s)
+        self.ssl_context = ssl_context  # TLS: each connection's handshake runs in _GuardedHandler
+        self.handshakes: set[asyncio.Task[None]] = set()  # (cancelled at shutdown)
 
     def __call__(self) -> _GuardedHandler:
         return _GuardedHandler(self, loop=self._loop, **self._kwargs)
 
+    async def shutdown(self, timeout: float | None = None) -> None:
+        for task in list(self.handshakes):
+            task.cancel()
+        await super().shutdown(timeout)
+
 
 class _GuardedHandler(web.RequestHandler):
-    __slots__ = ("_address", "_counted", "_guard", "_header_timer", "_send_timer")
+    __slots__ = ("_address", "_counted", "_guard", "_handshaking", "_header_timer", "_send_timer")
 
     def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -192,6 +200,7 @@ class _GuardedHandler(web.RequestHandler):
         self._send_timer: asyncio.TimerHandle | None = None
         self._counted = False
         self._address: str | None = None  # the address_key counted against its cap, if any
+        self._handshaking: asyncio.Transport | None = None  # TLS: the TCP transport until its handshake ends
 
     @property
     def limits(self) -> ServerLimits:
@@ -221,22 +230,61 @@ class _GuardedHandler(web.RequestHandler):
             self._address = address
         _set_user_timeout(transport, guard.limits.send_timeout_s)
         self._header_timer = self._loop.call_later(guard.limits.header_timeout_s, self._headers_late)
+        if guard.ssl_context is not None and isinstance(transport, asyncio.Transport):
+            # TLS inside the counted connection and under its header deadline: a client that never
+            # finishes its handshake holds a slot like any half-open connection (asyncio's own TLS
+            # server would hand us the connection only after the handshake, uncounted until then).
+            transport.pause_reading()  # (start_tls resumes it, with its TLS protocol in place)
+            self._handshaking = transport
+            task = self._loop.create_task(self._handshake(transport, guard.ssl_context))
+            guard.handshakes.add(task)
+            task.add_done_callback(guard.handshakes.discard)
+            return
         super().connection_made(transport)
+
+    async def _handshake(self, transport: asyncio.Transport, ctx: ssl.SSLContext) -> None:
+        try:
+            tls = await self._loop.start_tls(
+                transport, self, ctx, server_side=True, ssl_handshake_timeout=self.limits.header_timeout_s
+            )
+        except BaseException as e:  # (start_tls closed the connection; aiohttp never saw it)
+            self._handshaking = None
+            self._release()
+            self._manager = None
+            if isinstance(e, ssl.SSLError):  # (no certificate, another CA's, expired, TLS 1.2, not TLS)
+                peer = transport.get_extra_info("peername")
+                who = peer[0] if isinstance(peer, tuple) and peer else "?"
+                why = getattr(e, "verify_message", None) or (e.reason or "").lower().replace("_", " ") or _one_line(e)
+                self._guard.lines.log(logging.INFO, "handshake", "TLS handshake from %s refused: %s", who, why)
+                return
+            if isinstance(e, OSError | TimeoutError):  # (gone, or cut at the header deadline: logged there)
+                return
+            raise
+        self._handshaking = None
+        if tls is None:  # (the connection was lost mid-handshake without an error: EOF, or cut at the deadline)
+            self._manager = None
+            self._release()
+            return
+        super().connection_made(tls)  # (its connection_lost now comes through the TLS protocol)
 
     def _refuse(self, transport: asyncio.BaseTransport) -> None:
         # Refused before aiohttp sees it: no handler task, no parser state, the established
-        # connections untouched.  The short answer tells an honest client to come back.
+        # connections untouched.  The short answer tells an honest client to come back (over TLS
+        # there is no answer before the handshake: the connection just closes).
         self._manager = None  # (connection_lost then does nothing)
         self._force_close = True
-        if isinstance(transport, asyncio.WriteTransport):
+        if isinstance(transport, asyncio.WriteTransport) and self._guard.ssl_context is None:
             transport.write(_REFUSAL)
         transport.close()
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if self._request_count == 0 and self.transport is not None:
+        if self._request_count == 0 and (self.transport is not None or self._handshaking is not None):
             self._guard.lines.log(logging.INFO, "slow", "HTTP client sent no complete request in time: closed")
-            self.force_close()
+            if self._handshaking is not None:
+                self._handshaking.abort()  # (start_tls then raises: _handshake releases the slot)
+            else:
+                self.force_close()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -262,6 +310,11 @@ class _GuardedHandler(web.RequestHandler):
             self.transport.abort()  # close() would wait for the buffer to drain, which it never will
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self._release()
+        super().connection_lost(exc)
+
+    def _release(self) -> None:
+        """This connection's timers and its place under the caps (at most once)."""
         for timer in (self._header_timer, self._send_timer):
             if timer is not None:
                 timer.cancel()
@@ -275,7 +328,6 @@ class _GuardedHandler(web.RequestHandler):
             if left > 0:
                 by_address[self._address] = left
             self._address = None
-        super().connection_lost(exc)
 
     def handle_error(
         self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
@@ -326,16 +378,25 @@ def _one_line(exc: BaseException) -> str:
 
 
 class HardenedRunner(web.AppRunner):
-    """An AppRunner whose connections get :class:`ServerLimits` (use with TCPSite, UnixSite, SockSite)."""
+    """An AppRunner whose connections get :class:`ServerLimits` (use with TCPSite, UnixSite, SockSite, never
+    given an ``ssl_context``: with ``ssl_context`` here, every connection is TLS, its handshake counted
+    against the caps and bounded by the header deadline)."""
 
-    def __init__(self, app: web.Application, limits: ServerLimits | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        limits: ServerLimits | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("access_log", None)
         kwargs.setdefault("handle_signals", False)
         super().__init__(app, **kwargs)
         self.limits = limits if limits is not None else ServerLimits.from_env()
+        self.ssl_context = ssl_context
 
     async def _make_server(self) -> web.Server:
-        server = _GuardedServer(await super()._make_server(), self.limits)
+        server = _GuardedServer(await super()._make_server(), self.limits, self.ssl_context)
         loop = asyncio.get_running_loop()
         if loop.get_exception_handler() is None:
             loop.set_exception_handler(_AcceptErrors(server.lines))
@@ -356,52 +417,6 @@ class _AcceptErrors:
             self.lines.log(logging.WARNING, "accept", "HTTP server cannot accept connections: %s", why)
             return
         loop.default_exception_handler(context)
-
-
-class TlsSite(web.SockSite):
-    """A SockSite whose TLS handshakes must finish within ``handshake_timeout_s`` (the guarded handler
-    sees a connection only once its handshake is done, so its header deadline starts after it; asyncio's
-    own handshake limit is 60 s)."""
-
-    __slots__ = ("_handshake_timeout",)
-
-    def __init__(
-        self, runner: web.BaseRunner, sock: socket.socket, ssl_context: ssl.SSLContext, handshake_timeout_s: float
-    ) -> None:
-        super().__init__(runner, sock, ssl_context=ssl_context)
-        self._handshake_timeout = handshake_timeout_s
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # (registers the site with its runner; SockSite.start would serve too)
-        server = self._runner.server
-        assert server is not None
-        self._server = await asyncio.get_running_loop().create_server(
-            server,
-            sock=self._sock,
-            ssl=self._ssl_context,
-            backlog=self._backlog,
-            ssl_handshake_timeout=self._handshake_timeout,
-        )
-
-
-def bind_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
-    """A listening, non-blocking TCP socket on ``host:port`` (SO_REUSEADDR, as aiohttp's TCPSite); OSError
-    as bind raises it."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # (as asyncio's create_server)
-        sock.bind(addr)
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def limits_of(request: web.BaseRequest) -> ServerLimits:
@@ -460,22 +475,26 @@ async def serve_tcp(
 ) -> tuple[HardenedRunner, int]:
     """Serve ``app`` on ``host:port`` under ``limits`` (over TLS with ``ssl_context``: swarm/tls.py);
     returns the runner and the bound port."""
-    runner = HardenedRunner(app, limits)
+    runner = HardenedRunner(app, limits, ssl_context)
     await runner.setup()
     try:
-        if ssl_context is None:
-            await web.TCPSite(runner, host, port).start()
-        else:
-            sock = bind_tcp(host, port)
-            try:
-                await TlsSite(runner, sock, ssl_context, runner.limits.header_timeout_s).start()
-            except BaseException:
-                sock.close()
-                raise
+        await web.TCPSite(runner, host, port).start()
     except BaseException:
         await runner.cleanup()
         raise
     return runner, runner.addresses[0][1]
+
+
+async def serve_until_signalled(on_hangup: Callable[[], object] | None = None) -> None:
+    """Return on SIGINT or SIGTERM.  With ``on_hangup`` (TLS: reload the certificate files, swarm/tls.py),
+    SIGHUP calls it and the process goes on; without, SIGHUP keeps its default (the process ends)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if on_hangup is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    await stop.wait()
 
 
 def run_app(
@@ -485,19 +504,17 @@ def run_app(
     limits: ServerLimits | None = None,
     on_ready: Callable[[], None] | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    on_hangup: Callable[[], object] | None = None,
 ) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop); ``on_ready`` once bound."""
+    """Serve ``app`` until SIGINT or SIGTERM (the plain board server's main loop); ``on_ready`` once bound;
+    ``on_hangup`` on SIGHUP (see :func:`serve_until_signalled`)."""
 
     async def main() -> None:
         runner, _ = await serve_tcp(app, host, port, limits, ssl_context)
         if on_ready is not None:
             on_ready()  # after the bind: a port in use gives its one error line, not a "serving" line first
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         try:
-            await stop.wait()
+            await serve_until_signalled(on_hangup)
         finally:
             await runner.cleanup()
 

@@ -7,7 +7,8 @@ peers find each other by the URLs they announce (often bare IP addresses, chosen
 a name check would prove only that the announcer picked a name its own certificate holds.  What a cluster
 member needs to know is "the other end holds a key the cluster CA certified", which the chain check
 gives; OpenSSL also checks the extended key usage for the role (serverAuth for a server, clientAuth for
-a client) when a certificate carries one.  ``check_hostname`` turns the name check on for deployments
+a client) when a certificate carries one, so a host's own certificate must pass both: a handshake with
+itself, in memory, checks that at start and on every reload.  ``check_hostname`` turns the name check on for deployments
 that address peers by names in their certificates.
 
 Rotation: :class:`TlsReloader` watches the three files (inode, size, mtime; at most once per
@@ -15,9 +16,10 @@ Rotation: :class:`TlsReloader` watches the three files (inode, size, mtime; at m
 the daemon, seed and node call it on SIGHUP) and builds fresh contexts when they change.  The
 server socket keeps one *front* context whose ``sni_callback`` hands each new handshake the newest
 server context, the CA bundle included: ``load_verify_locations`` can only add a CA, so removing one
-needs a new context.  A file that does not load (half written, wrong key) keeps the old contexts and
-logs one line; the next change is tried again.  No session tickets are issued, so a removed CA or
-certificate cannot come back through a resumed session.
+needs a new context.  A file that does not load (half written, wrong key, a certificate a handshake
+with itself refuses in either role) keeps the old contexts and logs one line; the next change is
+tried again.  No session tickets are issued, so a removed CA or certificate cannot come back through
+a resumed session.
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ def _read(path: Path, what: str) -> bytes:
         raise TlsError(f"{what} {e}") from None
 
 
-def _check_cert(files: TlsFiles, ca_pem: bytes, cert_pem: bytes, now: dt.datetime) -> None:
+def _check_cert(files: TlsFiles, ca_pem: bytes, cert_pem: bytes, now: dt.datetime) -> float:
     """The host certificate is current and issued by a CA of the bundle: a mistake the operator should
-    hear about at start (or on a reload) rather than as every peer's refusal."""
+    hear about at start (or on a reload) rather than as every peer's refusal.  Returns when it expires
+    (Unix time)."""
     try:
         cas = x509.load_pem_x509_certificates(ca_pem)
     except ValueError:
@@ -79,28 +82,36 @@ def _check_cert(files: TlsFiles, ca_pem: bytes, cert_pem: bytes, now: dt.datetim
     except ValueError:
         raise TlsError(f"tls.cert {files.cert}: not a PEM certificate") from None
     cert = chain[0]
+    try:
+        is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    if is_ca:  # (its key would sign anything: it belongs offline, never on a host)
+        raise TlsError(f"tls.cert {files.cert}: a CA certificate, not a host's (patchswarm certs issue makes one)")
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise TlsError(
             f"tls.cert {files.cert}: valid from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} to "
             f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now"
         )
+    not_after = cert.not_valid_after_utc.timestamp()
     if len(chain) > 1:
-        return  # (a chain with intermediates: OpenSSL checks the path when a peer connects)
+        return not_after  # (a chain with intermediates: the handshake with itself checks the path)
     for ca in cas:
         try:
             cert.verify_directly_issued_by(ca)
-            return
+            return not_after
         except (InvalidSignature, ValueError, TypeError):  # another CA's certificate, or another key type
             continue
     raise TlsError(f"tls.cert {files.cert}: not issued by a CA in tls.ca {files.ca}")
 
 
-def _contexts(files: TlsFiles, check_hostname: bool) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """(server, client) contexts from the files as they are now; TlsError for any problem."""
+def _contexts(files: TlsFiles, check_hostname: bool) -> tuple[ssl.SSLContext, ssl.SSLContext, float]:
+    """(server, client) contexts from the files as they are now, and when the certificate expires;
+    TlsError for any problem."""
     ca_pem = _read(files.ca, "tls.ca")
     cert_pem = _read(files.cert, "tls.cert")
     _read(files.key, "tls.key")  # (bounded and a regular file: load_cert_chain then reads it by name)
-    _check_cert(files, ca_pem, cert_pem, dt.datetime.now(dt.UTC))
+    not_after = _check_cert(files, ca_pem, cert_pem, dt.datetime.now(dt.UTC))
     out = []
     for protocol in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
         ctx = ssl.SSLContext(protocol)
@@ -123,7 +134,53 @@ def _contexts(files: TlsFiles, check_hostname: bool) -> tuple[ssl.SSLContext, ss
         except OSError as e:
             raise TlsError(f"tls.key {files.key}: {e.strerror or e}") from None
         out.append(ctx)
-    return out[0], out[1]
+    _handshake_with_self(files, out[0], out[1])
+    return out[0], out[1], not_after
+
+
+def _handshake_with_self(files: TlsFiles, server: ssl.SSLContext, client: ssl.SSLContext) -> None:
+    """A handshake in memory between the two contexts, so whatever OpenSSL's policy refuses (a key usage
+    or extended key usage missing for a role, a broken intermediate chain) stops the start or the
+    reload here, instead of every peer's connection later.  (A host plays both roles, with one
+    certificate.)  The name check is left out: peers' names are not known here."""
+    check_hostname, client.check_hostname = client.check_hostname, False
+    try:
+        to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()  # (one end's output is the other's input)
+        ends = [  # (the role our certificate plays for the other end, the end)
+            ("as a server", client.wrap_bio(to_client, to_server, server_side=False)),
+            ("as a client", server.wrap_bio(to_server, to_client, server_side=True)),
+        ]
+        done = [False, False]
+        for _ in range(8):  # (TLS 1.3 takes two round trips; more means something else is wrong)
+            for i, (role, end) in enumerate(ends):
+                if done[i]:
+                    continue
+                try:
+                    end.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLCertVerificationError as e:
+                    # (the client end refusing means the certificate fails as a server's, and back)
+                    why = e.verify_message
+                    raise TlsError(f"tls.cert {files.cert}: peers would refuse it {role} ({why})") from None
+                except ssl.SSLError as e:
+                    raise TlsError(f"tls.cert {files.cert}: a handshake with itself fails ({e.reason or e})") from None
+            if all(done):
+                return
+        raise TlsError(f"tls.cert {files.cert}: a handshake with itself does not complete")
+    finally:
+        client.check_hostname = check_hostname
+
+
+def _warn_if_exposed(key: Path) -> None:
+    """A key every user can read is named (not refused: Kubernetes secret volumes default to 0644)."""
+    try:
+        mode = os.stat(key).st_mode & 0o777  # (follows symlinks: the file, not the link)
+    except OSError:
+        return
+    if mode & 0o004:
+        log.warning("tls.key %s: readable by every user (mode %o): chmod 600 it", key, mode)
 
 
 def _signature(files: TlsFiles) -> tuple[tuple[int, int, int, int] | None, ...]:
@@ -146,11 +203,13 @@ class TlsReloader:
         self.interval_s = interval_s
         self._lock = threading.Lock()  # (contexts are used from the loop; a reload may come from a thread)
         self._signature = _signature(files)
-        self._server, self._client = _contexts(files, check_hostname)  # TlsError at start: refuse to run
+        # TlsError at start: refuse to run.  not_after: when the certificate in use expires (Unix time).
+        self._server, self._client, self.not_after = _contexts(files, check_hostname)
+        _warn_if_exposed(files.key)
         self._failed: tuple[object, ...] | None = None
         self._checked = time.monotonic()
         self.reloads = 0
-        front, _ = _contexts(files, check_hostname)
+        front, _, _ = _contexts(files, check_hostname)
         front.sni_callback = self._pick
         self._front = front
 
@@ -182,12 +241,14 @@ class TlsReloader:
             if sig == self._signature or sig == self._failed:
                 return False
             try:
-                server, client = _contexts(self.files, self.check_hostname)
+                server, client, not_after = _contexts(self.files, self.check_hostname)
             except TlsError as e:
                 self._failed = sig
                 log.warning("TLS files changed but do not load, keeping the previous ones: %s", e)
                 return False
             self._server, self._client, self._signature, self._failed = server, client, sig, None
+            self.not_after = not_after
+            _warn_if_exposed(self.files.key)
             self.reloads += 1
             log.info("TLS: loaded new certificate files (%s)", self.files.cert)
             return True

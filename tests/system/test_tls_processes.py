@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from patchswarm.daemon.certs import issue
 from tests.support.boards import free_port
@@ -131,11 +132,27 @@ def test_plain_board_seed_over_tls_and_half_flags_refused(tmp_path: Path) -> Non
         assert got == (200, b"weights only members may read")  # (TLS: no sendfile, the fallback path)
         for who in (None, "foreign", "expired"):
             assert isinstance(asyncio.run(get_status(url, pki.client(who))), str), who
+        # SIGHUP reloads the certificate files (as on the daemon and `seed --run`); it never ends the seed.
+        for ext in ("key", "pem"):
+            (pki.root / f"new.{ext}").write_bytes((pki.root / f"h3.{ext}").read_bytes())
+            os.replace(pki.root / f"new.{ext}", pki.root / f"h1.{ext}")
+        p.send_signal(signal.SIGHUP)
+        while asyncio.run(_serial_or_none(port, pki)) != serial_of(pki.root / "h3.pem"):
+            assert p.poll() is None, f"SIGHUP ended the seed: {p.stderr.read()}"
+            assert time.monotonic() < deadline + 30, "SIGHUP did not bring in the new certificate"
+            time.sleep(0.2)
     finally:
         p.terminate()
         p.wait(timeout=20)
         if p.stderr:
             p.stderr.close()
+
+
+async def _serial_or_none(port: int, pki: Pki) -> int | None:
+    try:
+        return await server_serial(port, pki.client("client"))
+    except OSError:
+        return None
 
 
 @pytest.mark.slow
@@ -157,6 +174,10 @@ async def test_a_daemon_with_tls_enabled_follows_a_tls_seed_and_guards_its_metri
         url = f"https://127.0.0.1:{port}/metrics"
         got = await get_status(url, pki.client("client"))
         assert isinstance(got, tuple) and got[0] == 200 and b"patchswarm_version_applied 2.0" in got[1]
+        expiry = x509.load_pem_x509_certificate((pki.root / "h2.pem").read_bytes()).not_valid_after_utc.timestamp()
+        [line] = [x for x in got[1].decode().splitlines() if x.startswith("patchswarm_tls_cert_expiry_timestamp")]
+        assert line.startswith(f'patchswarm_tls_cert_expiry_timestamp_seconds{{file="{pki.root / "h2.pem"}"}}')
+        assert float(line.split()[-1]) == expiry
         for who in (None, "foreign", "expired"):
             assert isinstance(await get_status(url, pki.client(who)), str), who
         # Rotation on SIGHUP (the interval is an hour): new handshakes see the new certificate.

@@ -105,10 +105,47 @@ def test_hostile_arguments_one_line_and_nothing_partial(
         if rc == 0:
             cert = x509.load_pem_x509_certificate((out / f"{name}.pem").read_bytes())
             san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-            assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address(ip)]
+            addr = ipaddress.ip_address(ip)
+            mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+            assert san.get_values_for_type(x509.IPAddress) == [mapped or addr]
             assert san.get_values_for_type(x509.DNSName) == [dns.removesuffix(".").lower()]
             assert 1 <= int(days) <= 3650
             assert sorted(p.name for p in out.iterdir()) == [f"{name}.key", f"{name}.pem"]
         else:
             assert rc in (1, 2) and err.count("\n") == 1 and "Traceback" not in err, err
             assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--dns", "10.0.0.7"], "argument --dns: 10.0.0.7 is an IP address: give it with --ip"),
+        (["--ip", "fe80::1%eth0"], "argument --ip: a scoped address (fe80::1%eth0) cannot be named in a certificate"),
+        (["--name", "ca"], "argument --name: 'ca' would be taken for the CA's own files (ca.pem, ca.key)"),
+        (["--name", "CA"], "argument --name: 'CA' would be taken for the CA's own files (ca.pem, ca.key)"),
+    ],
+)
+def test_names_that_would_not_do_what_they_say_are_refused(
+    ca_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], expect: str
+) -> None:
+    # A DNS SAN holding an address never matches that address; a certificate cannot hold an IPv6 scope
+    # (it would be dropped silently); a host named "ca" writes ca.pem/ca.key, which `issue --ca` then
+    # takes for a CA.
+    argv = ["certs", "issue", "--ca", str(ca_dir), "--name", "h", *args, "--out", str(tmp_path / "out")]
+    rc, err = run(argv, capsys)
+    assert rc == 2 and err.count("\n") == 1 and expect in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_ipv4_mapped_address_is_written_as_ipv4(
+    ca_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (a peer reached at 10.0.0.7 is matched against an IPv4 SAN; ::ffff:10.0.0.7 would be a 16-byte one)
+    rc, err = run(
+        ["certs", "issue", "--ca", str(ca_dir), "--name", "h", "--ip", "::ffff:10.0.0.7", "--out", str(tmp_path)],
+        capsys,
+    )
+    assert (rc, err) == (0, "")
+    cert = x509.load_pem_x509_certificate((tmp_path / "h.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.7")]

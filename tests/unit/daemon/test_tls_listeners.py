@@ -86,3 +86,15 @@ def test_tls_config_refuses_half_setups_and_plain_peers(pki: Pki, tmp_path: Path
         _config({"enabled": True, **files, "cert": str(pki.root / "foreign.pem")}).tls()
     env_cfg = from_mapping({**BASE, "tls": files}, {"PATCHSWARM_TLS_ENABLED": "1"})
     assert env_cfg["tls.enabled"] is True
+
+
+def test_tls_files_with_tls_off_are_warned_about(pki: Pki) -> None:
+    # TLS files named but tls.enabled forgotten: the swarm would run in the clear without a word.
+    files = {"ca": str(pki.ca), "cert": str(pki.root / "h1.pem"), "key": str(pki.root / "h1.key")}
+    [line] = _config(files).warnings
+    assert line == "tls.ca, tls.cert, tls.key are set but tls.enabled is off: the swarm runs over plain HTTP"
+    [line] = _config({"cert": files["cert"]}).warnings
+    assert line == "tls.cert is set but tls.enabled is off: the swarm runs over plain HTTP"
+    assert _config({}, {"seed_urls": ["https://cdn.example/board"]}).warnings == ()  # (a public https board)
+    assert _config({}).warnings == ()
+    assert _config({"enabled": True, **files}).warnings == ()

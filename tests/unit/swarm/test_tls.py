@@ -212,8 +212,8 @@ async def test_rotation_without_restart(pki: Pki, tmp_path: Path, caplog: pytest
         await runner.cleanup()
 
 
-def _server_only_cert(pki: Pki, out: Path) -> None:
-    """A certificate of the cluster CA whose extended key usage is serverAuth only."""
+def _server_only_cert(pki: Pki, out: Path, name: str = "server-only", role: str = "server") -> None:
+    """A certificate of the cluster CA whose extended key usage is serverAuth (or clientAuth) only."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -225,18 +225,23 @@ def _server_only_cert(pki: Pki, out: Path) -> None:
     now = ca.not_valid_before_utc
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "server-only")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now)
         .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if role == "server" else ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # (an EC key: cryptography's union)
     )
-    (out / "server-only.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     pem = serialization.NoEncryption()
-    (out / "server-only.key").write_bytes(
+    (out / f"{name}.key").write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, pem)
     )
 
@@ -280,3 +285,117 @@ async def test_a_handshake_that_never_comes_is_cut_at_the_header_deadline(pki: P
         assert await get_status(f"https://127.0.0.1:{port}/", pki.client("client")) == (404, b"404: Not Found")
     finally:
         await runner.cleanup()
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """The server closed this connection (EOF or reset) well before any deadline of the test's limits."""
+    try:
+        return await asyncio.wait_for(reader.read(), timeout=30) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "limits",
+    [
+        ServerLimits(max_connections=4, header_timeout_s=300.0),
+        ServerLimits(max_connections_per_address=4, exempt_loopback=False, header_timeout_s=300.0),
+    ],
+    ids=["cap", "per-address-cap"],
+)
+async def test_handshakes_in_progress_count_against_the_connection_caps(pki: Pki, limits: ServerLimits) -> None:
+    # Connections that never finish their handshake hold a socket each: they count against the caps as
+    # plain connections do, so one past a cap is closed at once (not after the handshake deadline),
+    # and once they go the server serves a cluster client again.
+    runner, port = await serve_tcp(web.Application(), "127.0.0.1", 0, limits, pki.reloader("h1").server_context())
+    hogs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            assert await _closed_by_server(reader)
+        finally:
+            writer.close()
+        for _, w in hogs:
+            w.close()
+            await w.wait_closed()
+        for _ in range(100):  # (the server sees the hogs' FINs asynchronously)
+            if await get_status(f"https://127.0.0.1:{port}/", pki.client("client")) == (404, b"404: Not Found"):
+                break
+            await asyncio.sleep(0.1)
+        assert await get_status(f"https://127.0.0.1:{port}/", pki.client("client")) == (404, b"404: Not Found")
+    finally:
+        for _, w in hogs:
+            w.close()
+        await runner.cleanup()
+
+
+def test_a_host_certificate_peers_would_refuse_stops_the_start(pki: Pki, tmp_path: Path) -> None:
+    # Every host both serves peers and fetches from them: a certificate OpenSSL refuses in either role
+    # (a serverAuth-only or clientAuth-only one, the CA's own) would start, then fail every exchange.
+    _server_only_cert(pki, tmp_path)
+    _server_only_cert(pki, tmp_path, "client-only", role="client")
+    cases = [
+        (TlsFiles(pki.ca, tmp_path / "server-only.pem", tmp_path / "server-only.key"), "as a client"),
+        (TlsFiles(pki.ca, tmp_path / "client-only.pem", tmp_path / "client-only.key"), "as a server"),
+        (TlsFiles(pki.ca, pki.ca, pki.root / "ca" / "ca.key"), "a CA certificate"),
+    ]
+    for files, expect in cases:
+        with pytest.raises(TlsError, match=f"tls.cert {files.cert}: .*{expect}") as e:
+            TlsReloader(files)
+        assert "\n" not in str(e.value)
+    TlsReloader(pki.files("h1"))  # (the check passes what `patchswarm certs` issues)
+
+
+def test_a_key_other_users_can_read_is_warned_about(pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Not refused (a Kubernetes secret volume's files are 0644 unless defaultMode says otherwise), but
+    # named, once per load; 0640 (a group such as ssl-cert) is an operator's choice, left alone.
+    for mode, warned in ((0o644, True), (0o640, False), (0o600, False)):
+        key = tmp_path / f"h1-{mode:o}.key"
+        shutil.copyfile(pki.root / "h1.key", key)
+        key.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="patchswarm.swarm.tls"):
+            TlsReloader(TlsFiles(pki.ca, pki.root / "h1.pem", key))
+        lines = [r.getMessage() for r in caplog.records if "readable" in r.getMessage()]
+        assert lines == ([f"tls.key {key}: readable by every user (mode {mode:o}): chmod 600 it"] if warned else [])
+
+
+@pytest.mark.asyncio
+async def test_a_refused_handshake_is_one_line_for_the_operator(pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    # A peer whose certificate is refused hears why on its side; the server's operator gets one line
+    # too (which address, why), rate-limited like the server's other lines about clients.
+    runner, port = await serve_tcp(web.Application(), "127.0.0.1", 0, ssl_context=pki.reloader("h1").server_context())
+    try:
+        with caplog.at_level(logging.INFO, logger="patchswarm.swarm.serving"):
+            assert isinstance(await get_status(f"https://127.0.0.1:{port}/", pki.client("foreign")), str)
+            await _until(lambda: _async_true(any("TLS" in r.getMessage() for r in caplog.records)), "a log line")
+        [line] = [r.getMessage() for r in caplog.records if "TLS" in r.getMessage()]
+        assert line.startswith("TLS handshake from 127.0.0.1 refused:") and "certificate" in line, line
+        assert "\n" not in line
+    finally:
+        await runner.cleanup()
+
+
+async def _async_true(value: bool) -> bool:
+    return value
+
+
+def test_the_certificate_in_use_says_when_it_expires(pki: Pki, tmp_path: Path) -> None:
+    # (the daemon exports it: patchswarm_tls_cert_expiry_timestamp_seconds, for an alert before peers refuse)
+    from cryptography import x509
+
+    def not_after(pem: Path) -> float:
+        return x509.load_pem_x509_certificate(pem.read_bytes()).not_valid_after_utc.timestamp()
+
+    for ext in ("pem", "key"):
+        shutil.copyfile(pki.root / f"h1.{ext}", tmp_path / f"host.{ext}")
+    tls = TlsReloader(TlsFiles(pki.ca, tmp_path / "host.pem", tmp_path / "host.key"))
+    assert tls.not_after == not_after(pki.root / "h1.pem")
+    issue(pki.root / "ca", tmp_path / "short", "host", days=3)
+    for ext in ("key", "pem"):
+        _install(tmp_path / "short" / f"host.{ext}", tmp_path / f"host.{ext}")
+    assert tls.reload()
+    assert tls.not_after == not_after(tmp_path / "short" / "host.pem") < not_after(pki.root / "h1.pem")
