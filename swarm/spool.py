@@ -20,6 +20,7 @@ back to memory for that download: it costs RAM, never correctness.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import os
@@ -66,7 +67,7 @@ class _Spool:
             return None
         if chunk_hash(data) != h:
             log.error("a spooled chunk changed on disk: dropped")
-            del self.written[h]
+            self.written.pop(h, None)  # (``pop``: a reader on another thread may have dropped it)
             return None
         return data
 
@@ -109,10 +110,23 @@ class SpoolChunkStore(MemoryChunkStore):
     def release(self) -> None:
         """Let the spool go (its version is decoded, or another download begins): its newest chunks
         stay servable from memory, up to the cache's bound, and its disk space is freed once the
-        mapping handed out is dropped too."""
+        mapping handed out is dropped too.  Blocking: those chunks are read back and hashed (up to
+        the cache's bound: an eighth of the model in a daemon); ``release_off_loop`` on the loop."""
         old, self._spool = self._spool, None
         if old is not None:
-            self._keep_newest(old)
+            self._keep(self._newest(old))
+            old.close()
+
+    async def release_off_loop(self) -> None:
+        """``release`` with the newest chunks read back and hashed on a thread: the spool serves
+        meanwhile, and the event loop (the API, the sidecar, peers' requests) is not held."""
+        old = self._spool
+        if old is None:
+            return
+        kept = await asyncio.to_thread(self._newest, old)
+        if self._spool is old:  # (else another download began meanwhile: ``begin`` released it)
+            self._spool = None
+            self._keep(kept)
             old.close()
 
     def _open(self, manifest: Manifest) -> _Spool | None:
@@ -131,18 +145,26 @@ class SpoolChunkStore(MemoryChunkStore):
             return None
         return _Spool(manifest.manifest_id, at, file, where, sizes)
 
-    def _keep_newest(self, old: _Spool) -> None:
+    def _newest(self, old: _Spool) -> list[tuple[bytes, bytes]]:
+        """The spool's most recently written chunks that fit the cache's bound, oldest first (the
+        LRU's order), read back and hashed again (reads only: safe on a thread)."""
         budget = self.max_bytes
         keep: list[bytes] = []
-        for h in reversed(old.written):
+        for h in reversed(list(old.written)):  # (a copy: the loop's ``read`` may drop one meanwhile)
             if old.sizes[h] > budget:
                 break
             budget -= old.sizes[h]
             keep.append(h)
-        for h in reversed(keep):  # oldest first: the LRU's order
+        out = []
+        for h in reversed(keep):
             data = old.read(h)
             if data is not None:
-                super().put(h, data)
+                out.append((h, data))
+        return out
+
+    def _keep(self, chunks: list[tuple[bytes, bytes]]) -> None:
+        for h, data in chunks:
+            super().put(h, data)
 
     def payload(self, manifest: Manifest) -> memoryview | None:
         """The finished download as one read-only mapping of its spool, every chunk hashed again over

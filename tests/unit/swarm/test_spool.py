@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from pathlib import Path
@@ -122,3 +123,27 @@ def test_without_a_usable_folder_the_download_stays_in_memory(tmp_path: Path) ->
         s.put(h, data)
     assert s.payload(v.manifest) is None  # the caller assembles the chunks from get()
     assert b"".join(s.get(h) or b"" for h, _ in _chunks(v)) == bytes(v.payload)
+
+
+@pytest.mark.asyncio
+async def test_a_release_reads_the_kept_chunks_back_off_the_event_loop_and_serves_meanwhile(tmp_path: Path) -> None:
+    # A daemon keeps up to an eighth of the model for peers: read back and hashed on the loop, that
+    # would hold the API, the sidecar and every peer's request for seconds.
+    v = _version(1)
+    chunks = _chunks(v)
+    s = SpoolChunkStore(tmp_path, max_bytes=1 << 20)
+    s.begin(v.manifest)
+    for h, data in chunks:
+        s.put(h, data)
+    seen: list[bool] = []
+
+    async def meanwhile() -> None:  # runs while the release awaits its thread
+        seen.append(all(s.get(h) == data for h, data in chunks))
+        seen.append(s._spool is not None)
+
+    await asyncio.gather(s.release_off_loop(), meanwhile())
+    assert seen == [True, True]
+    assert s._spool is None and s.nbytes == sum(len(d) for _, d in chunks)
+    assert all(s.get(h) == data for h, data in chunks)
+    await s.release_off_loop()  # (nothing spooled: nothing to do)
+    s.close()
