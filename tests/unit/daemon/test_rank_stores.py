@@ -27,6 +27,7 @@ from patchswarm.daemon.status import Status
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
 from patchswarm.daemon.weightstore import WeightStore, diff_updates
 from patchswarm.protocol.held import Held
+from patchswarm.protocol.layout_flat import RankChanges
 from patchswarm.protocol.layout_plan import rank_model
 from patchswarm.protocol.patchfile import build_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes
@@ -450,3 +451,26 @@ async def test_a_patch_decoded_once_reaches_every_rank_and_a_failed_activation_l
     assert await activate_ranks(host, rs, staged, _inline)  # type: ignore[arg-type]
     assert_ranks_hold(rs, 2, 2)
     assert held.model.bitwise_equal(v2) and staged.changes == []
+
+
+def test_a_routed_run_reaching_past_its_parameter_is_refused_before_anything_is_written(
+    name: str, tmp_path: Path
+) -> None:
+    # Routing in one pass hands each rank its changes as word indices into the whole store: a change
+    # labelled for one parameter must not land in the next one (the store's bound alone allows it;
+    # the journal, per slot, would then hold a position its replay refuses).
+    rs = make(name, 1, tmp_path)
+    rs.prepare(split_plan(ONE_WIDTH, 1), ONE_WIDTH)
+    assert rs.flat is not None
+    apply(rs, 1, ONE_WIDTH)
+    store = rs.store(0)
+    assert store is not None
+    before = [store.slot_bytes(i).clone() for i in range(len(store))]
+    old = store.slot_words(1)[:1].clone()
+    for slot, at in ((0, rs.bases[0][1]), (1, rs.bases[0][1] - 1)):  # (past slot 0's end; before slot 1's start)
+        run = RankChanges([slot], [1], torch.tensor([at]), old + 1, old)
+        with pytest.raises(ValueError, match="outside its parameter"):
+            rs._activate([0], 2, rs.rank_roots(), [run])
+        assert all(torch.equal(store.slot_bytes(i), b) for i, b in enumerate(before))
+        assert store.header().version == 1 and not journal_path(rs.journal_dir).exists()
+    rs.close()
