@@ -47,6 +47,7 @@ class _Spool:
     where: dict[bytes, list[int]]  # chunk hash -> its offsets in the payload (a chunk may repeat)
     sizes: dict[bytes, int]
     written: dict[bytes, None] = field(default_factory=dict)  # (a dict: ordered by arrival)
+    failed: bool = False  # a write failed (a full disk): the rest of the download goes to memory
 
     def write(self, h: bytes, data: bytes | memoryview) -> None:
         fd = self.file.fileno()
@@ -201,10 +202,14 @@ class SpoolChunkStore(MemoryChunkStore):
             return
         if chunk_hash in spool.written:
             return
+        if spool.failed:  # (not a write, and a warning, per chunk of a download into a full disk)
+            super().put(chunk_hash, data)
+            return
         try:
             spool.write(chunk_hash, data)
         except OSError as e:
-            log.warning("cannot spool a chunk (%s): kept in memory", e)
+            log.warning("cannot spool to %s (%s): the rest of this download is kept in memory", self.folder, e)
+            spool.failed = True
             super().put(chunk_hash, data)
 
     def __contains__(self, chunk_hash: object) -> bool:

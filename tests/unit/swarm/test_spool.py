@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,36 @@ async def test_a_release_reads_the_kept_chunks_back_off_the_event_loop_and_serve
     assert all(s.get(h) == data for h, data in chunks)
     await s.release_off_loop()  # (nothing spooled: nothing to do)
     s.close()
+
+
+_FULL_DISK = """
+import logging, resource, signal, sys
+from pathlib import Path
+from tests.unit.swarm.test_spool import CHUNK, _chunks, _version
+from patchswarm.swarm.spool import SpoolChunkStore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (writes past the limit fail with EFBIG, as on a full disk)
+warnings = []
+logging.getLogger("patchswarm.swarm").addHandler(logging.Handler())
+logging.getLogger("patchswarm.swarm").handlers[0].emit = lambda r: warnings.append(r.getMessage())
+v = _version(1)
+chunks = _chunks(v)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2 * CHUNK + 100, resource.RLIM_INFINITY))
+s = SpoolChunkStore(Path(sys.argv[1]), max_bytes=1 << 20)
+s.begin(v.manifest)
+for h, data in chunks:
+    s.put(h, data)
+assert s.payload(v.manifest) is None, "a partly spooled download is no mapping"
+assert b"".join(s.get(h) or b"?" for h, _ in chunks) == bytes(v.payload)
+assert s.nbytes == sum(len(d) for _, d in chunks[2:]), s.nbytes
+print(len(warnings), warnings[0])
+"""
+
+
+def test_a_full_disk_mid_download_sends_the_rest_of_it_to_memory_with_one_warning(tmp_path: Path) -> None:
+    # (a child process: the file size limit that stands in for a full disk is per process)
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, _, line = out.stdout.strip().partition(" ")
+    assert count == "1" and "the rest of this download is kept in memory" in line, out.stdout
