@@ -530,6 +530,8 @@ class WeightStore:
         if bases is None or data.data_ptr() % self.layout.slots[0].spec.dt.width:
             return None
         positions, new, old = run.positions, run.new, run.old
+        if not run.slots and positions.numel() == new.numel() == old.numel() == 0:
+            return []  # (no change: its empty words' dtype says nothing of this store's)
         wd = self.layout.slots[0].spec.dt.word_dtype
         if new.dtype != wd or old.dtype != wd or new.shape != old.shape or new.dim() != 1:
             raise ValueError(f"store updates: new/old must be flat {wd} tensors of equal length")

@@ -31,7 +31,16 @@ from patchswarm.protocol.layout_flat import RankChanges
 from patchswarm.protocol.layout_plan import rank_model
 from patchswarm.protocol.patchfile import build_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes
-from tests.support.rank_plans import ONE_WIDTH, SPECS, expected_rank, llama_rank, llama_state, split_plan, version_model
+from tests.support.rank_plans import (
+    FUSED,
+    ONE_WIDTH,
+    SPECS,
+    expected_rank,
+    llama_rank,
+    llama_state,
+    split_plan,
+    version_model,
+)
 from tests.support.store_worker import remove_segments, unique_name
 
 SEED = 5
@@ -473,4 +482,30 @@ def test_a_routed_run_reaching_past_its_parameter_is_refused_before_anything_is_
             rs._activate([0], 2, rs.rank_roots(), [run])
         assert all(torch.equal(store.slot_bytes(i), b) for i, b in enumerate(before))
         assert store.header().version == 1 and not journal_path(rs.journal_dir).exists()
+    rs.close()
+
+
+def test_a_version_without_changes_activates_on_rank_stores_of_four_byte_words(name: str, tmp_path: Path) -> None:
+    # (the one-pass routing gave the ranks of an empty version empty bf16 words, which a store of
+    # F32 words refused: the activation failed)
+    specs = sorted(
+        [
+            TensorSpec(FUSED[0], "F32", (64, 32)),
+            TensorSpec(FUSED[1], "F32", (32, 32)),
+            TensorSpec("c.bias", "F32", (64,)),
+        ],
+        key=lambda s: s.name,
+    )
+    rs = make(name, 2, tmp_path)
+    rs.prepare(split_plan(specs, 2), specs)
+    assert rs.flat is not None
+    apply(rs, 1, specs)
+    rs.apply(2, version_model(SEED, 1, specs), [])
+    assert rs.common_version() == 2 and not journal_path(rs.journal_dir).exists()
+    want = version_model(SEED, 1, specs)
+    for r in range(2):
+        store = rs.store(r)
+        assert store is not None and store.root() == store.header().root
+        exp = expected_rank(want, 2, r)
+        assert all(torch.equal(store.slot_bytes(i), raw_bytes(exp[s.name])) for i, s in enumerate(store.layout.specs))
     rs.close()
