@@ -191,6 +191,16 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(prev)
 
 
+def _halves(pos: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> list[TensorUpdate]:
+    """Sparse updates of the whole store's words (``FLAT_SLOT``) as two, so that the "mid_write"
+    crash point falls between them."""
+    half = pos.numel() // 2
+    return [
+        TensorUpdate(FLAT_SLOT, p, n, o)
+        for p, n, o in ((pos[:half], new[:half], old[:half]), (pos[half:], new[half:], old[half:]))
+    ]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -550,12 +560,7 @@ class WeightStore:
                 raise ValueError("store updates: a position outside its parameter")
         device = data.device
         pos = positions.to(device, non_blocking=True)
-        nv, ov = new.to(device, non_blocking=True), old.to(device)
-        half = pos.numel() // 2
-        out = [
-            TensorUpdate(FLAT_SLOT, p, n, o)
-            for p, n, o in ((pos[:half], nv[:half], ov[:half]), (pos[half:], nv[half:], ov[half:]))
-        ]
+        out = _halves(pos, new.to(device, non_blocking=True), old.to(device))
         _sync(device)
         return out
 
@@ -576,12 +581,7 @@ class WeightStore:
         )
         new = torch.cat([u.new for u in sparse])
         old = torch.cat([u.old for u in sparse])
-        half = pos.numel() // 2
-        flat = [
-            TensorUpdate(FLAT_SLOT, p, n, o)
-            for p, n, o in ((pos[:half], new[:half], old[:half]), (pos[half:], new[half:], old[half:]))
-        ]
-        return [u for u in staged if u.positions is None] + flat
+        return [u for u in staged if u.positions is None] + _halves(pos, new, old)
 
     def _words(self, slot: int) -> torch.Tensor:
         """A slot's words, or (``FLAT_SLOT``) all of the store's words (one width: ``_flatten``)."""
