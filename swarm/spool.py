@@ -11,11 +11,11 @@ hashed again over the mapping first: page cache the kernel can reclaim or write 
 anonymous memory.
 
 The spool's chunks are servable to peers (read back and hashed again per request) until its
-version is decoded (the owner calls ``release``) or the next download begins; then the most recent
-of them, up to the cache's bound, move into the memory LRU, as a ``MemoryChunkStore`` would have
-kept them, and the file goes (it takes the disk space of one payload only while it is needed:
-the journal shares data.dir).  Any write error (a full disk) falls
-back to memory for that download: it costs RAM, never correctness.
+version is decoded (the owner calls ``release``, or ``release_off_loop`` on the event loop) or the
+next download begins; then the most recent of them, up to the cache's bound, move into the memory
+LRU, as a ``MemoryChunkStore`` would have kept them, and the file goes (it takes the disk space of
+one payload only while it is needed: the journal shares data.dir).  A write error (a full disk)
+sends the rest of that download to memory: it costs RAM, never correctness.
 """
 
 from __future__ import annotations
