@@ -437,7 +437,7 @@ class RankStores:
                 if isinstance(r, RankChanges):
                     runs[k] = journal.RunUpdates(r.slots, r.counts, r.within(self.bases[k]), r.new, r.old)
                     per_rank[k] = []
-                    flat = stores[k].stage_flat(r.positions, r.new, r.old)
+                    flat = stores[k].stage_flat(r)
                     staged[k] = flat if flat is not None else stores[k].stage(runs[k].updates())
                 else:
                     per_rank[k] = [TensorUpdate(c.slot, c.positions, c.new, c.old) for c in r]

@@ -379,7 +379,9 @@ class RolloutDaemon:
         try:
             return await self._decode_verified(held, manifest, parts)
         finally:
-            self.chunks.release()  # decoded or refused: its spool goes before the activation's journal
+            # decoded or refused: its spool goes before the activation's journal (the chunks kept
+            # for peers are read back on a thread: up to an eighth of the model)
+            await self.chunks.release_off_loop()
 
     async def _decode_verified(self, held: Held | None, manifest: Manifest, parts: list[bytes | memoryview]) -> Held:
         self._bound_chunk_cache(manifest)

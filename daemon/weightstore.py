@@ -20,6 +20,7 @@ segments and buffer handles in daemon/engine.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -58,6 +59,7 @@ from patchswarm.daemon.store_format import (
     TensorUpdate,
 )
 from patchswarm.protocol.diffscan import scan
+from patchswarm.protocol.layout_flat import RankChanges
 from patchswarm.protocol.served import ServedModel, bytes_digest, state_root, word_view
 from patchswarm.protocol.sparse_apply import DENSE_FRACTION  # (a tensor changed more than this is written whole)
 
@@ -187,6 +189,16 @@ def torch_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(prev)
+
+
+def _halves(pos: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> list[TensorUpdate]:
+    """Sparse updates of the whole store's words (``FLAT_SLOT``) as two, so that the "mid_write"
+    crash point falls between them."""
+    half = pos.numel() // 2
+    return [
+        TensorUpdate(FLAT_SLOT, p, n, o)
+        for p, n, o in ((pos[:half], new[:half], old[:half]), (pos[half:], new[half:], old[half:]))
+    ]
 
 
 def _sync(device: torch.device) -> None:
@@ -516,32 +528,39 @@ class WeightStore:
         _sync(device)
         return out
 
-    def stage_flat(self, positions: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> list[TensorUpdate] | None:
+    def stage_flat(self, run: RankChanges) -> list[TensorUpdate] | None:
         """``stage`` for updates given as one run over the store's words (positions: word indices,
         ``StoreLayout.word_bases``; protocol/layout_flat.py routes them so): checked against the
-        store's words and moved to its device as two updates of the whole store's words
-        (``FLAT_SLOT``), so that the "mid_write" crash point falls between them.  None: the store's
-        words are not one width or its buffer is not aligned to it (stage them per slot)."""
+        parameter each is given for (not only the store's words: a position past its parameter
+        would land in the next one) and moved to its device as two updates of the whole store's
+        words (``FLAT_SLOT``), so that the "mid_write" crash point falls between them.  None: the
+        store's words are not one width or its buffer is not aligned to it (stage them per slot)."""
         data = self._require_data()
-        if self.layout.word_bases() is None or data.data_ptr() % self.layout.slots[0].spec.dt.width:
+        bases = self.layout.word_bases()
+        if bases is None or data.data_ptr() % self.layout.slots[0].spec.dt.width:
             return None
+        positions, new, old = run.positions, run.new, run.old
+        if not run.slots and positions.numel() == new.numel() == old.numel() == 0:
+            return []  # (no change: its empty words' dtype says nothing of this store's)
         wd = self.layout.slots[0].spec.dt.word_dtype
         if new.dtype != wd or old.dtype != wd or new.shape != old.shape or new.dim() != 1:
             raise ValueError(f"store updates: new/old must be flat {wd} tensors of equal length")
         if positions.dtype != torch.int64 or positions.shape != new.shape:
             raise ValueError("store updates: positions must be int64, one per value")
-        if positions.numel():
-            lo, hi = torch.aminmax(positions)
-            if int(lo) < 0 or int(hi) >= self._words(FLAT_SLOT).numel():
-                raise ValueError("store updates: position out of range")
+        n = positions.numel()
+        if len(run.slots) != len(run.counts) or sum(run.counts) != n or any(c <= 0 for c in run.counts):
+            raise ValueError("store updates: the run's slots and counts do not cover its positions")
+        if any(not 0 <= s < len(self) for s in run.slots) or any(a >= b for a, b in itertools.pairwise(run.slots)):
+            raise ValueError("store updates: the run's slots are out of range or not ascending")
+        if n:
+            sizes = torch.tensor([self.layout.slots[s].spec.numel for s in run.slots], dtype=torch.int64)
+            ends = torch.repeat_interleave(sizes.to(positions.device), torch.tensor(run.counts).to(positions.device))
+            rel = run.within(bases)
+            if not bool(((rel >= 0) & (rel < ends)).all()):
+                raise ValueError("store updates: a position outside its parameter")
         device = data.device
         pos = positions.to(device, non_blocking=True)
-        nv, ov = new.to(device, non_blocking=True), old.to(device)
-        half = pos.numel() // 2
-        out = [
-            TensorUpdate(FLAT_SLOT, p, n, o)
-            for p, n, o in ((pos[:half], nv[:half], ov[:half]), (pos[half:], nv[half:], ov[half:]))
-        ]
+        out = _halves(pos, new.to(device, non_blocking=True), old.to(device))
         _sync(device)
         return out
 
@@ -562,12 +581,7 @@ class WeightStore:
         )
         new = torch.cat([u.new for u in sparse])
         old = torch.cat([u.old for u in sparse])
-        half = pos.numel() // 2
-        flat = [
-            TensorUpdate(FLAT_SLOT, p, n, o)
-            for p, n, o in ((pos[:half], new[:half], old[:half]), (pos[half:], new[half:], old[half:]))
-        ]
-        return [u for u in staged if u.positions is None] + flat
+        return [u for u in staged if u.positions is None] + _halves(pos, new, old)
 
     def _words(self, slot: int) -> torch.Tensor:
         """A slot's words, or (``FLAT_SLOT``) all of the store's words (one width: ``_flatten``)."""

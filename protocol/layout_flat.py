@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from patchswarm.protocol.errors import PlanError
-from patchswarm.protocol.layout_plan import box_extents, strides_of
+from patchswarm.protocol.layout_plan import strides_of
 from patchswarm.protocol.layout_route import Router, SlotChange
 
 
@@ -95,11 +95,8 @@ class FlatRouter:
                 last = sum((b - 1) * s for (_, b), s in zip(r.dst, strides_of(r.dst_shape), strict=True))
                 base = bases[r.rank][r.slot]
                 if r.src_contiguous and r.dst_contiguous:
-                    n = 1
-                    for e in box_extents(r.src):
-                        n *= e
                     at = len(bounds[i])
-                    bounds[i] += [r.src_flat, r.src_flat + n]
+                    bounds[i] += [r.src_flat, r.src_stop]
                     segs.append((r.rank, r.slot, first, last, i, 0, at, at + 1, base + r.dst_base - r.src_flat))
                 elif not r.src_contiguous and grid is not None and grid.complete:
                     segs.append((r.rank, r.slot, first, last, i, 1, grid.routes.index(r), 0, base))
@@ -128,13 +125,7 @@ class FlatRouter:
         several word dtypes (``Router.route`` handles those).  PlanError: a change the canonical
         layout cannot hold (a slot twice or out of range, positions out of range or not ascending)."""
         specs = self.router.specs
-        by: dict[int, SlotChange] = {}
-        for c in changes:
-            if not 0 <= c.slot < len(specs):
-                raise PlanError(f"layout route: canonical slot {c.slot} outside {len(specs)} tensors")
-            if c.slot in by:
-                raise PlanError(f"layout route: two changes for {specs[c.slot].name}")
-            by[c.slot] = c
+        by = self.router.by_slot(changes)
         if any(c.positions is None for c in by.values()):
             return None
         words = {c.new.dtype for c in by.values()} | {c.old.dtype for c in by.values()}

@@ -67,6 +67,11 @@ class _Route:
     # per source dim: the runtime stride its coordinate moves by (0 for a dim of extent 1)
     dst_stride_of_src_dim: tuple[int, ...]
 
+    @property
+    def src_stop(self) -> int:
+        """The flat end of the source box (when contiguous: it is the run [src_flat, src_stop))."""
+        return self.src_flat + math.prod(box_extents(self.src))
+
 
 class Router:
     """Routes canonical changes to ranks for one (checked) plan and one canonical layout."""
@@ -80,7 +85,7 @@ class Router:
         # finds all its pieces' spans with one binary search (not one per rank)
         self.cuts: list[torch.Tensor | None] = []
         for routes in self.routes:
-            bounds = [b for r in routes if _runs(r) for b in (r.src_flat, r.src_flat + math.prod(box_extents(r.src)))]
+            bounds = [b for r in routes if _runs(r) for b in (r.src_flat, r.src_stop)]
             self.cuts.append(torch.tensor(bounds, dtype=torch.int64) if bounds else None)
         # per canonical tensor, its pieces that are not one run of it (column splits), routed together
         self.grids = [
@@ -92,6 +97,17 @@ class Router:
         for routes in self.routes:
             for r in routes:
                 self.piece_count[(r.rank, r.slot)] += 1
+
+    def by_slot(self, changes: Sequence[SlotChange]) -> dict[int, SlotChange]:
+        """Canonical ``changes`` by slot, in their order; PlanError for a slot out of range or twice."""
+        by: dict[int, SlotChange] = {}
+        for ch in changes:
+            if not 0 <= ch.slot < len(self.specs):
+                raise PlanError(f"layout route: canonical slot {ch.slot} outside {len(self.specs)} tensors")
+            if ch.slot in by:
+                raise PlanError(f"layout route: two changes for {self.specs[ch.slot].name}")
+            by[ch.slot] = ch
+        return by
 
     def _compile(self, spec: TensorSpec, p: Piece) -> _Route:
         pshape = self.plan.params[p.rank][p.param].shape
@@ -127,13 +143,7 @@ class Router:
         """Per rank, the changes to its runtime parameters, one per slot, sorted by slot, positions ascending."""
         parts: dict[tuple[int, int], list[SlotChange]] = defaultdict(list)
         dense: dict[tuple[int, int], list[tuple[TensorSpec, _Route, SlotChange]]] = defaultdict(list)
-        seen: set[int] = set()
-        for ch in changes:
-            if not 0 <= ch.slot < len(self.specs):
-                raise PlanError(f"layout route: canonical slot {ch.slot} outside {len(self.specs)} tensors")
-            if ch.slot in seen:
-                raise PlanError(f"layout route: two changes for {self.specs[ch.slot].name}")
-            seen.add(ch.slot)
+        for ch in self.by_slot(changes).values():
             spec = self.specs[ch.slot]
             coords: list[torch.Tensor] = []  # the changes' coordinates, shared by this tensor's pieces
             grid = self.grids[ch.slot]

@@ -11,15 +11,16 @@ hashed again over the mapping first: page cache the kernel can reclaim or write 
 anonymous memory.
 
 The spool's chunks are servable to peers (read back and hashed again per request) until its
-version is decoded (the owner calls ``release``) or the next download begins; then the most recent
-of them, up to the cache's bound, move into the memory LRU, as a ``MemoryChunkStore`` would have
-kept them, and the file goes (it takes the disk space of one payload only while it is needed:
-the journal shares data.dir).  Any write error (a full disk) falls
-back to memory for that download: it costs RAM, never correctness.
+version is decoded (the owner calls ``release``, or ``release_off_loop`` on the event loop) or the
+next download begins; then the most recent of them, up to the cache's bound, move into the memory
+LRU, as a ``MemoryChunkStore`` would have kept them, and the file goes (it takes the disk space of
+one payload only while it is needed: the journal shares data.dir).  A write error (a full disk)
+sends the rest of that download to memory: it costs RAM, never correctness.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import os
@@ -46,6 +47,7 @@ class _Spool:
     where: dict[bytes, list[int]]  # chunk hash -> its offsets in the payload (a chunk may repeat)
     sizes: dict[bytes, int]
     written: dict[bytes, None] = field(default_factory=dict)  # (a dict: ordered by arrival)
+    failed: bool = False  # a write failed (a full disk): the rest of the download goes to memory
 
     def write(self, h: bytes, data: bytes | memoryview) -> None:
         fd = self.file.fileno()
@@ -66,7 +68,7 @@ class _Spool:
             return None
         if chunk_hash(data) != h:
             log.error("a spooled chunk changed on disk: dropped")
-            del self.written[h]
+            self.written.pop(h, None)  # (``pop``: a reader on another thread may have dropped it)
             return None
         return data
 
@@ -109,10 +111,23 @@ class SpoolChunkStore(MemoryChunkStore):
     def release(self) -> None:
         """Let the spool go (its version is decoded, or another download begins): its newest chunks
         stay servable from memory, up to the cache's bound, and its disk space is freed once the
-        mapping handed out is dropped too."""
+        mapping handed out is dropped too.  Blocking: those chunks are read back and hashed (up to
+        the cache's bound: an eighth of the model in a daemon); ``release_off_loop`` on the loop."""
         old, self._spool = self._spool, None
         if old is not None:
-            self._keep_newest(old)
+            self._keep(self._newest(old))
+            old.close()
+
+    async def release_off_loop(self) -> None:
+        """``release`` with the newest chunks read back and hashed on a thread: the spool serves
+        meanwhile, and the event loop (the API, the sidecar, peers' requests) is not held."""
+        old = self._spool
+        if old is None:
+            return
+        kept = await asyncio.to_thread(self._newest, old)
+        if self._spool is old:  # (else another download began meanwhile: ``begin`` released it)
+            self._spool = None
+            self._keep(kept)
             old.close()
 
     def _open(self, manifest: Manifest) -> _Spool | None:
@@ -131,18 +146,26 @@ class SpoolChunkStore(MemoryChunkStore):
             return None
         return _Spool(manifest.manifest_id, at, file, where, sizes)
 
-    def _keep_newest(self, old: _Spool) -> None:
+    def _newest(self, old: _Spool) -> list[tuple[bytes, bytes]]:
+        """The spool's most recently written chunks that fit the cache's bound, oldest first (the
+        LRU's order), read back and hashed again (reads only: safe on a thread)."""
         budget = self.max_bytes
         keep: list[bytes] = []
-        for h in reversed(old.written):
+        for h in reversed(list(old.written)):  # (a copy: the loop's ``read`` may drop one meanwhile)
             if old.sizes[h] > budget:
                 break
             budget -= old.sizes[h]
             keep.append(h)
-        for h in reversed(keep):  # oldest first: the LRU's order
+        out = []
+        for h in reversed(keep):
             data = old.read(h)
             if data is not None:
-                super().put(h, data)
+                out.append((h, data))
+        return out
+
+    def _keep(self, chunks: list[tuple[bytes, bytes]]) -> None:
+        for h, data in chunks:
+            super().put(h, data)
 
     def payload(self, manifest: Manifest) -> memoryview | None:
         """The finished download as one read-only mapping of its spool, every chunk hashed again over
@@ -179,10 +202,14 @@ class SpoolChunkStore(MemoryChunkStore):
             return
         if chunk_hash in spool.written:
             return
+        if spool.failed:  # (not a write, and a warning, per chunk of a download into a full disk)
+            super().put(chunk_hash, data)
+            return
         try:
             spool.write(chunk_hash, data)
         except OSError as e:
-            log.warning("cannot spool a chunk (%s): kept in memory", e)
+            log.warning("cannot spool to %s (%s): the rest of this download is kept in memory", self.folder, e)
+            spool.failed = True
             super().put(chunk_hash, data)
 
     def __contains__(self, chunk_hash: object) -> bool:

@@ -27,10 +27,20 @@ from patchswarm.daemon.status import Status
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
 from patchswarm.daemon.weightstore import WeightStore, diff_updates
 from patchswarm.protocol.held import Held
+from patchswarm.protocol.layout_flat import RankChanges
 from patchswarm.protocol.layout_plan import rank_model
 from patchswarm.protocol.patchfile import build_version
 from patchswarm.protocol.served import ServedModel, TensorSpec, raw_bytes
-from tests.support.rank_plans import ONE_WIDTH, SPECS, expected_rank, llama_rank, llama_state, split_plan, version_model
+from tests.support.rank_plans import (
+    FUSED,
+    ONE_WIDTH,
+    SPECS,
+    expected_rank,
+    llama_rank,
+    llama_state,
+    split_plan,
+    version_model,
+)
 from tests.support.store_worker import remove_segments, unique_name
 
 SEED = 5
@@ -450,3 +460,52 @@ async def test_a_patch_decoded_once_reaches_every_rank_and_a_failed_activation_l
     assert await activate_ranks(host, rs, staged, _inline)  # type: ignore[arg-type]
     assert_ranks_hold(rs, 2, 2)
     assert held.model.bitwise_equal(v2) and staged.changes == []
+
+
+def test_a_routed_run_reaching_past_its_parameter_is_refused_before_anything_is_written(
+    name: str, tmp_path: Path
+) -> None:
+    # Routing in one pass hands each rank its changes as word indices into the whole store: a change
+    # labelled for one parameter must not land in the next one (the store's bound alone allows it;
+    # the journal, per slot, would then hold a position its replay refuses).
+    rs = make(name, 1, tmp_path)
+    rs.prepare(split_plan(ONE_WIDTH, 1), ONE_WIDTH)
+    assert rs.flat is not None
+    apply(rs, 1, ONE_WIDTH)
+    store = rs.store(0)
+    assert store is not None
+    before = [store.slot_bytes(i).clone() for i in range(len(store))]
+    old = store.slot_words(1)[:1].clone()
+    for slot, at in ((0, rs.bases[0][1]), (1, rs.bases[0][1] - 1)):  # (past slot 0's end; before slot 1's start)
+        run = RankChanges([slot], [1], torch.tensor([at]), old + 1, old)
+        with pytest.raises(ValueError, match="outside its parameter"):
+            rs._activate([0], 2, rs.rank_roots(), [run])
+        assert all(torch.equal(store.slot_bytes(i), b) for i, b in enumerate(before))
+        assert store.header().version == 1 and not journal_path(rs.journal_dir).exists()
+    rs.close()
+
+
+def test_a_version_without_changes_activates_on_rank_stores_of_four_byte_words(name: str, tmp_path: Path) -> None:
+    # (the one-pass routing gave the ranks of an empty version empty bf16 words, which a store of
+    # F32 words refused: the activation failed)
+    specs = sorted(
+        [
+            TensorSpec(FUSED[0], "F32", (64, 32)),
+            TensorSpec(FUSED[1], "F32", (32, 32)),
+            TensorSpec("c.bias", "F32", (64,)),
+        ],
+        key=lambda s: s.name,
+    )
+    rs = make(name, 2, tmp_path)
+    rs.prepare(split_plan(specs, 2), specs)
+    assert rs.flat is not None
+    apply(rs, 1, specs)
+    rs.apply(2, version_model(SEED, 1, specs), [])
+    assert rs.common_version() == 2 and not journal_path(rs.journal_dir).exists()
+    want = version_model(SEED, 1, specs)
+    for r in range(2):
+        store = rs.store(r)
+        assert store is not None and store.root() == store.header().root
+        exp = expected_rank(want, 2, r)
+        assert all(torch.equal(store.slot_bytes(i), raw_bytes(exp[s.name])) for i, s in enumerate(store.layout.specs))
+    rs.close()
