@@ -324,12 +324,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             {**vars(r), "ratio": r.ratio, "egress_ratio": r.egress_ratio, "per_node": r.per_node} for r in results
         ]
         if args.simulate and results:
+            # The configured delays (the topology), plus the measured path inside a region: the RTT
+            # medians also carry the load's jitter, which the simulator has no notion of.
             intra = min(row["median_ms"] for row in out["calibration"]["rtt"] if row["configured_ms"] == 0) / 2e3
-            measured = {}
-            for row in out["calibration"]["rtt"]:
-                a, b = (int(x[1:]) for x in row["pair"].split("-"))
-                if a != b:
-                    measured[(a, b)] = measured[(b, a)] = row["median_ms"] / 2e3
+            measured = {k: v + intra for k, v in owd.items()}
             try:
                 out["simulator"] = simulate(args, tmp, measured, intra, results[0].size)
             except RuntimeError as e:
@@ -433,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=3.0)
     p.add_argument("--timeout-factor", type=float, default=10.0)
     p.add_argument("--lt-port", type=int, default=46881)
+    p.add_argument("--trace", action="store_true", help="patchswarm processes log progress (swarm_bench --trace)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--cleanup", action="store_true", help="only remove the namespaces of killed runs, then exit")
@@ -455,7 +454,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # SIGTERM unwinds like Ctrl-C, through every finally (namespaces and links removed).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.trace = False
     args.config = None
     out = run(args)
     print(report(out))

@@ -319,9 +319,9 @@ def trace_apply() -> None:
         GOSSIP["sent_bytes"] += len(data)
         await send(self, addr, data)
 
-    async def counted_handle(self: Any, data: bytes) -> None:
+    def counted_handle(self: Any, data: bytes) -> None:  # SwarmNode.handle_gossip is synchronous
         GOSSIP["received"] += 1
-        await handle(self, data)
+        handle(self, data)
 
     patchswarm.swarm.http.HttpTransport.send = counted_send  # type: ignore[method-assign]
     patchswarm.swarm.node.SwarmNode.handle_gossip = counted_handle  # type: ignore[method-assign]
