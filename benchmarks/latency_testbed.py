@@ -432,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-factor", type=float, default=10.0)
     p.add_argument("--lt-port", type=int, default=46881)
     p.add_argument("--trace", action="store_true", help="patchswarm processes log progress (swarm_bench --trace)")
+    p.add_argument("--config", help="NodeConfig overrides for the patchswarm processes, JSON (swarm_bench --config)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--cleanup", action="store_true", help="only remove the namespaces of killed runs, then exit")
@@ -454,7 +455,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # SIGTERM unwinds like Ctrl-C, through every finally (namespaces and links removed).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.config = None
     out = run(args)
     print(report(out))
     if args.json:
