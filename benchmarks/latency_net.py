@@ -219,9 +219,9 @@ class Testbed:
     def _relay_reader(self) -> None:
         assert self.relay is not None and self.relay.stdout is not None
         for line in self.relay.stdout:
-            self.relay_log.write(line)
-            self.relay_log.flush()
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError):  # a bad line, or the log closed by down()
+                self.relay_log.write(line)
+                self.relay_log.flush()
                 self.relay_lines.append(json.loads(line))
 
     def relay_stats(self) -> dict[str, Any]:
@@ -241,6 +241,8 @@ class Testbed:
         for ns in reversed(self.made):
             kill_namespace(ns)
         self.made.clear()
+        if hasattr(self, "relay_log"):
+            self.relay_log.close()
 
     # ------------------------------------------------------------ probes
 

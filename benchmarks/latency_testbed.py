@@ -370,7 +370,7 @@ def report(out: dict[str, Any]) -> str:
     lines += ["", f"uplink, one TCP flow of 4 s at the rate, from its first byte: {bulk}"]
     lines += [f"TCP: {out.get('tcp', {})}", ""]
     sim = out.get("simulator", {}).get("strategies", {})
-    head = ("system", "F bytes", "time to all s", "bound s", "time/bound", "seed egress/F", "simulator s")
+    head: tuple[str, ...] = ("system", "F bytes", "time to all s", "bound s", "time/bound", "seed egress/F", "simulator s")
     head += ("CPU s: processes", "delay line", "rest of machine", "machine busy")
     lines += [_row(*head), _row(*["---"] * len(head))]
     for r in out.get("results", []):
@@ -442,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--systems: unknown {sorted(bad)}")
     if not 1 <= args.regions <= 9 or not 1 <= args.hosts <= 50:
         p.error("--regions 1..9, --hosts 1..50")
+    if args.config is not None:
+        try:
+            sb.load_overrides(args.config)
+        except (ValueError, SystemExit) as e:
+            p.error(f"--config: {e}")
     if not 0 <= args.initcwnd <= 100:
         p.error("--initcwnd 0..100")
     if not 1e4 <= args.rate <= 1e9 or not 0 < args.size_mb <= 10_000 or not 1500 <= args.mtu <= 65000:
