@@ -6,7 +6,8 @@ Needs root (``ip netns``, ``tc``, /dev/net/tun).  Layout, for R regions of H hos
 * each host in its own namespace ``<prefix>-r<r>h<i>`` with one veth (``eth0``, 10.77.<r+1>.<i+1>)
   whose other end is a port of its region's bridge; the seed is ``<prefix>-seed``, 10.77.1.200, in
   region 0;
-* every host's uplink is a ``tc tbf`` on its ``eth0`` (its egress), at ``rate`` bytes/s; downlinks
+* every host's uplink is a ``tc tbf`` on its ``eth0`` (its egress), at ``rate`` bytes/s, with a queue of
+  ``queue_seconds`` at that rate (at least 4 frames); downlinks
   and the router are not limited;
 * traffic inside a region is switched by its bridge and never reaches the delay line; traffic between
   regions is routed, and a policy rule (``iif br<r> lookup 200``, table 200: 10.77.0.0/16 via the TUN
@@ -115,6 +116,8 @@ class Testbed:
         mtu: int = DEFAULT_MTU,
         queue_seconds: float = 0.1,
         initcwnd: int = 0,
+        slow_start_after_idle: bool = True,
+        notsent_lowat: int = 0,
         work: Path,
     ) -> None:
         if not 1 <= regions <= 50 or not 1 <= hosts <= 100:
@@ -123,6 +126,8 @@ class Testbed:
         self.router = f"{self.prefix}-rt"
         self.regions, self.rate, self.mtu, self.queue_seconds = regions, rate, mtu, queue_seconds
         self.initcwnd = initcwnd
+        self.slow_start_after_idle = slow_start_after_idle
+        self.notsent_lowat = notsent_lowat
         self.owd = dict(owd)
         self.work = work
         self.seed = NetHost("seed", 0, f"{self.prefix}-seed", f"{NET}.1.{SEED_OCTET}")
@@ -180,12 +185,16 @@ class Testbed:
         # Internet's 1,500-byte frames start a connection at ~14.6 kB; 1 segment (64 kB) is closer.
         cwnd = ["initcwnd", str(self.initcwnd)] if self.initcwnd else []
         sh("ip", "-n", h.ns, "route", "add", "default", "via", f"{NET}.{h.region + 1}.254", *cwnd)
+        if not self.slow_start_after_idle:  # per namespace: a connection idle for an RTO keeps its window
+            sh("ip", "netns", "exec", h.ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+        if self.notsent_lowat:  # a writer blocks once this much is unsent: no seconds of data in socket buffers
+            sh("ip", "netns", "exec", h.ns, "sysctl", "-qw", f"net.ipv4.tcp_notsent_lowat={self.notsent_lowat}")
         if self.initcwnd:  # the region's own subnet too (its connected route carries no initcwnd)
             subnet = [f"{NET}.{h.region + 1}.0/24", "dev", "eth0", "proto", "kernel", "scope", "link", "src", h.ip]
             sh("ip", "-n", h.ns, "route", "replace", *subnet, *cwnd)
         # The uplink: a token bucket of 2 frames' burst and queue_seconds of queue behind it.
         burst = max(2 * self.mtu, int(self.rate / 1000))
-        limit = max(16 * self.mtu, int(self.rate * self.queue_seconds))
+        limit = max(4 * self.mtu, int(self.rate * self.queue_seconds))
         bits = f"{int(self.rate * 8)}bit"
         tbf = ["tbf", "rate", bits, "burst", str(burst), "limit", str(limit)]
         sh("tc", "-n", h.ns, "qdisc", "add", "dev", "eth0", "root", *tbf)
@@ -248,10 +257,11 @@ class Testbed:
 
     def tcp_settings(self) -> dict[str, str]:
         """The TCP settings the hosts' connections run with (congestion control, slow start after idle)."""
-        keys = ("tcp_congestion_control", "tcp_slow_start_after_idle")
+        keys = ("tcp_congestion_control", "tcp_slow_start_after_idle", "tcp_notsent_lowat")
         h = self.hosts[0]
         return {k: sh(*h.wrap(["cat", f"/proc/sys/net/ipv4/{k}"])).strip() for k in keys} | {
             "initcwnd_segments": str(self.initcwnd or 10),
+            "tbf_queue_s": str(self.queue_seconds),
             "mtu": str(self.mtu),
         }
 

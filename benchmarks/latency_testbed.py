@@ -278,6 +278,14 @@ def simulate(
 # ---------------------------------------------------------------- the run
 
 
+def _have_libtorrent() -> bool:
+    try:
+        import libtorrent  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rtt = parse_rtts(args.rtt, args.regions)
     owd = {}
@@ -288,7 +296,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"args": vars(args) | {"rtt_ms": {f"r{a}-r{b}": v * 1e3 for (a, b), v in rtt.items()}}}
     busy0 = sb.machine_busy()
     try:
-        with Testbed(args.regions, args.hosts, owd, args.rate, mtu=args.mtu, initcwnd=args.initcwnd, work=tmp) as tb:
+        with Testbed(
+            args.regions,
+            args.hosts,
+            owd,
+            args.rate,
+            mtu=args.mtu,
+            initcwnd=args.initcwnd,
+            queue_seconds=args.queue,
+            slow_start_after_idle=not args.no_slow_start_after_idle,
+            notsent_lowat=args.notsent_lowat,
+            work=tmp,
+        ) as tb:
             log(f"testbed up: {len(tb.hosts)} hosts + seed in {args.regions} regions, namespaces {tb.prefix}-*")
             out["calibration"] = calibrate(tb, rtt, args.rate)
             out["tcp"] = tb.tcp_settings()
@@ -300,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results: list[sb.Result] = []
             if "patchswarm" in args.systems:
                 relay0 = sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0
-                res = sb.run_patchswarm(args, board, places, node_rate=0)
+                res = sb.run_patchswarm(args, board, places, node_rate=args.rate if args.pace else 0)
                 res.extra["relay_cpu_s"] = round((sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0) - relay0, 2)
                 if args.verify:
                     from patchswarm.protocol.served import ServedModel
@@ -314,7 +333,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             payload = sb.write_payload(tmp)
             if "central" in args.systems:
                 results.append(run_central(args, tb, tmp, payload))
-            if "libtorrent" in args.systems:
+            if "libtorrent" in args.systems and not _have_libtorrent():
+                log("libtorrent: not installed (pip install libtorrent==2.1.1); skipped")
+            elif "libtorrent" in args.systems:
                 relay0 = sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0
                 res = sb.run_libtorrent(args, tmp, payload, places, limit=0)
                 res.extra["relay_cpu_s"] = round((sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0) - relay0, 2)
@@ -370,7 +391,15 @@ def report(out: dict[str, Any]) -> str:
     lines += ["", f"uplink, one TCP flow of 4 s at the rate, from its first byte: {bulk}"]
     lines += [f"TCP: {out.get('tcp', {})}", ""]
     sim = out.get("simulator", {}).get("strategies", {})
-    head: tuple[str, ...] = ("system", "F bytes", "time to all s", "bound s", "time/bound", "seed egress/F", "simulator s")
+    head: tuple[str, ...] = (
+        "system",
+        "F bytes",
+        "time to all s",
+        "bound s",
+        "time/bound",
+        "seed egress/F",
+        "simulator s",
+    )
     head += ("CPU s: processes", "delay line", "rest of machine", "machine busy")
     lines += [_row(*head), _row(*["---"] * len(head))]
     for r in out.get("results", []):
@@ -431,6 +460,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=3.0)
     p.add_argument("--timeout-factor", type=float, default=10.0)
     p.add_argument("--lt-port", type=int, default=46881)
+    p.add_argument("--queue", type=float, default=0.1, help="tbf queue, seconds at the rate (at least 4 frames)")
+    p.add_argument(
+        "--no-slow-start-after-idle", action="store_true", help="hosts' TCP keeps its window across idle periods"
+    )
+    p.add_argument(
+        "--notsent-lowat", type=int, default=0, help="hosts' net.ipv4.tcp_notsent_lowat, bytes (0: the kernel's)"
+    )
+    p.add_argument("--pace", action="store_true", help="patchswarm processes also pace themselves (--upload-rate)")
     p.add_argument("--trace", action="store_true", help="patchswarm processes log progress (swarm_bench --trace)")
     p.add_argument("--config", help="NodeConfig overrides for the patchswarm processes, JSON (swarm_bench --config)")
     p.add_argument("--json", metavar="FILE")
@@ -447,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
             sb.load_overrides(args.config)
         except (ValueError, SystemExit) as e:
             p.error(f"--config: {e}")
+    if not 0 <= args.notsent_lowat <= 1 << 30:
+        p.error("--notsent-lowat: 0..2^30 bytes")
+    if not 0.0 < args.queue <= 10.0:
+        p.error("--queue: 0..10 s")
     if not 0 <= args.initcwnd <= 100:
         p.error("--initcwnd 0..100")
     if not 1e4 <= args.rate <= 1e9 or not 0 < args.size_mb <= 10_000 or not 1500 <= args.mtu <= 65000:
