@@ -262,7 +262,8 @@ def worker_swarm(role: str, argv: list[str]) -> int:
         else:
 
             def on_version(held: Any) -> None:
-                print(json.dumps({"event": "version", "version": held.version, "root": None}), flush=True)
+                root = held.model.root().hex() if args.print_root else None
+                print(json.dumps({"event": "version", "version": held.version, "root": root}), flush=True)
 
             policy = TrustState(load_public_key(args.trust))
             running = await start_http_node(config, policy, host=host, port=port, on_version=on_version, tls=tls)
@@ -324,9 +325,9 @@ def trace_apply() -> None:
         GOSSIP["sent_bytes"] += len(data)
         await send(self, addr, data)
 
-    async def counted_handle(self: Any, data: bytes) -> None:
+    def counted_handle(self: Any, data: bytes) -> None:  # SwarmNode.handle_gossip is synchronous
         GOSSIP["received"] += 1
-        await handle(self, data)
+        handle(self, data)
 
     patchswarm.swarm.http.HttpTransport.send = counted_send  # type: ignore[method-assign]
     patchswarm.swarm.node.SwarmNode.handle_gossip = counted_handle  # type: ignore[method-assign]
@@ -394,11 +395,12 @@ def worker_libtorrent(argv: list[str]) -> int:
         "alert_mask": lt.alert.category_t.status_notification | lt.alert.category_t.error_notification,
     }
     ses = lt.session(settings)  # type: ignore[call-overload]  # a dict of settings works at run time
-    # Local peers default to local_peer_class, which has no rate limit: put every address in the
-    # global class, whose limit upload_rate_limit sets.
-    pcf = lt.ip_filter()
-    pcf.add_rule("0.0.0.0", "255.255.255.255", 1 << lt.session.global_peer_class_id)
-    ses.set_peer_class_filter(pcf)
+    if a.rate > 0:
+        # Local peers default to local_peer_class, which has no rate limit: put every address in the
+        # global class, whose limit upload_rate_limit sets.
+        pcf = lt.ip_filter()
+        pcf.add_rule("0.0.0.0", "255.255.255.255", 1 << lt.session.global_peer_class_id)
+        ses.set_peer_class_filter(pcf)
 
     info = lt.torrent_info(a.torrent)
     atp = lt.add_torrent_params()
@@ -507,6 +509,20 @@ def node_ip(i: int) -> str:
     return f"127.0.0.{i + 2}"  # node i; the seed is 127.0.0.1
 
 
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where one process of a run lives: its address, an argv prefix (``ip netns exec NS``) and a region."""
+
+    ip: str
+    wrap: tuple[str, ...] = ()
+    region: str = ""
+
+
+def loopback_places(nodes: int) -> list[Place]:
+    """The seed on 127.0.0.1, node i on 127.0.0.(i+2): the default, everything on this machine's loopback."""
+    return [Place("127.0.0.1")] + [Place(node_ip(i)) for i in range(nodes)]
+
+
 @dataclasses.dataclass
 class Board:
     work: Path
@@ -538,20 +554,33 @@ def build_board(args: argparse.Namespace, tmp: Path, name: str = "patchswarm") -
     return Board(work, pub, {"w": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)})
 
 
-def make_certs(work: Path, nodes: int) -> dict[str, list[str]]:
-    """A cluster CA and one certificate per process (its 127.0.0.x address as SAN): --tls-* flags by name."""
+def make_certs(work: Path, places: list[Place]) -> dict[str, list[str]]:
+    """A cluster CA and one certificate per process (its address as SAN): --tls-* flags by name."""
     from patchswarm.daemon.certs import issue, make_ca
 
     pki = work / "pki"
     make_ca(pki / "ca")
     flags = {}
-    for name, ip in [("seed", "127.0.0.1"), *((f"n{i}", node_ip(i)) for i in range(nodes))]:
-        got = issue(pki / "ca", pki, name, ips=[ip], days=1)
+    names = ["seed", *(f"n{i}" for i in range(len(places) - 1))]
+    for name, place in zip(names, places, strict=True):
+        got = issue(pki / "ca", pki, name, ips=[place.ip], days=1)
         flags[name] = ["--tls-ca", str(pki / "ca" / "ca.pem"), "--tls-cert", str(got.cert), "--tls-key", str(got.key)]
     return flags
 
 
-def run_patchswarm(args: argparse.Namespace, board: Board, tls: bool = False) -> Result:
+def run_patchswarm(
+    args: argparse.Namespace,
+    board: Board,
+    places: list[Place] | None = None,
+    *,
+    node_rate: float | None = None,
+    tls: bool = False,
+) -> Result:
+    """``places``: the seed's then each node's (default: loopback).  ``node_rate``: every process's own
+    ``--upload-rate`` (default ``args.rate``; 0: unlimited, when the kernel limits the links instead).
+    With ``args.print_root`` nodes print each version's state root (``Result.extra["roots"]``).
+    ``tls``: every process over mutual TLS, certificates from a cluster CA made for the run."""
+    places = places or loopback_places(args.nodes)
     overrides = load_overrides(args.config)
     env = dict(os.environ)
     env[CONFIG_ENV] = json.dumps(overrides)
@@ -559,30 +588,35 @@ def run_patchswarm(args: argparse.Namespace, board: Board, tls: bool = False) ->
         env["PATCHSWARM_BENCH_TRACE"] = "1"
     work, pub, target = board.work, board.pub, board.target
     nbytes = target["w"].numel()
-    rate = f"{args.rate:.0f}"
+    rate = f"{args.rate if node_rate is None else node_rate:.0f}"
     common = ["--run", RUN, "--secret-file", "secret", "--upload-rate", rate]
     me = [sys.executable, str(Path(__file__).resolve())]
-    certs = make_certs(work, args.nodes) if tls else {}
+    certs = make_certs(work, places) if tls else {}
     name = "patchswarm+tls" if tls else "patchswarm"
+    print_root = ["--print-root"] if getattr(args, "print_root", False) else []
     procs: list[Proc] = []
     try:
+        sp = places[0]
         seed = Proc(
             "seed",
-            [*me, "--role", "seed", "seed", "--board", str(work / "board"), "--listen", "127.0.0.1:0"]
-            + ["--name", "seed", *common, *certs.get("seed", [])],
+            [*sp.wrap, *me, "--role", "seed", "seed", "--board", str(work / "board"), "--listen", f"{sp.ip}:0"]
+            + ["--name", "seed", *(["--region", sp.region] if sp.region else []), *common, *certs.get("seed", [])],
             work,
             env=env,
         )
         procs.append(seed)
         seed_url = str(seed.wait("listening", 120)[1]["url"])
         for i in range(args.nodes):
-            node_args = ["node", "--listen", f"{node_ip(i)}:0", "--name", f"n{i}", "--trust", "root.key.pub"]
-            node_args += ["--bootstrap", seed_url, "--seed-url", seed_url, *common, *certs.get(f"n{i}", [])]
+            np_ = places[i + 1]
+            node_args = ["node", "--listen", f"{np_.ip}:0", "--name", f"n{i}", "--trust", "root.key.pub"]
+            node_args += ["--bootstrap", seed_url, "--seed-url", seed_url, *common, *print_root]
+            node_args += ["--region", np_.region] if np_.region else []
+            node_args += certs.get(f"n{i}", [])
             if overrides.get("node") or args.trace:
                 argv = [*me, "--role", "node", *node_args]
             else:
                 argv = [sys.executable, "-m", "patchswarm.daemon.cli", *node_args]
-            procs.append(Proc(f"n{i}", argv, work, env=env))
+            procs.append(Proc(f"n{i}", [*np_.wrap, *argv], work, env=env))
         nodes = procs[1:]
         for p in nodes:
             p.wait("version:1", 180)
@@ -602,12 +636,14 @@ def run_patchswarm(args: argparse.Namespace, board: Board, tls: bool = False) ->
         bound = kumar_ross(size, args.nodes, args.rate, args.rate)
         log(f"{name}: v2 patch {size} bytes published in {info.seconds:.1f}s; bound {bound:.2f}s; waiting")
         times: list[float] = []
+        roots: list[str | None] = []
         timeout = max(60.0, args.timeout_factor * bound)
         time_to_all: float | None = None
         try:
             for p in nodes:
-                t, _ = p.wait("version:2", max(1.0, t0 + timeout - time.monotonic()))
+                t, msg = p.wait("version:2", max(1.0, t0 + timeout - time.monotonic()))
                 times.append(t - t0)
+                roots.append(msg.get("root"))
             time_to_all = max(times)
         except (TimeoutError, RuntimeError) as e:
             log(f"{name}: {e}")
@@ -631,6 +667,8 @@ def run_patchswarm(args: argparse.Namespace, board: Board, tls: bool = False) ->
             "overrides": overrides,
             "wall": t1 - t0,
         }
+        if print_root:
+            extra["roots"] = roots
         return Result(
             name,
             size,
@@ -651,9 +689,16 @@ def run_patchswarm(args: argparse.Namespace, board: Board, tls: bool = False) ->
 # ---------------------------------------------------------------- libtorrent
 
 
-def run_libtorrent(args: argparse.Namespace, tmp: Path, payload: Path) -> Result:
+def run_libtorrent(
+    args: argparse.Namespace, tmp: Path, payload: Path, places: list[Place] | None = None, *, limit: float | None = None
+) -> Result:
+    """``places`` as for run_patchswarm; ``limit``: each session's upload_rate_limit (default ``args.rate``;
+    0: none, when the kernel limits the links instead).  Each downloader checks its file against the
+    torrent's piece hashes before it reports "finished"; ``Result.extra["sha256_ok"]`` also compares the
+    files with the payload after the run when ``args.print_root`` is set."""
     import libtorrent as lt
 
+    places = places or loopback_places(args.nodes)
     work = tmp / "libtorrent"
     seed_dir = work / "seed"
     seed_dir.mkdir(parents=True)
@@ -665,20 +710,21 @@ def run_libtorrent(args: argparse.Namespace, tmp: Path, payload: Path) -> Result
     torrent = work / "patch.torrent"
     torrent.write_bytes(lt.bencode(ct.generate()))
     port = args.lt_port
-    ips = ["127.0.0.1"] + [node_ip(i) for i in range(args.nodes)]
+    ips = [pl.ip for pl in places]
     me = [sys.executable, str(Path(__file__).resolve()), "--role", "libtorrent"]
-    common = ["--port", str(port), "--torrent", str(torrent), "--rate", f"{args.rate:.0f}"]
+    common = ["--port", str(port), "--torrent", str(torrent), "--rate", f"{args.rate if limit is None else limit:.0f}"]
     common += ["--trace"] if args.trace else []
     procs: list[Proc] = []
     try:
-        seed = Proc("lt-seed", [*me, "--ip", ips[0], "--save", str(seed_dir), "--seed", *common], work, stdin=True)
+        seed_argv = [*places[0].wrap, *me, "--ip", ips[0], "--save", str(seed_dir), "--seed", *common]
+        seed = Proc("lt-seed", seed_argv, work, stdin=True)
         procs.append(seed)
         for i in range(args.nodes):
             save = work / f"n{i}"
             save.mkdir()
             # Node i dials the seed and the nodes before it; later nodes dial node i.
             peers = ",".join(f"{ip}:{port}" for ip in ips[: i + 1])
-            argv = [*me, "--ip", ips[i + 1], "--save", str(save), "--peers", peers, *common]
+            argv = [*places[i + 1].wrap, *me, "--ip", ips[i + 1], "--save", str(save), "--peers", peers, *common]
             procs.append(Proc(f"lt-n{i}", argv, work, stdin=True))
         for p in procs:
             p.wait("ready", 120)
@@ -713,6 +759,9 @@ def run_libtorrent(args: argparse.Namespace, tmp: Path, payload: Path) -> Result
             "idle_cpu_per_process": f"{idle_cpu:.1%} of a core",
             "wall": t1 - t0,
         }
+        if getattr(args, "print_root", False):
+            want = file_sha256(data)
+            extra["sha256_ok"] = [file_sha256(work / f"n{i}" / data.name) == want for i in range(args.nodes)]
         return Result(
             "libtorrent " + lt.__version__,
             size,
@@ -731,6 +780,20 @@ def run_libtorrent(args: argparse.Namespace, tmp: Path, payload: Path) -> Result
                 if p.p.poll() is None and p.p.stdin:
                     p.send("stop")
             p.stop()
+
+
+def file_sha256(path: Path) -> str | None:
+    """The SHA-256 of a file (None if it cannot be read)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
 
 
 def write_payload(tmp: Path) -> Path:

@@ -73,12 +73,17 @@ class Region:
 
 @dataclass(frozen=True, slots=True)
 class Backbone:
-    """A full-duplex link between two regions: ``capacity`` bytes/s in each direction."""
+    """A full-duplex link between two regions: ``capacity`` bytes/s in each direction.
+
+    ``pinned``: flows between ``a`` and ``b`` always take this link, even where a path through other
+    regions has less latency (Internet routes between two regions are not shortest-delay paths; measured
+    RTTs such as 20 / 80 / 150 ms between three regions break the triangle inequality)."""
 
     a: str
     b: str
     capacity: float = math.inf
     latency: float = 0.0
+    pinned: bool = False
 
 
 @dataclass
@@ -124,10 +129,13 @@ class Network:
             self._up[h.id] = self._resource(f"up:{h.id}", h.up)
             self._down[h.id] = self._resource(f"down:{h.id}", h.down)
         self._links: dict[tuple[str, str], tuple[float, Resource | None]] = {}
+        self._pinned: set[tuple[str, str]] = set()
         for bb in backbones:
             for a, b in ((bb.a, bb.b), (bb.b, bb.a)):
                 self.regions.setdefault(a, Region(a))
                 self._links[(a, b)] = (bb.latency, self._resource(f"bb:{a}>{b}", bb.capacity))
+                if bb.pinned:
+                    self._pinned.add((a, b))
         self._routes: dict[tuple[str, str], tuple[float, tuple[Resource, ...]]] = {}
         self.now = 0.0
         self.traffic = Traffic()
@@ -150,7 +158,8 @@ class Network:
     # ------------------------------------------------------------ topology
 
     def _route(self, a: str, b: str) -> tuple[float, tuple[Resource, ...]]:
-        """(one-way latency, backbone resources) from region a to region b: the lowest-latency path.
+        """(one-way latency, backbone resources) from region a to region b: a pinned backbone between
+        them if there is one, else the lowest-latency path.
 
         Ties are broken deterministically (by hop count and region names).
         """
@@ -160,6 +169,9 @@ class Network:
             return cached
         if a == b:
             route: tuple[float, tuple[Resource, ...]] = (self.regions[a].latency, ())
+        elif key in self._pinned:
+            lat, res = self._links[key]
+            route = (lat, (res,) if res is not None else ())
         else:
             route = self._shortest(a, b)
         self._routes[key] = route

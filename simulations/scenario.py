@@ -74,7 +74,7 @@ class ScenarioError(PatchswarmError):
 
 @dataclass(frozen=True)
 class _Field:
-    kind: str  # int, float, size, rate, duration, str, strategies
+    kind: str  # int, float, size, rate, duration, str, strategies, bool
     default: Any
     lo: float = -math.inf
     hi: float = math.inf
@@ -219,6 +219,7 @@ _BACKBONE_KEYS = {
     "b": _Field("str", None, doc="region"),
     "capacity": _Field("rate", None, 1.0, doc="each direction", allow_inf=True),
     "latency": _Field("duration", 0.0, 0.0, 10.0, "one-way"),
+    "pinned": _Field("bool", False, doc="flows between a and b always take this link, never a faster detour"),
 }
 _SECTION_LISTS = ("regions", "backbones")
 
@@ -314,6 +315,10 @@ def _value(key: str, f: _Field, value: Any) -> Any:
         if bad or len(set(value)) != len(value):
             raise ScenarioError(key, f"must name each of {list(STRATEGIES)} at most once, got {value!r}")
         return tuple(s for s in STRATEGIES if s in value)
+    if f.kind == "bool":
+        if not isinstance(value, bool):
+            raise ScenarioError(key, f"must be true or false, got {value!r}")
+        return value
     if f.kind == "int":
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -401,7 +406,7 @@ def _backbones(raw: Any, regions: Sequence[RegionSpec]) -> tuple[Backbone, ...]:
                 raise ScenarioError(f"backbones[{i}].{end}", f"unknown region {v[end]!r} (regions: {sorted(names)})")
         if v["a"] == v["b"]:
             raise ScenarioError(f"backbones[{i}]", "must join two different regions")
-        out.append(Backbone(v["a"], v["b"], v["capacity"], v["latency"]))
+        out.append(Backbone(v["a"], v["b"], v["capacity"], v["latency"], v["pinned"]))
     reach = {regions[0].name}
     grew = True
     while grew:

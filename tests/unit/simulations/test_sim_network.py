@@ -120,6 +120,22 @@ def test_backbone_is_shared_by_flows_crossing_it_and_routes_take_the_lowest_late
     assert f3.done_at == pytest.approx(0.1 + 1.0)
 
 
+def test_a_pinned_backbone_is_the_route_even_when_a_detour_is_faster() -> None:
+    """RTTs of 20 / 80 / 150 ms between three regions (the real-latency testbed's) break the triangle
+    inequality; a pinned backbone keeps b <-> c at its own 75 ms instead of 50 ms through a."""
+    hosts = [Host(f"{r}0", r) for r in "abc"]
+    links = [Backbone("a", "b", latency=0.010), Backbone("a", "c", latency=0.040)]
+    free = Network(hosts, [], [*links, Backbone("b", "c", 10 * MB, 0.075)], window=None)
+    pinned = Network(hosts, [], [*links, Backbone("b", "c", 10 * MB, 0.075, pinned=True)], window=None)
+    assert free.latency("b0", "c0") == pytest.approx(0.050)  # through a
+    assert pinned.latency("b0", "c0") == pytest.approx(0.075)
+    assert pinned.latency("c0", "b0") == pytest.approx(0.075)  # both directions
+    assert pinned.latency("a0", "c0") == pytest.approx(0.040)  # other pairs keep their routes
+    f = pinned.add_flow(0.0, "b0", "c0", 10 * MB)  # and the flow crosses the pinned link's capacity
+    run_all(pinned)
+    assert f.done_at == pytest.approx(0.075 + 1.0)
+
+
 def test_cancel_counts_the_bytes_moved_so_far_and_frees_capacity() -> None:
     net = Network([Host("s", up=10.0), Host("a"), Host("b")], window=None)
     fa = net.add_flow(0.0, "s", "a", 100.0)

@@ -99,6 +99,12 @@ def test_defaults_and_units() -> None:
             "backbones[0].b",
             "unknown region",
         ),
+        (
+            "[[regions]]\nname = 'a'\nshare = 0.5\n[[regions]]\nname = 'b'\nshare = 0.5\n"
+            "[[backbones]]\na = 'a'\nb = 'b'\ncapacity = 1e9\npinned = 'yes'",
+            "backbones[0].pinned",
+            "true or false",
+        ),
         ("regions = [1, 2, 3, 4, 5]", "regions", "1 to 4"),
         ("[hosts\ncount = 3", "", "not valid TOML"),
     ],

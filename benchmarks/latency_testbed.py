@@ -1,0 +1,512 @@
+"""The real-latency testbed: patchswarm, libtorrent and one central seed across regions with real RTTs.
+
+    sudo .venv/bin/python -m benchmarks.latency_testbed                     # 3 x 6 hosts, 20/80/150 ms, 10 MB/s, 100 MB
+    sudo .venv/bin/python -m benchmarks.latency_testbed --rate 3e6 --size-mb 30
+    sudo .venv/bin/python -m benchmarks.latency_testbed --regions 2 --hosts 3 --rtt 40 --size-mb 4 --systems patchswarm
+
+The network (benchmarks/latency_net.py): each host in its own namespace, a veth to its region's bridge in a
+router namespace, a tbf on every host's uplink, and the one-way delay between regions from a TUN delay line
+(benchmarks/delay_relay.py); this kernel has no netem.  Then, in order:
+
+1. calibration: a TCP ping-pong between a host of each region pair (configured vs measured RTT min /
+   median / p95) and one bulk transfer inside a region and one across the longest RTT (the uplink rate);
+2. the systems, each process under ``ip netns exec``: patchswarm (a seed and N ``patchswarm node``
+   processes, benchmarks/swarm_bench.py's run, the node's own pacing off: ``--upload-rate 0``), the same
+   patch over libtorrent (swarm_bench's sessions, ``upload_rate_limit = 0``) and a central seed (an HTTP
+   server in the seed's namespace; every host fetches the patch from it and nothing else).  The kernel's
+   tbf limits all three the same way.  Time to all / the Kumar-Ross bound and the seed's egress / F;
+   CPU seconds of the run's processes, of the delay line, and of the machine;
+3. the simulator (``patchswarm simulate``) on the same topology: regions, per-pair latency (half the
+   measured median RTT), the same uplinks, patch size and chunk size; its predicted time to all beside
+   the measured one.
+
+Prints a markdown report; ``--json FILE`` keeps everything.  Needs root; every namespace and link is
+removed on the way out, also after an error or SIGTERM (``--cleanup`` removes those of a killed run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import swarm_bench as sb
+from benchmarks.latency_net import NetHost, Testbed, can_run, cleanup_stale
+
+SYSTEMS = ("patchswarm", "libtorrent", "central")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pairs(regions: int) -> list[tuple[int, int]]:
+    return [(a, b) for a in range(regions) for b in range(a + 1, regions)]
+
+
+def parse_rtts(text: str, regions: int) -> dict[tuple[int, int], float]:
+    """``20,80,150`` (ms, one per pair in the order (0,1), (0,2), ..., (1,2), ...) or one value for all."""
+    try:
+        values = [float(x) / 1e3 for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rtt: milliseconds separated by commas, got {text!r}") from None
+    ps = pairs(regions)
+    if len(values) == 1:
+        values = values * len(ps)
+    if len(values) != len(ps) or any(not 0 <= v <= 5 for v in values):
+        raise SystemExit(f"--rtt: {len(ps)} values of 0..5000 ms for {regions} regions (pairs {ps}), got {text!r}")
+    return dict(zip(ps, values, strict=True))
+
+
+def log(msg: str) -> None:
+    sb.log(msg)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for the run's processes: ``benchmarks`` importable from their work directories."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)
+    return env
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def calibrate(tb: Testbed, rtt: dict[tuple[int, int], float], rate: float) -> dict[str, Any]:
+    by_region: dict[int, list[NetHost]] = {}
+    for h in tb.hosts:
+        by_region.setdefault(h.region, []).append(h)
+    rows = []
+    for a in range(tb.regions):
+        for b in range(a, tb.regions):
+            src = by_region[a][0]
+            dst = by_region[b][1 % len(by_region[b])] if a == b else by_region[b][0]
+            if src == dst:
+                continue
+            r = tb.rtt(src, dst)
+            rows.append(
+                {
+                    "pair": f"r{a}-r{b}",
+                    "configured_ms": 0.0 if a == b else rtt[(a, b)] * 1e3,
+                    "min_ms": r[0] * 1e3,
+                    "median_ms": r[len(r) // 2] * 1e3,
+                    "p95_ms": r[int(0.95 * len(r))] * 1e3,
+                }
+            )
+            log(f"calibration: RTT {rows[-1]}")
+    far = max(rtt, key=lambda k: rtt[k]) if rtt else (0, 0)
+    nbytes = int(rate * 4)
+    bulk = {"intra_region_Bps": tb.bulk(by_region[0][0], by_region[0][-1], nbytes)}
+    if far != (0, 0):
+        bulk["longest_rtt_Bps"] = tb.bulk(by_region[far[0]][0], by_region[far[1]][0], nbytes)
+    log(f"calibration: bulk {bulk} (configured {rate:.0f} B/s)")
+    return {"rtt": rows, "bulk": bulk}
+
+
+# ---------------------------------------------------------------- the central seed
+
+
+def run_central(args: argparse.Namespace, tb: Testbed, tmp: Path, payload: Path) -> sb.Result:
+    """An HTTP server in the seed's namespace; every host fetches the whole patch from it at once."""
+    work = tmp / "central"
+    work.mkdir()
+    data = work / "patch.bin"
+    shutil.copy(payload, data)
+    size = data.stat().st_size
+    want = sb.file_sha256(data)
+    port = 8080
+    me = [sys.executable, "-m", "benchmarks.latency_testbed", "--role", "fetch"]
+    server = sb.Proc(
+        "central-seed",
+        tb.seed.wrap([sys.executable, "-m", "benchmarks.latency_testbed", "--role", "serve", "--dir", str(work)])
+        + ["--ip", tb.seed.ip, "--port", str(port)],
+        work,
+        env=child_env(),
+    )
+    procs = [server]
+    try:
+        server.wait("listening", 60)
+        url = f"http://{tb.seed.ip}:{port}/patch.bin"
+        nodes = [
+            sb.Proc(f"c-{h.name}", h.wrap([*me, "--url", url]), work, stdin=True, env=child_env()) for h in tb.hosts
+        ]
+        procs += nodes
+        for p in nodes:
+            p.wait("ready", 60)
+        bound = sb.kumar_ross(size, len(nodes), args.rate, args.rate)
+        meter = sb.CpuMeter(procs)
+        relay0 = sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0
+        log(f"central: {len(nodes)} hosts fetch {size} bytes from the seed; bound {bound:.2f}s")
+        t0 = time.monotonic()
+        for p in nodes:
+            p.send("go")
+        times: list[float] = []
+        got: list[dict[str, Any]] = []
+        time_to_all: float | None = None
+        timeout = max(60.0, args.timeout_factor * size * len(nodes) / args.rate)
+        try:
+            for p in nodes:
+                t, msg = p.wait("finished", max(1.0, t0 + timeout - time.monotonic()))
+                times.append(t - t0)
+                got.append(msg)
+            time_to_all = max(times)
+        except (TimeoutError, RuntimeError) as e:
+            log(f"central: {e}")
+        cpu = meter.stop()
+        relay_cpu = (sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0) - relay0
+        extra = {
+            "sha256_ok": [m.get("sha256") == want for m in got],
+            "relay_cpu_s": round(relay_cpu, 2),
+            "wall": time.monotonic() - t0,
+        }
+        egress = sum(int(m.get("bytes", 0)) for m in got)
+        return sb.Result(
+            "central seed", size, len(nodes), args.rate, bound, time_to_all, egress, *cpu, sorted(times), extra
+        )
+    finally:
+        for p in procs:
+            with contextlib.suppress(Exception):
+                if p.p.stdin:
+                    p.send("stop")
+            p.stop(timeout=5)
+
+
+def role_serve(argv: list[str]) -> int:
+    """A threaded HTTP file server (the central seed), printing {"event": "listening"} when bound."""
+    import functools
+    import http.server
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--ip", required=True)
+    p.add_argument("--port", type=int, required=True)
+    a = p.parse_args(argv)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:  # one line per request on stderr is noise here
+            pass
+
+    handler = functools.partial(Quiet, directory=a.dir)
+    srv = http.server.ThreadingHTTPServer((a.ip, a.port), handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(json.dumps({"event": "listening"}), flush=True)
+    srv.serve_forever()
+    return 0
+
+
+def role_fetch(argv: list[str]) -> int:
+    """Wait for "go" on stdin, GET the URL, print {"event": "finished", "bytes", "sha256"}."""
+    import hashlib
+    import urllib.request
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    a = p.parse_args(argv)
+    print(json.dumps({"event": "ready"}), flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return 0
+    h, n = hashlib.sha256(), 0
+    with urllib.request.urlopen(a.url, timeout=600) as r:
+        while block := r.read(1 << 20):
+            h.update(block)
+            n += len(block)
+    print(json.dumps({"event": "finished", "bytes": n, "sha256": h.hexdigest()}), flush=True)
+    sys.stdin.readline()  # "stop"
+    return 0
+
+
+# ---------------------------------------------------------------- the simulator
+
+
+def scenario_toml(args: argparse.Namespace, owd: dict[tuple[int, int], float], intra: float, size: int) -> str:
+    """The testbed as a simulator scenario: regions of equal share, direct backbones with the measured delay."""
+    lines = [
+        'name = "latency-testbed"',
+        f'description = "benchmarks/latency_testbed.py: {args.regions} x {args.hosts} hosts"',
+        "[hosts]",
+        f"count = {args.regions * args.hosts}",
+        f"uplink = {args.rate:.1f}",
+        'downlink = "100Gbit/s"',
+        "[seed]",
+        f"uplink = {args.rate:.1f}",
+        'region = "r0"',
+        "[payload]",
+        f"patch_size = {size}",
+        f"chunk_size = {args.chunk_mib << 20}",
+        "[run]",
+        "seed = 1",
+        'strategies = ["central", "swarm"]',
+        f"deadline = {max(600.0, 20 * size * args.regions * args.hosts / args.rate):.0f}",
+    ]
+    for r in range(args.regions):
+        lines += ["[[regions]]", f'name = "r{r}"', f"share = {1 / args.regions!r}", f"latency = {intra:.6f}"]
+    for (a, b), d in sorted(owd.items()):
+        if a < b:
+            lines += [
+                "[[backbones]]",
+                f'a = "r{a}"',
+                f'b = "r{b}"',
+                'capacity = "inf"',
+                f"latency = {d:.6f}",
+                "pinned = true",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def simulate(
+    args: argparse.Namespace, tmp: Path, owd: dict[tuple[int, int], float], intra: float, size: int
+) -> dict[str, Any]:
+    path = tmp / "testbed.toml"
+    path.write_text(scenario_toml(args, owd, intra, size))
+    out = tmp / "sim"
+    argv = [sys.executable, "-m", "patchswarm.daemon.cli", "simulate", str(path), "--out", str(out)]
+    log(f"simulator: {' '.join(argv[1:])}")
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"patchswarm simulate failed: {r.stderr.strip()[-2000:]}")
+    point = json.loads((out / "summary.json").read_text())["points"][0]
+    return {"scenario": path.read_text(), "bound_s": point["bound_s"], "strategies": point["strategies"]}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _have_libtorrent() -> bool:
+    try:
+        import libtorrent  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rtt = parse_rtts(args.rtt, args.regions)
+    owd = {}
+    for (a, b), v in rtt.items():
+        owd[(a, b)] = owd[(b, a)] = v / 2
+    tmp = Path(tempfile.mkdtemp(prefix="latency-testbed-"))
+    log(f"work directory {tmp}")
+    out: dict[str, Any] = {"args": vars(args) | {"rtt_ms": {f"r{a}-r{b}": v * 1e3 for (a, b), v in rtt.items()}}}
+    busy0 = sb.machine_busy()
+    try:
+        with Testbed(
+            args.regions,
+            args.hosts,
+            owd,
+            args.rate,
+            mtu=args.mtu,
+            initcwnd=args.initcwnd,
+            queue_seconds=args.queue,
+            slow_start_after_idle=not args.no_slow_start_after_idle,
+            notsent_lowat=args.notsent_lowat,
+            work=tmp,
+        ) as tb:
+            log(f"testbed up: {len(tb.hosts)} hosts + seed in {args.regions} regions, namespaces {tb.prefix}-*")
+            out["calibration"] = calibrate(tb, rtt, args.rate)
+            out["tcp"] = tb.tcp_settings()
+            args.nodes = len(tb.hosts)
+            args.print_root = args.verify
+            places = [sb.Place(tb.seed.ip, tuple(tb.seed.wrap([])), "r0")]
+            places += [sb.Place(h.ip, tuple(h.wrap([])), f"r{h.region}") for h in tb.hosts]
+            board = sb.build_board(args, tmp)
+            results: list[sb.Result] = []
+            if "patchswarm" in args.systems:
+                relay0 = sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0
+                res = sb.run_patchswarm(args, board, places, node_rate=args.rate if args.pace else 0)
+                res.extra["relay_cpu_s"] = round((sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0) - relay0, 2)
+                if args.verify:
+                    from patchswarm.protocol.served import ServedModel
+
+                    want = ServedModel.from_tensors(board.target).root().hex()
+                    res.extra["roots_ok"] = [r == want for r in res.extra.get("roots", [])]
+                    res.extra.pop("roots", None)
+                results.append(res)
+            else:
+                board.pub.publish(board.target)
+            payload = sb.write_payload(tmp)
+            if "central" in args.systems:
+                results.append(run_central(args, tb, tmp, payload))
+            if "libtorrent" in args.systems and not _have_libtorrent():
+                log("libtorrent: not installed (pip install libtorrent==2.1.1); skipped")
+            elif "libtorrent" in args.systems:
+                relay0 = sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0
+                res = sb.run_libtorrent(args, tmp, payload, places, limit=0)
+                res.extra["relay_cpu_s"] = round((sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0) - relay0, 2)
+                results.append(res)
+            out["relay"] = tb.relay_stats()
+        out["results"] = [
+            {**vars(r), "ratio": r.ratio, "egress_ratio": r.egress_ratio, "per_node": r.per_node} for r in results
+        ]
+        if args.simulate and results:
+            # The configured delays (the topology), plus the measured path inside a region: the RTT
+            # medians also carry the load's jitter, which the simulator has no notion of.
+            intra = min(row["median_ms"] for row in out["calibration"]["rtt"] if row["configured_ms"] == 0) / 2e3
+            measured = {k: v + intra for k, v in owd.items()}
+            try:
+                out["simulator"] = simulate(args, tmp, measured, intra, results[0].size)
+            except RuntimeError as e:
+                log(str(e))
+    finally:
+        busy1 = sb.machine_busy()
+        out["machine_busy"] = (busy1[0] - busy0[0]) / max(busy1[1] - busy0[1], 1)
+        if args.keep:
+            log(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def report(out: dict[str, Any]) -> str:
+    """The run as markdown: the RTT calibration, then the systems beside the simulator's prediction."""
+    a = out["args"]
+    lines = [
+        f"{a['regions']} regions x {a['hosts']} hosts + a seed in r0; RTT {a['rtt_ms']} ms; "
+        f"uplinks {a['rate'] / 1e6:g} MB/s (tbf); MTU {a['mtu']}; {os.cpu_count()} CPUs",
+        "",
+        _row("pair", "configured RTT ms", "measured min", "median", "p95"),
+        _row(*["---"] * 5),
+    ]
+    for row in out["calibration"]["rtt"]:
+        ms = (f"{row[k]:.2f}" for k in ("min_ms", "median_ms", "p95_ms"))
+        lines.append(_row(row["pair"], f"{row['configured_ms']:.0f}", *ms))
+    bulk = ", ".join(f"{k} {v / 1e6:.2f} MB/s" for k, v in out["calibration"]["bulk"].items())
+    lines += ["", f"uplink, one TCP flow of 4 s at the rate, from its first byte: {bulk}"]
+    lines += [f"TCP: {out.get('tcp', {})}", ""]
+    sim = out.get("simulator", {}).get("strategies", {})
+    head: tuple[str, ...] = (
+        "system",
+        "F bytes",
+        "time to all s",
+        "bound s",
+        "time/bound",
+        "seed egress/F",
+        "simulator s",
+    )
+    head += ("CPU s: processes", "delay line", "rest of machine", "machine busy")
+    lines += [_row(*head), _row(*["---"] * len(head))]
+    for r in out.get("results", []):
+        key = {"patchswarm": "swarm", "central seed": "central"}.get(r["name"])
+        predicted = sim.get(key, {}).get("time_to_all_s") if key else None
+        relay = float(r["extra"].get("relay_cpu_s", 0.0))
+        lines.append(
+            _row(
+                r["name"],
+                r["size"],
+                _f(r["time_to_all"]),
+                f"{r['bound']:.2f}",
+                _f(r["ratio"]),
+                _f(r["egress_ratio"]),
+                _f(predicted),
+                f"{r['cpu_seconds']:.1f}",
+                f"{relay:.1f}",
+                f"{max(0.0, r['other_cpu'] - relay):.1f}",
+                f"{r['machine_util']:.0%}",
+            )
+        )
+    for r in out.get("results", []):
+        checks = {k: v for k, v in r["extra"].items() if k in ("roots_ok", "sha256_ok")}
+        if checks:
+            lines.append(f"{r['name']}: " + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in checks.items()))
+    relay = out.get("relay", {})
+    if relay:
+        lines.append(
+            f"delay line: {relay.get('packets')} packets, {relay.get('bytes', 0) / 1e6:.0f} MB, "
+            f"dropped {relay.get('dropped')}, release lateness {relay.get('late_ms')}, "
+            f"compensation {relay.get('compensation_ms')} ms, CPU {relay.get('cpu_s')} s"
+        )
+    lines.append(f"machine busy over the whole run: {out['machine_busy']:.0%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "--role":
+        return {"serve": role_serve, "fetch": role_fetch}[argv[1]](argv[2:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--regions", type=int, default=3)
+    p.add_argument("--hosts", type=int, default=6, help="hosts per region (the seed is one more, in region 0)")
+    p.add_argument("--rtt", default="20,80,150", help="ms per region pair (0,1),(0,2),...,(1,2),... or one for all")
+    p.add_argument("--rate", type=float, default=10e6, help="every uplink (hosts and seed), bytes/s")
+    p.add_argument("--size-mb", type=float, default=100, help="patch size in MB (1e6 bytes)")
+    p.add_argument("--chunk-mib", type=int, default=1)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--mtu", type=int, default=64000)
+    p.add_argument(
+        "--initcwnd",
+        type=int,
+        default=1,
+        help="TCP initial window in segments on the hosts' routes (0: the kernel's 10 = 640 kB at MTU 64000)",
+    )
+    p.add_argument("--no-simulate", dest="simulate", action="store_false", help="skip the simulator's prediction")
+    p.add_argument("--verify", action="store_true", help="nodes print state roots (bitwise check; costs a hash each)")
+    p.add_argument("--settle", type=float, default=3.0)
+    p.add_argument("--timeout-factor", type=float, default=10.0)
+    p.add_argument("--lt-port", type=int, default=46881)
+    p.add_argument("--queue", type=float, default=0.1, help="tbf queue, seconds at the rate (at least 4 frames)")
+    p.add_argument(
+        "--no-slow-start-after-idle", action="store_true", help="hosts' TCP keeps its window across idle periods"
+    )
+    p.add_argument(
+        "--notsent-lowat", type=int, default=0, help="hosts' net.ipv4.tcp_notsent_lowat, bytes (0: the kernel's)"
+    )
+    p.add_argument("--pace", action="store_true", help="patchswarm processes also pace themselves (--upload-rate)")
+    p.add_argument("--trace", action="store_true", help="patchswarm processes log progress (swarm_bench --trace)")
+    p.add_argument("--config", help="NodeConfig overrides for the patchswarm processes, JSON (swarm_bench --config)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--keep", action="store_true")
+    p.add_argument("--cleanup", action="store_true", help="only remove the namespaces of killed runs, then exit")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if bad := set(args.systems) - set(SYSTEMS):
+        p.error(f"--systems: unknown {sorted(bad)}")
+    if not 1 <= args.regions <= 9 or not 1 <= args.hosts <= 50:
+        p.error("--regions 1..9, --hosts 1..50")
+    if args.config is not None:
+        try:
+            sb.load_overrides(args.config)
+        except (ValueError, SystemExit) as e:
+            p.error(f"--config: {e}")
+    if not 0 <= args.notsent_lowat <= 1 << 30:
+        p.error("--notsent-lowat: 0..2^30 bytes")
+    if not 0.0 < args.queue <= 10.0:
+        p.error("--queue: 0..10 s")
+    if not 0 <= args.initcwnd <= 100:
+        p.error("--initcwnd 0..100")
+    if not 1e4 <= args.rate <= 1e9 or not 0 < args.size_mb <= 10_000 or not 1500 <= args.mtu <= 65000:
+        p.error("--rate 1e4..1e9 B/s, --size-mb up to 10000, --mtu 1500..65000")
+    why = can_run()
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    if args.cleanup:
+        print(f"removed {cleanup_stale()}")
+        return 0
+    # SIGTERM unwinds like Ctrl-C, through every finally (namespaces and links removed).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out = run(args)
+    print(report(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
