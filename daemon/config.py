@@ -153,9 +153,16 @@ def parse_listen(v: Any) -> str:
     return str(v).strip()
 
 
+def _shown(v: Any) -> str:
+    """A rejected value as its error line shows it: a URL's credentials never (swarm/board_store.py)."""
+    from patchswarm.swarm.board_store import shown_url
+
+    return repr(shown_url(v)) if isinstance(v, str) else repr(v)
+
+
 def parse_url(v: Any) -> str:
     if not isinstance(v, str) or not re.match(r"^https?://[^/\s]+", v):
-        raise ValueError(f"expected an http(s) URL, got {v!r}")
+        raise ValueError(f"expected an http(s) URL, got {_shown(v)}")
     return v.rstrip("/")
 
 
@@ -169,7 +176,7 @@ def parse_board_url(v: Any) -> str:
     try:
         return parse_url(v)
     except ValueError:
-        raise ValueError(f"expected an http(s), s3://, gs:// or az:// URL, got {v!r}") from None
+        raise ValueError(f"expected an http(s), s3://, gs:// or az:// URL, got {_shown(v)}") from None
 
 
 def _url_list(v: Any, parse: Callable[[Any], str]) -> list[str]:

@@ -53,6 +53,9 @@ _CREDENTIAL_CODES = (
     "AuthorizationFailure",  # (Azurite's answer to a wrong key; Azure's to a request its rules forbid)
     "InvalidAuthenticationInfo",
 )
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
+# Everything up to a URL's last "@": credentials (a secret may hold "/", so no narrower cut is safe).
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]{0,31}://)?.*@", re.DOTALL)
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 STREAM_CHUNK = 1 << 20
 
@@ -77,26 +80,45 @@ class StoreURL:
 
 
 def parse_store_url(text: str) -> StoreURL | None:
-    """The store a board URL names; None for anything that is not a store URL (a path, http(s)).
+    """The store a board URL names; None for anything that is not a store URL (a path, http(s), file).
 
     ValueError (one line) for a store URL that is malformed: a bucket name no provider accepts,
-    credentials or a port in it, a query, empty/``.``/``..`` path segments, odd characters.
+    credentials or a port in it, a query, empty/``.``/``..`` path segments, odd characters; and for
+    a URL of a scheme no board has (``gcs://``, ``s3:/bucket``), which would otherwise be taken for
+    a directory of that name and published into.
     """
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme.lower() not in SCHEMES:
+    m = _SCHEME.match(text)
+    if m is None:
         return None
+    scheme, rest = m.group(1).lower(), text[m.end() :]
+    if scheme in ("http", "https", "file"):
+        return None
+    if scheme not in SCHEMES or not rest.startswith("//"):
+        if scheme not in SCHEMES and not rest.startswith("//"):
+            return None  # a directory whose name holds a colon ("board:v1")
+        raise ValueError(
+            f"{shown_url(text)!r}: not a board location (s3://bucket/prefix, gs://..., az://..., http(s)://..., "
+            "file:///path or a directory)"
+        )
     if len(text) > MAX_URL:
         raise ValueError(f"board URL longer than {MAX_URL} characters")
-    bucket, _, prefix = rest.partition("/")
+    bucket, _, prefix = rest[2:].partition("/")
     prefix = prefix.rstrip("/")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket:
         raise ValueError(
-            f"{text!r}: {bucket!r} is not a bucket name (3-222 lowercase letters, digits, '.', '-', '_'; "
+            f"{shown_url(text)!r}: the bucket is not a bucket name (3-222 lowercase letters, digits, '.', '-', '_'; "
             "credentials and endpoints come from the environment, never the URL)"
         )
     if prefix and not all(_SEGMENT.fullmatch(s) and s not in (".", "..") for s in prefix.split("/")):
-        raise ValueError(f"{text!r}: the prefix must be '/'-separated names of letters, digits and ._~+=@,-")
-    return StoreURL(SCHEMES[scheme.lower()], bucket, prefix)
+        raise ValueError(f"{shown_url(text)!r}: the prefix must be '/'-separated names of letters, digits and ._~+=@,-")
+    return StoreURL(SCHEMES[scheme], bucket, prefix)
+
+
+def shown_url(text: str) -> str:
+    """``text`` as an error line may show it: credentials (``user:secret@``) and any query (a presigned
+    URL's signature, a SAS token) replaced, at most 200 characters."""
+    text, query, _ = text.partition("?")
+    return (_USERINFO.sub(lambda m: (m.group(1) or "") + "***@", text) + ("?***" if query else ""))[:200]
 
 
 def local_path(text: str) -> str | None:
