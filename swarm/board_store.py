@@ -156,12 +156,27 @@ def _s3_credentials() -> dict[str, Any]:
     return {"credential_provider": Boto3CredentialProvider(session)}
 
 
+def _check_aws_environment() -> None:
+    """A control character in an ``AWS_*`` setting that S3 requests carry in a header (a key id, session
+    token or region pasted with its newline or carriage return) makes obstore panic on the first
+    request: a BaseException, so a traceback and, in a daemon, a dead event loop.  Refused here in one
+    line that names the variable and never shows its value.  (Not GOOGLE_*: a service account key
+    given inline is JSON, newlines and all.)"""
+    for name, value in os.environ.items():
+        if name.startswith("AWS_") and any((c < " " and c != "\t") or c == "\x7f" for c in value):
+            raise StoreCredentialsError(
+                f"the environment variable {name} holds a control character (a newline or carriage return pasted "
+                "with it?): remove it"
+            )
+
+
 def open_store(loc: StoreURL) -> ObjectStore:
     """An obstore store for ``loc``, configured from the environment (StoreError if it cannot be)."""
     try:
         # No client_options here: given, they replace those obstore reads from the environment
         # (AWS_ALLOW_HTTP, proxies, timeouts) instead of adding to them.
         if loc.provider == "s3":
+            _check_aws_environment()
             return S3Store.from_url(loc.url, **_s3_credentials())
         if loc.provider == "gs":
             return GCSStore.from_url(loc.url)

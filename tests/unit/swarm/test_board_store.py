@@ -146,3 +146,4 @@ def test_a_refused_url_never_shows_the_credentials_in_it(text: str) -> None:
     for line in errors:
         assert "\n" not in line and "***" in line
         assert not any(part in line for part in SECRET.split("/")), line
+
