@@ -56,6 +56,7 @@ _CREDENTIAL_CODES = (
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
 # Everything up to a URL's last "@": credentials (a secret may hold "/", so no narrower cut is safe).
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]{0,31}://)?.*@", re.DOTALL)
+_URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s@]*@")
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 STREAM_CHUNK = 1 << 20
 
@@ -193,7 +194,8 @@ def open_store(loc: StoreURL) -> ObjectStore:
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     text = text.split(": <?xml", 1)[0]  # the response body follows; its <Code> is reported apart
-    return text[:300]
+    # obstore names the request's URL: an endpoint given with credentials (AWS_ENDPOINT_URL=http://u:p@host) shows them.
+    return _URL_CREDENTIALS.sub(r"\1***@", text)[:300]
 
 
 def error_code(e: BaseException) -> str | None:

@@ -147,3 +147,13 @@ def test_a_refused_url_never_shows_the_credentials_in_it(text: str) -> None:
         assert "\n" not in line and "***" in line
         assert not any(part in line for part in SECRET.split("/")), line
 
+
+def test_a_store_error_never_shows_credentials_in_the_endpoint_url() -> None:
+    """obstore's errors name the request URL; an endpoint configured with credentials
+    (``AWS_ENDPOINT_URL=http://user:secret@host``) put them in the one line a daemon logs."""
+    failed = GenericError(
+        f"Generic S3 error: Error performing GET http://minio:{SECRET}@10.0.0.5:9000/b/k in 9s, after 10 retries"
+    )
+    for line in (str(store_error(failed, "GET s3://bucket/k")), str(store_error(failed, "PUT s3://bucket/k"))):
+        assert "http://***@10.0.0.5:9000/b/k" in line
+        assert not any(part in line for part in SECRET.split("/")), line
