@@ -122,7 +122,7 @@ def rate(text: str) -> float:
 def url(text: str) -> str:
     """An http(s) URL, by the rule of the config's URL keys."""
     from patchswarm.daemon.config import parse_url
-    from patchswarm.swarm.board_store import shown_url
+    from patchswarm.swarm.client_errors import shown_url
 
     if any(not c.isprintable() or c.isspace() for c in text):
         raise argparse.ArgumentTypeError(f"expected an http(s) URL, got {shown_url(text)!r}")
@@ -135,7 +135,7 @@ def url(text: str) -> str:
 def board_url(text: str) -> str:
     """A board URL to poll: http(s), or an object store's s3:// gs:// az:// (``swarm.seed_urls``)."""
     from patchswarm.daemon.config import parse_board_url
-    from patchswarm.swarm.board_store import shown_url
+    from patchswarm.swarm.client_errors import shown_url
 
     if any(not c.isprintable() or c.isspace() for c in text):
         raise argparse.ArgumentTypeError(f"expected a board URL, got {shown_url(text)!r}")

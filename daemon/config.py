@@ -154,8 +154,8 @@ def parse_listen(v: Any) -> str:
 
 
 def _shown(v: Any) -> str:
-    """A rejected value as its error line shows it: a URL's credentials never (swarm/board_store.py)."""
-    from patchswarm.swarm.board_store import shown_url
+    """A rejected value as its error line shows it: a URL's credentials never (swarm/client_errors.py)."""
+    from patchswarm.swarm.client_errors import shown_url
 
     return repr(shown_url(v)) if isinstance(v, str) else repr(v)
 

@@ -33,7 +33,7 @@ from obstore.store import AzureStore, GCSStore, ObjectStore, S3Store
 
 from patchswarm.protocol.board_names import board_limit
 from patchswarm.protocol.errors import LimitExceededError
-from patchswarm.swarm.client_errors import SourceError
+from patchswarm.swarm.client_errors import SourceError, shown_url
 
 SCHEMES = {"s3": "s3", "gs": "gs", "az": "az", "azure": "az"}  # URL scheme -> provider
 MAX_URL = 1024
@@ -54,8 +54,6 @@ _CREDENTIAL_CODES = (
     "InvalidAuthenticationInfo",
 )
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
-# Everything up to a URL's last "@": credentials (a secret may hold "/", so no narrower cut is safe).
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]{0,31}://)?.*@", re.DOTALL)
 _URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s@]*@")
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 STREAM_CHUNK = 1 << 20
@@ -113,13 +111,6 @@ def parse_store_url(text: str) -> StoreURL | None:
     if prefix and not all(_SEGMENT.fullmatch(s) and s not in (".", "..") for s in prefix.split("/")):
         raise ValueError(f"{shown_url(text)!r}: the prefix must be '/'-separated names of letters, digits and ._~+=@,-")
     return StoreURL(SCHEMES[scheme], bucket, prefix)
-
-
-def shown_url(text: str) -> str:
-    """``text`` as an error line may show it: credentials (``user:secret@``) and any query (a presigned
-    URL's signature, a SAS token) replaced, at most 200 characters."""
-    text, query, _ = text.partition("?")
-    return (_USERINFO.sub(lambda m: (m.group(1) or "") + "***@", text) + ("?***" if query else ""))[:200]
 
 
 def local_path(text: str) -> str | None:
