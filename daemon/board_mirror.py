@@ -7,7 +7,8 @@ the seed keeps a local copy, made in the publisher's order: root documents and c
 for each version the head lists its chunks (each checked against its name: BLAKE3 and size) and its
 manifest (its id is the hash of its body), and the head last; then what the head no longer lists
 goes (``Board.collect_garbage``).  A copy cut off anywhere (a crash, a store error) leaves the local
-head naming only complete versions, like the store's.
+head naming only complete versions, like the store's.  A head whose counter is not above the copy's
+(an older head put back) is not followed: hosts refuse it, and they still fetch the newer versions.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from patchswarm.protocol.board_names import (
     root_rel,
 )
 from patchswarm.protocol.chunks import ChunkRef, chunk_hash
-from patchswarm.protocol.errors import FormatError
+from patchswarm.protocol.errors import FormatError, PatchswarmError
 from patchswarm.protocol.files import fsync_dir, write_atomic
 from patchswarm.protocol.manifest import SignedManifest
 
 MIRROR_INTERVAL_S = 1.0  # how often a seed reads the store's head (one GET; a new head costs the copy)
+
+
+class StaleHeadError(PatchswarmError):
+    """The store's head is older than the copy's (logged by the seed once; the copy keeps serving)."""
 
 
 class BoardMirror:
@@ -45,9 +50,17 @@ class BoardMirror:
         """Bring the local copy to the store's head; True if the local head changed."""
         rel = head_rel(self.run_id)
         data = self.src.read(rel)
-        if data is None or data == self.dst.read(rel):
+        local = self.dst.read(rel)
+        if data is None or data == local:
             return False
         head = parse_head(data)
+        if local is not None and head.counter <= (mine := parse_head(local).counter):
+            # An older head put back (a replayed or restored object): hosts refuse it by its counter, and
+            # following it would delete the newer versions from the copy that hosts still fetch.
+            raise StaleHeadError(
+                f"{self.src.location}/{rel}: the store's head (counter {head.counter}) is not newer than the "
+                f"copy's ({mine}): not followed"
+            )
         for version in self.src.root_versions():
             if self.dst.read(root_rel(version)) is None:
                 doc = self.src.read(root_rel(version))

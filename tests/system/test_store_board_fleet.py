@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from patchswarm.daemon.board import Board
-from patchswarm.daemon.board_mirror import BoardMirror
+from patchswarm.daemon.board_mirror import BoardMirror, StaleHeadError
 from patchswarm.daemon.board_store import StoreBoard, open_board
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.protocol.board_names import head_rel
@@ -230,3 +230,29 @@ def test_a_seed_copy_refuses_a_chunk_that_is_not_what_its_name_says(aws: Moto, k
     with pytest.raises(FormatError, match="does not hold the chunk its name says"):
         mirror.sync()
     assert local.read(head_rel(RUN)) == first
+
+
+def test_a_seed_copy_does_not_follow_an_older_head_put_back(aws: Moto, keys: Keys, tmp_path: Path) -> None:
+    """An older, validly signed head put back in the store (replayed, or a restored backup): hosts refuse
+    it by its counter, and the copy used to follow it, deleting the newer version's chunks hosts still
+    fetch from the seed.  Now the copy keeps its head and every chunk, and says why in one line."""
+    bucket = aws.new_bucket()
+    pub = Publisher(f"s3://{bucket}/r", keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), refresh=False)
+    w = weights(8)
+    pub.publish(w)
+    store = pub.board
+    assert isinstance(store, StoreBoard)
+    old = store.read(head_rel(RUN))
+    step(w, 80)
+    pub.publish(w)
+    pub.close()
+    local = Board(tmp_path / "copy")
+    mirror = BoardMirror(store, local, RUN)
+    assert mirror.sync()
+    newest = local.read(head_rel(RUN))
+    chunks = sorted(p.name for p in local.path("chunks").iterdir())
+    aws.client().put_object(Bucket=bucket, Key=f"r/{head_rel(RUN)}", Body=old)
+    with pytest.raises(StaleHeadError, match=r"not newer than the copy's \(\d+\): not followed"):
+        mirror.sync()
+    assert local.read(head_rel(RUN)) == newest
+    assert sorted(p.name for p in local.path("chunks").iterdir()) == chunks
