@@ -19,10 +19,12 @@ import pytest
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.board_mirror import BoardMirror, StaleHeadError
 from patchswarm.daemon.board_store import StoreBoard, open_board
+from patchswarm.daemon.head_refresh import parse_head, refresh_board_head
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.protocol.board_names import head_rel
+from patchswarm.protocol.board_names import cert_rel, head_rel, root_rel
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.trust import RootDocument
 from tests.support.boards import Keys, free_port
 from tests.support.daemonkit import Daemon
 from tests.support.moto_server import Moto, clean_env, moto_server
@@ -256,3 +258,29 @@ def test_a_seed_copy_does_not_follow_an_older_head_put_back(aws: Moto, keys: Key
         mirror.sync()
     assert local.read(head_rel(RUN)) == newest
     assert sorted(p.name for p in local.path("chunks").iterdir()) == chunks
+
+
+def test_a_stray_object_the_sdk_cannot_name_stops_neither_the_copy_nor_a_refresh(
+    aws: Moto, keys: Keys, tmp_path: Path
+) -> None:
+    """A key holding ``..`` is a valid S3 object name that obstore refuses to list: one such object under
+    trust/ or certs/ failed every listing, so a seed's copy and the head's refresh stopped for good.
+    Root documents are now asked for by number and certificates by the keys that signed."""
+    bucket = aws.new_bucket()
+    pub = Publisher(f"s3://{bucket}/j", keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), refresh=False)
+    w = weights(9)
+    pub.publish(w)
+    store = pub.board
+    assert isinstance(store, StoreBoard)
+    store.put_root(1, RootDocument(1, (keys.root.key_id,), ()).sign(keys.root).to_bytes())
+    for stray in ("j/trust/root.2/../../x", "j/certs/../x"):
+        aws.client().put_object(Bucket=bucket, Key=stray, Body=b"stray")
+    local = Board(tmp_path / "copy")
+    assert BoardMirror(store, local, RUN).sync()
+    cert = store.read(cert_rel(keys.trainer.key_id))
+    assert cert is not None and local.read(cert_rel(keys.trainer.key_id)) == cert
+    assert local.read(root_rel(1)) == store.read(root_rel(1))
+    before = parse_head(store.read(head_rel(RUN)) or b"").counter
+    head = refresh_board_head(store, keys.trainer, RUN, certificate=cert)
+    assert head is not None and head.counter == before + 1
+    pub.close()
