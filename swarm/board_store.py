@@ -151,7 +151,8 @@ def _s3_credentials() -> dict[str, Any]:
 def _check_aws_environment() -> None:
     """A control character in an ``AWS_*`` setting that S3 requests carry in a header (a key id, session
     token or region pasted with its newline or carriage return) makes obstore panic on the first
-    request: a BaseException, so a traceback and, in a daemon, a dead event loop.  Refused here in one
+    request: pyo3's PanicException, a BaseException that no ``except Exception`` stops (a traceback in
+    the CLI; in a daemon, the task that asked dies: a seed's copy stops unlogged).  Refused here in one
     line that names the variable and never shows its value.  (Not GOOGLE_*: a service account key
     given inline is JSON, newlines and all.)"""
     for name, value in os.environ.items():
