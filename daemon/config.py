@@ -516,7 +516,7 @@ SCHEMA: list[Key] = [
         False,
         "Mutual TLS for the swarm endpoints (node.listen) and every request to peers and seeds, against the "
         "cluster CA (docs/security.md): then every peer, bootstrap and seed URL must be https:// (never a "
-        "silent fallback to plain HTTP).",
+        "silent fallback to plain HTTP); an s3:// gs:// az:// board is read over the provider's HTTPS.",
     ),
     Key("tls", "ca", parse_str, None, "PEM bundle of the cluster CA(s) peers' certificates must chain to."),
     Key("tls", "cert", parse_str, None, "PEM certificate of this host (from the cluster CA; `patchswarm certs`)."),
@@ -710,7 +710,10 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
 
 
 def _check_tls(values: Mapping[str, Any]) -> None:
-    """With tls.enabled: the three files named, and no peer or seed reached over plain HTTP."""
+    """With tls.enabled: the three files named, and no peer or seed reached over plain HTTP (a board in an
+    object store is read through its SDK, over the provider's HTTPS)."""
+    from patchswarm.swarm.board_store import is_store_url
+
     if not values["tls.enabled"]:
         return
     for name in ("ca", "cert", "key"):
@@ -719,7 +722,7 @@ def _check_tls(values: Mapping[str, Any]) -> None:
     for key in ("swarm.bootstrap", "swarm.seed_urls", "node.advertise"):
         value = values[key]
         for url in value if isinstance(value, list) else [value] if value else []:
-            if not url.startswith("https://"):
+            if not url.startswith("https://") and not (key == "swarm.seed_urls" and is_store_url(url)):
                 raise ConfigError(f"{key}: {url[:200]} is plain HTTP and tls.enabled is set: use https://")
 
 

@@ -113,6 +113,12 @@ def parse_store_url(text: str) -> StoreURL | None:
     return StoreURL(SCHEMES[scheme], bucket, prefix)
 
 
+def is_store_url(text: str) -> bool:
+    """Whether ``text`` names an object store (``s3://``, ``gs://``, ``az://``), well formed or not."""
+    m = _SCHEME.match(text)
+    return m is not None and m.group(1).lower() in SCHEMES and text[m.end() :].startswith("//")
+
+
 def local_path(text: str) -> str | None:
     """The directory a ``file://`` URL names (absolute, no host), or None if ``text`` is not one."""
     if not text.startswith("file://"):
