@@ -58,6 +58,7 @@ from patchswarm.swarm.board_store import (
     read_object,
     store_error,
 )
+from patchswarm.swarm.client_errors import shown_url
 
 MAX_ROOTS = 1000  # root documents a board may hold (each is a trust-root rotation or revocation)
 UPLOADS = 16  # chunk puts in flight (obstore releases the GIL while a request runs)
@@ -234,7 +235,7 @@ def open_board(location: str | Path | AnyBoard) -> AnyBoard:
     text = str(location)
     if text.startswith(("http://", "https://")):
         raise ValueError(
-            f"{text}: an HTTP board is read-only; publish to its store (s3://, gs://, az://) or a directory"
+            f"{shown_url(text)}: an HTTP board is read-only; publish to its store (s3://, gs://, az://) or a directory"
         )
     loc = parse_store_url(text)
     if loc is not None:

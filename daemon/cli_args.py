@@ -214,11 +214,12 @@ def board(text: str) -> str:
     """A board to write: an object store URL (s3://, gs://, az://), a file:// URL or a directory (or a
     name where one will be created).  Credentials come from the environment, never from here."""
     from patchswarm.swarm.board_store import local_path, parse_store_url
+    from patchswarm.swarm.client_errors import shown_url
 
     path(text)
     if text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: an HTTP board is read-only; write to its store (s3://, gs://, az://) or a directory"
+            f"{shown_url(text)!r}: an HTTP board is read-only; write to its store (s3://, gs://, az://) or a directory"
         )
     try:
         if parse_store_url(text) is not None:

@@ -713,6 +713,7 @@ def _check_tls(values: Mapping[str, Any]) -> None:
     """With tls.enabled: the three files named, and no peer or seed reached over plain HTTP (a board in an
     object store is read through its SDK, over the provider's HTTPS)."""
     from patchswarm.swarm.board_store import is_store_url
+    from patchswarm.swarm.client_errors import shown_url
 
     if not values["tls.enabled"]:
         return
@@ -723,7 +724,7 @@ def _check_tls(values: Mapping[str, Any]) -> None:
         value = values[key]
         for url in value if isinstance(value, list) else [value] if value else []:
             if not url.startswith("https://") and not (key == "swarm.seed_urls" and is_store_url(url)):
-                raise ConfigError(f"{key}: {url[:200]} is plain HTTP and tls.enabled is set: use https://")
+                raise ConfigError(f"{key}: {shown_url(url)} is plain HTTP and tls.enabled is set: use https://")
 
 
 def _tls_warnings(values: Mapping[str, Any]) -> list[str]:

@@ -23,6 +23,7 @@ from patchswarm.swarm.board_store import (
     parse_store_url,
     store_error,
 )
+from patchswarm.swarm.tls import TlsError, require_https
 
 SCHEMES = st.sampled_from([("s3", "s3"), ("gs", "gs"), ("az", "az"), ("azure", "az"), ("S3", "s3")])
 BUCKET = st.from_regex(r"[a-z0-9][a-z0-9-]{1,40}[a-z0-9]", fullmatch=True)
@@ -157,3 +158,18 @@ def test_a_store_error_never_shows_credentials_in_the_endpoint_url() -> None:
     for line in (str(store_error(failed, "GET s3://bucket/k")), str(store_error(failed, "PUT s3://bucket/k"))):
         assert "http://***@10.0.0.5:9000/b/k" in line
         assert not any(part in line for part in SECRET.split("/")), line
+
+
+def test_an_http_board_refused_for_writing_or_tls_never_shows_its_credentials() -> None:
+    """An http(s) board given where it cannot serve (publishing to it; plain HTTP under the cluster's
+    TLS) is refused in a line that shows it without its credentials."""
+    url = f"http://reader:{SECRET}@cdn.example/board"
+    errors: list[str] = []
+    for refuse in (open_board, cli_args.board, lambda u: require_https(u, "seed URL")):
+        try:
+            refuse(url)
+        except (ValueError, argparse.ArgumentTypeError, TlsError) as e:
+            errors.append(str(e))
+    assert len(errors) == 3, errors
+    for line in errors:
+        assert "http://***@cdn.example/board" in line and not any(p in line for p in SECRET.split("/")), line
