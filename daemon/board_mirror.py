@@ -3,11 +3,13 @@ seed serves (``patchswarm seed --board s3://... --cache DIR --run RUN``).
 
 A seed serves chunks from files (confined reads, sendfile); an object store answers each request in
 tens of milliseconds and bills it, and hosts ask a seed for every chunk nobody else holds yet.  So
-the seed keeps a local copy, made in the publisher's order: root documents and certificates, then
-for each version the head lists its chunks (each checked against its name: BLAKE3 and size) and its
-manifest (its id is the hash of its body), and the head last; then what the head no longer lists
+the seed keeps a local copy, made in the publisher's order: root documents, then for each version
+the head lists its chunks (each checked against its name: BLAKE3 and size), the certificate of the
+key that signed its manifest and the manifest (its id is the hash of its body), and the head (with
+its signer's certificate) last; then what the head no longer lists
 goes (``Board.collect_garbage``).  A copy cut off anywhere (a crash, a store error) leaves the local
-head naming only complete versions, like the store's.
+head naming only complete versions, like the store's.  A head whose counter is not above the copy's
+(an older head put back) is not followed: hosts refuse it, and they still fetch the newer versions.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from patchswarm.daemon.board import Board
 from patchswarm.daemon.board_store import UPLOADS, StoreBoard
 from patchswarm.daemon.head_refresh import parse_head
 from patchswarm.protocol.board_names import (
-    CertName,
+    HEAD_TAG,
     cert_rel,
     chunk_rel,
     head_rel,
@@ -26,11 +28,16 @@ from patchswarm.protocol.board_names import (
     root_rel,
 )
 from patchswarm.protocol.chunks import ChunkRef, chunk_hash
-from patchswarm.protocol.errors import FormatError
+from patchswarm.protocol.errors import FormatError, PatchswarmError
 from patchswarm.protocol.files import fsync_dir, write_atomic
 from patchswarm.protocol.manifest import SignedManifest
+from patchswarm.protocol.signed import Envelope
 
 MIRROR_INTERVAL_S = 1.0  # how often a seed reads the store's head (one GET; a new head costs the copy)
+
+
+class StaleHeadError(PatchswarmError):
+    """The store's head is older than the copy's (logged by the seed once; the copy keeps serving)."""
 
 
 class BoardMirror:
@@ -45,19 +52,23 @@ class BoardMirror:
         """Bring the local copy to the store's head; True if the local head changed."""
         rel = head_rel(self.run_id)
         data = self.src.read(rel)
-        if data is None or data == self.dst.read(rel):
+        local = self.dst.read(rel)
+        if data is None or data == local:
             return False
         head = parse_head(data)
+        if local is not None and head.counter <= (mine := parse_head(local).counter):
+            # An older head put back (a replayed or restored object): hosts refuse it by its counter, and
+            # following it would delete the newer versions from the copy that hosts still fetch.
+            raise StaleHeadError(
+                f"{self.src.location}/{rel}: the store's head (counter {head.counter}) is not newer than the "
+                f"copy's ({mine}): not followed"
+            )
         for version in self.src.root_versions():
             if self.dst.read(root_rel(version)) is None:
                 doc = self.src.read(root_rel(version))
                 if doc is not None:
                     self.dst.put_root(version, doc)
-        for name in self.src.names("certs"):
-            if isinstance(name, CertName) and self.dst.read(cert_rel(name.key_id)) is None:
-                cert = self.src.read(cert_rel(name.key_id))
-                if cert is not None:
-                    self.dst.put_certificate(name.key_id, cert)
+        self._copy_certificate(Envelope.from_bytes(data, HEAD_TAG).key_id)
         for entry in head.catalog:
             if self.dst.read(manifest_rel(entry.manifest_id)) is None:
                 self._copy_version(entry.manifest_id)
@@ -70,7 +81,8 @@ class BoardMirror:
         envelope = self.src.read(rel)
         if envelope is None:
             raise FileNotFoundError(f"{self.src.location}/{rel}: named by the head, not in the store")
-        manifest = SignedManifest.from_bytes(envelope).verify(None)
+        signed = SignedManifest.from_bytes(envelope)
+        manifest = signed.verify(None)
         if manifest.manifest_id != manifest_id:
             raise FormatError(f"{self.src.location}/{rel} holds another manifest")
         missing = [ref for ref in manifest.chunks if not self.dst.path(chunk_rel(ref.hash)).exists()]
@@ -79,7 +91,15 @@ class BoardMirror:
                 f.result()
         if missing:
             fsync_dir(self.dst.path("chunks"))
+        self._copy_certificate(signed.key_id)
         write_atomic(self.dst.path(rel), envelope)  # after its chunks, as the publisher wrote them
+
+    def _copy_certificate(self, key_id: bytes) -> None:
+        """The certificate of a key that signed the head or a manifest (what hosts ask for; the store's
+        certs/ is not listed: a stray object there would stop the copy)."""
+        rel = cert_rel(key_id)
+        if self.dst.read(rel) is None and (cert := self.src.read(rel)) is not None:
+            self.dst.put_certificate(key_id, cert)
 
     def _copy_chunk(self, ref: ChunkRef) -> None:
         rel = chunk_rel(ref.hash)

@@ -35,7 +35,6 @@ from patchswarm.protocol.board_names import (
     BoardName,
     ChunkName,
     ManifestName,
-    RootName,
     board_limit,
     cert_rel,
     chunk_rel,
@@ -59,7 +58,9 @@ from patchswarm.swarm.board_store import (
     read_object,
     store_error,
 )
+from patchswarm.swarm.client_errors import shown_url
 
+MAX_ROOTS = 1000  # root documents a board may hold (each is a trust-root rotation or revocation)
 UPLOADS = 16  # chunk puts in flight (obstore releases the GIL while a request runs)
 # Crash tests only: PATCHSWARM_FAULT_AT=board.chunks@N (half of the chunks of this board's N-th
 # put_version stored; an anchor and a patch of one version are two) or board.manifest@N (its
@@ -117,7 +118,13 @@ class StoreBoard:
         return [n for n in names if n is not None]
 
     def root_versions(self) -> list[int]:
-        return sorted(n.version for n in self.names("trust") if isinstance(n, RootName))
+        """Root documents 1, 2, ... up to the first missing, as hosts fetch them: asked by name, not
+        listed, so that a stray object the SDK cannot name (a key holding ``..``) does not stop every
+        refresh of the head and every seed's copy."""
+        versions: list[int] = []
+        while len(versions) < MAX_ROOTS and self._exists(root_rel(len(versions) + 1)):
+            versions.append(len(versions) + 1)
+        return versions
 
     # ------------------------------------------------------------ writing
 
@@ -228,7 +235,7 @@ def open_board(location: str | Path | AnyBoard) -> AnyBoard:
     text = str(location)
     if text.startswith(("http://", "https://")):
         raise ValueError(
-            f"{text}: an HTTP board is read-only; publish to its store (s3://, gs://, az://) or a directory"
+            f"{shown_url(text)}: an HTTP board is read-only; publish to its store (s3://, gs://, az://) or a directory"
         )
     loc = parse_store_url(text)
     if loc is not None:

@@ -517,6 +517,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from patchswarm.protocol.keys import load_public_key
     from patchswarm.protocol.trust import TrustState
     from patchswarm.swarm.board_sources import source_for
+    from patchswarm.swarm.client_errors import shown_url
     from patchswarm.swarm.puller import Puller
 
     url, run = args.source, args.run
@@ -525,7 +526,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     except SwarmCliError as e:
         raise UserError(str(e)) from None
     if tls is not None and not url.startswith("https://"):
-        raise UserError(f"--tls-* is for a board served over https://, got --from {url[:200]}")
+        raise UserError(f"--tls-* is for a board served over https://, got --from {shown_url(url)}")
     trust = TrustState(load_public_key(args.trust))
     state = PullState.load(Path(args.state), run) if args.state else None
     if state:

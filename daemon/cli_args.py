@@ -122,9 +122,10 @@ def rate(text: str) -> float:
 def url(text: str) -> str:
     """An http(s) URL, by the rule of the config's URL keys."""
     from patchswarm.daemon.config import parse_url
+    from patchswarm.swarm.client_errors import shown_url
 
     if any(not c.isprintable() or c.isspace() for c in text):
-        raise argparse.ArgumentTypeError(f"expected an http(s) URL, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an http(s) URL, got {shown_url(text)!r}")
     try:
         return parse_url(text)
     except ValueError as e:
@@ -134,9 +135,10 @@ def url(text: str) -> str:
 def board_url(text: str) -> str:
     """A board URL to poll: http(s), or an object store's s3:// gs:// az:// (``swarm.seed_urls``)."""
     from patchswarm.daemon.config import parse_board_url
+    from patchswarm.swarm.client_errors import shown_url
 
     if any(not c.isprintable() or c.isspace() for c in text):
-        raise argparse.ArgumentTypeError(f"expected a board URL, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a board URL, got {shown_url(text)!r}")
     try:
         return parse_board_url(text)
     except ValueError as e:
@@ -212,11 +214,12 @@ def board(text: str) -> str:
     """A board to write: an object store URL (s3://, gs://, az://), a file:// URL or a directory (or a
     name where one will be created).  Credentials come from the environment, never from here."""
     from patchswarm.swarm.board_store import local_path, parse_store_url
+    from patchswarm.swarm.client_errors import shown_url
 
     path(text)
     if text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: an HTTP board is read-only; write to its store (s3://, gs://, az://) or a directory"
+            f"{shown_url(text)!r}: an HTTP board is read-only; write to its store (s3://, gs://, az://) or a directory"
         )
     try:
         if parse_store_url(text) is not None:

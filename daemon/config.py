@@ -153,9 +153,16 @@ def parse_listen(v: Any) -> str:
     return str(v).strip()
 
 
+def _shown(v: Any) -> str:
+    """A rejected value as its error line shows it: a URL's credentials never (swarm/client_errors.py)."""
+    from patchswarm.swarm.client_errors import shown_url
+
+    return repr(shown_url(v)) if isinstance(v, str) else repr(v)
+
+
 def parse_url(v: Any) -> str:
     if not isinstance(v, str) or not re.match(r"^https?://[^/\s]+", v):
-        raise ValueError(f"expected an http(s) URL, got {v!r}")
+        raise ValueError(f"expected an http(s) URL, got {_shown(v)}")
     return v.rstrip("/")
 
 
@@ -169,7 +176,7 @@ def parse_board_url(v: Any) -> str:
     try:
         return parse_url(v)
     except ValueError:
-        raise ValueError(f"expected an http(s), s3://, gs:// or az:// URL, got {v!r}") from None
+        raise ValueError(f"expected an http(s), s3://, gs:// or az:// URL, got {_shown(v)}") from None
 
 
 def _url_list(v: Any, parse: Callable[[Any], str]) -> list[str]:
@@ -509,7 +516,7 @@ SCHEMA: list[Key] = [
         False,
         "Mutual TLS for the swarm endpoints (node.listen) and every request to peers and seeds, against the "
         "cluster CA (docs/security.md): then every peer, bootstrap and seed URL must be https:// (never a "
-        "silent fallback to plain HTTP).",
+        "silent fallback to plain HTTP); an s3:// gs:// az:// board is read over the provider's HTTPS.",
     ),
     Key("tls", "ca", parse_str, None, "PEM bundle of the cluster CA(s) peers' certificates must chain to."),
     Key("tls", "cert", parse_str, None, "PEM certificate of this host (from the cluster CA; `patchswarm certs`)."),
@@ -703,7 +710,11 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], source: str = "
 
 
 def _check_tls(values: Mapping[str, Any]) -> None:
-    """With tls.enabled: the three files named, and no peer or seed reached over plain HTTP."""
+    """With tls.enabled: the three files named, and no peer or seed reached over plain HTTP (a board in an
+    object store is read through its SDK, over the provider's HTTPS)."""
+    from patchswarm.swarm.board_store import is_store_url
+    from patchswarm.swarm.client_errors import shown_url
+
     if not values["tls.enabled"]:
         return
     for name in ("ca", "cert", "key"):
@@ -712,8 +723,8 @@ def _check_tls(values: Mapping[str, Any]) -> None:
     for key in ("swarm.bootstrap", "swarm.seed_urls", "node.advertise"):
         value = values[key]
         for url in value if isinstance(value, list) else [value] if value else []:
-            if not url.startswith("https://"):
-                raise ConfigError(f"{key}: {url[:200]} is plain HTTP and tls.enabled is set: use https://")
+            if not url.startswith("https://") and not (key == "swarm.seed_urls" and is_store_url(url)):
+                raise ConfigError(f"{key}: {shown_url(url)} is plain HTTP and tls.enabled is set: use https://")
 
 
 def _tls_warnings(values: Mapping[str, Any]) -> list[str]:

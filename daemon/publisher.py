@@ -77,7 +77,7 @@ from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from patchswarm.protocol.codec import TensorDelta, assemble, diff_tensor
-from patchswarm.protocol.errors import PublisherBehindError
+from patchswarm.protocol.errors import PatchswarmError, PublisherBehindError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
@@ -555,7 +555,14 @@ class Publisher:
 
     def _collect_garbage(self) -> None:
         if self._dropped:
-            self.board.collect_garbage(self._catalog)
+            try:
+                self.board.collect_garbage(self._catalog)
+            except (OSError, PatchswarmError) as e:
+                # The head has moved: the version is published.  What is left costs storage only and goes at
+                # the next collection; failing the publish would fail every later one (a stray object in a
+                # store that cannot be listed, a delete refused).
+                log.warning("publisher: old versions not deleted from %s: %s", self.board.location, e)
+                return
             self._dropped = []
 
 

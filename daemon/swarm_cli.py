@@ -192,7 +192,7 @@ def _run(main: Coroutine[None, None, None]) -> None:
 
 def run_seed(args: argparse.Namespace) -> int:
     from patchswarm.daemon.board import Board
-    from patchswarm.daemon.board_mirror import BoardMirror
+    from patchswarm.daemon.board_mirror import BoardMirror, StaleHeadError
     from patchswarm.daemon.board_store import StoreBoard
     from patchswarm.daemon.config import bind_errors
     from patchswarm.protocol.keys import TrustedKeys
@@ -206,7 +206,10 @@ def run_seed(args: argparse.Namespace) -> int:
     # A board in an object store: the seed serves a local copy of the run, kept in step (daemon/board_mirror.py).
     mirror = BoardMirror(StoreBoard(store), board, args.run) if store is not None else None
     if mirror is not None:
-        mirror.sync()
+        try:
+            mirror.sync()
+        except StaleHeadError as e:  # the copy is newer than the store: serve it
+            log.warning("seed: %s", e)
     config = _config(args, is_seed=True, listen=args.listen)
     tls = tls_from_args(args)
     running: list[RunningNode] = []

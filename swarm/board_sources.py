@@ -17,7 +17,7 @@ import aiohttp
 from patchswarm.protocol.errors import LimitExceededError
 from patchswarm.protocol.files import FileTooLargeError
 from patchswarm.swarm.board_files import BoardFiles
-from patchswarm.swarm.client_errors import SourceError, describe
+from patchswarm.swarm.client_errors import SourceError, describe, shown_url
 from patchswarm.swarm.http import read_bounded
 from patchswarm.swarm.tls import TlsReloader, require_https
 
@@ -65,6 +65,7 @@ class HttpSource:
         if tls is not None:
             require_https(base_url, "board URL")  # TlsError: with TLS, never a plain seed
         self.base_url = base_url.rstrip("/") + "/"
+        self._shown = shown_url(self.base_url)  # what error lines say (never the URL's credentials)
         self._tls = tls
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
@@ -88,10 +89,10 @@ class HttpSource:
                 if r.status in (403, 404):
                     return None
                 if r.status != 200:
-                    raise SourceError(f"GET {url}: HTTP {r.status}")
+                    raise SourceError(f"GET {self._shown}{rel}: HTTP {r.status}")
                 return await read_bounded(r, limit, rel)
         except (TimeoutError, aiohttp.ClientError) as e:
-            raise SourceError(f"GET {url}: {describe(e)}") from None
+            raise SourceError(f"GET {self._shown}{rel}: {describe(e)}") from None
 
     async def close(self) -> None:
         if self._session is not None:

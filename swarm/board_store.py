@@ -33,7 +33,7 @@ from obstore.store import AzureStore, GCSStore, ObjectStore, S3Store
 
 from patchswarm.protocol.board_names import board_limit
 from patchswarm.protocol.errors import LimitExceededError
-from patchswarm.swarm.client_errors import SourceError
+from patchswarm.swarm.client_errors import SourceError, shown_url
 
 SCHEMES = {"s3": "s3", "gs": "gs", "az": "az", "azure": "az"}  # URL scheme -> provider
 MAX_URL = 1024
@@ -53,6 +53,8 @@ _CREDENTIAL_CODES = (
     "AuthorizationFailure",  # (Azurite's answer to a wrong key; Azure's to a request its rules forbid)
     "InvalidAuthenticationInfo",
 )
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
+_URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s@]*@")
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 STREAM_CHUNK = 1 << 20
 
@@ -77,26 +79,44 @@ class StoreURL:
 
 
 def parse_store_url(text: str) -> StoreURL | None:
-    """The store a board URL names; None for anything that is not a store URL (a path, http(s)).
+    """The store a board URL names; None for anything that is not a store URL (a path, http(s), file).
 
     ValueError (one line) for a store URL that is malformed: a bucket name no provider accepts,
-    credentials or a port in it, a query, empty/``.``/``..`` path segments, odd characters.
+    credentials or a port in it, a query, empty/``.``/``..`` path segments, odd characters; and for
+    a URL of a scheme no board has (``gcs://``, ``s3:/bucket``), which would otherwise be taken for
+    a directory of that name and published into.
     """
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme.lower() not in SCHEMES:
+    m = _SCHEME.match(text)
+    if m is None:
         return None
+    scheme, rest = m.group(1).lower(), text[m.end() :]
+    if scheme in ("http", "https", "file"):
+        return None
+    if scheme not in SCHEMES or not rest.startswith("//"):
+        if scheme not in SCHEMES and not rest.startswith("//"):
+            return None  # a directory whose name holds a colon ("board:v1")
+        raise ValueError(
+            f"{shown_url(text)!r}: not a board location (s3://bucket/prefix, gs://..., az://..., http(s)://..., "
+            "file:///path or a directory)"
+        )
     if len(text) > MAX_URL:
         raise ValueError(f"board URL longer than {MAX_URL} characters")
-    bucket, _, prefix = rest.partition("/")
+    bucket, _, prefix = rest[2:].partition("/")
     prefix = prefix.rstrip("/")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket:
         raise ValueError(
-            f"{text!r}: {bucket!r} is not a bucket name (3-222 lowercase letters, digits, '.', '-', '_'; "
+            f"{shown_url(text)!r}: the bucket is not a bucket name (3-222 lowercase letters, digits, '.', '-', '_'; "
             "credentials and endpoints come from the environment, never the URL)"
         )
     if prefix and not all(_SEGMENT.fullmatch(s) and s not in (".", "..") for s in prefix.split("/")):
-        raise ValueError(f"{text!r}: the prefix must be '/'-separated names of letters, digits and ._~+=@,-")
-    return StoreURL(SCHEMES[scheme.lower()], bucket, prefix)
+        raise ValueError(f"{shown_url(text)!r}: the prefix must be '/'-separated names of letters, digits and ._~+=@,-")
+    return StoreURL(SCHEMES[scheme], bucket, prefix)
+
+
+def is_store_url(text: str) -> bool:
+    """Whether ``text`` names an object store (``s3://``, ``gs://``, ``az://``), well formed or not."""
+    m = _SCHEME.match(text)
+    return m is not None and m.group(1).lower() in SCHEMES and text[m.end() :].startswith("//")
 
 
 def local_path(text: str) -> str | None:
@@ -134,12 +154,28 @@ def _s3_credentials() -> dict[str, Any]:
     return {"credential_provider": Boto3CredentialProvider(session)}
 
 
+def _check_aws_environment() -> None:
+    """A control character in an ``AWS_*`` setting that S3 requests carry in a header (a key id, session
+    token or region pasted with its newline or carriage return) makes obstore panic on the first
+    request: pyo3's PanicException, a BaseException that no ``except Exception`` stops (a traceback in
+    the CLI; in a daemon, the task that asked dies: a seed's copy stops unlogged).  Refused here in one
+    line that names the variable and never shows its value.  (Not GOOGLE_*: a service account key
+    given inline is JSON, newlines and all.)"""
+    for name, value in os.environ.items():
+        if name.startswith("AWS_") and any((c < " " and c != "\t") or c == "\x7f" for c in value):
+            raise StoreCredentialsError(
+                f"the environment variable {name} holds a control character (a newline or carriage return pasted "
+                "with it?): remove it"
+            )
+
+
 def open_store(loc: StoreURL) -> ObjectStore:
     """An obstore store for ``loc``, configured from the environment (StoreError if it cannot be)."""
     try:
         # No client_options here: given, they replace those obstore reads from the environment
         # (AWS_ALLOW_HTTP, proxies, timeouts) instead of adding to them.
         if loc.provider == "s3":
+            _check_aws_environment()
             return S3Store.from_url(loc.url, **_s3_credentials())
         if loc.provider == "gs":
             return GCSStore.from_url(loc.url)
@@ -156,7 +192,8 @@ def open_store(loc: StoreURL) -> ObjectStore:
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     text = text.split(": <?xml", 1)[0]  # the response body follows; its <Code> is reported apart
-    return text[:300]
+    # obstore names the request's URL: an endpoint given with credentials (AWS_ENDPOINT_URL=http://u:p@host) shows them.
+    return _URL_CREDENTIALS.sub(r"\1***@", text)[:300]
 
 
 def error_code(e: BaseException) -> str | None:

@@ -8,6 +8,7 @@ reaches operators through status reasons and log lines; :func:`describe` says th
 from __future__ import annotations
 
 import errno
+import re
 import socket
 
 import aiohttp
@@ -18,6 +19,17 @@ from patchswarm.protocol.errors import PatchswarmError
 
 class SourceError(PatchswarmError):
     """A board source failed (connection refused, HTTP error, timeout, an object store's refusal)."""
+
+
+# Everything up to a URL's last "@": credentials (a secret may hold "/", so no narrower cut is safe).
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]{0,31}://)?.*@", re.DOTALL)
+
+
+def shown_url(text: str) -> str:
+    """``text`` as an error line may show it: credentials (``user:secret@``) and any query (a presigned
+    URL's signature, a SAS token) replaced, at most 200 characters."""
+    text, query, _ = text.partition("?")
+    return (_USERINFO.sub(lambda m: (m.group(1) or "") + "***@", text) + ("?***" if query else ""))[:200]
 
 
 _ERRNO = {

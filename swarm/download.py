@@ -41,6 +41,10 @@ FromBoard = Callable[[ChunkRef], Awaitable[bytes | None]]
 
 BOARD = "(board)"  # the peer id board fetches are filed under (no peer has it)
 BOARD_FETCHES = 4  # board fetches at once, per download
+# After a board fetch that brought nothing (missing, refused, throttled, a wrong chunk) the board is
+# left alone for a while, doubling up to the last: a store's 403 or 404 answers in milliseconds, and
+# without a pause every host would ask again at once, forever (each request billed).
+BOARD_RETRY_S = (1.0, 30.0)
 
 
 class ChunkFetcher:
@@ -78,6 +82,8 @@ class ChunkFetcher:
         self.got_chunk = got_chunk
         self.loop = loop
         self.from_board = from_board
+        self.board_wait = 0.0  # the pause after the last failed board fetch (0 after a success)
+        self.board_after = 0.0  # clock time before which the boards are not asked
         self.bucket = TokenBucket(config.download_rate, config.download_rate * 0.1)
         # Chunk bytes received per manifest id, from the seed and from peers (per-version accounting;
         # kept out of Metrics, which daemons print as JSON).
@@ -155,7 +161,14 @@ class ChunkFetcher:
 
     def _board_due(self) -> bool:
         """Boards are asked only by a node that knows no seed (a seed holds every chunk the board does)."""
-        return self.from_board is not None and not any(v.ann.seed for v in self.peers.values())
+        if self.from_board is None or self.clock.now() < self.board_after:
+            return False
+        return not any(v.ann.seed for v in self.peers.values())
+
+    def _board_failed(self) -> None:
+        first, most = BOARD_RETRY_S
+        self.board_wait = min(most, max(first, 2 * self.board_wait))
+        self.board_after = self.clock.now() + self.board_wait * (0.5 + 0.5 * self.rng.random())  # (hosts apart)
 
     async def fetch_board(
         self,
@@ -174,13 +187,18 @@ class ChunkFetcher:
                 await self.clock.sleep(pause)
             start = self.clock.now()
             data = await self.from_board(ref)
-            if data is None or sched.holds(chunk):
+            if data is None:
+                self._board_failed()
+                return
+            if sched.holds(chunk):
                 return
             try:
                 self.verify_chunk(chunk, data, ref)
             except ChunkError as e:
                 log.warning("%s: %s from the board", self.me.node_id, e)
+                self._board_failed()
                 return
+            self.board_wait = 0.0
             self.chunks.put(ref.hash, data)
             if sched.held_count == 0:
                 self.marks.append(("chunk", manifest.version, self.clock.now()))

@@ -67,7 +67,11 @@ async def start_http_node(
     app = board_app(board.root) if board is not None else web.Application()
     add_routes(app, Handlers(gossip, chunk, obj, chunk_from=chunk))  # chunk_from: per-requester upload limits
     if tls is not None:  # (TlsError) nothing reached, nor reaching us, over plain HTTP: checked before binding
-        for url in [*([advertise] if advertise else []), *config.bootstrap, *config.seed_urls]:
+        from patchswarm.swarm.board_store import is_store_url
+
+        # (A store URL is read through its SDK over the provider's HTTPS, not the cluster's TLS.)
+        seeds = [url for url in config.seed_urls if not is_store_url(url)]
+        for url in [*([advertise] if advertise else []), *config.bootstrap, *seeds]:
             require_https(url, "advertised URL" if url == advertise else "bootstrap or seed URL")
     runner, bound = await serve_tcp(app, host, port, limits, tls.server_context() if tls is not None else None)
     scheme = "https" if tls is not None else "http"

@@ -256,5 +256,7 @@ class TlsReloader:
 
 def require_https(url: str, what: str) -> None:
     """With TLS configured, a plain http:// URL is refused, never used (no silent fallback)."""
+    from patchswarm.swarm.client_errors import shown_url
+
     if not url.startswith("https://"):
-        raise TlsError(f"{what} {url[:200]}: TLS is configured, so peers and seeds must be https:// URLs")
+        raise TlsError(f"{what} {shown_url(url)}: TLS is configured, so peers and seeds must be https:// URLs")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import signal
 import socket
@@ -419,3 +420,26 @@ def assert_one_head_per_counter(won: list[tuple[int, int]], start: int, end: int
         by_counter.setdefault(counter, set()).add(created)
     assert sorted(by_counter) == list(range(start + 1, end + 1))
     assert all(len(times) == 1 for times in by_counter.values()), by_counter
+
+
+def test_a_stray_object_in_the_store_fails_no_publish(aws: Moto, keys: Keys, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention lists manifests/ and chunks/; one object obstore cannot name there (a key holding
+    ``..``) failed that listing, and with it every publish that dropped a version, after its head had
+    moved.  Now the publish returns, the old versions wait for the next collection, and one line says why."""
+    bucket = aws.new_bucket()
+    url = f"s3://{bucket}/gc"
+    pub = Publisher(url, keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), anchor_every=1, keep_anchors=1)
+    w = weights(11)
+    pub.publish(w)
+    aws.client().put_object(Bucket=bucket, Key="gc/chunks/../stray", Body=b"stray")
+    for i in range(2):
+        step(w, 110 + i)
+        with caplog.at_level(logging.WARNING, logger="patchswarm.publisher"):
+            info = pub.publish(w)
+        assert getattr(info, "version", None) == i + 2
+    pub.close()
+    head = board_head(open_board(url), RUN)
+    assert head is not None and head.version == 3 and len(head.catalog) == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "patchswarm.publisher"]
+    assert lines and all("old versions not deleted" in line and "gc/chunks/../stray" in line for line in lines), lines
+    assert served(w).bitwise_equal(pull(url, keys))

@@ -108,3 +108,15 @@ def test_the_aws_credentials_file_is_read_through_boto3(authed: Moto, work: Path
     )
     line = one_line_error(run_cli(pull(board), env, tmp_path))
     assert "SignatureDoesNotMatch" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_REGION"])
+def test_a_setting_pasted_with_its_newline_is_one_line_not_a_panic(authed: Moto, work: Path, name: str) -> None:
+    """A header value with a control character made obstore panic (a BaseException no handler catches):
+    a Rust backtrace and a Python traceback.  Now one line naming the variable, never its value."""
+    value = "FwoGZXIvYXdzEXAMPLETOKEN\r\n" if name == "AWS_SESSION_TOKEN" else authed.env()[name] + "\n"
+    board = f"s3://{authed.buckets[0]}/b"
+    for args in (publish(board), pull(board)):
+        line = one_line_error(run_cli(args, authed.env(**{name: value}), work))
+        assert name in line and "control character" in line and value.strip() not in line, line

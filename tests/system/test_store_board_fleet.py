@@ -15,14 +15,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from patchswarm.daemon.board import Board
-from patchswarm.daemon.board_mirror import BoardMirror
+from patchswarm.daemon.board_mirror import BoardMirror, StaleHeadError
 from patchswarm.daemon.board_store import StoreBoard, open_board
+from patchswarm.daemon.head_refresh import parse_head, refresh_board_head
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.protocol.board_names import head_rel
+from patchswarm.protocol.board_names import cert_rel, head_rel, root_rel
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.trust import RootDocument
 from tests.support.boards import Keys, free_port
 from tests.support.daemonkit import Daemon
 from tests.support.moto_server import Moto, clean_env, moto_server
@@ -206,17 +209,25 @@ format = "json"
     return Daemon(name, d, d / "daemon.toml", store, str(d / "api.sock"), env=clean_env(env))
 
 
+Published = tuple[str, Publisher, StoreBoard, dict[str, torch.Tensor]]
+
+
+def published(aws: Moto, keys: Keys, prefix: str, seed: int) -> Published:
+    """A new bucket with one version of run RUN under ``prefix``: (bucket, publisher, its board, weights)."""
+    bucket = aws.new_bucket()
+    url = f"s3://{bucket}/{prefix}"
+    pub = Publisher(url, keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), refresh=False)
+    w = weights(seed)
+    pub.publish(w)
+    assert isinstance(pub.board, StoreBoard)
+    return bucket, pub, pub.board, w
+
+
 def test_a_seed_copy_refuses_a_chunk_that_is_not_what_its_name_says(aws: Moto, keys: Keys, tmp_path: Path) -> None:
     """The seed's copy checks each object against its name: a damaged chunk in the store stops the
     copy of that version, and the local head stays at the last complete one."""
-    bucket = aws.new_bucket()
-    url = f"s3://{bucket}/m"
-    pub = Publisher(url, keys.trainer, run_id=RUN, certificate=keys.certificate(RUN), refresh=False)
-    w = weights(7)
-    pub.publish(w)
+    bucket, pub, store, w = published(aws, keys, "m", 7)
     local = Board(tmp_path / "copy")
-    store = pub.board
-    assert isinstance(store, StoreBoard)
     mirror = BoardMirror(store, local, RUN)
     assert mirror.sync() and not mirror.sync()  # copied once; nothing new the second time
     first = local.read(head_rel(RUN))
@@ -230,3 +241,45 @@ def test_a_seed_copy_refuses_a_chunk_that_is_not_what_its_name_says(aws: Moto, k
     with pytest.raises(FormatError, match="does not hold the chunk its name says"):
         mirror.sync()
     assert local.read(head_rel(RUN)) == first
+
+
+def test_a_seed_copy_does_not_follow_an_older_head_put_back(aws: Moto, keys: Keys, tmp_path: Path) -> None:
+    """An older, validly signed head put back in the store (replayed, or a restored backup): hosts refuse
+    it by its counter, and the copy used to follow it, deleting the newer version's chunks hosts still
+    fetch from the seed.  Now the copy keeps its head and every chunk, and says why in one line."""
+    bucket, pub, store, w = published(aws, keys, "r", 8)
+    old = store.read(head_rel(RUN))
+    step(w, 80)
+    pub.publish(w)
+    pub.close()
+    local = Board(tmp_path / "copy")
+    mirror = BoardMirror(store, local, RUN)
+    assert mirror.sync()
+    newest = local.read(head_rel(RUN))
+    chunks = sorted(p.name for p in local.path("chunks").iterdir())
+    aws.client().put_object(Bucket=bucket, Key=f"r/{head_rel(RUN)}", Body=old)
+    with pytest.raises(StaleHeadError, match=r"not newer than the copy's \(\d+\): not followed"):
+        mirror.sync()
+    assert local.read(head_rel(RUN)) == newest
+    assert sorted(p.name for p in local.path("chunks").iterdir()) == chunks
+
+
+def test_a_stray_object_the_sdk_cannot_name_stops_neither_the_copy_nor_a_refresh(
+    aws: Moto, keys: Keys, tmp_path: Path
+) -> None:
+    """A key holding ``..`` is a valid S3 object name that obstore refuses to list: one such object under
+    trust/ or certs/ failed every listing, so a seed's copy and the head's refresh stopped for good.
+    Root documents are now asked for by number and certificates by the keys that signed."""
+    bucket, pub, store, _ = published(aws, keys, "j", 9)
+    store.put_root(1, RootDocument(1, (keys.root.key_id,), ()).sign(keys.root).to_bytes())
+    for stray in ("j/trust/root.2/../../x", "j/certs/../x"):
+        aws.client().put_object(Bucket=bucket, Key=stray, Body=b"stray")
+    local = Board(tmp_path / "copy")
+    assert BoardMirror(store, local, RUN).sync()
+    cert = store.read(cert_rel(keys.trainer.key_id))
+    assert cert is not None and local.read(cert_rel(keys.trainer.key_id)) == cert
+    assert local.read(root_rel(1)) == store.read(root_rel(1))
+    before = parse_head(store.read(head_rel(RUN)) or b"").counter
+    head = refresh_board_head(store, keys.trainer, RUN, certificate=cert)
+    assert head is not None and head.counter == before + 1
+    pub.close()

@@ -79,6 +79,8 @@ def test_tls_config_refuses_half_setups_and_plain_peers(pki: Pki, tmp_path: Path
     for key in ("bootstrap", "seed_urls"):
         with pytest.raises(ConfigError, match=rf"^swarm\.{key}: http://seed:8700 is plain HTTP"):
             _config({"enabled": True, **files}, {key: ["https://a:1", "http://seed:8700"]})
+    # A store board is read through its SDK, over the provider's HTTPS: allowed with the cluster's TLS.
+    assert _config({"enabled": True, **files}, {"seed_urls": ["s3://my-board/p", "https://a:1"]}).tls() is not None
     cfg = _config({"enabled": True, **files}, {"bootstrap": ["https://seed:8700"]})
     tls = cfg.tls()
     assert tls is not None and tls.files.cert == pki.root / "h1.pem"

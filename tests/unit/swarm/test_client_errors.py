@@ -68,3 +68,20 @@ async def test_board_source_and_status_lines_carry_no_library_noise(tmp_path: Pa
     with pytest.raises(StatusError) as st:
         await fetch_status(str(tmp_path / "api.sock"))
     assert str(st.value) == f"cannot reach the daemon at {tmp_path / 'api.sock'}: no such socket"
+
+
+async def test_a_board_url_s_credentials_never_reach_its_error_line() -> None:
+    """A board behind basic auth (``https://user:secret@host/board``) failed with its URL in the line
+    that nodes log at every distinct failure: the secret with it."""
+    secret = "s3cr3t+t0ken"
+    src = HttpSource(f"http://reader:{secret}@127.0.0.1:{closed_port()}/board")
+    try:
+        with pytest.raises(SourceError) as e:
+            await src.get("runs/r/head", 1024)
+    finally:
+        await src.close()
+    line = str(e.value)
+    assert (
+        line.startswith("GET http://***@127.0.0.1:") and "/board/runs/r/head: cannot connect to 127.0.0.1:" in line
+    ), line
+    assert secret not in line and "reader" not in line, line

@@ -21,7 +21,8 @@ import pytest
 
 from patchswarm.daemon.board import Board
 from patchswarm.protocol.board_names import HEAD_TAG, MANIFEST_TAG, cert_rel, head_rel, manifest_rel, root_rel
-from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.chunks import ChunkRef
+from patchswarm.protocol.errors import ChunkError, PatchswarmError
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.membership_messages import MemberState, NodeInfo
 from patchswarm.protocol.node_config import NodeConfig
@@ -407,3 +408,43 @@ async def test_a_head_poll_asks_the_board_first_only_in_a_swarm_without_a_seed(t
     assert got == (b"a peer's head" if with_seed else b"the board's head")
     assert (t.asked == []) is not with_seed
     assert await src.get(head, 1 << 20, prefer="p1") == b"a peer's head"  # an announcement: its announcer first
+
+
+@pytest.mark.parametrize("answer", ["missing", "wrong"])
+def test_a_board_that_gives_no_chunk_is_asked_again_only_after_a_growing_pause(answer: str) -> None:
+    """A node without a seed takes chunks nobody has from the board.  When the board has none to give
+    (a 403/404, a throttled or failing store) or gives wrong bytes, it used to be asked again at once:
+    four GETs per round trip, every host, for as long as the download lasted.  Now a failure leaves the
+    board alone for 1 s, doubling up to 30 s; 60 virtual seconds of a board that never answers cost a
+    few dozen requests, not thousands."""
+    refs = tuple(ChunkRef(1024, blake3.blake3(bytes([i])).digest()) for i in range(8))
+    manifest: Any = SimpleNamespace(manifest_id=b"m" * 32, chunks=refs, version=1)
+
+    async def main() -> list[float]:
+        node = SwarmNode(NodeConfig("n", RUN, SECRET), "sim://n", NO_TRANSPORT, SimClock(0.0), POLICY, random.Random(0))
+        asked: list[float] = []
+
+        async def board(ref: ChunkRef) -> bytes | None:
+            asked.append(node.clock.now())
+            await asyncio.sleep(0.01)  # a store's round trip
+            return None if answer == "missing" else b"x" * ref.size
+
+        node.fetcher.from_board = board
+        node.fetcher.verify_chunk = check_chunk
+        task = asyncio.get_running_loop().create_task(node.fetcher.download(manifest))
+        await asyncio.sleep(60.0)
+        task.cancel()
+        return asked
+
+    asked = run_virtual(main())
+    # Rounds of four at 0 s, then after pauses of 0.5-1, 1-2, 2-4, 4-8, 8-16, 15-30 s: at most 8 rounds.
+    assert 8 <= len(asked) <= 4 * 8, len(asked)
+    assert asked[4] >= 0.5  # the second round waited
+
+
+POLICY = TrustState(b"k" * 32)
+
+
+def check_chunk(index: int, data: bytes, ref: ChunkRef) -> None:
+    if blake3.blake3(data).digest() != ref.hash:
+        raise ChunkError(index, "does not match its hash")

@@ -104,6 +104,18 @@ async def test_a_tls_client_refuses_plain_http_peers_and_seeds(pki: Pki) -> None
         await start_http_node(config, TrustedKeys(frozenset()), advertise="http://h:1", tls=pki.reloader("h1"))
 
 
+@pytest.mark.asyncio
+async def test_a_tls_node_reads_a_board_in_an_object_store(pki: Pki, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An s3:// board is read through the SDK over the provider's own HTTPS: with the cluster's TLS on,
+    it was refused as "plain HTTP" (config and node start), so a TLS fleet could not use a store board."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "example")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    config = NodeConfig("x", RUN, SECRET, seed_urls=["s3://my-board/prefix"])
+    running = await start_http_node(config, TrustedKeys(frozenset()), host="127.0.0.1", port=0, tls=pki.reloader("h1"))
+    await running.stop()
+
+
 def test_files_that_do_not_load_give_one_line(pki: Pki, tmp_path: Path) -> None:
     junk = tmp_path / "junk.pem"
     junk.write_bytes(b"not a certificate\n")
