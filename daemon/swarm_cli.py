@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from patchswarm.daemon import cli_args
 from patchswarm.daemon.head_cli import add_seed_refresh_args, seed_refresher
+from patchswarm.daemon.user_error import UserError
 
 if TYPE_CHECKING:
     from patchswarm.daemon.board_mirror import BoardMirror
@@ -295,3 +296,11 @@ def run_node(args: argparse.Namespace) -> int:
 
     _run(main())
     return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """``patchswarm node``: its errors as the command line's one line."""
+    try:
+        return run_node(args)
+    except (SwarmCliError, ValueError) as e:
+        raise UserError(str(e)) from None
