@@ -75,7 +75,7 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
 
 
 def cmd_seed(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.config import split_listen
+    from patchswarm.daemon.config_values import split_listen
     from patchswarm.swarm.board_http import board_app
     from patchswarm.swarm.board_store import local_path, parse_store_url
     from patchswarm.swarm.serving import ServerLimits, raise_nofile_limit, run_app
@@ -105,7 +105,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
             return run_seed(args)
         except SwarmCliError as e:
             raise UserError(str(e)) from None
-    from patchswarm.daemon.config import ListenError, bind_errors
+    from patchswarm.daemon.config_values import ListenError, bind_errors
     from patchswarm.daemon.swarm_cli import SwarmCliError, tls_from_args
 
     try:

@@ -62,7 +62,7 @@ def run_id(text: str) -> str:
 
 def node_name(text: str) -> str:
     """A node id, by the rule of a daemon's ``node.name``."""
-    from patchswarm.daemon.config import parse_name
+    from patchswarm.daemon.config_values import parse_name
 
     try:
         return parse_name(text)
@@ -107,7 +107,7 @@ def days(text: str) -> float:
 
 def rate(text: str) -> float:
     """Bytes per second ('100MB', '1GiB'), by the rule of the config's ``swarm.upload_rate``; 0 = unlimited."""
-    from patchswarm.daemon.config import parse_rate
+    from patchswarm.daemon.config_values import parse_rate
 
     try:
         return parse_rate(text)
@@ -121,7 +121,7 @@ def rate(text: str) -> float:
 
 def url(text: str) -> str:
     """An http(s) URL, by the rule of the config's URL keys."""
-    from patchswarm.daemon.config import parse_url
+    from patchswarm.daemon.config_values import parse_url
     from patchswarm.swarm.client_errors import shown_url
 
     if any(not c.isprintable() or c.isspace() for c in text):
@@ -134,7 +134,7 @@ def url(text: str) -> str:
 
 def board_url(text: str) -> str:
     """A board URL to poll: http(s), or an object store's s3:// gs:// az:// (``swarm.seed_urls``)."""
-    from patchswarm.daemon.config import parse_board_url
+    from patchswarm.daemon.config_values import parse_board_url
     from patchswarm.swarm.client_errors import shown_url
 
     if any(not c.isprintable() or c.isspace() for c in text):
@@ -149,7 +149,7 @@ _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def listen(text: str) -> str:
-    """HOST:PORT, [IPV6]:PORT or :PORT (all interfaces); the text itself, for daemon.config.split_listen."""
+    """HOST:PORT, [IPV6]:PORT or :PORT (all interfaces); the text itself, for daemon.config_values.split_listen."""
     host, sep, port = text.rpartition(":")
     if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 0..65535, got {text!r}")

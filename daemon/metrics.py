@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from patchswarm.daemon.config import bind_errors, split_listen
+from patchswarm.daemon.config_values import bind_errors, split_listen
 from patchswarm.swarm.node import SwarmNode
 from patchswarm.swarm.node_metrics import Metrics as NodeMetrics
 from patchswarm.swarm.serving import ServerLimits, serve_tcp

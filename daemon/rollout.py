@@ -28,7 +28,8 @@ from typing import Any
 
 from patchswarm.daemon import systemd
 from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, serve_unix
-from patchswarm.daemon.config import ConfigError, DaemonConfig, bind_errors
+from patchswarm.daemon.config import ConfigError, DaemonConfig
+from patchswarm.daemon.config_values import bind_errors
 from patchswarm.daemon.engine import SHM_DIR, store_lock_path
 from patchswarm.daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
 from patchswarm.daemon.journal import recover

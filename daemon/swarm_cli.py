@@ -172,7 +172,7 @@ def _config(args: argparse.Namespace, *, is_seed: bool, listen: str) -> NodeConf
 
 
 def _listen(listen: str) -> tuple[str, int]:
-    from patchswarm.daemon.config import split_listen
+    from patchswarm.daemon.config_values import split_listen
 
     try:
         return split_listen(listen)
@@ -181,7 +181,7 @@ def _listen(listen: str) -> tuple[str, int]:
 
 
 def _run(main: Coroutine[None, None, None]) -> None:
-    from patchswarm.daemon.config import ListenError
+    from patchswarm.daemon.config_values import ListenError
     from patchswarm.swarm.serving import raise_nofile_limit
 
     raise_nofile_limit()  # a node or seed serving many peers needs more than the default 1024 descriptors
@@ -195,7 +195,7 @@ def run_seed(args: argparse.Namespace) -> int:
     from patchswarm.daemon.board import Board
     from patchswarm.daemon.board_mirror import BoardMirror, StaleHeadError
     from patchswarm.daemon.board_store import StoreBoard
-    from patchswarm.daemon.config import bind_errors
+    from patchswarm.daemon.config_values import bind_errors
     from patchswarm.protocol.keys import TrustedKeys
     from patchswarm.swarm.board_store import parse_store_url
     from patchswarm.swarm.server import start_http_node
@@ -266,7 +266,7 @@ async def _mirroring(mirror: BoardMirror, head_moved: Callable[[], None]) -> Non
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from patchswarm.daemon.config import bind_errors
+    from patchswarm.daemon.config_values import bind_errors
     from patchswarm.protocol.keys import load_public_key
     from patchswarm.protocol.trust import TrustState
     from patchswarm.swarm.server import start_http_node
