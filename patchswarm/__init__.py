@@ -24,9 +24,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # trainer: publish versions to a board
     "Publisher": "patchswarm.daemon.publisher",
-    "PublishInfo": "patchswarm.daemon.publisher",
-    "ShardedPublish": "patchswarm.daemon.publisher",
-    "ShardPart": "patchswarm.daemon.publisher",
+    "PublishInfo": "patchswarm.daemon.publish_chain",
+    "ShardedPublish": "patchswarm.daemon.sharded_publish",
+    "ShardPart": "patchswarm.daemon.sharded_publish",
     "ServedFormat": "patchswarm.daemon.served_format",
     "DistPublisher": "patchswarm.daemon.publish_dist",
     "DistPublishError": "patchswarm.daemon.publish_dist",
@@ -103,9 +103,11 @@ if TYPE_CHECKING:
     from patchswarm.daemon.checkpoint import Checkpoint, read_checkpoint
     from patchswarm.daemon.checkpoint_writer import write_checkpoint
     from patchswarm.daemon.engine_client import DaemonClient
+    from patchswarm.daemon.publish_chain import PublishInfo
     from patchswarm.daemon.publish_dist import DistPublisher, DistPublishError
-    from patchswarm.daemon.publisher import Publisher, PublishInfo, ShardedPublish, ShardPart
+    from patchswarm.daemon.publisher import Publisher
     from patchswarm.daemon.served_format import ServedFormat
+    from patchswarm.daemon.sharded_publish import ShardedPublish, ShardPart
     from patchswarm.daemon.sidecar import VersionConstraint, VersionGate, make_sidecar_app, start_sidecar
     from patchswarm.protocol.errors import PatchswarmError
     from patchswarm.protocol.held import Held
