@@ -304,7 +304,8 @@ class RolloutDaemon(ApiAnswers):
         log.info("started: %s version=%s", text, self.status.version, extra={**fields, "version": self.status.version})
 
     async def _start_sidecar(self, limits: ServerLimits, tls: TlsReloader | None) -> None:
-        from patchswarm.daemon.sidecar import VersionGate, start_sidecar
+        from patchswarm.daemon.sidecar import start_sidecar
+        from patchswarm.daemon.sidecar_gate import VersionGate
 
         self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
         host, port = self.cfg.listen("sidecar.listen")

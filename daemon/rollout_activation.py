@@ -38,7 +38,7 @@ from patchswarm.daemon.shadow import (
     store_model,
     store_updates,
 )
-from patchswarm.daemon.sidecar import DrainTimeoutError
+from patchswarm.daemon.sidecar_gate import DrainTimeoutError
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreState, StoreTooSmallError
 from patchswarm.daemon.weightstore import WeightStore

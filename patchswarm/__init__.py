@@ -55,8 +55,8 @@ _EXPORTS = {
     "Held": "patchswarm.protocol.held",
     "source_for": "patchswarm.swarm.board_sources",
     "DaemonClient": "patchswarm.daemon.engine_client",
-    "VersionGate": "patchswarm.daemon.sidecar",
-    "VersionConstraint": "patchswarm.daemon.sidecar",
+    "VersionGate": "patchswarm.daemon.sidecar_gate",
+    "VersionConstraint": "patchswarm.daemon.sidecar_gate",
     "make_sidecar_app": "patchswarm.daemon.sidecar",
     "start_sidecar": "patchswarm.daemon.sidecar",
 }
@@ -108,7 +108,8 @@ if TYPE_CHECKING:
     from patchswarm.daemon.publisher import Publisher
     from patchswarm.daemon.served_format import ServedFormat
     from patchswarm.daemon.sharded_publish import ShardedPublish, ShardPart
-    from patchswarm.daemon.sidecar import VersionConstraint, VersionGate, make_sidecar_app, start_sidecar
+    from patchswarm.daemon.sidecar import make_sidecar_app, start_sidecar
+    from patchswarm.daemon.sidecar_gate import VersionConstraint, VersionGate
     from patchswarm.protocol.errors import PatchswarmError
     from patchswarm.protocol.held import Held
     from patchswarm.protocol.keys import SigningKey, TrustedKeys, load_public_key

@@ -472,10 +472,13 @@ async def serve_tcp(
     port: int,
     limits: ServerLimits | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    *,
+    shutdown_grace_s: float = 60.0,
 ) -> tuple[HardenedRunner, int]:
-    """Serve ``app`` on ``host:port`` under ``limits`` (over TLS with ``ssl_context``: swarm/tls.py);
-    returns the runner and the bound port."""
-    runner = HardenedRunner(app, limits, ssl_context)
+    """Serve ``app`` on ``host:port`` (port 0: any free port) under ``limits`` (over TLS with
+    ``ssl_context``: swarm/tls.py); returns the runner and the bound port.  The runner's ``cleanup()``
+    gives the requests in flight ``shutdown_grace_s`` to finish (aiohttp's default), then cuts them."""
+    runner = HardenedRunner(app, limits, ssl_context, shutdown_timeout=shutdown_grace_s)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
