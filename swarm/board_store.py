@@ -236,24 +236,42 @@ def _too_large(url: str, rel: str, limit: int) -> LimitExceededError:
     return LimitExceededError(f"{url}/{rel}: larger than the {limit} bytes expected")
 
 
+class _BoundedRead:
+    """One object's bytes as they stream in, at most ``limit``: the size the store reports is checked
+    first, and the bytes are counted too (that size is the server's word).  LimitExceededError past it."""
+
+    def __init__(self, url: str, rel: str, limit: int, size: int) -> None:
+        self.url, self.rel, self.limit = url, rel, limit
+        if size > limit:
+            raise _too_large(url, rel, limit)
+        self.out = bytearray()
+
+    def add(self, chunk: Any) -> None:
+        self.out += chunk
+        if len(self.out) > self.limit:
+            raise _too_large(self.url, self.rel, self.limit)
+
+
+def _raise_unless_missing(e: Exception, url: str, rel: str) -> None:
+    """A failed GET of ``rel``: nothing when the object is missing (the caller answers None); else the
+    store's one-line error (a LimitExceededError as it is)."""
+    if isinstance(e, LimitExceededError):
+        raise e
+    if not is_missing(e):
+        raise store_error(e, f"GET {url}/{rel}") from None
+
+
 def read_object(store: ObjectStore, url: str, rel: str, limit: int) -> Found | None:
     """``rel`` read whole (at most ``limit`` bytes, else LimitExceededError), or None if missing."""
     try:
         resp = obstore.get(store, rel)
-        if resp.meta["size"] > limit:
-            raise _too_large(url, rel, limit)
-        out = bytearray()
+        read = _BoundedRead(url, rel, limit, resp.meta["size"])
         for chunk in resp.stream(min_chunk_size=STREAM_CHUNK):
-            out += chunk
-            if len(out) > limit:  # the size above is the server's word: the bytes are counted too
-                raise _too_large(url, rel, limit)
-    except LimitExceededError:
-        raise
+            read.add(chunk)
     except Exception as e:
-        if is_missing(e):
-            return None
-        raise store_error(e, f"GET {url}/{rel}") from None
-    return Found(bytes(out), resp.meta.get("e_tag"))
+        _raise_unless_missing(e, url, rel)
+        return None
+    return Found(bytes(read.out), resp.meta.get("e_tag"))
 
 
 class StoreSource:
@@ -273,20 +291,13 @@ class StoreSource:
         limit = min(limit, bound)
         try:
             resp = await obstore.get_async(self.store, rel)
-            if resp.meta["size"] > limit:
-                raise _too_large(url, rel, limit)
-            out = bytearray()
+            read = _BoundedRead(url, rel, limit, resp.meta["size"])
             async for chunk in resp.stream(min_chunk_size=STREAM_CHUNK):
-                out += chunk
-                if len(out) > limit:
-                    raise _too_large(url, rel, limit)
-        except LimitExceededError:
-            raise
+                read.add(chunk)
         except Exception as e:
-            if is_missing(e):
-                return None
-            raise store_error(e, f"GET {url}/{rel}") from None
-        return bytes(out)
+            _raise_unless_missing(e, url, rel)
+            return None
+        return bytes(read.out)
 
     async def close(self) -> None:
         return None
