@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from patchswarm.daemon.checkpoint import read_checkpoint
-    from patchswarm.daemon.publisher import PublishInfo
+    from patchswarm.daemon.publish_chain import PublishInfo
 
     ckpt = read_checkpoint(args.model)
     from patchswarm.protocol.board_names import MAX_DOC_BYTES
