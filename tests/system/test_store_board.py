@@ -17,7 +17,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -28,37 +27,17 @@ from patchswarm.daemon.board_store import StoreBoard, open_board
 from patchswarm.daemon.head_refresh import board_head, refresh_board_head
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.protocol.board_names import head_rel
-from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.safetensors_io import load_safetensors, save_safetensors
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.board_sources import source_for
 from patchswarm.swarm.puller import Puller
 from tests.support.boards import Keys
-from tests.support.moto_server import Moto, clean_env, moto_server
+from tests.support.moto_server import Moto, clean_env
 from tests.support.store_boards import RUN, object_names, pull, served, step, weights
 
 CLI = [sys.executable, "-m", "patchswarm.daemon.cli"]
 ROOT = Path(__file__).parents[2]
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
-    with moto_server(tmp_path_factory.mktemp("moto")) as m:
-        yield m
-
-
-@pytest.fixture
-def aws(moto: Moto, monkeypatch: pytest.MonkeyPatch) -> Moto:
-    """This process's environment pointed at the server (the standard AWS variables, nothing else)."""
-    for k, v in moto.env().items():
-        monkeypatch.setenv(k, v)
-    return moto
-
-
-@pytest.fixture(scope="module")
-def keys() -> Keys:
-    return Keys(SigningKey.generate(), SigningKey.generate())
 
 
 # ---------------------------------------------------------------- publish and pull

@@ -18,7 +18,6 @@ from patchswarm.daemon.head_refresh import board_head, refresh_board_head
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.served_format import ServedFormat
 from patchswarm.protocol.board_names import head_rel
-from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.board_sources import source_for
@@ -41,11 +40,6 @@ def az(azurite: Azurite, monkeypatch: pytest.MonkeyPatch) -> Azurite:
     for k, v in azurite.env().items():
         monkeypatch.setenv(k, v)
     return azurite
-
-
-@pytest.fixture(scope="module")
-def keys() -> Keys:
-    return Keys(SigningKey.generate(), SigningKey.generate())
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:

@@ -24,35 +24,15 @@ from patchswarm.daemon.head_refresh import parse_head, refresh_board_head
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.protocol.board_names import cert_rel, head_rel, root_rel
 from patchswarm.protocol.errors import FormatError
-from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.trust import RootDocument
 from tests.support.boards import Keys, free_port
 from tests.support.daemonkit import Daemon
-from tests.support.moto_server import Moto, clean_env, moto_server
+from tests.support.moto_server import Moto, clean_env
 from tests.support.store_boards import RUN, served, step, weights
 from tests.support.swarmkit import SECRET
 
 CLI = [sys.executable, "-m", "patchswarm.daemon.cli"]
 ROOT = Path(__file__).parents[2]
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
-    with moto_server(tmp_path_factory.mktemp("moto")) as m:
-        yield m
-
-
-@pytest.fixture
-def aws(moto: Moto, monkeypatch: pytest.MonkeyPatch) -> Moto:
-    """This process's environment pointed at the server (the standard AWS variables, nothing else)."""
-    for k, v in moto.env().items():
-        monkeypatch.setenv(k, v)
-    return moto
-
-
-@pytest.fixture(scope="module")
-def keys() -> Keys:
-    return Keys(SigningKey.generate(), SigningKey.generate())
 
 
 # ---------------------------------------------------------------- a seed and a rollout daemon on an s3:// board
