@@ -19,6 +19,7 @@ from patchswarm.daemon.board_cli import cmd_publish, cmd_pull, cmd_seed, run_fro
 from patchswarm.daemon.certs import add_certs_parser
 from patchswarm.daemon.cli_console import err_console, one_line
 from patchswarm.daemon.daemon_cli import cmd_daemon, cmd_status
+from patchswarm.daemon.engine_cli import add_engine_parser
 from patchswarm.daemon.head_cli import HeadCliError, add_head_parser, add_head_ttl_arg
 from patchswarm.daemon.patch_cli import cmd_apply, cmd_diff, cmd_inspect, cmd_verify
 from patchswarm.daemon.simulate_cli import add_simulate_parser
@@ -237,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trust", type=path, action="append", required=True, metavar="KEY.pub")
     v.set_defaults(func=cmd_verify)
 
+    add_engine_parser(sub)
     add_simulate_parser(sub)
     add_certs_parser(sub)
     add_head_parser(sub)

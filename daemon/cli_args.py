@@ -274,3 +274,26 @@ def fp8_block(text: str) -> int:
     if text == "per-tensor":
         return 0
     return bounded(int, "a block size or per-tensor", 1, MAX_FP8_BLOCK)(text)
+
+
+# ---------------------------------------------------------------- engine (patchswarm engine ...)
+
+max_tokens_limit = bounded(int, "a whole number of tokens", 1, 1 << 20)
+prefix_cache_entries = bounded(int, "a whole number of entries", 0, 4096)
+fence_wait = bounded(float, "a number of seconds", 0.001, 3600.0)
+
+
+def device(text: str) -> str:
+    """A torch device the engine computes on: cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"cpu|cuda(:[0-9]{1,3})?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def checkpoint_dir(text: str) -> str:
+    """A checkpoint directory with a config.json (the engine also reads its tokenizer files)."""
+    if not os.path.isdir(path(text)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} has no config.json")
+    return text

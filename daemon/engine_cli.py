@@ -1,0 +1,146 @@
+"""``patchswarm engine transformers``: serve a causal LM from the rollout daemon's weight store (docs/engines.md).
+
+The engine attaches to the daemon's store (``DaemonClient.open_store``: a host store is mapped,
+an engine-buffer store is allocated on ``--device`` and registered), builds the model of
+``--checkpoint``'s config over it (daemon/tf_model.py) and serves the OpenAI API
+(daemon/openai_api.py).  It follows the store's fence and acknowledges each version it serves to
+the daemon (POST /v1/ack, again every few seconds: a restarted daemon forgets).  Without
+``--daemon`` it serves DIR's own safetensors as version 0 (standalone, for comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+from patchswarm.daemon import cli_args
+from patchswarm.daemon.user_error import UserError
+
+ACK_AGAIN_S = 5.0
+
+
+def add_engine_parser(sub: Any) -> None:
+    eng = sub.add_parser("engine", help="serve a model straight from the daemon's weight store")
+    kinds = eng.add_subparsers(dest="engine", required=True)
+    tf = kinds.add_parser("transformers", help="a Hugging Face transformers causal LM, OpenAI API")
+    tf.add_argument("--checkpoint", type=cli_args.checkpoint_dir, required=True, metavar="DIR",
+                    help="config.json, generation_config.json and the tokenizer files")  # fmt: skip
+    tf.add_argument(
+        "--daemon", type=cli_args.path, metavar="SOCKET", help="the daemon's api.socket (else: DIR's weights)"
+    )
+    tf.add_argument("--listen", type=cli_args.listen, default="127.0.0.1:8000", metavar="HOST:PORT")
+    tf.add_argument("--device", type=cli_args.device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    tf.add_argument("--engine-name", type=cli_args.node_name, default="transformers", metavar="NAME",
+                    help="the name given to the daemon (registration, acks)")  # fmt: skip
+    tf.add_argument("--max-tokens-limit", type=cli_args.max_tokens_limit, default=1024, metavar="N")
+    tf.add_argument("--prefix-cache-entries", type=cli_args.prefix_cache_entries, default=16, metavar="N",
+                    help="prompts whose KV state is kept, per version (0: off)")  # fmt: skip
+    tf.add_argument("--fence-wait", type=cli_args.fence_wait, default=10.0, metavar="SECONDS",
+                    help="how long a request waits for a stable version before a 503")  # fmt: skip
+    tf.add_argument("--wait", type=cli_args.seconds, default=300.0, metavar="SECONDS",
+                    help="how long to wait for the daemon's store and first version")  # fmt: skip
+    tf.set_defaults(func=cmd_engine_transformers)
+
+
+def _open(args: argparse.Namespace) -> tuple[Any, Any]:
+    import time
+
+    from patchswarm.daemon.engine_client import DaemonClient
+    from patchswarm.daemon.store_format import StoreError
+    from patchswarm.daemon.tf_engine import StaticWeights
+
+    if not args.daemon:
+        return StaticWeights.from_checkpoint(Path(args.checkpoint), args.device), None
+    client = DaemonClient(args.daemon)
+    try:
+        view = client.open_store(args.device, args.engine_name, args.wait)
+    except (StoreError, OSError) as e:
+        raise UserError(f"--daemon {args.daemon}: {e}") from None
+    if view.data.device.type != args.device.partition(":")[0]:
+        view.close()
+        raise UserError(
+            f"the daemon's store is in {view.data.device.type} memory: serve it with --device {view.data.device.type}"
+        )
+    deadline = time.monotonic() + args.wait
+    while view.read_version() is None:
+        if time.monotonic() > deadline:
+            view.close()
+            raise UserError(f"no version in the daemon's store after {args.wait:g} s")
+        time.sleep(0.05)
+    return view, client
+
+
+async def _follow(engine: Any, view: Any, client: Any, name: str, every_s: float = 0.2) -> None:
+    """Record each version the fence shows ready as served, acknowledge it (and again every few seconds);
+    an engine-allocated buffer the daemon no longer shows is registered again (as daemon/refengine.py)."""
+    from patchswarm.daemon.store_format import StoreError
+
+    loop = asyncio.get_running_loop()
+    acked, acked_at = None, 0.0
+    while True:
+        try:
+            got = view.read_version()
+            if got is not None:
+                engine.note_served(got[0])
+            if engine.served is not None and (engine.served != acked or loop.time() - acked_at > ACK_AGAIN_S):
+                await asyncio.to_thread(client.ack, name, engine.served)
+                acked, acked_at = engine.served, loop.time()
+            if view.handle is not None:
+                info = (await asyncio.to_thread(client.layout))["attach"]
+                buf = info.get("buffer")
+                if buf is None or buf.get("buffer_id") != view.handle["buffer_id"]:
+                    await asyncio.to_thread(client.register, view, name)
+        except (StoreError, OSError, KeyError, ValueError, TypeError):
+            pass  # the daemon is down or restarting: keep serving, try again
+        await asyncio.sleep(every_s)
+
+
+def cmd_engine_transformers(args: argparse.Namespace) -> int:
+    from patchswarm.daemon.openai_api import make_openai_app
+    from patchswarm.daemon.sidecar import serve_app
+    from patchswarm.daemon.tf_engine import TfEngine
+    from patchswarm.daemon.tf_model import ModelMismatch
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UserError("the transformers engine needs transformers: pip install 'patchswarm[transformers]'") from None
+    view, client = _open(args)
+    try:
+        try:
+            engine = TfEngine(
+                view, Path(args.checkpoint), max_tokens_limit=args.max_tokens_limit,
+                prefix_cache_entries=args.prefix_cache_entries, fence_wait_s=args.fence_wait,
+            )  # fmt: skip
+        except (ModelMismatch, OSError, ValueError) as e:
+            raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
+        host, _, port = args.listen.rpartition(":")
+
+        async def run() -> None:
+            server = await serve_app(make_openai_app(engine), host.strip("[]") or "0.0.0.0", int(port))
+            follower = None
+            if client is not None:
+                follower = asyncio.create_task(_follow(engine, view, client, args.engine_name))
+            else:
+                engine.note_served(0)
+            print(f"transformers engine serving {engine.model_name} (version {engine.current_version()}) "
+                  f"at {server.url}", flush=True)  # fmt: skip
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            try:
+                await stop.wait()
+            finally:
+                if follower is not None:
+                    follower.cancel()
+                await server.close()
+
+        asyncio.run(run())
+    finally:
+        close = getattr(view, "close", None)
+        if close is not None:
+            close()
+    return 0
