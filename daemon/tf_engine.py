@@ -201,6 +201,7 @@ class TfEngine:
         self.max_positions = int(getattr(self.config, "max_position_embeddings", MAX_PROMPT_TOKENS) or 0)
         self.max_tokens_limit = max_tokens_limit
         self.fence_wait_s = fence_wait_s
+        self.commit_wait_s = 10.0  # how long a commit waits for its version in the store
         self.threaded = threaded
         self.model_name = model_name or checkpoint.resolve().name
         self.prefix = PrefixCache(prefix_cache_entries)
@@ -244,10 +245,10 @@ class TfEngine:
             if self.on_served is not None:
                 self.on_served(version)
 
-    async def commit(self, version: int, flush_cache: bool, timeout_s: float = 10.0) -> int:
+    async def commit(self, version: int, flush_cache: bool, timeout_s: float | None = None) -> int:
         """Wait (bounded) until the fence reads ``version`` ready; drop other versions' prefixes if asked;
         record it served.  VersionMismatch when the store holds another version after the wait."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (self.commit_wait_s if timeout_s is None else timeout_s)
         while True:
             got = self.view.read_version()
             held = None if got is None else got[0]

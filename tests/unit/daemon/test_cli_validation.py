@@ -235,7 +235,7 @@ def test_the_run_of_a_pull_url_is_checked_like_run_id(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- main(), in process, on generated arguments
 
-SERVERS = {"seed", "node", "daemon", "simulate"}  # a valid command runs until stopped (or long): parse only
+SERVERS = {"seed", "node", "daemon", "simulate", "engine"}  # a valid command runs until stopped (or long): parse only
 FILES = ["base.safetensors", "target.safetensors", "p.psw", "key", "key.pub", "root.key", "root.key.pub", "cert"]
 ODD = [
     *FILES,
@@ -282,6 +282,8 @@ TEMPLATES: dict[str, list[str]] = {
     "seed": ["--board", "board", "--listen", "127.0.0.1:0", "--run", "run-1", "--upload-rate", "1MB"],
     "node": ["--listen", "127.0.0.1:0", "--run", "run-1", "--trust", "root.key.pub", "--bootstrap", "http://h:1"],
     "daemon": ["--config", "daemon.toml"],
+    "engine": ["transformers", "--checkpoint", "dir", "--listen", "127.0.0.1:0", "--device", "cuda:0"]
+    + ["--engine-name", "e1", "--max-tokens-limit", "8", "--prefix-cache-entries", "0", "--fence-wait", "1"],
     "head": ["refresh", "--board", "board", "--key", "key", "--run-id", "run-1", "--head-ttl", "60"],
     "simulate": ["scenario.toml", "--out", "out", "--seed", "3", "--workers", "2"],
     "certs": ["issue", "--ca", "dir", "--name", "h1", "--ip", "127.0.0.1", "--dns", "h1.local", "--days", "30"]
