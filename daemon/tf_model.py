@@ -147,16 +147,20 @@ def build_model(config: Any, store: Mapping[str, torch.Tensor]) -> torch.nn.Modu
     """The causal LM of ``config`` with every parameter a view of ``store``'s tensor of that name.
 
     The store's tensors are used as they are (no copy, no cast): ``param.data_ptr()`` lies inside the
-    store's mapping.  ModelMismatch when the store does not fit the config."""
+    store's mapping.  The model's dtype is the store's floating dtype (the config's when they are
+    mixed).  ModelMismatch when the store does not fit the config."""
     import transformers
 
     devices = {t.device for t in store.values()}
     if len(devices) != 1:
         raise ModelMismatch(f"the store's tensors are on {len(devices)} devices, not one")
     device = devices.pop()
+    # The served dtype is the store's (a trainer's float32 config.json serves bf16 weights just the same).
+    floats = {t.dtype for t in store.values() if t.is_floating_point() and t.dtype not in FP8_DTYPES}
+    dtype = floats.pop() if len(floats) == 1 else _dtype_of(config)
     auto: Any = transformers.AutoModelForCausalLM
     with _quiet(), torch.device("meta"):
-        model: torch.nn.Module = auto.from_config(config, dtype=_dtype_of(config))
+        model: torch.nn.Module = auto.from_config(config, dtype=dtype)
     sources = _tie_groups(model, store)
     wanted = {src: p for name, p in model.named_parameters(remove_duplicate=False) if (src := sources[name]) == name}
     check_store(store, wanted)

@@ -205,7 +205,7 @@ def test_a_store_that_does_not_fit_the_config_is_refused(ckpts: list[Path]) -> N
         ({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, "no tensor model.layers.1.mlp.up"),
         ({**tensors, "extra.weight": torch.zeros(2)}, "holds extra.weight"),
         ({**tensors, "model.norm.weight": torch.zeros(65, dtype=torch.bfloat16)}, r"bfloat16\[65\]"),
-        ({**tensors, "model.norm.weight": torch.zeros(64)}, "float32"),
+        ({**tensors, "model.norm.weight": torch.zeros(64)}, "float32"),  # mixed: the config's bf16 then
         ({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, "which the config ties"),
         (
             {

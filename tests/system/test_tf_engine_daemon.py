@@ -1,0 +1,172 @@
+"""The transformers engine as an operator runs it: a Llama trained a few AdamW steps, each step published; a
+rollout daemon (sidecar, commit_mode in_place, export.dir) and ``patchswarm engine transformers`` as separate
+processes.  After each version the engine's logits for fixed prompts are bitwise those of a fresh
+``from_pretrained`` of the version the daemon exported; a request pinned to the next version gets 409
+until it lands, then runs on it and says so."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+
+from patchswarm.daemon.checkpoint import read_checkpoint
+from tests.support.boards import free_port
+from tests.support.daemonkit import ROOT, make_daemon
+from tests.support.hf_models import tiny_llama, train_step
+from tests.support.swarmkit import Swarm
+from tests.support.tf_checkpoints import write_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[104, 101, 108, 108, 111], [7, 300, 511, 2], [259, 120, 121, 257, 260]]
+
+
+async def wait_for(predicate: Any, what: str, timeout_s: float = 120.0) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        got = await predicate()
+        if got:
+            return got
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp_path: Path) -> None:
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sw = Swarm(tmp_path)
+    export = tmp_path / "export"
+
+    def publish(step: int) -> None:
+        assert sw.pub is not None
+        train_step(model, opt, step)
+        model.save_pretrained(tmp_path / f"step{step}")
+        ck = read_checkpoint(tmp_path / f"step{step}")
+        sw.pub.publish(ck.tensors, metadata=ck.metadata())
+
+    publish(1)
+    engine_dir = tmp_path / "engine"  # the trainer's config (float32: the engine serves the store's bf16)
+    engine_dir.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (engine_dir / name).write_bytes((tmp_path / "step1" / name).read_bytes())
+    write_tokenizer(engine_dir)
+
+    await sw.start_seed()
+    engine_port, sidecar_port = free_port(), free_port()
+    extra = (
+        f'[sidecar]\nenabled = true\nlisten = "127.0.0.1:{sidecar_port}"\n'
+        f'upstream = "http://127.0.0.1:{engine_port}"\ncommit_mode = "in_place"\n'
+        f'[export]\ndir = "{export}"\n'
+    )
+    d = make_daemon(sw, "d1", tmp_path, extra=extra)
+    d.start()
+    log = tmp_path / "engine.log"
+    proc: subprocess.Popen[bytes] | None = None
+    engine, sidecar = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{sidecar_port}"
+    try:
+        await d.wait_version(1)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "patchswarm.daemon.cli", "engine", "transformers", "--checkpoint",
+                 str(engine_dir), "--daemon", d.socket, "--listen", f"127.0.0.1:{engine_port}", "--fence-wait", "30"],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+            )  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+
+            async def health() -> Any:
+                assert proc is not None and proc.poll() is None, log.read_text()[-2000:]
+                try:
+                    async with http.get(f"{engine}/health") as r:
+                        return await r.json()
+                except aiohttp.ClientError:
+                    return None
+
+            await wait_for(health, "the engine to start")
+            for version in (1, 2, 3):
+                if version > 1:
+                    pinned = {"prompt": "hi", "max_tokens": 2, "weight_version": {"exact_version": version}}
+                    async with http.post(f"{sidecar}/v1/completions", json=pinned) as r:
+                        assert r.status == 409 and (await r.json())["error"] == "WeightVersionNotReady"
+                    publish(version)
+
+                    async def landed(pinned: dict[str, Any] = pinned) -> Any:
+                        async with http.post(f"{sidecar}/v1/completions", json=pinned) as r:
+                            if r.status == 409:
+                                return None
+                            assert r.status == 200, await r.text()
+                            return await r.json()
+
+                    out = await wait_for(landed, f"version {version} through the sidecar")
+                    assert out["weight_version"] == {"start": version, "end": version}
+                await wait_for(
+                    lambda v=version: _exported(export, v), f"export of v{version}"
+                )  # the daemon's own checkpoint of the version
+                ref = transformers.AutoModelForCausalLM.from_pretrained(export / f"v{version}")
+                assert ref.dtype == torch.bfloat16
+                for ids in PROMPTS:
+                    async with http.post(f"{engine}/patchswarm/v1/logits", json={"prompt": ids}) as r:
+                        got = await r.json()
+                    assert got["version"] == version
+                    with torch.inference_mode():
+                        want = ref(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                    assert torch.equal(torch.tensor(got["logits"]), want), (version, ids)
+                body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+                async with http.post(f"{sidecar}/v1/completions", json=body) as r:
+                    out = await r.json()
+                    assert r.status == 200 and out["weight_version"] == {"start": version, "end": version}
+                    assert r.headers["X-Weight-Version-Start"] == str(version)
+
+                async def served(v: int = version) -> bool:
+                    async with http.get(f"{engine}/patchswarm/v1/version") as r:
+                        return bool((await r.json())["version"] == v)
+
+                await wait_for(served, f"the engine to serve v{version}")
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 60) == 0, log.read_text()[-2000:]
+        assert "transformers engine serving" in log.read_text()
+        assert "engine paused for activation" in d.log.read_text()  # in_place: through the engine's routes
+        assert await d.stop() == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        d.cleanup()
+        await sw.close()
+
+
+async def _exported(export: Path, version: int) -> bool:
+    cur = export / "current"
+    return cur.is_symlink() and os.readlink(cur) == f"v{version}" and (export / f"v{version}" / "config.json").exists()
+
+
+def test_cli_refuses_bad_engine_input_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint without config.json, a device that is not one, a daemon socket nobody listens on."""
+    (tmp_path / "ck").mkdir()
+    cases = [
+        (["--checkpoint", str(tmp_path / "ck")], "has no config.json"),
+        (["--checkpoint", str(tmp_path), "--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    ]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    cases.append((["--checkpoint", str(tmp_path), "--daemon", str(tmp_path / "none.sock"), "--wait", "0"], "--daemon"))
+    for args, why in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "patchswarm.daemon.cli", "engine", "transformers", *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ),
+        )  # fmt: skip
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode in (1, 2) and len(lines) == 1 and why in lines[0], r.stderr
