@@ -40,6 +40,8 @@ def add_engine_parser(sub: Any) -> None:
                     help="prompts whose KV state is kept, per version (0: off)")  # fmt: skip
     tf.add_argument("--fence-wait", type=cli_args.fence_wait, default=10.0, metavar="SECONDS",
                     help="how long a request waits for a stable version before a 503")  # fmt: skip
+    tf.add_argument("--pause-limit", type=cli_args.fence_wait, default=60.0, metavar="SECONDS",
+                    help="the longest a pause holds a request (a daemon gone mid-activation)")  # fmt: skip
     tf.add_argument("--wait", type=cli_args.seconds, default=300.0, metavar="SECONDS",
                     help="how long to wait for the daemon's store and first version")  # fmt: skip
     tf.set_defaults(func=cmd_engine_transformers)
@@ -114,6 +116,7 @@ def cmd_engine_transformers(args: argparse.Namespace) -> int:
             engine = TfEngine(
                 view, Path(args.checkpoint), max_tokens_limit=args.max_tokens_limit,
                 prefix_cache_entries=args.prefix_cache_entries, fence_wait_s=args.fence_wait,
+                pause_limit_s=args.pause_limit,
             )  # fmt: skip
         except (ModelMismatch, OSError, ValueError) as e:
             raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None

@@ -10,7 +10,7 @@ wait ``fence_wait_s`` and then fail (``FenceUnavailable``, HTTP 503), never read
 Requests are served one step at a time under one lock (no batching).  A small LRU prefix cache
 keeps the KV state of recent prompts keyed by (version, prompt tokens): an entry of another
 version is never used, and ``commit(v, flush_cache=True)`` drops them.  ``pause``/``resume``
-hold requests between steps (the daemon's in-place activations).
+hold requests between steps (the daemon's in-place activations), for at most ``pause_limit_s`` each.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ T = TypeVar("T")
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 8192
 DEFAULT_FENCE_WAIT_S = 10.0
+DEFAULT_PAUSE_LIMIT_S = 60.0
 
 
 class FenceUnavailable(Exception):
@@ -182,6 +183,7 @@ class TfEngine:
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         prefix_cache_entries: int = 16,
         fence_wait_s: float = DEFAULT_FENCE_WAIT_S,
+        pause_limit_s: float = DEFAULT_PAUSE_LIMIT_S,
         threaded: bool = True,
         model_name: str | None = None,
     ) -> None:
@@ -201,6 +203,7 @@ class TfEngine:
         self.max_positions = int(getattr(self.config, "max_position_embeddings", MAX_PROMPT_TOKENS) or 0)
         self.max_tokens_limit = max_tokens_limit
         self.fence_wait_s = fence_wait_s
+        self.pause_limit_s = pause_limit_s
         self.commit_wait_s = 10.0  # how long a commit waits for its version in the store
         self.threaded = threaded
         self.model_name = model_name or checkpoint.resolve().name
@@ -336,10 +339,19 @@ class TfEngine:
         seq.ids.append(token)
 
     async def _step(self, work: Callable[[], None]) -> None:
+        """Run one step under the lock, between pauses.  A pause holds a request at most ``pause_limit_s``:
+        past it (a daemon that died between pause and resume) the step runs under the fence anyway,
+        which still never lets it read a half-written version (it waits, then fails)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.pause_limit_s
         while True:
-            await self._running.wait()
+            overdue = False
+            try:
+                await asyncio.wait_for(self._running.wait(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                overdue = True
             async with self._lock:
-                if not self._running.is_set():
+                if not self._running.is_set() and not overdue:
                     continue  # paused while waiting for the lock
                 if self.threaded:
                     await asyncio.to_thread(work)

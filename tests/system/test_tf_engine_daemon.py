@@ -7,6 +7,7 @@ until it lands, then runs on it and says so."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -170,3 +171,94 @@ def test_cli_refuses_bad_engine_input_in_one_line(tmp_path: Path) -> None:
         )  # fmt: skip
         lines = r.stderr.strip().splitlines()
         assert r.returncode in (1, 2) and len(lines) == 1 and why in lines[0], r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_daemon_killed_mid_write_makes_requests_fail_never_read_torn(tmp_path: Path) -> None:
+    """kill -9 of the daemon in the middle of writing version 2 (its fence odd, the engine paused): requests
+    wait their bounds and fail 503; a restarted daemon recovers, and the engine serves bitwise again."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sw = Swarm(tmp_path)
+
+    def publish(step: int) -> None:
+        assert sw.pub is not None
+        train_step(model, opt, step)
+        model.save_pretrained(tmp_path / f"step{step}")
+        ck = read_checkpoint(tmp_path / f"step{step}")
+        sw.pub.publish(ck.tensors, metadata=ck.metadata())
+
+    publish(1)
+    engine_dir = tmp_path / "engine"
+    engine_dir.mkdir()
+    (engine_dir / "config.json").write_bytes((tmp_path / "step1" / "config.json").read_bytes())
+    write_tokenizer(engine_dir)
+    await sw.start_seed()
+    engine_port, sidecar_port = free_port(), free_port()
+    extra = (
+        f'[sidecar]\nenabled = true\nlisten = "127.0.0.1:{sidecar_port}"\n'
+        f'upstream = "http://127.0.0.1:{engine_port}"\ncommit_mode = "in_place"\n'
+    )
+    d = make_daemon(sw, "d1", tmp_path, extra=extra)
+    d.start(PATCHSWARM_FAULT_AT="mid_write")
+    log = tmp_path / "engine.log"
+    proc: subprocess.Popen[bytes] | None = None
+    engine = f"http://127.0.0.1:{engine_port}"
+    try:
+        await d.wait_version(1)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "patchswarm.daemon.cli", "engine", "transformers", "--checkpoint",
+                 str(engine_dir), "--daemon", d.socket, "--listen", f"127.0.0.1:{engine_port}",
+                 "--fence-wait", "1", "--pause-limit", "1"],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+            )  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+
+            async def version() -> Any:
+                assert proc is not None and proc.poll() is None, log.read_text()[-2000:]
+                try:
+                    async with http.get(f"{engine}/patchswarm/v1/version") as r:
+                        return (await r.json())["version"]
+                except aiohttp.ClientError:
+                    return None
+
+            assert await wait_for(version, "the engine to serve v1") == 1
+            publish(2)
+
+            async def daemon_dead() -> bool:
+                return not d.alive
+
+            await wait_for(daemon_dead, "the daemon to die mid-write")
+            assert d.proc is not None and d.proc.returncode == -signal.SIGKILL
+            torn = [("/v1/completions", {"prompt": "hi", "max_tokens": 3}), ("/patchswarm/v1/logits", {"prompt": [1]})]
+            for route, body in torn:
+                async with http.post(f"{engine}{route}", json=body) as r:
+                    assert r.status == 503, await r.text()
+                    assert (await r.json())["error"]["type"] == "service_unavailable"
+            assert await version() == 1  # never reported the half-written version
+
+            d.start()  # recovery (the journal), then version 2 again
+            await d.wait_version(2, timeout=120)
+            assert await wait_for(lambda: _is(version, 2), "the engine to serve v2")
+            copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "v2-bf16")  # the version, as served
+            ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "v2-bf16")
+            for ids in PROMPTS:
+                async with http.post(f"{engine}/patchswarm/v1/logits", json={"prompt": ids}) as r:
+                    got = await r.json()
+                assert got["version"] == 2
+                with torch.inference_mode():
+                    want = ref(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                assert torch.equal(torch.tensor(got["logits"]), want), ids
+        assert await d.stop() == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        d.cleanup()
+        await sw.close()
+
+
+async def _is(get: Any, value: int) -> bool:
+    return bool(await get() == value)
