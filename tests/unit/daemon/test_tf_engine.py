@@ -220,3 +220,12 @@ def test_a_store_that_does_not_fit_the_config_is_refused(ckpts: list[Path]) -> N
     for bad, why in cases:
         with pytest.raises(ModelMismatch, match=why):
             build_model(cfg, bad)
+
+
+@pytest.mark.asyncio
+async def test_a_pause_holds_requests_at_most_its_limit(store: Store, ckpts: list[Path]) -> None:
+    engine = engine_on(store, ckpts[0], pause_limit_s=0.2)
+    await engine.pause()
+    assert engine.paused
+    steps = [s async for s in engine.generate(PROMPTS[0], 2)]  # the daemon never resumed: it goes on, fenced
+    assert [s.version for s in steps] == [1, 1] and engine.paused
