@@ -136,6 +136,12 @@ async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp
                         return bool((await r.json())["version"] == v)
 
                 await wait_for(served, f"the engine to serve v{version}")
+
+                async def acked(v: int = version) -> bool:
+                    st = await d.status()
+                    return st is not None and (st.get("acks") or {}).get("transformers") == v
+
+                await wait_for(acked, f"the daemon to hear the engine's ack of v{version}")
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 60) == 0, log.read_text()[-2000:]
