@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 
 from patchswarm.daemon.engine import Observed
-from patchswarm.daemon.tf_model import build_model, load_config
+from patchswarm.daemon.tf_model import build_model, config_dtype, load_config
 
 T = TypeVar("T")
 DEFAULT_MAX_TOKENS_LIMIT = 1024
@@ -79,9 +79,8 @@ class StaticWeights:
     @classmethod
     def from_checkpoint(cls, checkpoint: Path, device: str = "cpu") -> StaticWeights:
         from patchswarm.daemon.checkpoint import read_checkpoint
-        from patchswarm.daemon.tf_model import _dtype_of
 
-        dtype = _dtype_of(load_config(checkpoint))
+        dtype = config_dtype(load_config(checkpoint))
         tensors = read_checkpoint(checkpoint).tensors
         out = {n: (t.to(dtype) if t.is_floating_point() else t).to(device).contiguous() for n, t in tensors.items()}
         return cls(out)

@@ -56,7 +56,7 @@ def load_config(checkpoint: Path) -> Any:
         raise ModelMismatch(f"{path}: transformers cannot read it: {e}") from None
 
 
-def _dtype_of(config: Any) -> torch.dtype:
+def config_dtype(config: Any) -> torch.dtype:
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)
@@ -157,7 +157,7 @@ def build_model(config: Any, store: Mapping[str, torch.Tensor]) -> torch.nn.Modu
     device = devices.pop()
     # The served dtype is the store's (a trainer's float32 config.json serves bf16 weights just the same).
     floats = {t.dtype for t in store.values() if t.is_floating_point() and t.dtype not in FP8_DTYPES}
-    dtype = floats.pop() if len(floats) == 1 else _dtype_of(config)
+    dtype = floats.pop() if len(floats) == 1 else config_dtype(config)
     auto: Any = transformers.AutoModelForCausalLM
     with _quiet(), torch.device("meta"):
         model: torch.nn.Module = auto.from_config(config, dtype=dtype)
