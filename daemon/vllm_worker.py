@@ -27,9 +27,9 @@ def _tp_rank() -> int:
     """The worker's rank in its tensor-parallel group (vllm/distributed/parallel_state.py); 0 outside vLLM."""
     try:
         dist = importlib.import_module("vllm.distributed")
-    except ImportError:
+        return int(dist.get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError):  # (not in vLLM, or no TP group: one rank)
         return 0
-    return int(dist.get_tensor_model_parallel_rank())
 
 
 class PatchswarmWorkerExtension:
