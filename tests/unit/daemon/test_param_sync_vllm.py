@@ -22,8 +22,8 @@ from patchswarm.daemon.engine import attach
 from patchswarm.daemon.param_sync import ParamSync
 from patchswarm.daemon.weightstore import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
+from tests.support.copy_engine import changed_regions, llama_versions, served, stores
 from tests.support.store_worker import remove_segments, unique_name
-from tests.unit.daemon.test_param_sync import changed_regions, llama_versions, served, stores
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # (read when vLLM picks its platform)
 vllm_llama = pytest.importorskip("vllm.model_executor.models.llama")
