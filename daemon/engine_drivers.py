@@ -73,11 +73,16 @@ class _Http:
             async with self.session.request(
                 req.method, self.url + req.path, json=req.json, params=req.params or None, timeout=t
             ) as resp:
-                raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
+                raw = bytearray()
+                while len(raw) <= MAX_ANSWER_BYTES:  # (read(n) returns what has arrived, up to n)
+                    chunk = await resp.content.read(MAX_ANSWER_BYTES + 1 - len(raw))
+                    if not chunk:
+                        break
+                    raw += chunk
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as e:
             raise EngineError(f"{req.method} {req.path}: {type(e).__name__}: {e}"[:300]) from None
-        text = raw[:MAX_ANSWER_BYTES].decode("utf-8", "replace")
+        text = bytes(raw[:MAX_ANSWER_BYTES]).decode("utf-8", "replace")
         if not 200 <= status < 300:
             raise EngineError(f"{req.method} {req.path}: HTTP {status}: {text[:300]}")
         if len(raw) > MAX_ANSWER_BYTES:

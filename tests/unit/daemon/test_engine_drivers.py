@@ -132,3 +132,51 @@ def test_sglangs_serializer_reads_the_payload() -> None:
     raw = base64.b64decode(req.json["serialized_named_tensors"][0])
     ((name, tensor),) = common.MultiprocessingSerializer.deserialize(raw)
     assert json.loads(name)["rank"] == 0 and tensor.numel() == 0
+
+
+# ------------------------------------------------------------ the HTTP client's error lines (a plain aiohttp server)
+
+
+@pytest.mark.asyncio
+async def test_http_errors_become_one_engine_error_line() -> None:
+    from aiohttp import web
+
+    from patchswarm.daemon.engine_drivers import MAX_ANSWER_BYTES, Timeouts, _Http
+    from patchswarm.daemon.payloads import EngineRequest
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom\n" * 200)
+
+    async def huge(request: web.Request) -> web.Response:
+        return web.Response(text="x" * (MAX_ANSWER_BYTES + 10))
+
+    async def fine(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "12", "got": await request.json(), "q": dict(request.query)})
+
+    app = web.Application()
+    app.router.add_post("/fail", fail)
+    app.router.add_get("/huge", huge)
+    app.router.add_post("/fine", fine)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    http = _Http(f"http://127.0.0.1:{port}", Timeouts(5.0, 5.0))
+    try:
+        with pytest.raises(EngineError, match=r"^POST /fail: HTTP 500: boom") as e:
+            await http.call(EngineRequest("POST", "/fail", {}))
+        assert len(str(e.value)) < 400
+        with pytest.raises(EngineError, match="over"):
+            await http.call(EngineRequest("GET", "/huge"))
+        got = await http.call(EngineRequest("POST", "/fine", {"a": 1}, params={"mode": "keep"}))
+        assert got == {"weight_version": "12", "got": {"a": 1}, "q": {"mode": "keep"}}
+    finally:
+        await http.close()
+        await runner.cleanup()
+    closed = _Http(f"http://127.0.0.1:{port}", Timeouts(2.0, 2.0))
+    try:
+        with pytest.raises(EngineError, match=r"^GET /weight_info: ClientConnectorError"):
+            await closed.call(EngineRequest("GET", "/weight_info"))
+    finally:
+        await closed.close()
