@@ -144,6 +144,23 @@ def check_rank_results(answer: Any, ranks: int, version: int) -> bool:
     return False
 
 
+def check_attach_results(answer: Any, ranks: int) -> None:
+    """Every worker attached; at TP > 1 none needs vLLM's loader (its ``load_weights`` takes checkpoint
+    tensors and shards them itself, which a rank's runtime entry is not): EngineError otherwise."""
+    results = _field(answer, "results")
+    if not isinstance(results, list) or len(results) != ranks or not all(isinstance(r, dict) for r in results):
+        raise EngineError(f"patchswarm_attach: expected {ranks} worker results, got {str(answer)[:200]}")
+    if sorted(r.get("rank", -1) for r in results) != list(range(ranks)):
+        raise EngineError(f"patchswarm_attach: workers report ranks {[r.get('rank') for r in results][:16]}")
+    loaded = [r for r in results if r.get("loader_count")]
+    if loaded and ranks > 1:
+        first = loaded[0]
+        raise EngineError(
+            f"rank {first.get('rank')}: {first.get('loader_count')} store entries do not match vLLM's parameters "
+            f"(first: {str((first.get('loader') or ['?'])[0])[:120]}); vLLM's loader cannot take a shard at TP > 1"
+        )
+
+
 class _Partial(EngineError):
     """A commit that may have written part of the parameters (the next commit reloads every entry)."""
 
@@ -176,10 +193,7 @@ class VllmEngine:
     async def attach(self) -> None:
         """Every worker maps its rank's store (once); EngineError when one cannot."""
         req = EngineRequest("POST", "/collective_rpc", {"method": "patchswarm_attach", "args": [self.attach_spec]})
-        answer = await self.http.call(req, self.http.timeouts.apply_s)
-        results = _field(answer, "results")
-        if not isinstance(results, list) or len(results) != self.ranks or not all(isinstance(r, dict) for r in results):
-            raise EngineError(f"patchswarm_attach: expected {self.ranks} worker results, got {str(answer)[:200]}")
+        check_attach_results(await self.http.call(req, self.http.timeouts.apply_s), self.ranks)
         self.attached = True
 
     async def commit(self, activation: Activation) -> int:

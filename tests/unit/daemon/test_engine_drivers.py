@@ -180,3 +180,18 @@ async def test_http_errors_become_one_engine_error_line() -> None:
             await closed.call(EngineRequest("GET", "/weight_info"))
     finally:
         await closed.close()
+
+
+def test_attach_answers_are_checked() -> None:
+    from patchswarm.daemon.engine_drivers import check_attach_results
+
+    good = {"results": [{"rank": 1, "loader_count": 0}, {"rank": 0, "loader_count": 0}]}
+    check_attach_results(good, 2)
+    check_attach_results({"results": [{"rank": 0, "loader_count": 3, "loader": ["lm_head.weight"]}]}, 1)
+    for answer, why in (
+        ({"results": [{"rank": 0}]}, "expected 2"),
+        ({"results": [{"rank": 0}, {"rank": 0}]}, "report ranks"),
+        ({"results": [{"rank": 0}, {"rank": 1, "loader_count": 2, "loader": ["a.weight"]}]}, "rank 1: 2 .*a.weight"),
+    ):
+        with pytest.raises(EngineError, match=why):
+            check_attach_results(answer, 2)

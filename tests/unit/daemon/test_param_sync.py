@@ -282,3 +282,24 @@ def test_the_sglang_loader_applies_what_the_driver_sends(name: str, tmp_path: Pa
     fresh.load_state_dict(v2)
     assert_params_equal(model, fresh)
     rs.close()
+
+
+def test_bad_attach_specs_give_one_line() -> None:
+    from patchswarm.daemon.param_sync import open_rank_store
+
+    for spec, why in (
+        (None, "JSON text"),
+        ("{", "not JSON"),
+        ("[]", "JSON object"),
+        ('{"attach": []}', "no attach info for rank 0"),
+        ('{"attach": [1]}', "no attach info for rank 0"),
+        ('{"socket": "/x", "ranks": 1}', None),  # rank 1 of 1: refused below
+        ('{"ranks": 2}', "needs socket"),
+        ('{"socket": "/x", "ranks": 2, "wait_s": -1}', "wait_s"),
+    ):
+        if why is None:
+            with pytest.raises(SyncError, match="ranks > 1"):
+                open_rank_store(spec, 1, "cpu")
+            continue
+        with pytest.raises(SyncError, match=why):
+            open_rank_store(spec, 0, "cpu")
