@@ -10,7 +10,7 @@ python/sglang/srt/model_executor).  Each rank's entry is one pair whose *name* i
 memory travels: the weights are in the store).  SGLang's own ``load_weights`` expects checkpoint
 names and shards them itself, which a rank store (runtime names, already sharded) is not: entries
 that do not match a parameter go through the model's ``load_weights`` only where the engine was
-started at TP=1.
+started at TP=1 (refused at TP > 1).
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ _SYNCS: dict[str, ParamSync] = {}
 
 def entry_name(attach_spec: str, apply_text: str, rank: int) -> str:
     return json.dumps({"attach": attach_spec, "apply": apply_text, "rank": rank}, separators=(",", ":"))
+
+
+def _world(spec: str) -> int:
+    obj = json.loads(spec)  # (open_rank_store parsed it already)
+    attach = obj.get("attach")
+    return len(attach) if isinstance(attach, list) else int(obj.get("ranks", 1))
 
 
 def load_regions(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
@@ -49,6 +55,12 @@ def load_regions(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
         view = open_rank_store(spec, rank, device)
         load = getattr(model, "load_weights", None)
         sync = ParamSync(view, dict(model.named_parameters()), load, rank)
+        if sync.fallback and _world(spec) > 1:
+            view.close()
+            raise SyncError(
+                f"rank {rank}: {len(sync.fallback)} store entries do not match SGLang's parameters (first: "
+                f"{sync.fallback[0]}); its load_weights takes checkpoint tensors, not a rank's shard (TP > 1)"
+            )
         _SYNCS[spec] = sync
     version, regions = parse_apply(obj["apply"], sync.rank)
     sync.apply(version, regions)

@@ -303,3 +303,22 @@ def test_bad_attach_specs_give_one_line() -> None:
             continue
         with pytest.raises(SyncError, match=why):
             open_rank_store(spec, 0, "cpu")
+
+
+def test_the_sglang_loader_refuses_loader_entries_at_tp2(name: str, tmp_path: Path) -> None:
+    """A transformers Llama has no ``qkv_proj``: at TP=2 those entries would need SGLang's checkpoint
+    loader on a rank's shard, which it cannot take: refused, nothing copied."""
+    from patchswarm.daemon.engine_drivers import sglang_update_request
+
+    v1, _ = llama_versions()
+    _, cfg = llama_state(3)
+    rs = stores(name, tmp_path, builtin_plan(json.loads(cfg), served(v1).specs, 2), served(v1))
+    spec = json.dumps({"attach": [s.attach_info() for s in rs.stores if s is not None]})
+    model = _LoadingLlama(transformers.LlamaConfig(**LLAMA)).to(torch.bfloat16)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    req = sglang_update_request(Activation(1, None, True), 2, spec, full=False)
+    assert req.json is not None
+    with pytest.raises(SyncError, match=r"rank 1: \d+ store entries .*TP > 1"):
+        load_regions(model, deserialize_ipc(req.json["serialized_named_tensors"][1]))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    rs.close()
