@@ -18,6 +18,8 @@
 #      buffers on cuda:0 from a trained fp8 Qwen3-MoE (tests/system/test_hf_rank_daemon.py)
 #                                                                           -> cuda_system.log
 #   6. publish: publish latency of a 1.07B-parameter model, FP32 masters on the GPU -> bench.log
+#   7. engines: vLLM and SGLang servers taking versions through patchswarm (skipped, one line each,
+#      where they are not installed)                                       -> bench.log
 # A junit check after each pytest step fails the run if any test was skipped or none ran.
 # Results go to $OUT (default bench-out/gpu, at most 8 files); summary.txt has each step's exit status.
 #
@@ -184,6 +186,10 @@ if [ "$TINY" = 1 ]; then
 else
     step publish 90 bench.log "$PY" -m benchmarks.publish_bench --params 1.07e9 --patches 2 --board /tmp --device cuda
 fi
+# 7. vLLM and SGLang, where they are installed: real servers (TP=1 and 2, bf16 and fp8) take a version
+# through the worker extension / custom loader; pause timed; greedy outputs equal a fresh start on the
+# target (benchmarks/engine_check.py).  Neither is on the GPU image today: one "skipped" line each.
+step engines 150 bench.log "$PY" -m benchmarks.engine_check
 [ "$DRY" = 1 ] && exit 0
 echo "total: $SECONDS s of a ${BUDGET} s budget" | tee -a "$SUMMARY"
 exit "$FAILED"

@@ -1,0 +1,204 @@
+"""Copy engines' side of the store: a rank store's changed bytes copied into the engine's own parameters.
+
+vLLM and SGLang keep their weights in their own ``nn.Parameter`` s (the kernels read those), so an
+engine worker attaches once to its rank's store (daemon/engine.py: one mapping, one CUDA IPC
+handle per GPU for the whole buffer) and, per version, copies the changed byte ranges
+(``engine_driver.Region``) of each store entry into the parameter of the same name, in place.
+Entries whose parameter differs from the store entry (name missing, shape, dtype or layout: what
+an engine transforms after loading, e.g. some fp8 scales and packed formats) go through the
+engine's loader, whole, for those entries only.
+
+Engine-agnostic (plain torch modules in the tests); the engine glue is daemon/vllm_worker.py and
+daemon/sglang_loader.py.  The wire form of one apply is JSON text (vLLM's ``/collective_rpc``
+passes only strings): ``{"version": v, "full": bool, "ranks": {"<rank>": [[name, start, end], ...]}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from patchswarm.daemon.engine import EngineView, attach
+from patchswarm.daemon.engine_client import DaemonClient
+from patchswarm.daemon.engine_driver import Activation, Region
+from patchswarm.protocol.served import TensorSpec
+
+MAX_WIRE_CHARS = 64 << 20
+MAX_REGIONS = 1 << 20
+
+Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
+
+
+class SyncError(Exception):
+    """An apply was refused or failed; the message is one line.  ``copied`` False: nothing was written."""
+
+    def __init__(self, message: str, *, copied: bool = False) -> None:
+        super().__init__(message)
+        self.copied = copied
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What one rank applied: the engine driver checks every rank reports the version."""
+
+    rank: int
+    version: int
+    regions: int
+    bytes: int
+    loaded: tuple[str, ...]  # entries that went through the engine's loader
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "rank": self.rank, "version": self.version, "regions": self.regions,
+                "bytes": self.bytes, "loaded": list(self.loaded)}  # fmt: skip
+
+
+def param_matches(spec: TensorSpec, p: torch.Tensor | None) -> bool:
+    """Whether the store entry can be copied byte for byte into ``p`` (same dtype, shape, dense)."""
+    return (
+        p is not None and p.dtype == spec.dt.torch_dtype and tuple(p.shape) == tuple(spec.shape) and p.is_contiguous()
+    )
+
+
+class ParamSync:
+    """One rank's store mapped onto an engine's parameters by name; ``apply`` copies regions in place."""
+
+    def __init__(
+        self, view: EngineView, params: Mapping[str, torch.Tensor], loader: Loader | None = None, rank: int = 0
+    ) -> None:
+        self.view, self.loader, self.rank = view, loader, rank
+        self.slots = {s.name: s for s in view.layout.slots}
+        self.direct: dict[str, torch.Tensor] = {}
+        self.fallback: list[str] = []
+        for s in view.layout.slots:
+            p = params.get(s.name)
+            if p is not None and param_matches(s.spec, p):
+                self.direct[s.name] = p.detach().view(-1).view(torch.uint8)
+            else:
+                self.fallback.append(s.name)
+        if self.fallback and loader is None:
+            raise SyncError(
+                f"rank {rank}: {len(self.fallback)} store entries have no parameter of the same name, shape and "
+                f"dtype (first: {self.fallback[0]}) and this engine has no loader for them"
+            )
+
+    def _check(self, regions: Sequence[Region]) -> None:
+        for r in regions:
+            s = self.slots.get(r.name)
+            if s is None:
+                raise SyncError(f"rank {self.rank}: region names {r.name[:200]!r}, which the store does not hold")
+            if not 0 <= r.start < r.end <= s.nbytes:
+                raise SyncError(
+                    f"rank {self.rank}: region [{r.start}, {r.end}) of {r.name} lies outside {s.nbytes} bytes"
+                )
+
+    def apply(self, version: int, regions: Sequence[Region] | None) -> Applied:
+        """Copy ``regions`` (None: every entry whole) of the store, which must hold ``version``, into the
+        parameters.  Everything is checked before the first byte moves (SyncError, ``copied`` False);
+        a write of the daemon while copying is reported with ``copied`` True (reload the whole rank)."""
+        if regions is None:
+            regions = [Region(s.name, 0, s.nbytes) for s in self.view.layout.slots if s.nbytes]
+        self._check(regions)
+        h = self.view.fence.header()
+        got = None if h is None else self.view.fence.read_version()
+        if h is None or got is None or got[0] != version:
+            held = None if got is None else got[0]
+            raise SyncError(f"rank {self.rank}: the store does not hold version {version} ready (it holds {held})")
+        data = self.view.data
+        nbytes = 0
+        loads: list[str] = []
+        with torch.no_grad():
+            for r in regions:
+                dst = self.direct.get(r.name)
+                if dst is None:
+                    if r.name not in loads:
+                        loads.append(r.name)
+                    continue
+                off = self.slots[r.name].offset
+                dst[r.start : r.end].copy_(data[off + r.start : off + r.end])
+                nbytes += r.end - r.start
+            if loads:
+                assert self.loader is not None
+                self.loader([(n, self.view.tensor(n)) for n in loads])
+                nbytes += sum(self.slots[n].nbytes for n in loads)
+            for t in (data, *self.direct.values()):
+                if t.is_cuda:
+                    torch.cuda.synchronize(t.device)
+        if self.view.fence.seq() != h.seq:
+            raise SyncError(f"rank {self.rank}: the store changed while version {version} was copied", copied=True)
+        return Applied(self.rank, version, len(regions), nbytes, tuple(loads))
+
+
+# ---------------------------------------------------------------- the wire form of one apply
+
+
+def apply_wire(activation: Activation) -> str:
+    """``activation`` as JSON text for every rank (``full``: no regions, each rank copies everything)."""
+    regions = {} if activation.full else activation.regions
+    ranks = {str(k): [[r.name, r.start, r.end] for r in rs] for k, rs in regions.items()}
+    return json.dumps({"version": activation.version, "full": activation.full, "ranks": ranks}, separators=(",", ":"))
+
+
+def parse_apply(text: object, rank: int) -> tuple[int, list[Region] | None]:
+    """(version, rank ``rank``'s regions or None for all) from :func:`apply_wire` text; SyncError otherwise."""
+    if not isinstance(text, str) or len(text) > MAX_WIRE_CHARS:
+        raise SyncError("the apply payload must be JSON text of at most 64 MiB")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise SyncError("the apply payload is not JSON") from None
+    if not isinstance(obj, dict) or set(obj) != {"version", "full", "ranks"}:
+        raise SyncError("the apply payload must be {version, full, ranks}")
+    version, full, ranks = obj["version"], obj["full"], obj["ranks"]
+    if type(version) is not int or not 0 <= version < 1 << 63 or type(full) is not bool or not isinstance(ranks, dict):
+        raise SyncError("the apply payload has a bad version, full or ranks")
+    if full:
+        return version, None
+    items = ranks.get(str(rank), [])
+    if not isinstance(items, list) or len(items) > MAX_REGIONS:
+        raise SyncError(f"rank {rank}: regions must be a list of at most {MAX_REGIONS}")
+    out = []
+    for it in items:
+        if (
+            not isinstance(it, list)
+            or len(it) != 3
+            or not isinstance(it[0], str)
+            or not all(type(x) is int for x in it[1:])
+        ):
+            raise SyncError(f"rank {rank}: a region must be [name, start, end]")
+        out.append(Region(it[0], it[1], it[2]))
+    return version, out
+
+
+# ---------------------------------------------------------------- attaching a worker to its rank's store
+
+
+def open_rank_store(spec_text: object, rank: int, device: torch.device | str) -> EngineView:
+    """Map rank ``rank``'s store, once per worker, from JSON text: ``{"socket": <daemon API socket>,
+    "ranks": N, "engine": name, "wait_s": s}`` (a host store is attached, an engine store allocated on
+    ``device`` and registered: one CUDA IPC handle for the whole buffer) or ``{"attach": [<attach_info
+    of each rank>]}`` (host stores named directly)."""
+    if not isinstance(spec_text, str) or len(spec_text) > MAX_WIRE_CHARS:
+        raise SyncError("the attach spec must be JSON text")
+    try:
+        spec = json.loads(spec_text)
+    except ValueError:
+        raise SyncError("the attach spec is not JSON") from None
+    if not isinstance(spec, dict):
+        raise SyncError("the attach spec must be a JSON object")
+    if "attach" in spec:
+        infos = spec["attach"]
+        if not isinstance(infos, list) or not 0 <= rank < len(infos) or not isinstance(infos[rank], dict):
+            raise SyncError(f"the attach spec has no attach info for rank {rank}")
+        return attach(infos[rank])
+    sock, ranks, engine = spec.get("socket"), spec.get("ranks", 1), spec.get("engine", "engine")
+    wait_s = spec.get("wait_s", 60)
+    if not isinstance(sock, str) or type(ranks) is not int or not 0 <= rank < ranks or not isinstance(engine, str):
+        raise SyncError(f"the attach spec needs socket, and ranks > {rank}")
+    if not isinstance(wait_s, int | float) or not 0 <= wait_s <= 3600:
+        raise SyncError("the attach spec's wait_s must be 0..3600 seconds")
+    client = DaemonClient(sock)
+    return client.open_store(device, engine=engine, wait_s=float(wait_s), rank=rank if ranks > 1 else None)
