@@ -74,6 +74,21 @@ def lock_holders(path: Path) -> list[int]:
     return sorted(set(pids))
 
 
+class _Held:
+    """One process's exclusive side of one lock file, shared by every handle on the store there:
+    the process that owns a store (daemon.instance_lock) is its one writer, however many handles
+    it opens (a restart's recovery in tests re-opens the store in the same process)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.held = False
+        self.refs = 1
+
+
+_WRITERS: dict[tuple[int, int], _Held] = {}
+_WRITERS_MU = threading.Lock()
+
+
 class WriteGate:
     """The writer's side: wait (bounded) for the readers in flight, then hold them off while writing."""
 
@@ -85,20 +100,37 @@ class WriteGate:
             raise StoreError(f"cannot open the readers' lock {path}: {e}") from e
         try:
             os.fchmod(fd, LOCK_MODE)
-            if gid != -1 and os.fstat(fd).st_gid != gid:
+            st = os.fstat(fd)
+            if gid != -1 and st.st_gid != gid:
                 os.fchown(fd, -1, gid)
         except OSError as e:
             os.close(fd)
             raise StoreError(f"cannot give the readers' lock {path} the store's group: {e}") from e
         self.path = path
         self.wait_s = wait_s
-        self.held = False
-        self._fd: int | None = fd
+        self._key: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        with _WRITERS_MU:
+            shared = _WRITERS.get(self._key)
+            if shared is not None and os.fstat(shared.fd).st_nlink == 0:
+                shared = None  # (a removed lock file whose inode number came back: not this one)
+            if shared is None:
+                self._lock = _WRITERS[self._key] = _Held(fd)
+                fd = -1
+            else:
+                shared.refs += 1
+                self._lock = shared
+        if fd != -1:
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._lock.held
 
     def acquire(self, control: ControlBlock) -> None:
-        if self.held:
+        lock = self._lock
+        if lock.held:
             return
-        if self._fd is None:
+        if self._key is None:
             raise StoreError(f"the readers' lock {self.path} is closed")
         wait_s = min(max(self.wait_s, 0.0), MAX_WAIT_S)
         deadline = time.monotonic_ns() + int(wait_s * 1e9)
@@ -107,7 +139,7 @@ class WriteGate:
         try:
             while True:
                 try:
-                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
                     left = deadline - time.monotonic_ns()
@@ -119,7 +151,7 @@ class WriteGate:
                     raise StoreError(f"cannot lock the readers' lock {self.path}: {e}") from e
         finally:
             control.set(OFF_WRITE_PENDING, 0)  # held (readers then wait on the lock) or given up
-        self.held = True
+        lock.held = True
 
     def _stalled(self, wait_s: float) -> ReadersStalled:
         pids = [p for p in lock_holders(self.path) if p != os.getpid()] or lock_holders(self.path)
@@ -131,16 +163,23 @@ class WriteGate:
         )
 
     def release(self, control: ControlBlock) -> None:
-        if not self.held or self._fd is None:
-            return
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self.held = False
+        lock = self._lock
+        if lock.held and self._key is not None:
+            fcntl.flock(lock.fd, fcntl.LOCK_UN)
+            lock.held = False
 
     def close(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)  # (closing drops the flock)
-            self._fd, self.held = None, False
+        """Drop this handle; the last one of the process closes the file (and so drops the flock)."""
+        with _WRITERS_MU:
+            if self._key is None:
+                return
+            self._lock.refs -= 1
+            if self._lock.refs == 0:
+                if _WRITERS.get(self._key) is self._lock:
+                    del _WRITERS[self._key]
+                with contextlib.suppress(OSError):
+                    os.close(self._lock.fd)
+            self._key = None
 
 
 class ReadGate:
