@@ -217,6 +217,11 @@ class ReadGate:
             self._count += 1
             return True
 
+    @property
+    def count(self) -> int:
+        """Reads of this process in flight under the lock."""
+        return self._count
+
     def exit(self) -> None:
         with self._mu:
             self._count -= 1
