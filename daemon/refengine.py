@@ -50,6 +50,10 @@ from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.daemon.trajectory import PRESETS
 
 T = TypeVar("T")
+# How long a step waits for the daemon's write in progress to end (an activation takes milliseconds);
+# past it the fence is taken as stuck (a daemon killed mid-write) and steps run unattributed until
+# the sequence number moves (the restarted daemon's recovery).
+STABLE_WAIT_S = 2.0
 
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
@@ -122,6 +126,7 @@ class StoreViewSource:
     def __init__(self, view: StoreView) -> None:
         self.view = view
         self._tensors = view.tensors()
+        self._stuck_at: int | None = None  # a fence found odd past STABLE_WAIT_S, at this seq
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors
@@ -142,7 +147,27 @@ class StoreViewSource:
             before = self.version()
             value = step()
             return value, before, self.version()
-        obs = fence.consistent(step)
+        started = False
+
+        def fenced() -> T:
+            nonlocal started
+            started = True
+            return step()
+
+        while True:
+            if fence.seq() == self._stuck_at:
+                # A fence left odd (a daemon killed mid-write): serve, attributed to no version.
+                return step(), NO_VERSION, self.version()
+            try:
+                obs = fence.consistent(fenced, timeout=STABLE_WAIT_S)
+                break
+            except TimeoutError:
+                if started:
+                    raise
+                seq = fence.seq()
+                if seq % 2:  # (even: a writer waits for other readers, bounded by its deadline; wait on)
+                    self._stuck_at = seq
+        self._stuck_at = None
         before = NO_VERSION if obs.version is None else obs.version
         if not obs.changed:
             return obs.value, before, before

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import torch
 
+from patchswarm.daemon import refengine
 from patchswarm.daemon import trajectory as tr
 from patchswarm.daemon.refengine import (
     NO_VERSION,
@@ -255,9 +256,11 @@ async def test_bad_requests_get_400() -> None:
 # ---------------------------------------------------------------- under a real store's fence
 
 
-def test_steps_run_under_the_store_fence_and_a_changed_step_is_never_one_version(tmp_path: Path) -> None:
+def test_steps_run_under_the_store_fence_and_a_changed_step_is_never_one_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from patchswarm.daemon.engine import FenceReader, Observed, attach
-    from patchswarm.daemon.store_format import StoreLayout
+    from patchswarm.daemon.store_format import StoreLayout, StoreState
     from patchswarm.daemon.weightstore import WeightStore, diff_updates
     from patchswarm.protocol.served import ServedModel
     from tests.support.store_worker import remove_segments, unique_name
@@ -294,6 +297,14 @@ def test_steps_run_under_the_store_fence_and_a_changed_step_is_never_one_version
         value, before, after = src.run(lambda: store.activate(2, v2.root(), diff_updates(v1, v2), tmp_path))
         assert (before, after) == (1, 2) and value.changed > 0
         assert src.run(lambda: 0) == (0, 2, 2)
+        # A fence left odd (a daemon killed mid-write): after a bounded wait the engine serves on,
+        # attributed to no version, until the restarted daemon's recovery moves the fence.
+        monkeypatch.setattr(refengine, "STABLE_WAIT_S", 0.05)
+        store.control.begin(StoreState.WRITING, gated=False)
+        assert src.run(lambda: 0) == (0, NO_VERSION, NO_VERSION)
+        assert src.run(lambda: 1) == (1, NO_VERSION, NO_VERSION)
+        store.control.publish(2, v2.root(), StoreState.READY)
+        assert src.run(lambda: 2) == (2, 2, 2)
         view.close()
     finally:
         store.close()
