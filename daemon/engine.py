@@ -283,7 +283,7 @@ class FenceReader:
             self._sleep(poll_s)
 
     def _enter(self, timeout: float | None, poll_s: float = 1e-4) -> Header:
-        """A stable header, with the read lock held (when there is one): no write begins until ``_exit``."""
+        """A stable header, with the read lock held (when there is one): no write begins until it goes."""
         deadline = None if timeout is None else self._clock() + timeout
         while True:
             if self.lock is None or self.lock.try_enter(self.control):
