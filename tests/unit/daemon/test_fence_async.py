@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from patchswarm.daemon.cpu_stream import CpuEvent, CpuStream
-from patchswarm.daemon.engine import EngineView, FenceReader, attach
+from patchswarm.daemon.engine import EngineView, FenceReader, Observed, attach
 from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path
 from patchswarm.daemon.store_format import OFF_WRITE_PENDING, StoreLayout
@@ -160,7 +160,7 @@ def test_old_consistent_reports_a_torn_async_read_as_consistent(tmp_path: Path) 
         stream.close()
 
 
-def run_new_read_against_write(r: Rig, stream: CpuStream) -> object:
+def run_new_read_against_write(r: Rig, stream: CpuStream) -> Observed[torch.Tensor]:
     """A new-fence read whose launched copy is held until the writer (next version) waits for it."""
     k = r.view.read_version()
     assert k is not None
@@ -189,8 +189,8 @@ def test_new_consistent_holds_the_writer_until_the_launched_copy_ran(tmp_path: P
     with rig(versions(1 << 14, [1 << 12, 1 << 12], 2), tmp_path) as r:
         stream = CpuStream()
         obs = run_new_read_against_write(r, stream)
-        assert (obs.version, obs.changed) == (1, False)  # type: ignore[attr-defined]
-        assert torch.equal(obs.value, r.bytes_of(1))  # type: ignore[attr-defined]
+        assert (obs.version, obs.changed) == (1, False)
+        assert torch.equal(obs.value, r.bytes_of(1))
         assert r.view.read_version() == (2, r.models[1].root())
         stream.close()
 
