@@ -12,6 +12,15 @@ b) Digest where the weights live: ``daemon.device_blake3.device_digests`` (BLAKE
 c) Host copies of the codec's dense paths: a tensor 30% changed (dense candidates tried) and one
    re-initialized (FULL) are encoded on the device; each crosses to the host once (counted at
    ``protocol.value_coding.to_host``) and the payload equals the host encode's.
+d) The version fence with an asynchronous reader (docs/weightstore.md section 5): an engine buffer
+   of ``--fence-gb`` on the device, a writer thread flipping it between two versions (5% of the words
+   scattered per write, under the fence), and a reader that launches a copy of the whole store on a
+   side stream and never syncs it itself.  With the old fence (sequence re-read as soon as the copy
+   is launched, no readers' lock) torn copies pass as consistent (counted, expected > 0); with
+   ``FenceReader.consistent(fn, sync=side_stream)`` none may (a mismatch).  Also the cost of one
+   fenced read with nothing to read (lock + seqlock + sync), with and without the readers' lock.
+   ``--fence-only`` runs this part alone.  On ``--device cpu`` the side stream is the CPU twin
+   (daemon/cpu_stream.py).
 
 Any mismatch exits 1.  Run by benchmarks/gpu_check.sh; ``--device cpu`` runs the same code on
 the host (a check of the script itself, not a measurement).
@@ -21,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +40,11 @@ from typing import Any
 
 import torch
 
+from patchswarm.daemon.cpu_stream import CpuStream
 from patchswarm.daemon.device_blake3 import default_batch, device_digests, scratch_bound
+from patchswarm.daemon.engine import FenceReader, allocate
+from patchswarm.daemon.store_format import StoreLayout, TensorUpdate
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol import codec, value_coding
 from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest
@@ -123,12 +138,106 @@ def dense_host_copies(device: torch.device, n: int = 1 << 23) -> dict[str, float
     return out
 
 
+def fence_check(device: torch.device, gb: float, reads: int = 300) -> dict[str, Any]:
+    """d) torn copies the old fence lets through and the new one does not (see the module doc)."""
+    n = max(1 << 12, int(gb * 1e9) // 4)
+    spec = TensorSpec("w", "I32", (n,))
+    name = f"psw-gpu-check-fence-{os.getpid()}"
+    store = WeightStore.create(name, StoreLayout.from_specs([spec]), engine_buffer=True)
+    out: dict[str, Any] = {"store_bytes": 4 * n}
+    try:
+        view = allocate(store.attach_info(), device)
+        assert view.handle is not None
+        store.bind_buffer(view.data, int(view.handle["buffer_id"]))  # (daemon and engine in one process)
+        g = torch.Generator(device=device).manual_seed(3)
+        a = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g, device=device)
+        pos = torch.arange(int(torch.randint(0, 20, (1,))), n, 20, device=device)
+        b = a.clone()
+        b[pos] = torch.randint(-(2**31), 2**31 - 1, (pos.numel(),), dtype=torch.int32, generator=g, device=device)
+        store.load(ServedModel([spec], [a.view(torch.uint8)]), 1, bytes(32), verify=False)
+        # version k holds a (k odd) or b (k even); each write is the scatter between them
+        staged = {
+            0: store.stage([TensorUpdate(0, pos, b[pos], a[pos])]),
+            1: store.stage([TensorUpdate(0, pos, a[pos], b[pos])]),
+        }
+        side: Any = torch.cuda.Stream(device) if device.type == "cuda" else CpuStream("fence-reader")
+        copy = torch.empty_like(view.data)
+
+        def launch() -> None:  # the reader's read: a copy of the whole store, queued and not waited for
+            if device.type == "cuda":
+                with torch.cuda.stream(side):
+                    copy.copy_(view.data)
+            else:
+                side.launch(lambda: copy.copy_(view.data))
+
+        stop, writes = threading.Event(), [0]
+
+        def writer() -> None:
+            k = 1
+            while not stop.is_set():
+                k += 1
+                store.write_fenced(store.header(), k, k.to_bytes(32, "little"), staged[k % 2])
+                writes[0] += 1
+                time.sleep(2e-3)  # (writes are rare in real runs: leave the readers gaps to enter)
+
+        fence = view.fence
+        for mode in ("old", "new"):
+            w = threading.Thread(target=writer)
+            writes[0], torn_unseen, changed = 0, 0, 0
+            stop.clear()
+            w.start()
+            try:
+                for _ in range(reads):
+                    if mode == "old":  # the fence before: no lock, seq re-read as soon as fn returns
+                        start = fence.wait_stable()
+                        launch()
+                        moved = fence.seq() != start.seq
+                        side.synchronize()  # (to check the copy; the old fence never waited for it)
+                        version = start.version
+                    else:
+                        obs = fence.consistent(launch, sync=side)
+                        moved, version = obs.changed, obs.version or 0
+                    changed += moved
+                    if not moved and not torch.equal(copy[: 4 * n].view(torch.int32), a if version % 2 else b):
+                        torn_unseen += 1
+            finally:
+                stop.set()
+                w.join()
+            out[mode] = {"reads": reads, "writes": writes[0], "changed": changed, "torn_unseen": torn_unseen}
+        # The cost of the fence itself: one read with nothing to read, best of 5 x 2000.
+        bare = FenceReader(fence.control, fence.buffer_id, device=fence.device)
+        for label, reader in (("with_lock", fence), ("seqlock_only", bare)):
+            best = min(
+                timed(device, lambda r=reader: [r.consistent(lambda: None) for _ in range(2000)])[1] for _ in range(5)
+            )  # type: ignore[misc]
+            out[f"fenced_read_us_{label}"] = best / 2000 * 1e6
+        if isinstance(side, CpuStream):
+            side.close()
+        view.close()
+    finally:
+        store.destroy()
+    out["ok"] = out["new"]["torn_unseen"] == 0 and out["new"]["writes"] > 0
+    return out
+
+
+def print_fence(res: dict[str, Any], device: torch.device) -> None:
+    f = res["fence"]
+    print(f"fence on {device} ({f['store_bytes'] / 1e9:.2f} GB store, a reader copying it on a side stream, racing "
+          f"writes): old fence {f['old']['torn_unseen']} torn copies passed as consistent of {f['old']['reads']} "
+          f"({f['old']['writes']} writes, {f['old']['changed']} seen changed); new fence {f['new']['torn_unseen']} "
+          f"of {f['new']['reads']} ({f['new']['writes']} writes, {f['new']['changed']} seen changed); one fenced "
+          f"read {f['fenced_read_us_with_lock']:.1f} us with the readers' lock, "
+          f"{f['fenced_read_us_seqlock_only']:.1f} us seqlock only")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--gb", type=float, default=2.0, help="model size in GB")
     ap.add_argument("--frac", type=float, default=0.005)
     ap.add_argument("--tensor-mb", type=int, default=128, help="size of each tensor (the last model tensor is whole)")
+    ap.add_argument("--fence-gb", type=float, default=1.0, help="store size of the fence check (d)")
+    ap.add_argument("--fence-only", action="store_true", help="run only the fence check (d)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -140,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"device": str(dev), "torch": torch.__version__}
     if dev.type == "cuda":
         res["device_name"] = torch.cuda.get_device_name(dev)
+    res["fence"] = fence_check(dev, args.fence_gb)
+    print_fence(res, dev)
+    if args.fence_only:
+        res["ok"] = res["fence"]["ok"]
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print("gpu_check.py:", "OK" if res["ok"] else "MISMATCH")
+        return 0 if res["ok"] else 1
     base, target = synthetic(int(args.gb * 1e9), args.frac, dev, args.tensor_mb)
     res["model_bytes"], res["tensors"] = base.nbytes, len(base)
     print(f"model: {base.nbytes / 1e9:.2f} GB bf16 in {len(base)} tensors on {dev}, {args.frac:.2%} changed")
@@ -204,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dense encode on {dev}: host copies per tensor {res['dense_host_copies']}")
     ok = res["payload_identical"] and res["apply_bitwise"] and res["digests_equal"]
     ok = ok and res.get("digest_scratch_peak", 0) <= res.get("digest_scratch_bound", 0)
-    ok = ok and all(v == 1.0 for v in res["dense_host_copies"].values())
+    ok = ok and all(v == 1.0 for v in res["dense_host_copies"].values()) and res["fence"]["ok"]
     res["ok"] = ok
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -8,7 +8,9 @@
 #      a killed engine's buffer let go, the IPC export/import, the GPU state root, payloads, GPU
 #      masters publishing                                                   -> cuda_quick.log/.xml
 #   2. codec_digest: the codec's torch path on the GPU (encode == host encode, apply bitwise, one host
-#      copy of a dense tensor) and the device digest (== blake3, peak scratch within its bound)
+#      copy of a dense tensor), the device digest (== blake3, peak scratch within its bound) and the
+#      version fence with a reader that copies a 1 GB store on a side stream and never syncs, racing
+#      writes (no torn copy may pass as consistent; the old fence's count is printed beside it)
 #                                                                           -> bench.log, codec_digest.json
 #   3. cuda_system: the real daemon with the reference engine on the GPU (kill -9 of the daemon mid-
 #      activation, kill -9 of the engine, bad registrations)                -> cuda_system.log/.xml
@@ -154,9 +156,10 @@ ran_all cuda_quick "$OUT/cuda_quick.xml"
 
 if [ "$TINY" = 1 ]; then
     step codec_digest 120 bench.log "$PY" -m benchmarks.gpu_check --device cpu --gb 0.002 --tensor-mb 1 \
-        --json "$OUT/codec_digest.json"
+        --fence-gb 0.01 --json "$OUT/codec_digest.json"
 else
-    step codec_digest 60 bench.log "$PY" -m benchmarks.gpu_check --device cuda:0 --gb 1 --json "$OUT/codec_digest.json"
+    step codec_digest 75 bench.log "$PY" -m benchmarks.gpu_check --device cuda:0 --gb 1 --fence-gb 1 \
+        --json "$OUT/codec_digest.json"
 fi
 
 step cuda_system 150 cuda_system.log "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs \

@@ -25,12 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy.typing as npt
 import torch
 
 from patchswarm.daemon import cuda_ipc
+from patchswarm.daemon.fence_lock import ReadGate, readers_lock_path
 from patchswarm.daemon.store_format import (
     OFF_DATA,
     ControlBlock,
@@ -221,8 +222,20 @@ class Observed(Generic[T]):
     changed: bool  # the daemon wrote (or began writing) while fn ran: do not attribute value to version
 
 
+class Synchronizes(Protocol):
+    """A handle on asynchronous work: torch.cuda.Event or Stream, daemon.cpu_stream.CpuEvent or CpuStream."""
+
+    def synchronize(self) -> Any: ...
+
+
 class FenceReader:
-    """Reads the control block's seqlock: versions only from a stable (even) sequence number."""
+    """Reads the control block's seqlock: versions only from a stable (even) sequence number.
+
+    ``lock``: the store's readers' lock (daemon/fence_lock.py), held by ``consistent`` so that no
+    write begins while the reader's work may still read; None: the seqlock alone.  ``device``:
+    where the data lives; a CUDA device makes ``consistent`` synchronize that device's current
+    stream before it re-reads the sequence number (``EngineView`` sets it).
+    """
 
     def __init__(
         self,
@@ -231,9 +244,13 @@ class FenceReader:
         *,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        lock: ReadGate | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.control = control
         self.buffer_id = buffer_id
+        self.lock = lock
+        self.device = device
         self._sleep = sleep
         self._clock = clock
 
@@ -265,17 +282,68 @@ class FenceReader:
                 raise TimeoutError("the weight store stayed mid-write (is the daemon recovering?)")
             self._sleep(poll_s)
 
-    def consistent(self, fn: Callable[[], T], *, timeout: float | None = None) -> Observed[T]:
-        """Run ``fn`` (e.g. one generation step) and tell which version it ran on, if it was one.
+    def _enter(self, timeout: float | None, poll_s: float = 1e-4) -> Header:
+        """A stable header, with the read lock held (when there is one): no write begins until it goes."""
+        deadline = None if timeout is None else self._clock() + timeout
+        while True:
+            if self.lock is None or self.lock.try_enter(self.control):
+                h = self.control.snapshot()
+                if h is not None:
+                    return h
+                if self.lock is not None:
+                    self.lock.exit()  # (a fence left odd: never hold the lock the recovery needs)
+            if deadline is not None and self._clock() >= deadline:
+                raise TimeoutError("the weight store stayed mid-write or locked by its writer (daemon recovering?)")
+            self._sleep(poll_s)
 
-        ``changed`` is True when the sequence number moved while ``fn`` ran: its result mixes
-        versions (or saw a write) and must not be reported as ``version``.
+    def synchronize(self, sync: Callable[[], Any] | Synchronizes | None = None) -> None:
+        """Wait for the reader's asynchronous work: ``sync``, or by default the current stream of
+        the data's CUDA device (an event recorded on it, then waited for); nothing for host data."""
+        if sync is None:
+            if self.device is not None and self.device.type == "cuda":
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(self.device))
+                event.synchronize()
+        elif hasattr(sync, "synchronize"):
+            sync.synchronize()
+        elif callable(sync):
+            sync()
+        else:
+            raise TypeError("sync must be a callable or have .synchronize() (a CUDA event or stream)")
+
+    def consistent(
+        self,
+        fn: Callable[[], T],
+        *,
+        timeout: float | None = None,
+        sync: Callable[[], Any] | Synchronizes | None = None,
+    ) -> Observed[T]:
+        """Run ``fn`` (e.g. one forward pass) and tell which version it ran on, if it was one.
+
+        ``fn`` may only launch its reads (CUDA kernels, or work on a ``daemon.cpu_stream`` stream):
+        ``sync`` waits for them (``synchronize``) before the sequence number is read again, and
+        the read lock, taken before the stable sequence number was read, is held until then, so
+        the daemon begins no write while they may read.  ``changed`` is True when the sequence
+        number moved all the same (a daemon without the handshake, a recovery): the result
+        mixes versions (or saw a write) and must not be reported as ``version``.  ``timeout``
+        bounds the wait for a stable fence (TimeoutError).
         """
-        start = self.wait_stable(timeout)
-        value = fn()
-        changed = self.control.seq() != start.seq
+        start = self._enter(timeout)
+        try:
+            try:
+                value = fn()
+            finally:
+                self.synchronize(sync)  # (also when fn raised: its launched work may still read)
+            changed = self.control.seq() != start.seq
+        finally:
+            if self.lock is not None:
+                self.lock.exit()
         got = self._version_of(start)
         return Observed(value, None if got is None else got[0], None if got is None else got[1], changed)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
 
 
 class EngineView:
@@ -299,6 +367,8 @@ class EngineView:
         self._owned = owned
         self._pool = pool  # a CUDA buffer's private memory pool: it lives as long as the buffer
         self._index = {s.name: i for i, s in enumerate(layout.slots)}
+        if fence.device is None:
+            fence.device = data.device  # (consistent's default sync: this device's current stream)
 
     def tensor(self, name: str) -> torch.Tensor:
         s = self.layout.slots[self._index[name]]
@@ -325,6 +395,7 @@ class EngineView:
         """Drop the mappings; an engine-owned CPU buffer is removed (CUDA memory is freed with the tensor)."""
         self.data = torch.empty(0, dtype=torch.uint8)
         self._pool = None
+        self.fence.close()
         if self._owned is not None:
             self._owned.unlink()
         for seg in [*self._segments, *([self._owned] if self._owned else [])]:
@@ -338,6 +409,10 @@ def _layout_of(info: dict[str, Any], ctl: ControlBlock) -> StoreLayout:
     return layout
 
 
+def _read_gate(seg: SharedSegment) -> ReadGate | None:
+    return ReadGate.open(readers_lock_path(seg.path))
+
+
 def attach(info: dict[str, Any]) -> EngineView:
     """Map the store described by the daemon's ``attach_info`` (works in any process)."""
     shm_dir = info.get("shm_dir", str(SHM_DIR))
@@ -348,13 +423,13 @@ def attach(info: dict[str, Any]) -> EngineView:
         off, cap = ctl.get(OFF_DATA), ctl.get(OFF_DATA + 8)
         if cap < layout.nbytes or off + layout.nbytes > seg.size:
             raise StoreTooSmallError(layout.nbytes, cap)
-        return EngineView(layout, seg.tensor(off, layout.nbytes), FenceReader(ctl), [seg])
+        return EngineView(layout, seg.tensor(off, layout.nbytes), FenceReader(ctl, lock=_read_gate(seg)), [seg])
     if info["kind"] != "engine_buffer" or not info.get("buffer"):
         raise StoreError(f"cannot attach a store of kind {info['kind']!r} without a buffer (use allocate)")
     data, bseg = import_buffer(info["buffer"], shm_dir)
     if data.numel() < layout.nbytes:
         raise StoreTooSmallError(layout.nbytes, data.numel())
-    fence = FenceReader(ctl, int(info["buffer"]["buffer_id"]))
+    fence = FenceReader(ctl, int(info["buffer"]["buffer_id"]), lock=_read_gate(seg))
     return EngineView(layout, data, fence, [seg, *([bseg] if bseg else [])])
 
 
@@ -385,4 +460,4 @@ def allocate(info: dict[str, Any], device: torch.device | str) -> EngineView:
         own = cuda_ipc.allocate_own_segment(layout.nbytes, dev)
         data, pool = own.data, own.pool
         handle = export_buffer(data, buffer_id)
-    return EngineView(layout, data, FenceReader(ctl, buffer_id), [seg], handle, owned, pool)
+    return EngineView(layout, data, FenceReader(ctl, buffer_id, lock=_read_gate(seg)), [seg], handle, owned, pool)

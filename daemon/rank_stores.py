@@ -456,6 +456,7 @@ class RankStores:
         jbytes = journal.write_rank_journal(self.journal_dir, entries, fault=self.fault)
         t2 = time.perf_counter()
         self.fault("journaled")
+        self._hold_readers(stores)
         longest = 0.0
         try:
             for i, k in enumerate(ranks):
@@ -480,6 +481,22 @@ class RankStores:
         changed = sum(u.count for st in staged.values() for u in st)
         self.phases |= {"stage": t1 - t0, "journal": t2 - t1, "write": t3 - t2, "remove": time.perf_counter() - t3}
         return RanksApplied(longest, t3 - t2, t2 - t1, jbytes, changed)
+
+    def _hold_readers(self, stores: dict[int, WeightStore]) -> None:
+        """Wait for every rank's readers in flight before any rank's fence goes odd (each rank's
+        ``write_fenced`` then finds its gate held): a rank whose readers stall past the bound
+        stops the activation with nothing written, never with some ranks ahead of the others."""
+        taken: list[WeightStore] = []
+        try:
+            for s in stores.values():
+                s.gate.acquire(s.control)
+                taken.append(s)
+        except StoreError:
+            for s in taken:
+                s.gate.release(s.control)
+            with contextlib.suppress(JournalError):
+                journal.remove_journal(self.journal_dir)
+            raise
 
     def _rank_fault(self, k: int) -> Callable[[str], None]:
         return lambda point: self.fault(f"rank{k}:{point}")

@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import signal
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,12 @@ from aiohttp import web
 
 from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.daemon.trajectory import PRESETS
+
+T = TypeVar("T")
+# How long a step waits for the daemon's write in progress to end (an activation takes milliseconds);
+# past it the fence is taken as stuck (a daemon killed mid-write) and steps run unattributed until
+# the sequence number moves (the restarted daemon's recovery).
+STABLE_WAIT_S = 2.0
 
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
@@ -113,11 +120,13 @@ class StoreView(Protocol):
 class StoreViewSource:
     """A :class:`WeightSource` over a weight-store view: the tensors are mapped once (zero-copy
     views of the store), the version comes from the store's fence, and is :data:`NO_VERSION` (-1)
-    while the daemon is writing or before the store holds a version."""
+    while the daemon is writing or before the store holds a version.  A view with a ``fence``
+    (``daemon.engine.EngineView``) runs each step under ``fence.consistent`` (:meth:`run`)."""
 
     def __init__(self, view: StoreView) -> None:
         self.view = view
         self._tensors = view.tensors()
+        self._stuck_at: int | None = None  # a fence found odd past STABLE_WAIT_S, at this seq
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors
@@ -125,6 +134,45 @@ class StoreViewSource:
     def version(self) -> int:
         got = self.view.read_version()
         return NO_VERSION if got is None else got[0]
+
+    def run(self, step: Callable[[], T]) -> tuple[T, int, int]:
+        """``step`` (one forward pass) and the versions to report for it: (value, before, after).
+
+        Under the view's fence (daemon/engine.py ``FenceReader.consistent``: no write begins
+        while the step may read, its device work synchronized before the fence is read again),
+        ``before == after`` names the one version the step read; a step the fence saw change
+        reports an ``after`` other than ``before``, so that nothing attributes it to one version."""
+        fence = getattr(self.view, "fence", None)
+        if fence is None:
+            before = self.version()
+            value = step()
+            return value, before, self.version()
+        started = False
+
+        def fenced() -> T:
+            nonlocal started
+            started = True
+            return step()
+
+        while True:
+            if fence.seq() == self._stuck_at:
+                # A fence left odd (a daemon killed mid-write): serve, attributed to no version.
+                return step(), NO_VERSION, self.version()
+            try:
+                obs = fence.consistent(fenced, timeout=STABLE_WAIT_S)
+                break
+            except TimeoutError:
+                if started:
+                    raise
+                seq = fence.seq()
+                if seq % 2:  # (even: a writer waits for other readers, bounded by its deadline; wait on)
+                    self._stuck_at = seq
+        self._stuck_at = None
+        before = NO_VERSION if obs.version is None else obs.version
+        if not obs.changed:
+            return obs.value, before, before
+        after = self.version()
+        return obs.value, before, NO_VERSION if after == before else after
 
 
 # ---------------------------------------------------------------- the model
@@ -323,11 +371,13 @@ class RefEngine:
                 if not self._running.is_set():
                     continue  # paused while queued for the lock
                 tensors = self.source.tensors()
+                forward = functools.partial(greedy_next, tensors, self.shape, list(context))
+                if isinstance(self.source, StoreViewSource):  # (under the store's fence)
+                    run = functools.partial(self.source.run, forward)
+                    token, before, after = await asyncio.to_thread(run) if self.threaded else run()
+                    return TokenStep(index, token, before, after)
                 before = self.source.version()
-                if self.threaded:
-                    token = await asyncio.to_thread(greedy_next, tensors, self.shape, list(context))
-                else:
-                    token = greedy_next(tensors, self.shape, context)
+                token = await asyncio.to_thread(forward) if self.threaded else forward()
                 return TokenStep(index, token, before, self.source.version())
 
 

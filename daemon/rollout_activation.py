@@ -168,7 +168,9 @@ class VersionActivation:
         store = self.store
         if store.layout.layout_hash != layout.layout_hash or store.header().state == StoreState.READY:
             return None
-        store.control.begin(StoreState.LOADING)
+        # (Not gated: the store serves no version a reader could attribute, and this runs on the
+        # event loop; the load that follows waits for the readers in flight before it publishes.)
+        store.control.begin(StoreState.LOADING, gated=False)
         return store_model(store)
 
     def _bound_chunk_cache(self, manifest: Manifest) -> None:

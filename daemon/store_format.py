@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -187,6 +187,10 @@ OFF_DATA = 112  # u64 offset of the data region in the segment (0: engine buffer
 OFF_HANDLE = 128  # u64 offset, u64 capacity, u64 length of the engine buffer's handle JSON
 OFF_KIND = 152  # u64: 1 host store, 2 engine buffer
 OFF_BUFFER_ID = 160  # u64 (inside the fence): id of the engine buffer the version is in (0 for host stores)
+# u64 (not fenced): CLOCK_MONOTONIC deadline (ns) of a writer waiting for the readers in flight, 0 when
+# none; readers that see it wait instead of starting a read (daemon/fence_lock.py), so that a stream
+# of readers cannot starve the writer.  Older readers ignore it (the format stays 1).
+OFF_WRITE_PENDING = 168
 KIND_HOST = 1
 KIND_ENGINE_BUFFER = 2
 
@@ -213,17 +217,30 @@ class Header:
         return self.seq % 2 == 0
 
 
+class WriterGate(Protocol):
+    """What the writer takes before a write begins: the readers' handshake (daemon/fence_lock.py)."""
+
+    def acquire(self, control: ControlBlock) -> None:
+        """Wait (bounded) until no reader's work may still read the data; StoreError past the bound."""
+        ...
+
+    def release(self, control: ControlBlock) -> None: ...
+
+
 class ControlBlock:
     """Typed access to the control page.  Readers use ``snapshot`` (seqlock); the daemon writes.
 
     Each field is one aligned load or store (atomic on x86-64 and arm64); x86 keeps stores
     in program order, which the fence relies on (see docs/weightstore.md for other CPUs).
+    ``gate`` (the daemon's side only): taken by ``begin`` before anything is written, let go by
+    ``publish`` once the fence is even again.
     """
 
     def __init__(self, buf: Any) -> None:
         self._u8: npt.NDArray[np.uint8] = np.frombuffer(buf, dtype=np.uint8, count=CONTROL_SIZE)
         self._u32: npt.NDArray[np.uint32] = self._u8.view("<u4")
         self._u64: npt.NDArray[np.uint64] = self._u8.view("<u8")
+        self.gate: WriterGate | None = None
 
     def get(self, off: int) -> int:
         return int(self._u64[off // 8])
@@ -274,8 +291,14 @@ class ControlBlock:
             raise StoreError(f"weight store format {int(self._u32[OFF_FORMAT // 4])} (this build handles {FORMAT})")
         return self._u8[OFF_LAYOUT_HASH : OFF_LAYOUT_HASH + 32].tobytes()
 
-    def begin(self, state: StoreState) -> None:
-        """Enter the write side of the fence (seq odd); a fence left odd by a crash stays odd."""
+    def begin(self, state: StoreState, *, gated: bool = True) -> None:
+        """Enter the write side of the fence (seq odd); a fence left odd by a crash stays odd.
+
+        ``gated``: first wait for the readers in flight (``gate``; its StoreError leaves the block
+        untouched).  Transitions that write no data (a new buffer, FAILED) pass False: the seqlock
+        alone tells readers their version went away."""
+        if gated and self.gate is not None:
+            self.gate.acquire(self)
         s = self.seq()
         self._u32[OFF_STATE // 4] = int(state)
         if s % 2 == 0:
@@ -292,6 +315,8 @@ class ControlBlock:
             self._u64[OFF_BUFFER_ID // 8] = buffer_id
         self._u32[OFF_STATE // 4] = int(state)
         self._u64[OFF_SEQ // 8] = s + 1
+        if self.gate is not None:
+            self.gate.release(self)
 
     def blob(self, buf: Any, off_field: int, len_field: int) -> bytes:
         off, n = self.get(off_field), self.get(len_field)

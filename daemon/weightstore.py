@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from patchswarm.daemon import journal
 from patchswarm.daemon.device_blake3 import device_digests
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment, import_buffer
 from patchswarm.daemon.exporter import Exporter
+from patchswarm.daemon.fence_lock import ReadersStalled, WriteGate, readers_lock_path
 from patchswarm.daemon.store_format import (
     CONTROL_SIZE,
     HANDLE_CAP,
@@ -44,6 +46,7 @@ from patchswarm.daemon.store_format import (
     OFF_HANDLE,
     OFF_KIND,
     OFF_LAYOUT,
+    OFF_WRITE_PENDING,
     PAGE,
     ZERO_ROOT,
     ControlBlock,
@@ -217,6 +220,12 @@ class WeightStore:
         self.layout = layout
         self.shm_dir = Path(shm_dir)
         self.control = ControlBlock(seg.mm)
+        # The readers' handshake (daemon/fence_lock.py): every write that changes data waits for the
+        # readers in flight; a pending word left by a daemon that died is forgotten (this one owns
+        # the store: daemon.instance_lock).
+        self.gate = WriteGate(readers_lock_path(seg.path), gid=os.stat(seg.path).st_gid)
+        self.control.gate = self.gate
+        self.control.set(OFF_WRITE_PENDING, 0)
         self.kind = self.control.get(OFF_KIND)
         self.data: torch.Tensor | None = None
         self.buffer: dict[str, Any] | None = None
@@ -350,7 +359,7 @@ class WeightStore:
         self.data, self.buffer = data, None
         self.control.set(OFF_HANDLE + 16, 0)
         if not (keep_contents and self.control.raw().buffer_id == buffer_id):
-            self.control.begin(StoreState.EMPTY)
+            self.control.begin(StoreState.EMPTY, gated=False)  # (nothing written: no reader to wait for)
             self.control.publish(0, ZERO_ROOT, StoreState.EMPTY, buffer_id=buffer_id)
 
     def check_exporter(self) -> str | None:
@@ -379,7 +388,7 @@ class WeightStore:
             self.exporter.close()
             self.exporter = None
         self.control.set(OFF_HANDLE + 16, 0)
-        self.control.begin(StoreState.EMPTY)
+        self.control.begin(StoreState.EMPTY, gated=False)
         self.control.publish(0, ZERO_ROOT, StoreState.EMPTY, buffer_id=0)
         self.released_because = why
 
@@ -414,6 +423,7 @@ class WeightStore:
 
     def close(self) -> None:
         self.data = None
+        self.gate.close()
         if self.exporter is not None:
             self.exporter.close()
         for seg in (self._buffer_seg, self.segment):
@@ -421,8 +431,10 @@ class WeightStore:
                 seg.close()
 
     def destroy(self) -> None:
-        """Remove the store's segment (engines that still map it keep their mapping)."""
+        """Remove the store's segment and its readers' lock (engines that still map them keep them:
+        a store made again under the name is another segment, which they do not read)."""
         self.segment.unlink()
+        self.gate.path.unlink(missing_ok=True)
         self.close()
 
     # -- reading
@@ -474,7 +486,7 @@ class WeightStore:
     # -- writing
 
     def mark_failed(self) -> None:
-        self.control.begin(StoreState.FAILED)
+        self.control.begin(StoreState.FAILED, gated=False)  # (nothing written)
         self.control.publish(0, ZERO_ROOT, StoreState.FAILED)
 
     def load(self, model: ServedModel, version: int, root: bytes, *, verify: bool = True) -> None:
@@ -641,9 +653,10 @@ class WeightStore:
         """Make ``version`` (state root ``root``) the served one by writing ``updates`` in place.
 
         Order: stage and check -> journal (absolute old and new values, fsynced; JournalError here
-        leaves memory untouched) -> seq odd -> scatter -> gather and compare -> version/root ->
-        seq even -> journal removed.  The caller has verified ``root`` on its shadow copy.  After
-        any other error, call ``daemon.journal.recover``.
+        leaves memory untouched) -> wait for the readers in flight (``ReadersStalled`` past
+        ``gate.wait_s``: memory untouched, journal removed) -> seq odd -> scatter -> gather and
+        compare -> version/root -> seq even -> journal removed.  The caller has verified ``root``
+        on its shadow copy.  After any other error, call ``daemon.journal.recover``.
         """
         self._require_live_buffer()
         hdr = self.control.raw()
@@ -659,7 +672,7 @@ class WeightStore:
         self.fault("journaled")
         try:
             self.write_fenced(hdr, version, root, staged)
-        except StoreVerifyError:
+        except (StoreVerifyError, ReadersStalled):  # (stalled: nothing was written)
             journal.remove_journal(Path(journal_dir))
             raise
         t2 = time.perf_counter()

@@ -12,12 +12,15 @@ import json
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from patchswarm.daemon.engine import attach
+from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path, read_journal, read_journals
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.rank_rollout import activate_ranks
@@ -508,4 +511,35 @@ def test_a_version_without_changes_activates_on_rank_stores_of_four_byte_words(n
         assert store is not None and store.root() == store.header().root
         exp = expected_rank(want, 2, r)
         assert all(torch.equal(store.slot_bytes(i), raw_bytes(exp[s.name])) for i, s in enumerate(store.layout.specs))
+    rs.close()
+
+
+def test_a_stalled_reader_of_one_rank_stops_the_activation_before_any_rank_is_written(
+    name: str, tmp_path: Path
+) -> None:
+    """Every rank's readers are waited for before any rank's fence moves: a reader of rank 1 that
+    never finishes leaves rank 0 unwritten too (never one rank ahead), and the retry goes through."""
+    world = 2
+    rs = make(name, world, tmp_path)
+    rs.prepare(split_plan(SPECS, world), SPECS)
+    apply(rs, 1)
+    stores = [rs.store(r) for r in range(world)]
+    assert stores[0] is not None and stores[1] is not None
+    view = attach(stores[1].attach_info())
+    inside, release = threading.Event(), threading.Event()
+    reader = threading.Thread(target=lambda: view.fence.consistent(lambda: (inside.set(), release.wait(30))))
+    reader.start()
+    assert inside.wait(30)
+    for s in stores:
+        s.gate.wait_s = 0.05
+    seqs = [s.control.seq() for s in stores]
+    with pytest.raises(ReadersStalled):
+        apply(rs, 2)
+    assert [s.control.seq() for s in stores] == seqs and not journal_path(rs.journal_dir).exists()
+    assert_ranks_hold(rs, world, 1)
+    release.set()
+    reader.join(30)
+    apply(rs, 2)
+    assert_ranks_hold(rs, world, 2)
+    view.close()
     rs.close()

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
 import torch
 
+from patchswarm.daemon import refengine
 from patchswarm.daemon import trajectory as tr
 from patchswarm.daemon.refengine import (
     NO_VERSION,
@@ -26,6 +29,8 @@ from patchswarm.daemon.refengine import (
     start_engine,
 )
 from tests.support.tinylm import PRESET, greedy_reference, module_from_export, random_export
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +251,61 @@ async def test_bad_requests_get_400() -> None:
             assert r.status == 400
         async with s.http.post(f"{s.url}/pause_generation", json={"mode": "abort"}) as r:
             assert r.status == 400
+
+
+# ---------------------------------------------------------------- under a real store's fence
+
+
+def test_steps_run_under_the_store_fence_and_a_changed_step_is_never_one_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from patchswarm.daemon.engine import FenceReader, Observed, attach
+    from patchswarm.daemon.store_format import StoreLayout, StoreState
+    from patchswarm.daemon.weightstore import WeightStore, diff_updates
+    from patchswarm.protocol.served import ServedModel
+    from tests.support.store_worker import remove_segments, unique_name
+
+    v1, v2 = ServedModel.from_tensors(random_export(21)), ServedModel.from_tensors(random_export(22))
+    name = unique_name("ref")
+    store = WeightStore.create(name, StoreLayout.from_specs(v1.specs))
+    try:
+        store.load(v1, 1, v1.root())
+        view = attach(store.attach_info())
+        held: list[bool] = []
+
+        class Watched(FenceReader):  # (records that each step ran holding the store's read lock)
+            def consistent(self, fn: Callable[[], T], **kw: Any) -> Observed[T]:
+                return super().consistent(
+                    lambda: (held.append(self.lock is not None and self.lock.count > 0), fn())[1], **kw
+                )
+
+        view.fence = Watched(view.fence.control, lock=view.fence.lock, device=view.data.device)
+        src = StoreViewSource(view)
+        engine = RefEngine(src, threaded=False)
+        prompt = [3, 1, 4, 1, 5]
+
+        async def run() -> list[tuple[int, int, int]]:
+            return [(s.token, s.before, s.after) async for s in engine.generate(prompt, 2)]
+
+        steps = asyncio.run(run())
+        expected = greedy_reference(random_export(21), prompt, 2)
+        assert steps == [(expected[0], 1, 1), (expected[1], 1, 1)] and held == [True, True]
+        # A step the fence saw change (here a reader without the lock, the write inside the step)
+        # is reported with two versions, never attributed to one.
+        view.fence.close()
+        view.fence = FenceReader(view.fence.control, device=view.data.device)
+        value, before, after = src.run(lambda: store.activate(2, v2.root(), diff_updates(v1, v2), tmp_path))
+        assert (before, after) == (1, 2) and value.changed > 0
+        assert src.run(lambda: 0) == (0, 2, 2)
+        # A fence left odd (a daemon killed mid-write): after a bounded wait the engine serves on,
+        # attributed to no version, until the restarted daemon's recovery moves the fence.
+        monkeypatch.setattr(refengine, "STABLE_WAIT_S", 0.05)
+        store.control.begin(StoreState.WRITING, gated=False)
+        assert src.run(lambda: 0) == (0, NO_VERSION, NO_VERSION)
+        assert src.run(lambda: 1) == (1, NO_VERSION, NO_VERSION)
+        store.control.publish(2, v2.root(), StoreState.READY)
+        assert src.run(lambda: 2) == (2, 2, 2)
+        view.close()
+    finally:
+        store.close()
+        remove_segments(name)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from patchswarm.daemon import weightstore
 from patchswarm.daemon.device_blake3 import device_digests
 from patchswarm.daemon.engine import FenceReader, SharedSegment, allocate, attach
+from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path
 from patchswarm.daemon.store_format import (
     ALIGN,
@@ -272,7 +273,15 @@ def test_fence_moves_once_per_activation_and_consistent_detects_it(loaded: Weigh
     quiet = view.fence.consistent(lambda: view.tensor("a.weight").float().sum().item())
     assert (quiet.version, quiet.root, quiet.changed) == (1, model(7, 1).root(), False)
     new = model(7, 2)
-    noisy = view.fence.consistent(lambda: loaded.activate(2, new.root(), diff_updates(model(7, 1), new), tmp_path))
+    # A write begun while a reader holds the fence waits for it: from inside the read it never
+    # begins (the bound says why, nothing is written) ...
+    loaded.gate.wait_s = 0.05
+    with pytest.raises(ReadersStalled, match="nothing was written"):
+        view.fence.consistent(lambda: loaded.activate(2, new.root(), diff_updates(model(7, 1), new), tmp_path))
+    assert view.fence.seq() == seq and not journal_path(tmp_path).exists()
+    # ... and the seqlock alone (a reader without the handshake) still sees a write that overlaps it.
+    unlocked = FenceReader(view.fence.control)
+    noisy = unlocked.consistent(lambda: loaded.activate(2, new.root(), diff_updates(model(7, 1), new), tmp_path))
     assert noisy.changed and noisy.version == 1
     assert view.fence.seq() == seq + 2
     assert view.read_version() == (2, new.root())
