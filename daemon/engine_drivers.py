@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from patchswarm.daemon.engine_driver import Activation, EngineDriver, EngineError
+from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.user_error import UserError
 from patchswarm.swarm.client_errors import describe
 
@@ -66,6 +67,9 @@ class _Http:
             raise EngineError(f"{self.what} {path} at {self.url} answered {status}: {_said(answer)}")
         return answer
 
+    async def send(self, req: EngineRequest) -> Any:
+        return await self.expect_ok(req.method, req.path, req.json)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -94,13 +98,13 @@ class NoEngine:
         return self._store_version()
 
     async def pause(self) -> None:
-        await self._http.expect_ok("POST", "/pause_generation", {"mode": "in_place"})
+        await self._http.send(sglang_pause_generation("in_place"))
 
     async def commit(self, activation: Activation) -> int:
         return activation.version
 
     async def resume(self) -> None:
-        await self._http.expect_ok("POST", "/continue_generation")
+        await self._http.send(sglang_continue_generation())
 
     async def close(self) -> None:
         await self._http.close()
@@ -127,7 +131,7 @@ class ZeroCopyEngine:
         return v
 
     async def pause(self) -> None:
-        await self._http.expect_ok("POST", "/pause_generation", {"mode": "in_place"})
+        await self._http.send(sglang_pause_generation("in_place"))
 
     async def commit(self, activation: Activation) -> int:
         body = {"version": activation.version, "flush_cache": activation.flush_cache}
@@ -138,7 +142,7 @@ class ZeroCopyEngine:
         return activation.version
 
     async def resume(self) -> None:
-        await self._http.expect_ok("POST", "/continue_generation")
+        await self._http.send(sglang_continue_generation())
 
     async def close(self) -> None:
         await self._http.close()
