@@ -89,6 +89,7 @@ class NoEngine:
     """No engine under control: the version served is the store's; in_place pauses as SGLang's routes."""
 
     name = "none"
+    copies = False  # (no engine copies anything: Activation.regions are not built for it)
 
     def __init__(self, store_version: Callable[[], int | None], url: str) -> None:
         self._store_version = store_version
@@ -118,6 +119,7 @@ class ZeroCopyEngine:
     """An engine reading the store itself: a commit asks it to confirm the fence shows the version."""
 
     name = "zero-copy"
+    copies = False  # (the engine reads the store: Activation.regions are not built for it)
 
     def __init__(self, url: str, *, commit_timeout_s: float = ENGINE_CALL_TIMEOUT_S) -> None:
         self._http = _Http(url, "engine.url")
@@ -146,6 +148,13 @@ class ZeroCopyEngine:
 
     async def close(self) -> None:
         await self._http.close()
+
+
+def copies_regions(driver: object) -> bool:
+    """Whether ``driver``'s engine copies changed bytes into its own parameters, so the daemon builds
+    ``Activation.regions`` for it: a driver says ``copies = False`` when its engine reads the store
+    (the default, for drivers that say nothing, is to build them)."""
+    return bool(getattr(driver, "copies", True))
 
 
 def make_driver(cfg: Any, store_version: Callable[[], int | None]) -> EngineDriver:

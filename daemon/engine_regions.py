@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from patchswarm.daemon.engine_driver import Region
@@ -38,18 +39,19 @@ def entry_regions(
         return (Region(name, 0, nbytes),)
     if positions.numel() == 0:
         return ()
-    pos = positions.detach().to("cpu", torch.int64).reshape(-1)
-    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
-        pos = torch.unique(pos)  # (sorted; the stores' changes already are, strictly ascending)
+    # numpy, one thread: torch's element-wise ops on a busy host's shared cores cost 100x more here
+    pos = positions.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    if pos.size > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        pos = np.unique(pos)  # (sorted; the stores' changes already are, strictly ascending)
     if int(pos[0]) < 0 or (int(pos[-1]) + 1) * word_bytes > nbytes:
         raise ValueError(f"{name}: a changed word lies outside the entry's {nbytes} bytes")
     # A new run starts where the bytes skipped since the previous changed word reach the gap.
     skipped = (pos[1:] - pos[:-1] - 1) * word_bytes
-    breaks = torch.nonzero(skipped >= gap).reshape(-1)
-    if breaks.numel() + 1 > max_ranges:
+    breaks = np.flatnonzero(skipped >= gap)
+    if breaks.size + 1 > max_ranges:
         return (Region(name, 0, nbytes),)
-    firsts = torch.cat([pos[:1], pos[breaks + 1]]).tolist()
-    lasts = torch.cat([pos[breaks], pos[-1:]]).tolist()
+    firsts = np.concatenate([pos[:1], pos[breaks + 1]]).tolist()
+    lasts = np.concatenate([pos[breaks], pos[-1:]]).tolist()
     return tuple(Region(name, a * word_bytes, (b + 1) * word_bytes) for a, b in zip(firsts, lasts, strict=True))
 
 
@@ -64,7 +66,7 @@ def store_regions(
     for slot in sorted(by_slot):
         spec, parts = specs[slot], by_slot[slot]
         whole = any(p is None for p in parts)
-        positions = None if whole else torch.cat([p for p in parts if p is not None])
+        positions = None if whole else (parts[0] if len(parts) == 1 else torch.cat([p for p in parts if p is not None]))
         width = spec.dt.word_dtype.itemsize
         out += entry_regions(spec.name, width, spec.nbytes, positions)
     return tuple(out)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from patchswarm.daemon.config import DaemonConfig
 from patchswarm.daemon.engine_driver import Activation
+from patchswarm.daemon.engine_drivers import copies_regions
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
@@ -39,6 +40,7 @@ class RankHost(Protocol):
     metrics: DaemonMetrics
     gate: Any
     served: int | None
+    driver: Any
     shadow: Held | None
     journal_dir: Path
     rank_devices: list[str | None]
@@ -183,7 +185,8 @@ async def _activate_ranks(
         if ranks.common_version() == held.version:  # (else a rank waits for its buffer: committed once loaded)
             # Whole when every rank was loaded, or the engine missed a version (its regions are not these).
             full = updates is None or stats is None or host.served != common
-            ack = await host._engine_commit(host._activation(held.version, full=full, regions=ranks.written))
+            regions = ranks.written_regions() if not full and copies_regions(host.driver) else None
+            ack = await host._engine_commit(host._activation(held.version, full=full, regions=regions))
     finally:
         if host.gate is not None:  # the engine's acknowledged version, or the one it served before
             host.gate.end_activation(ack if ack is not None else host.gate.applied)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from patchswarm.daemon.checkpoint_writer import export_version
 from patchswarm.daemon.config import DaemonConfig
+from patchswarm.daemon.engine_drivers import copies_regions
 from patchswarm.daemon.engine_regions import store_regions
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.pull_state import PullState
@@ -302,13 +303,15 @@ class VersionActivation(EngineControl):
         base = self.store.header().version
         full = self.served != base  # the engine missed a version: a copy engine reloads every parameter
         changed = ((u.slot, u.positions) for u in updates)
-        regions = None if full else {0: store_regions(self.store.layout.specs, changed)}
+        copy = not full and copies_regions(self.driver)  # (only a copy engine takes regions)
+        regions = {0: store_regions(self.store.layout.specs, changed)} if copy else None
         in_place = self.gate is not None and self.cfg["sidecar.commit_mode"] == "in_place"
         if self.gate is not None:
             await self._drain_sidecar(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
         paused = False
         ack = None
+        t0 = time.perf_counter()
         try:
             if in_place:
                 # Unpinned requests stay in flight across the switch: the engine must hold them
@@ -326,7 +329,9 @@ class VersionActivation(EngineControl):
         self.metrics.pause.observe(stats.pause_s)
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)
-        log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
+        # engine_s: the engine's side end to end (pause, write, commit, resume), the store's pause inside it
+        engine_s = round(time.perf_counter() - t0, 6)
+        log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6), "engine_s": engine_s})
         return True
 
     async def _drain_sidecar(self, mode: str, version: int) -> None:

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from patchswarm.daemon.config import ConfigError, from_mapping
 from patchswarm.daemon.engine_driver import Activation, EngineError
-from patchswarm.daemon.engine_drivers import NoEngine, ZeroCopyEngine, make_driver
+from patchswarm.daemon.engine_drivers import NoEngine, ZeroCopyEngine, copies_regions, make_driver
 from patchswarm.daemon.refengine import StaticSource, start_engine
 from patchswarm.daemon.sidecar import serve_app
 from patchswarm.daemon.user_error import UserError
@@ -113,3 +113,9 @@ async def test_an_unreachable_or_confused_engine_is_one_error_line() -> None:
     finally:
         await driver.close()
         await server.close()
+
+
+def test_regions_are_built_only_for_engines_that_copy() -> None:
+    assert not copies_regions(NoEngine(lambda: None, "http://127.0.0.1:9"))
+    assert not copies_regions(ZeroCopyEngine("http://127.0.0.1:9"))
+    assert copies_regions(object())  # (a driver that says nothing: its engine may copy)

@@ -403,6 +403,10 @@ def test_roots_kept_per_parameter_equal_roots_computed_from_scratch(name: str, t
     rs.close()
 
 
+class _CopyEngine:
+    copies = True  # (an engine that copies: the daemon builds the regions it takes)
+
+
 class _Host:
     """What ``activate_ranks`` uses of the rollout daemon (daemon/rank_rollout.py ``RankHost``)."""
 
@@ -412,6 +416,7 @@ class _Host:
         self.metrics = DaemonMetrics()
         self.gate = None
         self.served: int | None = None
+        self.driver = _CopyEngine()
         self.committed: list[Activation] = []  # what the engine was asked to take
         self.shadow: Held | None = None
         self.journal_dir = tmp / "journal"
