@@ -4,6 +4,8 @@ fence reads the version, a refusal or an unreachable engine is one EngineError l
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 from aiohttp import web
@@ -119,3 +121,24 @@ def test_regions_are_built_only_for_engines_that_copy() -> None:
     assert not copies_regions(NoEngine(lambda: None, "http://127.0.0.1:9"))
     assert not copies_regions(ZeroCopyEngine("http://127.0.0.1:9"))
     assert copies_regions(object())  # (a driver that says nothing: its engine may copy)
+
+
+@pytest.mark.asyncio
+async def test_a_commit_past_engine_commit_timeout_is_an_error() -> None:
+    never = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await never.wait()  # (an engine that never answers the commit)
+        return web.json_response({"version": 1})
+
+    app = web.Application()
+    app.router.add_post("/patchswarm/v1/commit", slow)
+    server = await serve_app(app, "127.0.0.1", 0)
+    driver = ZeroCopyEngine(server.url, commit_timeout_s=0.2)
+    try:
+        with pytest.raises(EngineError, match=r"engine\.url /patchswarm/v1/commit at .*: timed out"):
+            await driver.commit(Activation(1, None, True))
+    finally:
+        never.set()
+        await driver.close()
+        await server.close()
