@@ -4,7 +4,7 @@ For each engine that imports here, each TP size that fits the GPUs (1, 2) and ea
 the engine's online fp8 quantization of the bf16 checkpoint), a tiny Llama checkpoint is written in
 two versions; rank stores (host shared memory, the built-in plan) hold version 1; the engine starts
 on version 1 with the patchswarm hook (vLLM: ``--worker-extension-cls``, dev mode; SGLang:
-``--custom-weight-loader``), the driver (daemon/engine_drivers.py) attaches, pauses, the stores take
+``--custom-weight-loader``), the driver (daemon/copy_drivers.py) attaches, pauses, the stores take
 version 2, the driver commits the changed regions and resumes: the pause (pause -> resume) is timed.
 Greedy completions of fixed prompts must equal those of the same engine started on version 2.
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from patchswarm.daemon.copy_drivers import make_sglang_driver, make_vllm_driver
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.engine_driver import Activation, Region
-from patchswarm.daemon.engine_drivers import make_sglang_driver, make_vllm_driver
 from patchswarm.daemon.rank_stores import RankStores
 from patchswarm.daemon.weightstore import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan

@@ -1,7 +1,7 @@
 """The local HTTP API on a unix socket: how engines and operators talk to the daemon.
 
     GET  /v1/status                  state, versions, progress, peers (also what `patchswarm status` shows)
-    GET  /v1/version                 applied version and its state root
+    GET  /v1/version                 the store's version, its state root, the version the engine serves
     GET  /v1/wait?version=N&timeout=S   long poll until version N is applied (or the timeout)
     GET  /v1/events                  server-sent events: one per state change
     GET  /v1/layout?rank=K           the weight layout and how to attach to the store (of rank K: store.ranks > 1)
@@ -66,7 +66,7 @@ async def status(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     s = request.app[STATUS_KEY]
-    return _json({"version": s.version, "root": s.root, "state": str(s.phase)})
+    return _json({"version": s.version, "served_version": s.served_version, "root": s.root, "state": str(s.phase)})
 
 
 async def wait(request: web.Request) -> web.Response:
@@ -92,7 +92,8 @@ async def events(request: web.Request) -> web.StreamResponse:
     try:
         await resp.prepare(request)
         snap = s.snapshot()
-        first = {"event": "state", **{k: snap[k] for k in ("state", "reason", "version", "target", "progress")}}
+        keys = ("state", "reason", "version", "served_version", "target", "progress")
+        first = {"event": "state", **{k: snap[k] for k in keys}}
         await resp.write(f"event: state\ndata: {json.dumps(first)}\n\n".encode())
         while True:
             try:

@@ -250,6 +250,43 @@ SCHEMA: list[Key] = [
         "admission reopens on the old version and the activation is retried with backoff. Keep it under the "
         "sidecar's 30 s admission wait, so requests held during a drain run when it gives up (not 503).",
     ),
+    Key(
+        "engine",
+        "kind",
+        choice("none", "zero-copy", "vllm", "sglang"),
+        "none",
+        "The engine the daemon drives (docs/engines.md). none: no engine under control, the store's version is "
+        "reported as served. zero-copy: an engine reading the store (the reference or transformers engine) "
+        "confirms each version (POST /patchswarm/v1/commit) before it is reported as served. vllm, sglang: "
+        "engines whose workers copy each version's changed regions from the rank stores (vLLM with "
+        "--worker-extension-cls patchswarm.daemon.vllm_worker.PatchswarmWorkerExtension and "
+        "VLLM_SERVER_DEV_MODE=1; SGLang with --custom-weight-loader patchswarm.daemon.sglang_loader.load_regions).",
+    ),
+    Key("engine", "url", parse_url, None, "The engine's control API (default: sidecar.upstream)."),
+    Key(
+        "engine",
+        "pause_mode",
+        choice("in_place", "retract"),
+        "in_place",
+        "sglang: how requests are held during an update: in_place keeps them in the running batch (SGLang then "
+        "cannot flush its cache while they run); retract moves them back to the queue, to be recomputed on the "
+        "new weights.",
+    ),
+    Key(
+        "engine",
+        "flush_cache",
+        parse_bool,
+        True,
+        "On each version, ask the engine to drop cached KV/prefixes computed with older versions.",
+    ),
+    Key(
+        "engine",
+        "commit_timeout",
+        parse_positive_duration,
+        30.0,
+        "How long the engine may take to acknowledge a version; past it the commit is retried with backoff "
+        "(the version is reported as served only once acknowledged).",
+    ),
     Key("data", "dir", parse_str, "/var/lib/patchswarm", "Journal, state and high-water marks."),
     Key(
         "export",

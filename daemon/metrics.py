@@ -37,6 +37,11 @@ class DaemonMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.version = Gauge("patchswarm_version_applied", "Version the engine serves from the store", registry=r)
+        self.served = Gauge(
+            "patchswarm_version_served",
+            "Version the engine acknowledged serving (engine.kind none: the store's)",
+            registry=r,
+        )
         self.target = Gauge("patchswarm_version_target", "Newest version this host knows of", registry=r)
         self.staleness = Gauge("patchswarm_staleness_versions", "Target minus applied version", registry=r)
         self.stale_seconds = Gauge(

@@ -8,7 +8,6 @@ activation order are daemon/rank_stores.py's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -16,9 +15,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from patchswarm.daemon.config import DaemonConfig
+from patchswarm.daemon.engine_driver import Activation
+from patchswarm.daemon.engine_drivers import copies_regions
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.metrics import DaemonMetrics
-from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
 from patchswarm.daemon.shadow import StagedVersion, store_updates
 from patchswarm.daemon.status import Phase, Status
@@ -39,6 +39,8 @@ class RankHost(Protocol):
     status: Status
     metrics: DaemonMetrics
     gate: Any
+    served: int | None
+    driver: Any
     shadow: Held | None
     journal_dir: Path
     rank_devices: list[str | None]
@@ -50,7 +52,13 @@ class RankHost(Protocol):
 
     async def _load_registered(self) -> None: ...
 
-    async def _engine_call(self, req: EngineRequest) -> None: ...
+    def _activation(self, version: int, *, full: bool, regions: Any = None) -> Activation: ...
+
+    async def _engine_pause(self) -> None: ...
+
+    async def _engine_commit(self, activation: Activation) -> int | None: ...
+
+    async def _engine_resume(self) -> None: ...
 
 
 class RankStartError(Exception):
@@ -167,19 +175,23 @@ async def _activate_ranks(
         await host._drain_sidecar(mode, held.version)
     host.status.update(phase=Phase.ACTIVATING)
     paused = False
+    ack = stats = None
     start = time.perf_counter()
     try:
         if in_place:
-            await host._engine_call(sglang_pause_generation("in_place"))
+            await host._engine_pause()
             paused = True
         stats = await off_loop(ranks.apply, held.version, model, updates)
+        if ranks.common_version() == held.version:  # (else a rank waits for its buffer: committed once loaded)
+            # Whole when every rank was loaded, or the engine missed a version (its regions are not these).
+            full = updates is None or stats is None or host.served != common
+            regions = ranks.written_regions() if not full and copies_regions(host.driver) else None
+            ack = await host._engine_commit(host._activation(held.version, full=full, regions=regions))
     finally:
-        if host.gate is not None:
-            common = ranks.common_version()
-            host.gate.end_activation(common if common is not None else host.gate.applied)
+        if host.gate is not None:  # the engine's acknowledged version, or the one it served before
+            host.gate.end_activation(ack if ack is not None else host.gate.applied)
         if paused:
-            with contextlib.suppress(StoreError):
-                await host._engine_call(sglang_continue_generation())
+            await host._engine_resume()
         host.status.update(ranks=ranks.entries())
     pause = stats.total_pause_s if stats is not None else time.perf_counter() - start
     host.metrics.applied.inc()

@@ -35,6 +35,8 @@ from patchswarm.daemon import journal
 from patchswarm.daemon.checkpoint import FILES_KEY, MAX_SMALL_FILES_BYTES, CheckpointError
 from patchswarm.daemon.checkpoint_writer import checkpoint_files
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
+from patchswarm.daemon.engine_driver import Region
+from patchswarm.daemon.engine_regions import store_regions, whole_regions
 from patchswarm.daemon.store_format import (
     KIND_ENGINE_BUFFER,
     KIND_HOST,
@@ -198,6 +200,9 @@ class RankStores:
         self.plan_file: PlanFile | None = None  # store.plan as a plan file (read at start-up)
         self.router: Router | None = None
         self.roots: list[bytes | None] = [None] * ranks  # each rank's root of the version the host holds
+        # What the last apply wrote: the ranks written in place (with their routed changes) and those
+        # loaded whole, for written_regions() (kept as routed: only a copy engine needs the regions).
+        self._written: tuple[dict[int, list[SlotChange] | RankChanges], list[int]] = ({}, [])
         # ... and its runtime parameters' digests: a version applied in place re-hashes only the
         # parameters its changes reach (protocol/layout_digest.py), never the whole rank
         self.digests: list[list[bytes] | None] = [None] * ranks
@@ -403,11 +408,24 @@ class RankStores:
         if not write:  # (only the roots of the version the host now holds)
             self.roots, self.digests = list[bytes | None](roots), list[list[bytes] | None](digests)
             return None
+        self._written = ({}, [])
         stats = self._activate(incremental, version, roots, routed) if incremental and routed is not None else None
+        in_place = {k: routed[k] for k in incremental} if stats is not None and routed is not None else {}
+        self._written = (in_place, loads)
         for k in loads:  # (only the ranks loaded whole are built)
             self._load(k, rank_model(plan, model, k), version, roots[k])
         self.roots, self.digests = list[bytes | None](roots), list[list[bytes] | None](digests)
         return stats
+
+    def written_regions(self) -> dict[int, tuple[Region, ...]]:
+        """Per rank, the byte ranges the last apply wrote (whole entries for a rank loaded whole): the
+        regions a copy engine takes (daemon/engine_driver.py ``Activation.regions``)."""
+        in_place, loads = self._written
+        out = {k: whole_regions(self._rank(k).layout.specs) for k in loads}
+        for k, routed in in_place.items():
+            changes = routed.per_slot(self.bases[k]) if isinstance(routed, RankChanges) else routed
+            out[k] = store_regions(self._rank(k).layout.specs, ((c.slot, c.positions) for c in changes))
+        return out
 
     def _load(self, k: int, m: ServedModel, version: int, root: bytes) -> None:
         s = self._rank(k)

@@ -20,6 +20,10 @@ HTTP API (see docs/sidecar.md):
 - ``POST /pause_generation {"mode": "in_place"}``: finish the step in progress, then hold every
   request (KV state kept) until ``POST /continue_generation``.
 - ``GET /health``: ``{"status": "ok", "version": v, "paused": bool}``.
+- ``POST /patchswarm/v1/commit {"version": v, "flush_cache": bool}`` and ``GET /patchswarm/v1/version``:
+  the zero-copy control routes of daemon/engine_driver.py (the daemon's ``engine.kind = "zero-copy"``).
+  A commit waits (at most ``COMMIT_WAIT_S``) until the source's fence reads ``v``, then records ``v``
+  as served; this engine keeps no KV or prefix cache, so ``flush_cache`` has nothing to drop.
 
 CLI: ``python -m daemon.refengine --listen 127.0.0.1:8000 --safetensors v0001.safetensors``, or from a
 rollout daemon's store: ``--daemon-socket /run/patchswarm/api.sock [--device cuda:0] [--engine-name NAME]``
@@ -59,6 +63,7 @@ DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
 _BLOCK_RE = re.compile(r"blocks\.(\d+)\.qkv\.weight")
 _BLOCK_PARTS = ("ln1", "qkv", "proj", "ln2", "fc1", "fc2")
+COMMIT_WAIT_S = 10.0  # a commit follows the daemon's write: the fence reads the version at once
 
 
 # ---------------------------------------------------------------- weight sources
@@ -330,6 +335,7 @@ class RefEngine:
         self._running = asyncio.Event()
         self._running.set()
         self._step_lock = asyncio.Lock()
+        self.served: int | None = None  # the version last committed (the zero-copy control routes)
 
     @property
     def paused(self) -> bool:
@@ -343,6 +349,19 @@ class RefEngine:
 
     def resume(self) -> None:
         self._running.set()
+
+    async def commit(self, version: int, wait_s: float = COMMIT_WAIT_S) -> int | None:
+        """Record ``version`` as served once the source's fence reads it (waiting out a write in
+        progress, at most ``wait_s``); else the version the fence reads (NO_VERSION: none ready)."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            seen = self.source.version()
+            if seen == version:
+                self.served = version
+                return None
+            if seen != NO_VERSION or asyncio.get_running_loop().time() > deadline:
+                return seen
+            await asyncio.sleep(0.005)
 
     def check_request(self, prompt: Sequence[int], max_tokens: int) -> None:
         if not prompt or len(prompt) > MAX_PROMPT_TOKENS:
@@ -396,6 +415,8 @@ def make_engine_app(source: WeightSource | RefEngine, **options: Any) -> web.App
     app.router.add_post("/pause_generation", _pause)
     app.router.add_post("/continue_generation", _continue)
     app.router.add_get("/health", _health)
+    app.router.add_post("/patchswarm/v1/commit", _commit)
+    app.router.add_get("/patchswarm/v1/version", _served_version)
     return app
 
 
@@ -477,6 +498,31 @@ async def _pause(request: web.Request) -> web.Response:
 async def _continue(request: web.Request) -> web.Response:
     request.app[ENGINE_KEY].resume()
     return web.json_response({"paused": False})
+
+
+async def _commit(request: web.Request) -> web.Response:
+    try:
+        body = await _json_object(request)
+        unknown = sorted(set(body) - {"version", "flush_cache"})
+        if unknown:
+            raise ValueError(f"unknown keys {unknown}")
+        version, flush = body.get("version"), body.get("flush_cache", True)
+        if type(version) is not int or version < 0 or not isinstance(flush, bool):
+            raise ValueError("version must be a non-negative integer and flush_cache a boolean")
+    except ValueError as e:
+        return _bad(str(e))
+    seen = await request.app[ENGINE_KEY].commit(version)
+    if seen is not None:
+        shown = "no ready version" if seen == NO_VERSION else f"version {seen}"
+        return web.json_response(
+            {"error": "VersionMismatch", "message": f"the store holds {shown}, not {version}", "version": seen},
+            status=409,
+        )
+    return web.json_response({"version": version})
+
+
+async def _served_version(request: web.Request) -> web.Response:
+    return web.json_response({"version": request.app[ENGINE_KEY].served})
 
 
 async def _health(request: web.Request) -> web.Response:

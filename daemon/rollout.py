@@ -31,6 +31,7 @@ from patchswarm.daemon.api import SocketInUseError, file_id, make_api_app, serve
 from patchswarm.daemon.config import ConfigError, DaemonConfig
 from patchswarm.daemon.config_values import bind_errors
 from patchswarm.daemon.engine import SHM_DIR, store_lock_path
+from patchswarm.daemon.engine_drivers import make_driver
 from patchswarm.daemon.instance_lock import FileLock, InstanceLock, InstanceLockedError, StoreLock
 from patchswarm.daemon.journal import recover
 from patchswarm.daemon.metrics import DaemonMetrics, serve_metrics
@@ -57,6 +58,7 @@ from patchswarm.daemon.store_format import (
     StoreMissingError,
     StoreState,
 )
+from patchswarm.daemon.user_error import UserError
 from patchswarm.daemon.weightstore import ENGINE_BUFFER_KINDS, WeightStore
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import load_public_key
@@ -126,6 +128,15 @@ class RolloutDaemon(ApiAnswers):
         self.chunks = SpoolChunkStore(cfg.data_dir / "spool", int(cfg["swarm.cache_size"]) or 1 << 30)
         # store.plan other than none: N rank stores in the engine's runtime layout (daemon/rank_stores.py)
         self.ranks: RankStores | None = rank_stores_for(cfg, self.journal_dir, self.engine_kind)
+        # The engine this daemon drives (engine.kind; daemon/engine_drivers.py): only a version it
+        # acknowledged is reported as served (status served_version, the sidecar's gate).
+        try:
+            self.driver = make_driver(cfg, lambda: self.status.version)
+        except UserError as e:
+            raise DaemonError(str(e)) from None
+        self.served: int | None = None
+        self._behind: str | None = None
+        self._recommit: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ start-up
 
@@ -244,6 +255,7 @@ class RolloutDaemon(ApiAnswers):
         except (PermissionError, SocketInUseError) as e:
             raise DaemonError(str(e)) from None
         self._socket_id = file_id(self.cfg["api.socket"])  # (no await since the bind: still ours)
+        await self._engine_start()  # (before the sidecar: its gate opens on the version the engine serves)
         if self.cfg["sidecar.enabled"]:
             await self._start_sidecar(limits, tls if self.cfg["tls.sidecar"] else None)
         if self.cfg["metrics.listen"]:
@@ -307,7 +319,7 @@ class RolloutDaemon(ApiAnswers):
         from patchswarm.daemon.sidecar import start_sidecar
         from patchswarm.daemon.sidecar_gate import VersionGate
 
-        self.gate = VersionGate(applied=self.status.version or 0)  # versions start at 1: 0 means none yet
+        self.gate = VersionGate(applied=self.served or 0)  # versions start at 1: 0 means none yet
         host, port = self.cfg.listen("sidecar.listen")
         with bind_errors("sidecar.listen", self.cfg["sidecar.listen"]):
             server = await start_sidecar(
@@ -363,6 +375,7 @@ class RolloutDaemon(ApiAnswers):
             self._loading.cancel()  # a load into a just-registered buffer not begun yet: the next start does it
         if self._drain is not None:
             self._drain.cancel()  # a drain may wait on a request that never ends: admission reopens, nothing written
+        await self._engine_stop()  # a commit retry waiting for the engine is given up (the next start asks again)
         async with self._activating:  # an activation in progress finishes first; staging is abandoned
             if self.node is not None:
                 await self.node.stop()

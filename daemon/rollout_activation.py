@@ -20,15 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiohttp
-
 from patchswarm.daemon.checkpoint_writer import export_version
 from patchswarm.daemon.config import DaemonConfig
+from patchswarm.daemon.engine_drivers import copies_regions
+from patchswarm.daemon.engine_regions import store_regions
 from patchswarm.daemon.metrics import DaemonMetrics
-from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.pull_state import PullState
 from patchswarm.daemon.rank_rollout import FAULT_ENV, activate_ranks
 from patchswarm.daemon.rank_stores import RankStores
+from patchswarm.daemon.rollout_engine import EngineControl
 from patchswarm.daemon.shadow import (
     StagedVersion,
     StoreModel,
@@ -47,17 +47,12 @@ from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.served import state_root
 from patchswarm.protocol.trust import TrustState
-from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.server import RunningNode
 from patchswarm.swarm.spool import SpoolChunkStore
 from patchswarm.swarm.stores import MemoryChunkStore
 from patchswarm.swarm.tls import TlsReloader
 
 T = TypeVar("T")
-
-
-# A pause waits for the engine's step in progress; beyond this the engine is taken as unresponsive.
-ENGINE_CALL_TIMEOUT_S = 30.0
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -84,7 +79,7 @@ class DrainTimedOut(StoreError):
     """An activation given up because the sidecar's drain outlasted sidecar.drain_timeout (retried)."""
 
 
-class VersionActivation:
+class VersionActivation(EngineControl):
     """Making each verified version the engine's; the rollout daemon's state it works on."""
 
     cfg: DaemonConfig
@@ -238,9 +233,11 @@ class VersionActivation:
             # rank stores hold a newer one already: a restart catching up from an anchor)
             self.status.update(phase=Phase.IDLE, reason=AWAITING_ENGINE if self._awaiting_engine() else None)
             return
-        self.status.update(
-            phase=Phase.IDLE, version=held.version, root=state_root(held.model.specs, held.digests).hex()
-        )
+        root = state_root(held.model.specs, held.digests).hex()
+        if self._behind is not None:  # written, not yet acknowledged by the engine (retried: daemon/rollout_engine.py)
+            self.status.update(phase=Phase.ERROR, reason=f"{self._behind} (retrying)", version=held.version, root=root)
+        else:
+            self.status.update(phase=Phase.IDLE, version=held.version, root=root)
         await self._export(held)
 
     async def _export(self, held: Held) -> None:
@@ -293,40 +290,50 @@ class VersionActivation:
             start = time.perf_counter()
             if self.gate is not None:
                 await self._drain_sidecar("quiesce", held.version)
+            ack: int | None = None
             try:
                 await off_loop(self.store.load, whole.model, held.version, root)
+                ack = await self._engine_commit(self._activation(held.version, full=True))
             finally:
-                if self.gate is not None:
-                    hdr = self.store.header()
-                    self.gate.end_activation(hdr.version if hdr.state == StoreState.READY else self.gate.applied)
+                if self.gate is not None:  # the engine's acknowledged version, or the one it served before
+                    self.gate.end_activation(ack if ack is not None else self.gate.applied)
             self.status.update(last_activation_pause_s=time.perf_counter() - start)
             self.metrics.applied.inc()
             return True
         updates = await off_loop(store_updates, self.shadow, held)  # decoded once (daemon/shadow.py)
         self._arm_fault_injection(self.store)
+        base = self.store.header().version
+        full = self.served != base  # the engine missed a version: a copy engine reloads every parameter
+        changed = ((u.slot, u.positions) for u in updates)
+        copy = not full and copies_regions(self.driver)  # (only a copy engine takes regions)
+        regions = {0: store_regions(self.store.layout.specs, changed)} if copy else None
         in_place = self.gate is not None and self.cfg["sidecar.commit_mode"] == "in_place"
         if self.gate is not None:
             await self._drain_sidecar(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
         paused = False
+        ack = None
+        t0 = time.perf_counter()
         try:
             if in_place:
                 # Unpinned requests stay in flight across the switch: the engine must hold them
                 # between steps while the weights change (docs/sidecar.md, attribution guarantee).
-                await self._engine_call(sglang_pause_generation("in_place"))
+                await self._engine_pause()
                 paused = True
             stats = await off_loop(self.store.activate, held.version, root, updates, self.journal_dir)
+            ack = await self._engine_commit(self._activation(held.version, full=full, regions=regions))
         finally:
             if self.gate is not None:
-                # Reopen at whatever the store now holds: the new version, or the old one on failure.
-                self.gate.end_activation(self.store.header().version)
+                # Reopen at the version the engine acknowledged; on a failure, the one it served before.
+                self.gate.end_activation(ack if ack is not None else self.gate.applied)
             if paused:  # resumed only after end_activation, so no request reports a version it did not see
-                with contextlib.suppress(StoreError):
-                    await self._engine_call(sglang_continue_generation())
+                await self._engine_resume()
         self.metrics.pause.observe(stats.pause_s)
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)
-        log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6)})
+        # engine_s: the engine's side end to end (pause, write, commit, resume), the store's pause inside it
+        engine_s = round(time.perf_counter() - t0, 6)
+        log.info("activated", extra={"version": held.version, "pause_s": round(stats.pause_s, 6), "engine_s": engine_s})
         return True
 
     async def _drain_sidecar(self, mode: str, version: int) -> None:
@@ -354,23 +361,6 @@ class VersionActivation:
             raise
         finally:
             self._drain = None
-
-    async def _engine_call(self, req: EngineRequest) -> None:
-        """One control call to the engine behind the sidecar (``sidecar.upstream``); StoreError if it fails."""
-        url = self.cfg["sidecar.upstream"].rstrip("/") + req.path
-        try:
-            async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ENGINE_CALL_TIMEOUT_S)) as session,
-                session.request(req.method, url, json=req.json, params=req.params) as resp,
-            ):
-                if resp.status >= 400:
-                    raise StoreError(f"sidecar.upstream {req.path} answered {resp.status}: {(await resp.text())[:200]}")
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise StoreError(
-                f"sidecar.commit_mode 'in_place' needs the engine's {req.path} at sidecar.upstream: {describe(e)}"
-            ) from e
-        if req.path == "/pause_generation":
-            log.info("engine paused for activation")
 
     @staticmethod
     def _crash_if_armed(reached: str) -> None:

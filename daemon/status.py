@@ -35,7 +35,8 @@ class Status:
     run_id: str
     phase: Phase = Phase.STARTING
     reason: str | None = None
-    version: int | None = None  # applied in the store: what the engine serves
+    version: int | None = None  # the version the store holds (written and verified)
+    served_version: int | None = None  # the version the engine acknowledged serving (engine.kind none: the store's)
     root: str | None = None
     target: int | None = None  # newest version the host knows of
     chunks_done: int = 0
@@ -63,6 +64,7 @@ class Status:
             "state": str(self.phase),
             "reason": self.reason,
             "version": self.version,
+            "served_version": self.served_version,
             "root": self.root,
             "target": self.target,
             "progress": {
@@ -92,11 +94,14 @@ class Status:
             self.reason = None
         after = self.snapshot()
         interesting = {
-            k: after[k] for k in ("state", "reason", "version", "target", "progress") if after[k] != before[k]
+            k: after[k]
+            for k in ("state", "reason", "version", "served_version", "target", "progress")
+            if after[k] != before[k]
         }
         if not interesting:
             return
-        event = {"event": "state", **{k: after[k] for k in ("state", "reason", "version", "target", "progress")}}
+        keys = ("state", "reason", "version", "served_version", "target", "progress")
+        event = {"event": "state", **{k: after[k] for k in keys}}
         for q in list(self._subscribers):
             if q.full():
                 self._subscribers.discard(q)  # a reader that stopped reading: drop it, not the daemon

@@ -1,197 +1,149 @@
-"""The vLLM and SGLang drivers' requests and answer handling, as units (no engine runs on this CPU host).
-
-Shapes are those the engines' routes read (vLLM 0.34: vllm/entrypoints/serve/dev/rpc/api_router.py,
-vllm/entrypoints/serve/dev/cache/api_router.py, vllm/entrypoints/rl/online/api_router.py; SGLang 0.5.23:
-sglang/srt/entrypoints/http_server.py, sglang/srt/managers/io_struct.py UpdateWeightsFromTensorReqInput).
-Where vLLM or SGLang import (a scratch venv with their wheels, see docs/engines.md), their own classes
-check the extension's names and the payload's deserialization.
-"""
+"""The daemon's engine drivers (daemon/engine_drivers.py) and their config keys, against the reference
+engine's real HTTP routes (daemon/refengine.py): a commit is acknowledged only once the engine's
+fence reads the version, a refusal or an unreachable engine is one EngineError line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from patchswarm.daemon.engine_driver import Activation, EngineError, Region
-from patchswarm.daemon.engine_drivers import (
-    LOADER,
-    check_rank_results,
-    make_sglang_driver,
-    make_vllm_driver,
-    parse_version,
-    sglang_update_request,
-    vllm_requests,
+from patchswarm.daemon.config import ConfigError, from_mapping
+from patchswarm.daemon.engine_driver import Activation, EngineError
+from patchswarm.daemon.engine_drivers import NoEngine, ZeroCopyEngine, copies_regions, make_driver
+from patchswarm.daemon.refengine import StaticSource, start_engine
+from patchswarm.daemon.sidecar import serve_app
+from tests.support.boards import free_port
+from tests.support.tinylm import random_export
+
+MINIMAL = {
+    "swarm": {"run_id": "run-1", "cluster_secret_file": "/etc/patchswarm/secret"},
+    "trust": {"root": "/etc/patchswarm/root.pub"},
+}
+
+
+def test_engine_keys_default_to_no_engine_on_the_sidecars_upstream() -> None:
+    cfg = from_mapping(MINIMAL, {})
+    assert (cfg["engine.kind"], cfg["engine.url"], cfg["engine.flush_cache"], cfg["engine.commit_timeout"]) == (
+        "none",
+        None,
+        True,
+        30.0,
+    )
+    assert isinstance(make_driver(cfg, lambda: 3), NoEngine)
+    raw = {**MINIMAL, "engine": {"kind": "zero-copy", "flush_cache": False, "commit_timeout": "2s"}}
+    cfg = from_mapping(raw, {"PATCHSWARM_ENGINE_URL": "http://127.0.0.1:9/"})
+    driver = make_driver(cfg, lambda: None)
+    assert isinstance(driver, ZeroCopyEngine) and driver.commit_timeout_s == 2.0 and not cfg["engine.flush_cache"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("kind", "triton", r"engine\.kind: expected one of none, zero-copy, vllm, sglang"),
+        ("url", "ftp://x", r"engine\.url: expected an http"),
+        ("flush_cache", "maybe", r"engine\.flush_cache: expected true or false"),
+        ("commit_timeout", "soon", r"engine\.commit_timeout: expected a duration"),
+    ],
 )
-from patchswarm.daemon.param_sync import parse_apply
-from patchswarm.daemon.payloads import deserialize_ipc
-from patchswarm.daemon.vllm_worker import PatchswarmWorkerExtension
-
-ACT = Activation(8, 7, False, {0: (Region("a.weight", 0, 16),), 1: (Region("b.weight", 32, 64),)})
+def test_bad_engine_keys_are_one_line(key: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        from_mapping({**MINIMAL, "engine": {key: value}}, {})
 
 
-def test_vllm_commit_requests() -> None:
-    apply, reset, version = vllm_requests(ACT, 2, 90.0, full=False)
-    assert (apply.method, apply.path) == ("POST", "/collective_rpc")
-    assert apply.json is not None and apply.json["method"] == "patchswarm_apply" and apply.json["timeout"] == 90.0
-    (arg,) = apply.json["args"]
-    assert isinstance(arg, str)  # the dev route passes strings only
-    assert parse_apply(arg, 0) == (8, [Region("a.weight", 0, 16)])
-    assert parse_apply(arg, 1) == (8, [Region("b.weight", 32, 64)])
-    assert (reset.path, reset.params) == ("/reset_prefix_cache", {"reset_running_requests": "true"})
-    assert (version.path, version.json) == ("/update_weight_version", {"new_version": "8"})
-    whole, *_ = vllm_requests(ACT, 2, 90.0, full=True)
-    assert whole.json is not None and parse_apply(whole.json["args"][0], 1) == (8, None)
-    no_flush = Activation(8, 7, False, ACT.regions, flush_cache=False)
-    assert [r.path for r in vllm_requests(no_flush, 2, 1.0, full=False)] == [
-        "/collective_rpc",
-        "/update_weight_version",
-    ]
-
-
-def ok(rank: int, version: int = 8) -> dict[str, object]:
-    return {"ok": True, "rank": rank, "version": version, "regions": 1, "bytes": 16, "loaded": []}
-
-
-def test_every_rank_must_report_the_version() -> None:
-    assert check_rank_results({"results": [ok(0), ok(1)]}, 2, 8) is False
-    cases = [
-        ({"results": [ok(0)]}, "expected 2 worker results", None),
-        ({"results": [ok(0), ok(0)]}, "ranks \\[0\\]", True),
-        ({"results": [ok(0), ok(1, 7)]}, "not version 8", None),
-        (
-            {"results": [ok(0), {"ok": False, "rank": 1, "error": "rank 1: nope", "copied": False}]},
-            "rank 1: nope",
-            True,
-        ),
-        ({"results": [{"ok": False, "rank": 0, "error": "x", "copied": False}] * 2}, "x", False),
-        ({"results": [{"ok": False, "rank": 0, "error": "x", "copied": True}, ok(1)]}, "x", True),
-        ("oops", "expected 2", None),
-    ]
-    for answer, why, copied in cases:
-        with pytest.raises(EngineError, match=why) as e:
-            check_rank_results(answer, 2, 8)
-        assert getattr(e.value, "copied", None) is copied, answer
-
-
-def test_weight_versions_parse_strictly() -> None:
-    assert [parse_version(v) for v in ("8", 8, "08", None, "v8", -1, True, "1" * 30, 1.0)] == [
-        8, 8, 8, None, None, None, None, None, None,
-    ]  # fmt: skip
-
-
-def test_sglang_update_request_matches_update_weights_from_tensor() -> None:
-    spec = json.dumps({"socket": "/run/patchswarm/api.sock", "ranks": 2})
-    req = sglang_update_request(ACT, 2, spec, full=False)
-    assert (req.method, req.path) == ("POST", "/update_weights_from_tensor")
-    body = req.json
-    assert body is not None
-    assert set(body) == {
-        "serialized_named_tensors",
-        "load_format",
-        "flush_cache",
-        "abort_all_requests",
-        "weight_version",
-    }
-    assert body["load_format"] == LOADER and body["weight_version"] == "8" and body["flush_cache"] is True
-    assert len(body["serialized_named_tensors"]) == 2  # one per TP rank; rank r reads entry r
-    for r, entry in enumerate(body["serialized_named_tensors"]):
-        ((name, tensor),) = deserialize_ipc(entry)
-        obj = json.loads(name)
-        assert obj["rank"] == r and obj["attach"] == spec and tensor.numel() == 0
-        assert parse_apply(obj["apply"], r)[0] == 8
-
-
-def test_driver_factories_check_their_arguments() -> None:
-    assert make_vllm_driver("http://127.0.0.1:8000", 2, "{}").ranks == 2
-    assert make_sglang_driver("http://127.0.0.1:30000", 1, "{}", pause_mode="retract").pause_mode == "retract"
-    with pytest.raises(ValueError, match="pause mode"):
-        make_sglang_driver("http://127.0.0.1:30000", 1, "{}", pause_mode="abort")
-    with pytest.raises(ValueError, match="http"):
-        make_vllm_driver("127.0.0.1:8000", 1, "{}")
-
-
-# ---------------------------------------------------------------- against the engines' own classes, where they import
-
-
-def test_the_extension_passes_vllms_conflict_check() -> None:
-    """vLLM refuses an extension attribute the worker class already has (WorkerWrapperBase.init_worker)."""
-    gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
-    worker_cls = gpu_worker.Worker
-    names = [a for a in dir(PatchswarmWorkerExtension) if not a.startswith("__")]
-    assert names and all(a.startswith("patchswarm_") for a in names)
-    assert not [a for a in names if hasattr(worker_cls, a)]
-
-
-def test_sglangs_serializer_reads_the_payload() -> None:
-    common = pytest.importorskip("sglang.srt.utils.common")
-    req = sglang_update_request(ACT, 1, "{}", full=True)
-    assert req.json is not None
-    import base64
-
-    raw = base64.b64decode(req.json["serialized_named_tensors"][0])
-    ((name, tensor),) = common.MultiprocessingSerializer.deserialize(raw)
-    assert json.loads(name)["rank"] == 0 and tensor.numel() == 0
-
-
-# ------------------------------------------------------------ the HTTP client's error lines (a plain aiohttp server)
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_copy_engines_attach_through_the_daemons_socket(kind: str) -> None:
+    cfg = from_mapping({**MINIMAL, "engine": {"kind": kind, "pause_mode": "retract"}, "store": {"ranks": 2,
+                        "plan": "llama"}, "api": {"socket": "/run/x/api.sock"}}, {})  # fmt: skip
+    driver: Any = make_driver(cfg, lambda: None)
+    assert driver.name == kind and driver.ranks == 2
+    assert json.loads(driver.attach_spec) == {"socket": "/run/x/api.sock", "ranks": 2, "engine": kind, "wait_s": 60}
+    if kind == "sglang":
+        assert driver.pause_mode == "retract"
 
 
 @pytest.mark.asyncio
-async def test_http_errors_become_one_engine_error_line() -> None:
-    from aiohttp import web
+async def test_no_engine_serves_the_stores_version() -> None:
+    driver = NoEngine(lambda: 7, "http://127.0.0.1:9")
+    assert await driver.served_version() == 7
+    assert await driver.commit(Activation(8, 7, False)) == 8
+    await driver.close()
 
-    from patchswarm.daemon.engine_drivers import MAX_ANSWER_BYTES, Timeouts, _Http
-    from patchswarm.daemon.payloads import EngineRequest
 
-    async def fail(request: web.Request) -> web.Response:
-        return web.Response(status=500, text="boom\n" * 200)
+@pytest.mark.asyncio
+async def test_zero_copy_commit_is_acknowledged_only_at_the_version_the_fence_reads() -> None:
+    source = StaticSource(random_export(1), version=4)
+    engine = await start_engine(source)
+    driver = ZeroCopyEngine(engine.url, commit_timeout_s=5.0)
+    try:
+        assert await driver.served_version() is None  # (nothing committed yet)
+        assert await driver.commit(Activation(4, None, True)) == 4
+        assert await driver.served_version() == 4
+        with pytest.raises(EngineError, match=r"engine\.url /patchswarm/v1/commit at .* answered 409: VersionMismatch"):
+            await driver.commit(Activation(5, 4, False))
+        assert await driver.served_version() == 4  # a refused commit leaves the engine where it was
+        await driver.pause()
+        await driver.resume()
+        async with aiohttp.ClientSession() as s:
+            for body in ({"version": -1}, {"version": "5"}, {"version": 5, "flush_cache": 1}, {"version": 5, "x": 1}):
+                async with s.post(engine.url + "/patchswarm/v1/commit", json=body) as r:
+                    assert r.status == 400, body
+    finally:
+        await driver.close()
+        await engine.close()
 
-    async def huge(request: web.Request) -> web.Response:
-        return web.Response(text="x" * (MAX_ANSWER_BYTES + 10))
 
-    async def fine(request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": "12", "got": await request.json(), "q": dict(request.query)})
+@pytest.mark.asyncio
+async def test_an_unreachable_or_confused_engine_is_one_error_line() -> None:
+    gone = ZeroCopyEngine(f"http://127.0.0.1:{free_port()}")
+    line = r"engine\.url /patchswarm/v1/version at http://127\.0\.0\.1:\d+: cannot connect"
+    with pytest.raises(EngineError, match=line):
+        await gone.served_version()
+    await gone.close()
+
+    async def odd(request: web.Request) -> web.Response:
+        return web.Response(text="x" * 100_000 if request.method == "GET" else '{"version": 99}')
 
     app = web.Application()
-    app.router.add_post("/fail", fail)
-    app.router.add_get("/huge", huge)
-    app.router.add_post("/fine", fine)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    http = _Http(f"http://127.0.0.1:{port}", Timeouts(5.0, 5.0))
+    app.router.add_route("*", "/{tail:.*}", odd)
+    server = await serve_app(app, "127.0.0.1", 0)
+    driver = ZeroCopyEngine(server.url)
     try:
-        with pytest.raises(EngineError, match=r"^POST /fail: HTTP 500: boom") as e:
-            await http.call(EngineRequest("POST", "/fail", {}))
-        assert len(str(e.value)) < 400
-        with pytest.raises(EngineError, match="over"):
-            await http.call(EngineRequest("GET", "/huge"))
-        got = await http.call(EngineRequest("POST", "/fine", {"a": 1}, params={"mode": "keep"}))
-        assert got == {"weight_version": "12", "got": {"a": 1}, "q": {"mode": "keep"}}
+        with pytest.raises(EngineError, match="answered no version"):
+            await driver.served_version()
+        with pytest.raises(EngineError, match="acknowledged 99, not version 3"):
+            await driver.commit(Activation(3, None, True))
     finally:
-        await http.close()
-        await runner.cleanup()
-    closed = _Http(f"http://127.0.0.1:{port}", Timeouts(2.0, 2.0))
+        await driver.close()
+        await server.close()
+
+
+def test_regions_are_built_only_for_engines_that_copy() -> None:
+    assert not copies_regions(NoEngine(lambda: None, "http://127.0.0.1:9"))
+    assert not copies_regions(ZeroCopyEngine("http://127.0.0.1:9"))
+    assert copies_regions(object())  # (a driver that says nothing: its engine may copy)
+
+
+@pytest.mark.asyncio
+async def test_a_commit_past_engine_commit_timeout_is_an_error() -> None:
+    never = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await never.wait()  # (an engine that never answers the commit)
+        return web.json_response({"version": 1})
+
+    app = web.Application()
+    app.router.add_post("/patchswarm/v1/commit", slow)
+    server = await serve_app(app, "127.0.0.1", 0)
+    driver = ZeroCopyEngine(server.url, commit_timeout_s=0.2)
     try:
-        with pytest.raises(EngineError, match=r"^GET /weight_info: ClientConnectorError"):
-            await closed.call(EngineRequest("GET", "/weight_info"))
+        with pytest.raises(EngineError, match=r"engine\.url /patchswarm/v1/commit at .*: timed out"):
+            await driver.commit(Activation(1, None, True))
     finally:
-        await closed.close()
-
-
-def test_attach_answers_are_checked() -> None:
-    from patchswarm.daemon.engine_drivers import check_attach_results
-
-    good = {"results": [{"rank": 1, "loader_count": 0}, {"rank": 0, "loader_count": 0}]}
-    check_attach_results(good, 2)
-    check_attach_results({"results": [{"rank": 0, "loader_count": 3, "loader": ["lm_head.weight"]}]}, 1)
-    for answer, why in (
-        ({"results": [{"rank": 0}]}, "expected 2"),
-        ({"results": [{"rank": 0}, {"rank": 0}]}, "report ranks"),
-        ({"results": [{"rank": 0}, {"rank": 1, "loader_count": 2, "loader": ["a.weight"]}]}, "rank 1: 2 .*a.weight"),
-    ):
-        with pytest.raises(EngineError, match=why):
-            check_attach_results(answer, 2)
+        never.set()
+        await driver.close()
+        await server.close()

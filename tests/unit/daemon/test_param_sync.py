@@ -263,7 +263,7 @@ def test_the_vllm_extension_attaches_once_and_applies_each_version(name: str, tm
 
 
 def test_the_sglang_loader_applies_what_the_driver_sends(name: str, tmp_path: Path) -> None:
-    from patchswarm.daemon.engine_drivers import LOADER, sglang_update_request
+    from patchswarm.daemon.copy_drivers import LOADER, sglang_update_request
 
     v1, v2 = llama_versions()
     rs = stores(name, tmp_path, identity_plan(served(v1).specs), served(v1))
@@ -308,7 +308,7 @@ def test_bad_attach_specs_give_one_line() -> None:
 def test_the_sglang_loader_refuses_loader_entries_at_tp2(name: str, tmp_path: Path) -> None:
     """A transformers Llama has no ``qkv_proj``: at TP=2 those entries would need SGLang's checkpoint
     loader on a rank's shard, which it cannot take: refused, nothing copied."""
-    from patchswarm.daemon.engine_drivers import sglang_update_request
+    from patchswarm.daemon.copy_drivers import sglang_update_request
 
     v1, _ = llama_versions()
     _, cfg = llama_state(3)

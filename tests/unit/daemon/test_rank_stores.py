@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from patchswarm.daemon.engine import attach
+from patchswarm.daemon.engine_driver import Activation, Region
 from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path, read_journal, read_journals
 from patchswarm.daemon.metrics import DaemonMetrics
@@ -405,6 +406,10 @@ def test_roots_kept_per_parameter_equal_roots_computed_from_scratch(name: str, t
     rs.close()
 
 
+class _CopyEngine:
+    copies = True  # (an engine that copies: the daemon builds the regions it takes)
+
+
 class _Host:
     """What ``activate_ranks`` uses of the rollout daemon (daemon/rank_rollout.py ``RankHost``)."""
 
@@ -413,6 +418,9 @@ class _Host:
         self.status = Status("node", "run")
         self.metrics = DaemonMetrics()
         self.gate = None
+        self.served: int | None = None
+        self.driver = _CopyEngine()
+        self.committed: list[Activation] = []  # what the engine was asked to take
         self.shadow: Held | None = None
         self.journal_dir = tmp / "journal"
         self.rank_devices: list[str | None] = []
@@ -425,8 +433,19 @@ class _Host:
     async def _load_registered(self) -> None:
         raise AssertionError("no engine buffers here")
 
-    async def _engine_call(self, req: object) -> None:
+    async def _engine_pause(self) -> None:
         raise AssertionError("no engine here")
+
+    async def _engine_resume(self) -> None:
+        raise AssertionError("no engine here")
+
+    def _activation(self, version: int, *, full: bool, regions: object = None) -> Activation:
+        return Activation(version, self.served, full, {} if full else dict(regions or {}))  # type: ignore[call-overload]
+
+    async def _engine_commit(self, activation: Activation) -> int | None:
+        self.committed.append(activation)
+        self.served = activation.version
+        return activation.version
 
 
 async def _inline(fn: Callable[..., object], *args: object) -> object:
@@ -460,9 +479,32 @@ async def test_a_patch_decoded_once_reaches_every_rank_and_a_failed_activation_l
     assert held.model.bitwise_equal(v1) and staged.changes
     assert_ranks_hold(rs, 2, 1)
     del rs.apply  # (the class's own again)
+    before = [_rank_store(rs, k).read_model() for k in range(2)]
     assert await activate_ranks(host, rs, staged, _inline)  # type: ignore[arg-type]
     assert_ranks_hold(rs, 2, 2)
     assert held.model.bitwise_equal(v2) and staged.changes == []
+    # The engine was asked to take version 1 whole, then version 2 as the byte ranges that changed.
+    assert [(a.version, a.previous, a.full) for a in host.committed] == [(1, None, True), (2, 1, False)]
+    for k in range(2):
+        _assert_covered(before[k], _rank_store(rs, k).read_model(), host.committed[1].regions[k])
+
+
+def _rank_store(rs: RankStores, k: int) -> WeightStore:
+    store = rs.store(k)
+    assert store is not None
+    return store
+
+
+def _assert_covered(before: ServedModel, after: ServedModel, regions: tuple[Region, ...]) -> None:
+    """Every byte that differs between two versions of a store lies in one of ``regions``."""
+    for i, spec in enumerate(after.specs):
+        a = before.typed(i).contiguous().reshape(-1).view(torch.uint8)
+        b = after.typed(i).contiguous().reshape(-1).view(torch.uint8)
+        covered = torch.zeros(spec.nbytes, dtype=torch.bool)
+        for r in regions:
+            if r.name == spec.name:
+                covered[r.start : r.end] = True
+        assert bool(covered[a != b].all()), f"{spec.name}: a changed byte outside the regions"
 
 
 def test_a_routed_run_reaching_past_its_parameter_is_refused_before_anything_is_written(
