@@ -24,7 +24,6 @@ version the daemon retries), so the engine never keeps torn weights across a suc
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +31,7 @@ import aiohttp
 import torch
 
 from patchswarm.daemon.engine_driver import Activation, EngineError
+from patchswarm.daemon.engine_http import MAX_TEXT, one_line, parse_answer, read_answer
 from patchswarm.daemon.param_sync import apply_wire
 from patchswarm.daemon.payloads import EngineRequest, serialize_ipc
 from patchswarm.daemon.sglang_loader import entry_name
@@ -73,24 +73,17 @@ class _Http:
             async with self.session.request(
                 req.method, self.url + req.path, json=req.json, params=req.params or None, timeout=t
             ) as resp:
-                raw = bytearray()
-                while len(raw) <= MAX_ANSWER_BYTES:  # (read(n) returns what has arrived, up to n)
-                    chunk = await resp.content.read(MAX_ANSWER_BYTES + 1 - len(raw))
-                    if not chunk:
-                        break
-                    raw += chunk
+                raw, over = await read_answer(resp, MAX_ANSWER_BYTES)
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as e:
             raise EngineError(f"{req.method} {req.path}: {type(e).__name__}: {e}"[:300]) from None
-        text = bytes(raw[:MAX_ANSWER_BYTES]).decode("utf-8", "replace")
+        answer = parse_answer(raw, MAX_ANSWER_BYTES)
         if not 200 <= status < 300:
-            raise EngineError(f"{req.method} {req.path}: HTTP {status}: {text[:300]}")
-        if len(raw) > MAX_ANSWER_BYTES:
+            text = " ".join(raw[:MAX_TEXT].decode("utf-8", "replace").split())
+            raise EngineError(f"{req.method} {req.path}: HTTP {status}: {text}")
+        if over:
             raise EngineError(f"{req.method} {req.path}: answer over {MAX_ANSWER_BYTES} bytes")
-        try:
-            return json.loads(text) if text.strip() else None
-        except ValueError:
-            return text
+        return answer
 
     async def close(self) -> None:
         if self.session is not None:
@@ -125,19 +118,19 @@ def check_rank_results(answer: Any, ranks: int, version: int) -> bool:
     Returns whether any failed rank may have written parameters (never, when it returns)."""
     results = _field(answer, "results")
     if not isinstance(results, list) or len(results) != ranks:
-        raise EngineError(f"collective_rpc: expected {ranks} worker results, got {str(answer)[:200]}")
+        raise EngineError(f"collective_rpc: expected {ranks} worker results, got {one_line(answer)}")
     seen: set[int] = set()
     bad = [r for r in results if not isinstance(r, dict) or r.get("ok") is not True]
     if bad:
         first = bad[0]
-        why = first.get("error") if isinstance(first, dict) else str(first)[:200]
+        why = one_line(first.get("error") if isinstance(first, dict) else first)
         raise _Partial(
             f"a worker did not apply version {version}: {why}",
             any(not isinstance(r, dict) or r.get("copied") is not False for r in bad) or len(bad) < ranks,
         )
     for r in results:
-        if r.get("version") != version or type(r.get("rank")) is not int:
-            raise EngineError(f"collective_rpc: a worker reports {str(r)[:200]}, not version {version}")
+        if type(r.get("version")) is not int or r["version"] != version or type(r.get("rank")) is not int:
+            raise EngineError(f"collective_rpc: a worker reports {one_line(r)}, not version {version}")
         seen.add(r["rank"])
     if seen != set(range(ranks)):
         raise _Partial(f"workers reported ranks {sorted(seen)}, not 0..{ranks - 1}", True)
@@ -149,15 +142,18 @@ def check_attach_results(answer: Any, ranks: int) -> None:
     tensors and shards them itself, which a rank's runtime entry is not): EngineError otherwise."""
     results = _field(answer, "results")
     if not isinstance(results, list) or len(results) != ranks or not all(isinstance(r, dict) for r in results):
-        raise EngineError(f"patchswarm_attach: expected {ranks} worker results, got {str(answer)[:200]}")
-    if sorted(r.get("rank", -1) for r in results) != list(range(ranks)):
-        raise EngineError(f"patchswarm_attach: workers report ranks {[r.get('rank') for r in results][:16]}")
+        raise EngineError(f"patchswarm_attach: expected {ranks} worker results, got {one_line(answer)}")
+    reported = [r.get("rank") for r in results]
+    if not all(type(r) is int for r in reported) or sorted(reported) != list(range(ranks)):
+        raise EngineError(f"patchswarm_attach: workers report ranks {one_line(reported[:16])}")
     loaded = [r for r in results if r.get("loader_count")]
     if loaded and ranks > 1:
         first = loaded[0]
+        names = first.get("loader")
+        example = names[0] if isinstance(names, list) and names else "?"
         raise EngineError(
-            f"rank {first.get('rank')}: {first.get('loader_count')} store entries do not match vLLM's parameters "
-            f"(first: {str((first.get('loader') or ['?'])[0])[:120]}); vLLM's loader cannot take a shard at TP > 1"
+            f"rank {first['rank']}: {one_line(first.get('loader_count'), 20)} store entries do not match vLLM's "
+            f"parameters (first: {one_line(example, 120)}); vLLM's loader cannot take a shard at TP > 1"
         )
 
 
@@ -214,7 +210,7 @@ class VllmEngine:
             for req in rest:
                 answer = await self.http.call(req)
                 if req.path == "/reset_prefix_cache" and _field(answer, "success") is not True:
-                    raise EngineError(f"vLLM did not reset its prefix cache: {str(answer)[:200]}")
+                    raise EngineError(f"vLLM did not reset its prefix cache: {one_line(answer)}")
         except EngineError as e:  # the weights are the new version's, its label is not: copy again on retry
             self.torn = True
             raise EngineError(f"vLLM has not committed version {activation.version}: {e}") from None
@@ -271,7 +267,7 @@ class SglangEngine:
         if self.session:
             answer = await self.http.call(EngineRequest("POST", "/begin_weight_update", {}))
             if _field(answer, "success") is False:
-                raise EngineError(f"{prefix}: begin_weight_update: {_field(answer, 'message')}")
+                raise EngineError(f"{prefix}: begin_weight_update: {one_line(_field(answer, 'message'))}")
         req = sglang_update_request(activation, self.ranks, self.attach_spec, full=self.torn)
         try:
             answer = await self.http.call(req, self.http.timeouts.apply_s)
@@ -283,7 +279,7 @@ class SglangEngine:
                 await self.http.call(EngineRequest("POST", "/end_weight_update", {}))
         if _field(answer, "success") is not True:
             self.torn = True
-            raise EngineError(f"{prefix}: update_weights_from_tensor: {str(_field(answer, 'message'))[:300]}")
+            raise EngineError(f"{prefix}: update_weights_from_tensor: {one_line(_field(answer, 'message'))}")
         self.torn = False
         got = await self.served_version()
         if got != activation.version:

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from patchswarm.daemon.engine_driver import Activation, EngineDriver, EngineError
+from patchswarm.daemon.engine_http import parse_answer, read_answer
 from patchswarm.daemon.payloads import EngineRequest, sglang_continue_generation, sglang_pause_generation
 from patchswarm.daemon.user_error import UserError
 from patchswarm.swarm.client_errors import describe
@@ -52,15 +53,13 @@ class _Http:
             async with self._session.request(
                 method, self.url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
-                raw = await resp.content.read(MAX_ANSWER_BYTES)
+                raw, over = await read_answer(resp, MAX_ANSWER_BYTES)
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as e:
             raise EngineError(f"{self.what} {path} at {self.url}: {describe(e) or type(e).__name__}") from e
-        try:
-            answer = json.loads(raw) if raw else None
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            answer = raw[:200].decode("utf-8", "replace")
-        return status, answer
+        if over:
+            raise EngineError(f"{self.what} {path} at {self.url} answered over {MAX_ANSWER_BYTES} bytes")
+        return status, parse_answer(raw, MAX_ANSWER_BYTES)
 
     async def expect_ok(self, method: str, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
         status, answer = await self.call(method, path, body, **kw)
@@ -81,6 +80,7 @@ def _said(answer: Any) -> str:
     """What an engine's error answer says, in at most 200 characters."""
     if isinstance(answer, dict):
         text = "; ".join(str(answer[k]) for k in ("error", "message", "detail") if k in answer) or json.dumps(answer)
+        text = " ".join(text.split())
     else:
         text = str(answer)
     return text[:200]
