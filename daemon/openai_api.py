@@ -73,6 +73,11 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return obj
 
 
+def _failed(e: BaseException) -> str:
+    """A step that failed (not the request's fault), in one line."""
+    return f"generation failed: {' '.join(str(e).split())[:300]}"
+
+
 def _int(body: dict[str, Any], key: str, default: int | None, low: int, high: int) -> int | None:
     v = body.get(key)
     if v is None:
@@ -246,6 +251,8 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                 first = await next_delta()  # before the headers: a 503 can still be a status
         except FenceUnavailable as e:
             return _error(503, str(e), "service_unavailable")
+        except RuntimeError as e:  # torch's (a device out of memory, a kernel's refusal): one line, keep serving
+            return _error(500, _failed(e), "server_error")
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(steps), "total_tokens": len(ids) + len(steps)}
         if not stream:
             out = text.text
@@ -301,8 +308,10 @@ async def _stream(
                 break
             try:
                 delta = await next_delta()
-            except FenceUnavailable as e:
-                err = {"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": 503}}
+            except (FenceUnavailable, RuntimeError) as e:
+                code, kind = (503, "service_unavailable") if isinstance(e, FenceUnavailable) else (500, "server_error")
+                msg = str(e) if code == 503 else _failed(e)
+                err = {"error": {"message": msg, "type": kind, "param": None, "code": code}}
                 await resp.write(f"data: {json.dumps(err)}\n\n".encode())
                 return resp
         await resp.write(chunk(None if chat else "", finish()))
@@ -380,6 +389,8 @@ async def _logits(request: web.Request) -> web.Response:
         return _error(400, str(e), "invalid_request_error")
     except FenceUnavailable as e:
         return _error(503, str(e), "service_unavailable")
+    except RuntimeError as e:
+        return _error(500, _failed(e), "server_error")
     return web.json_response({"logits": logits.tolist(), "version": version, "prompt_tokens": len(ids)})
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -378,9 +379,14 @@ class TfEngine:
             )
 
     def _choose(self, logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
-        if sampling.temperature == 0 or gen is None:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+        # NaN (weights gone bad) ranks lowest, never first; in float64 after subtracting the maximum, a
+        # temperature as small as 1e-300 divides to 0 for the best tokens and -inf for the rest (float32
+        # overflowed to inf - inf = NaN there, which multinomial refuses: a 500 for a valid request).
+        x = logits.detach().to("cpu", torch.float64).nan_to_num(nan=-math.inf)
+        best = int(x.argmax())
+        if sampling.temperature == 0 or gen is None or not math.isfinite(float(x[best])):
+            return best
+        probs = torch.softmax((x - x[best]) / sampling.temperature, dim=-1)
         if sampling.top_p < 1.0:
             p, order = probs.sort(descending=True)
             keep = (p.cumsum(0) - p) < sampling.top_p  # the smallest set reaching top_p (at least one)
