@@ -55,7 +55,10 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
     from patchswarm.daemon.tf_engine import StaticWeights
 
     if not args.daemon:
-        return StaticWeights.from_checkpoint(Path(args.checkpoint), args.device), None
+        try:
+            return StaticWeights.from_checkpoint(Path(args.checkpoint), args.device), None
+        except ValueError as e:  # (ModelMismatch: config.json transformers cannot read)
+            raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
     client = DaemonClient(args.daemon)
     try:
         view = client.open_store(args.device, args.engine_name, args.wait)

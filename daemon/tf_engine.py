@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 
 from patchswarm.daemon.engine import Observed
-from patchswarm.daemon.tf_model import build_model, config_dtype, load_config
+from patchswarm.daemon.tf_model import build_model, config_dtype, load_config, load_tokenizer
 
 T = TypeVar("T")
 DEFAULT_MAX_TOKENS_LIMIT = 1024
@@ -187,8 +187,6 @@ class TfEngine:
         threaded: bool = True,
         model_name: str | None = None,
     ) -> None:
-        import transformers
-
         self.view = view
         self.checkpoint = checkpoint
         self.config = load_config(checkpoint)
@@ -196,7 +194,7 @@ class TfEngine:
         # transformers 5.x renames the forward's ``past_key_values`` to ``cache`` (the old name warns).
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.device = next(self.model.parameters()).device
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+        self.tokenizer = load_tokenizer(checkpoint)
         self.eos_ids = self._eos_ids()
         embeddings: Any = self.model.get_input_embeddings()
         self.vocab = int(embeddings.weight.shape[0])

@@ -18,6 +18,7 @@ https://github.com/huggingface/transformers/blob/main/src/transformers/modeling_
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from patchswarm.protocol.untrusted_json import load_json
 
 MAX_CONFIG_BYTES = 256 << 10  # config.json + generation_config.json, as the checkpoint reader bounds them
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LAYER = re.compile(r"\.layers\.(\d{1,9})\.")
 
 
 class ModelMismatch(ValueError):
@@ -52,8 +54,35 @@ def load_config(checkpoint: Path) -> Any:
         raise ModelMismatch(f"{path}: no model_type")
     try:
         return transformers.AutoConfig.from_pretrained(str(checkpoint))
-    except (ValueError, KeyError, OSError) as e:
-        raise ModelMismatch(f"{path}: transformers cannot read it: {e}") from None
+    except Exception as e:  # (a hostile file: transformers raises KeyError, TypeError, its validation errors...)
+        raise ModelMismatch(f"{path}: transformers cannot read it: {one_line(e)}") from None
+
+
+def one_line(e: BaseException) -> str:
+    """What a third-party parser said of a file it refused, in one line."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def load_tokenizer(checkpoint: Path) -> Any:
+    """DIR's tokenizer; ModelMismatch (one line) for files the tokenizer cannot read."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    except Exception as e:  # (the Rust tokenizer raises bare Exception; transformers KeyError on a bad tokenizer.json)
+        raise ModelMismatch(f"the tokenizer files cannot be read: {one_line(e)}") from None
+
+
+def _check_layer_count(config: Any, store: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a config asking more decoder layers than the store holds before building it: building
+    ten million layers, even on the meta device, takes hours."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None)
+    if type(layers) is not int:
+        return
+    held = {int(m.group(1)) for n in store if (m := _LAYER.search(n))}
+    if held and not 0 < layers <= max(held) + 1:
+        raise ModelMismatch(f"config.json's num_hidden_layers is {layers}; the store holds layers 0..{max(held)}")
 
 
 def config_dtype(config: Any) -> torch.dtype:
@@ -159,8 +188,12 @@ def build_model(config: Any, store: Mapping[str, torch.Tensor]) -> torch.nn.Modu
     floats = {t.dtype for t in store.values() if t.is_floating_point() and t.dtype not in FP8_DTYPES}
     dtype = floats.pop() if len(floats) == 1 else config_dtype(config)
     auto: Any = transformers.AutoModelForCausalLM
-    with _quiet(), torch.device("meta"):
-        model: torch.nn.Module = auto.from_config(config, dtype=dtype)
+    _check_layer_count(config, store)
+    try:
+        with _quiet(), torch.device("meta"):
+            model: torch.nn.Module = auto.from_config(config, dtype=dtype)
+    except Exception as e:  # (config values transformers accepts and then cannot build: a negative size...)
+        raise ModelMismatch(f"config.json: transformers cannot build the model: {one_line(e)}") from None
     sources = _tie_groups(model, store)
     wanted = {src: p for name, p in model.named_parameters(remove_duplicate=False) if (src := sources[name]) == name}
     check_store(store, wanted)
