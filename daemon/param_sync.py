@@ -26,6 +26,7 @@ from patchswarm.daemon.engine import EngineView, attach
 from patchswarm.daemon.engine_client import DaemonClient
 from patchswarm.daemon.engine_driver import Activation, Region
 from patchswarm.protocol.served import TensorSpec
+from patchswarm.protocol.untrusted_json import load_json
 
 MAX_WIRE_CHARS = 64 << 20
 MAX_REGIONS = 1 << 20
@@ -147,7 +148,7 @@ def parse_apply(text: object, rank: int) -> tuple[int, list[Region] | None]:
     if not isinstance(text, str) or len(text) > MAX_WIRE_CHARS:
         raise SyncError("the apply payload must be JSON text of at most 64 MiB")
     try:
-        obj = json.loads(text)
+        obj = load_json(text, max_bytes=MAX_WIRE_CHARS)
     except ValueError:
         raise SyncError("the apply payload is not JSON") from None
     if not isinstance(obj, dict) or set(obj) != {"version", "full", "ranks"}:
@@ -184,7 +185,7 @@ def open_rank_store(spec_text: object, rank: int, device: torch.device | str) ->
     if not isinstance(spec_text, str) or len(spec_text) > MAX_WIRE_CHARS:
         raise SyncError("the attach spec must be JSON text")
     try:
-        spec = json.loads(spec_text)
+        spec = load_json(spec_text, max_bytes=MAX_WIRE_CHARS)
     except ValueError:
         raise SyncError("the attach spec is not JSON") from None
     if not isinstance(spec, dict):

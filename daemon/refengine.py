@@ -52,6 +52,7 @@ from aiohttp import web
 
 from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.daemon.trajectory import PRESETS
+from patchswarm.protocol.untrusted_json import load_json
 
 T = TypeVar("T")
 # How long a step waits for the daemon's write in progress to end (an activation takes milliseconds);
@@ -429,8 +430,8 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     if not raw:
         return {}
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = load_json(raw, max_bytes=1 << 20)
+    except ValueError as e:
         raise ValueError(f"body is not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ValueError("body must be a JSON object")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from patchswarm.daemon.param_sync import MAX_WIRE_CHARS, ParamSync, SyncError, open_rank_store, parse_apply
+from patchswarm.protocol.untrusted_json import load_json
 
 # One mapping per scheduler process, by attach spec (a process serves one rank of one store).
 _SYNCS: dict[str, ParamSync] = {}
@@ -41,7 +42,7 @@ def load_regions(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
     if len(named_tensors) != 1 or not isinstance(named_tensors[0][0], str) or len(named_tensors[0][0]) > MAX_WIRE_CHARS:
         raise SyncError("a patchswarm update carries exactly one entry")
     try:
-        obj = json.loads(named_tensors[0][0])
+        obj = load_json(named_tensors[0][0], max_bytes=MAX_WIRE_CHARS)
     except ValueError:
         raise SyncError("a patchswarm update's entry name is not JSON") from None
     if not isinstance(obj, dict) or set(obj) != {"attach", "apply", "rank"} or type(obj["rank"]) is not int:
