@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -74,6 +75,20 @@ def lock_holders(path: Path) -> list[int]:
     return sorted(set(pids))
 
 
+def _check_lock_file(fd: int, path: Path) -> None:
+    """The writer's lock must be a regular file of this process's user: one another user planted in
+    /dev/shm before the store existed (sticky: the daemon could never remove it) would let that user
+    hold it, or be chmod-ed by a root daemon and stay theirs."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"the readers' lock {path} is not a regular file: remove it")
+    if st.st_uid != os.geteuid():
+        raise StoreError(
+            f"the readers' lock {path} belongs to uid {st.st_uid}, not this daemon's ({os.geteuid()}): "
+            "another user made it; remove it"
+        )
+
+
 class _Held:
     """One process's exclusive side of one lock file, shared by every handle on the store there:
     the process that owns a store (daemon.instance_lock) is its one writer, however many handles
@@ -95,17 +110,22 @@ class WriteGate:
     def __init__(self, path: Path, *, gid: int = -1, wait_s: float = DEFAULT_WAIT_S) -> None:
         try:
             # O_NOFOLLOW: a symlink planted at the lock's name is not followed.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, LOCK_MODE)
+            # O_NONBLOCK: a FIFO planted there does not hang the open (it is then refused).
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, LOCK_MODE)
         except OSError as e:
             raise StoreError(f"cannot open the readers' lock {path}: {e}") from e
         try:
+            _check_lock_file(fd, path)
             os.fchmod(fd, LOCK_MODE)
             st = os.fstat(fd)
             if gid != -1 and st.st_gid != gid:
                 os.fchown(fd, -1, gid)
+        except StoreError:
+            os.close(fd)
+            raise
         except OSError as e:
             os.close(fd)
-            raise StoreError(f"cannot give the readers' lock {path} the store's group: {e}") from e
+            raise StoreError(f"cannot give the readers' lock {path} the store's mode and group: {e}") from e
         self.path = path
         self.wait_s = wait_s
         self._key: tuple[int, int] | None = (st.st_dev, st.st_ino)
@@ -195,11 +215,17 @@ class ReadGate:
     def open(cls, path: Path) -> ReadGate | None:
         """The lock of a store; None when there is none (a store made before the handshake existed)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise StoreError(f"cannot open the readers' lock {path}: {e}") from e
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StoreError(f"the readers' lock {path} is not a regular file")
+        except (OSError, StoreError):
+            os.close(fd)
+            raise
         return cls(fd, path)
 
     def try_enter(self, control: ControlBlock) -> bool:
