@@ -26,6 +26,7 @@ https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/openai/protocol.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -46,7 +47,20 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 256
 MAX_SEED = (1 << 63) - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_IN_FLIGHT = 64  # requests generating or waiting for the engine's lock; more: 503 (each holds a KV cache)
+WRITE_STALL_S = 30.0  # a streaming client that reads nothing for this long is dropped (its slot freed)
 ENGINE = web.AppKey("patchswarm.tf_engine", TfEngine)
+
+
+class Admission:
+    """How many completions may be in flight at once, and how long a stream may wait on its client."""
+
+    def __init__(self, max_in_flight: int = MAX_IN_FLIGHT, write_stall_s: float = WRITE_STALL_S) -> None:
+        self.max_in_flight, self.write_stall_s = max_in_flight, write_stall_s
+        self.in_flight = 0
+
+
+ADMISSION = web.AppKey("patchswarm.tf_admission", Admission)
 
 
 class BadRequest(ValueError):
@@ -205,6 +219,17 @@ def _weight_version(steps: Sequence[Step], engine: TfEngine) -> dict[str, int | 
 
 
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
+    admission = request.app[ADMISSION]
+    if admission.in_flight >= admission.max_in_flight:
+        return _error(503, f"the engine holds {admission.max_in_flight} requests already: retry", "server_busy")
+    admission.in_flight += 1
+    try:
+        return await _admitted(request, chat)
+    finally:
+        admission.in_flight -= 1
+
+
+async def _admitted(request: web.Request, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
         body = await _body(request)
@@ -280,6 +305,11 @@ async def _stream(
 ) -> web.StreamResponse:  # fmt: skip
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    stall = request.app[ADMISSION].write_stall_s
+
+    async def write(data: bytes) -> None:
+        await asyncio.wait_for(resp.write(data), stall)  # (a client that never reads: TimeoutError)
+
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | None, reason: str | None, role: bool = False) -> bytes:
@@ -299,11 +329,11 @@ async def _stream(
 
     try:
         if chat:
-            await resp.write(chunk(None, None, role=True))
+            await write(chunk(None, None, role=True))
         delta = first
         while delta is not None:
             if delta:
-                await resp.write(chunk(delta, None))
+                await write(chunk(delta, None))
             if finish() == "stop":
                 break
             try:
@@ -312,13 +342,16 @@ async def _stream(
                 code, kind = (503, "service_unavailable") if isinstance(e, FenceUnavailable) else (500, "server_error")
                 msg = str(e) if code == 503 else _failed(e)
                 err = {"error": {"message": msg, "type": kind, "param": None, "code": code}}
-                await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+                await write(f"data: {json.dumps(err)}\n\n".encode())
                 return resp
-        await resp.write(chunk(None if chat else "", finish()))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        await write(chunk(None if chat else "", finish()))
+        await write(b"data: [DONE]\n\n")
+        await asyncio.wait_for(resp.write_eof(), stall)
     except ConnectionResetError:
         pass  # the client went away: stop generating
+    except TimeoutError:  # the client stopped reading: drop the connection (finishing it would wait again)
+        if request.transport is not None:
+            request.transport.abort()
     return resp
 
 
@@ -394,9 +427,10 @@ async def _logits(request: web.Request) -> web.Response:
     return web.json_response({"logits": logits.tolist(), "version": version, "prompt_tokens": len(ids)})
 
 
-def make_openai_app(engine: TfEngine) -> web.Application:
+def make_openai_app(engine: TfEngine, admission: Admission | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY)
     app[ENGINE] = engine
+    app[ADMISSION] = admission or Admission()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)

@@ -4,7 +4,9 @@ client that goes away mid-answer leaves the engine serving the next request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from patchswarm.daemon.openai_api import make_openai_app
+from patchswarm.daemon.openai_api import Admission, make_openai_app
 from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.daemon.tf_engine import StaticWeights, TfEngine
 from tests.support.tf_checkpoints import tiny_llama_bf16, write_checkpoint
@@ -119,5 +121,58 @@ async def test_a_step_that_fails_is_one_error_line_and_the_engine_serves_on(ckpt
         engine.inside_step = None
         code, text = await post(server.url + "/v1/completions", body)
         assert code == 200, text
+    finally:
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_requests_past_the_bound_are_503_and_the_rest_complete(ckpt: Path) -> None:
+    engine = TfEngine(StaticWeights.from_checkpoint(ckpt), ckpt, max_tokens_limit=16)
+    engine.note_served(0)
+    server = await serve_app(make_openai_app(engine, Admission(max_in_flight=3)), "127.0.0.1", 0)
+    body = {"prompt": "ab", "max_tokens": 2, "temperature": 0}
+    try:
+        await engine.pause()  # the admitted requests wait between steps
+        held = [asyncio.create_task(post(server.url + "/v1/completions", body)) for _ in range(3)]
+        while engine._lock.locked() or sum(not t.done() for t in held) < 3:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # (the three are inside the engine: nothing answers them while paused)
+        code, text = await post(server.url + "/v1/completions", body)
+        assert code == 503 and json.loads(text)["error"]["type"] == "server_busy", text
+        engine.resume()
+        assert [c for c, _ in await asyncio.gather(*held)] == [200, 200, 200]
+        code, text = await post(server.url + "/v1/completions", body)
+        assert code == 200, text
+    finally:
+        engine.resume()
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_nobody_reads_gives_its_slot_back(ckpt: Path) -> None:
+    weights = StaticWeights.from_checkpoint(ckpt)
+    # Events of 64 KiB each (the model's name is in every one): more than any socket buffers hold.
+    engine = TfEngine(weights, ckpt, max_tokens_limit=120, prefix_cache_entries=0, model_name="m" * (64 << 10))
+    engine.eos_ids = set()  # (the model would end early)
+    engine.note_served(0)
+    admission = Admission(max_in_flight=1, write_stall_s=0.2)
+    server = await serve_app(make_openai_app(engine, admission), "127.0.0.1", 0)
+    try:
+        payload = json.dumps({"prompt": "a", "max_tokens": 120, "temperature": 0, "stream": True})
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.connect(("127.0.0.1", server.port))
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n\r\n"
+        sock.sendall(head.encode() + payload.encode())  # and never read
+        while admission.in_flight == 0:
+            await asyncio.sleep(0.01)
+        for _ in range(1200):  # freed once the stream stalls (else never: the client reads nothing)
+            if not admission.in_flight:
+                break
+            await asyncio.sleep(0.05)
+        assert admission.in_flight == 0, "a stream nobody reads still holds its slot"
+        code, text = await post(server.url + "/v1/completions", {"prompt": "ab", "max_tokens": 2})
+        assert code == 200, text
+        sock.close()
     finally:
         await server.close()
