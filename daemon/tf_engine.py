@@ -186,6 +186,7 @@ class TfEngine:
         pause_limit_s: float = DEFAULT_PAUSE_LIMIT_S,
         threaded: bool = True,
         model_name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.view = view
         self.checkpoint = checkpoint
@@ -212,6 +213,8 @@ class TfEngine:
         self.redone = 0  # steps thrown away because the daemon wrote during them
         self._running = asyncio.Event()
         self._running.set()
+        self._clock = clock
+        self._paused_at: float | None = None  # when the pause in force began
         self._lock = asyncio.Lock()
 
     def _eos_ids(self) -> set[int]:
@@ -232,12 +235,14 @@ class TfEngine:
 
     async def pause(self) -> None:
         """Hold requests between steps; returns once the step in progress (if any) has finished."""
+        self._paused_at = self._clock()  # (a pause again, say by a restarted daemon, starts a new limit)
         self._running.clear()
         async with self._lock:
             pass
 
     def resume(self) -> None:
         self._running.set()
+        self._paused_at = None
 
     def note_served(self, version: int) -> None:
         """Record ``version`` as served (the store's fence shows it ready) and say so once."""
@@ -337,15 +342,15 @@ class TfEngine:
         seq.ids.append(token)
 
     async def _step(self, work: Callable[[], None]) -> None:
-        """Run one step under the lock, between pauses.  A pause holds a request at most ``pause_limit_s``:
-        past it (a daemon that died between pause and resume) the step runs under the fence anyway,
-        which still never lets it read a half-written version (it waits, then fails)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.pause_limit_s
+        """Run one step under the lock, between pauses.  A pause holds requests at most ``pause_limit_s``
+        from when it began: past it (a daemon that died between pause and resume) every step runs under
+        the fence anyway, which still never lets it read a half-written version (it waits, then fails).
+        (Counted from the pause, not from each step: else each token of each request waited the limit.)"""
         while True:
             overdue = False
+            began = self._paused_at if self._paused_at is not None else self._clock()
             try:
-                await asyncio.wait_for(self._running.wait(), max(deadline - loop.time(), 0.0))
+                await asyncio.wait_for(self._running.wait(), max(began + self.pause_limit_s - self._clock(), 0.0))
             except TimeoutError:
                 overdue = True
             async with self._lock:

@@ -4,6 +4,7 @@ racing a write is redone, a fence left odd answers 503, the prefix cache never c
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +240,24 @@ async def test_a_pause_holds_requests_at_most_its_limit(store: Store, ckpts: lis
     assert engine.paused
     steps = [s async for s in engine.generate(PROMPTS[0], 2)]  # the daemon never resumed: it goes on, fenced
     assert [s.version for s in steps] == [1, 1] and engine.paused
+
+
+@pytest.mark.asyncio
+async def test_a_pause_past_its_limit_holds_no_step_any_more(store: Store, ckpts: list[Path]) -> None:
+    now = [0.0]
+    engine = engine_on(store, ckpts[0], pause_limit_s=3600.0, clock=lambda: now[0])
+    await engine.pause()
+    now[0] = 3601.0  # the daemon paused an hour ago and never resumed
+    # Each step runs at once (before: each waited the whole limit again, an hour per token).
+    steps = await asyncio.wait_for(_collect(engine.generate(PROMPTS[0], 4)), 120)
+    assert [s.version for s in steps] == [1, 1, 1, 1] and engine.paused
+    await engine.pause()  # a new pause (a restarted daemon) holds again, for its own limit
+    task = asyncio.create_task(_collect(engine.generate(PROMPTS[0], 1)))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    engine.resume()
+    assert len(await task) == 1
+
+
+async def _collect(gen: Any) -> list[Any]:
+    return [s async for s in gen]
