@@ -54,7 +54,15 @@ class PatchswarmWorkerExtension:
         def load(items: list[tuple[str, torch.Tensor]]) -> object:
             return model.load_weights(items)  # type: ignore[operator]  # vLLM models have it
 
-        self.patchswarm_sync = ParamSync(view, params, load, rank)
+        try:
+            sync = ParamSync(view, params, load, rank)
+        except BaseException:
+            view.close()
+            raise
+        # Attached again (a restarted daemon): the previous mapping goes, else each attach kept another
+        # whole-model mapping (an engine-allocated store: another buffer of the model's size on the GPU).
+        self.patchswarm_detach()
+        self.patchswarm_sync = sync
         return {"rank": rank, "entries": len(view.layout.slots), "loader": self.patchswarm_sync.fallback[:64],
                 "loader_count": len(self.patchswarm_sync.fallback)}  # fmt: skip
 

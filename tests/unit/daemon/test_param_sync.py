@@ -258,6 +258,11 @@ def test_the_vllm_extension_attaches_once_and_applies_each_version(name: str, tm
     fresh = tiny_llama()
     fresh.load_state_dict(v2)
     assert_params_equal(model, fresh)
+    first = worker.patchswarm_sync
+    assert first is not None
+    worker.patchswarm_attach(json.dumps({"attach": [store.attach_info()]}))  # a restarted daemon attaches again
+    assert first.view.data.numel() == 0  # the first mapping was let go, not kept beside the new one
+    assert worker.patchswarm_apply(apply_wire(Activation(2, 1, True)))["ok"] is True
     worker.patchswarm_detach()
     rs.close()
 
