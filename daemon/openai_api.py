@@ -27,13 +27,14 @@ https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/openai/protocol.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import math
 import secrets
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -47,6 +48,7 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 256
 MAX_SEED = (1 << 63) - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+T = TypeVar("T")
 MAX_IN_FLIGHT = 64  # requests generating or waiting for the engine's lock; more: 503 (each holds a KV cache)
 WRITE_STALL_S = 30.0  # a streaming client that reads nothing for this long is dropped (its slot freed)
 ENGINE = web.AppKey("patchswarm.tf_engine", TfEngine)
@@ -58,6 +60,13 @@ class Admission:
     def __init__(self, max_in_flight: int = MAX_IN_FLIGHT, write_stall_s: float = WRITE_STALL_S) -> None:
         self.max_in_flight, self.write_stall_s = max_in_flight, write_stall_s
         self.in_flight = 0
+        # Tokenizing (a 512 K-character prompt: most of a second) and chat templates run here, off the
+        # event loop, so pause/commit/health answer meanwhile; one thread: a fast tokenizer used from
+        # two threads at once can fail ("Already borrowed").
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def tokenize(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn)
 
 
 ADMISSION = web.AppKey("patchswarm.tf_admission", Admission)
@@ -234,7 +243,10 @@ async def _admitted(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         body = await _body(request)
         sampling, stops, stream = _common(body)
-        ids = _chat_ids(engine, body.get("messages")) if chat else _prompt_ids(engine, body.get("prompt"))
+        what = body.get("messages") if chat else body.get("prompt")
+        ids = await request.app[ADMISSION].tokenize(
+            lambda: _chat_ids(engine, what) if chat else _prompt_ids(engine, what)
+        )
         room = max(engine.max_positions - len(ids), 0) if engine.max_positions else engine.max_tokens_limit
         default = min(engine.max_tokens_limit, room) if chat else COMPLETION_DEFAULT_MAX_TOKENS
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -415,7 +427,8 @@ async def _version(request: web.Request) -> web.Response:
 async def _logits(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     try:
-        ids = _prompt_ids(engine, (await _body(request)).get("prompt"))
+        prompt = (await _body(request)).get("prompt")
+        ids = await request.app[ADMISSION].tokenize(lambda: _prompt_ids(engine, prompt))
         engine.check_prompt(ids, 0)
         logits, version = await engine.logits(ids)
     except ValueError as e:
@@ -431,6 +444,11 @@ def make_openai_app(engine: TfEngine, admission: Admission | None = None) -> web
     app = web.Application(client_max_size=MAX_BODY)
     app[ENGINE] = engine
     app[ADMISSION] = admission or Admission()
+
+    async def stop_tokenizing(app: web.Application) -> None:
+        app[ADMISSION].tokenizing.shutdown(wait=False)
+
+    app.on_cleanup.append(stop_tokenizing)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)

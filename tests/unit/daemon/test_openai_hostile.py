@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,35 @@ async def test_a_stream_nobody_reads_gives_its_slot_back(ckpt: Path) -> None:
         sock.close()
     finally:
         await server.close()
+
+
+class _Recording:
+    """The engine's tokenizer, noting which threads encode and render chat templates."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.threads = inner, set[str]()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("encode", "apply_chat_template"):
+            self.threads.add(threading.current_thread().name)
+        return getattr(self.inner, name)
+
+
+@pytest.mark.asyncio
+async def test_prompts_are_tokenized_off_the_event_loop(ckpt: Path) -> None:
+    engine = TfEngine(StaticWeights.from_checkpoint(ckpt), ckpt, max_tokens_limit=4)
+    recording = _Recording(engine.tokenizer)
+    engine.tokenizer = recording
+    server = await _serve(engine)
+    try:
+        code, text = await post(server.url + "/v1/completions", {"prompt": "ab c" * 20, "max_tokens": 1})
+        assert code == 200, text
+        code, text = await post(server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                       "max_tokens": 1})  # fmt: skip
+        assert code == 200, text
+        code, text = await post(server.url + "/patchswarm/v1/logits", {"prompt": "ab"})
+        assert code == 200, text
+    finally:
+        await server.close()
+    # (a 512 K-character prompt takes most of a second to encode: on the loop, pause and commit waited)
+    assert recording.threads and threading.main_thread().name not in recording.threads, recording.threads
