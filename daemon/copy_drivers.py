@@ -198,7 +198,11 @@ class VllmEngine:
         apply_s = self.http.timeouts.apply_s
         apply, *rest = vllm_requests(activation, self.ranks, apply_s, full=self.torn)
         try:
-            check_rank_results(await self.http.call(apply, apply_s + 5), self.ranks, activation.version)
+            answer = await self.http.call(apply, apply_s + 5)
+            results = _field(answer, "results")
+            if isinstance(results, list) and any(isinstance(r, dict) and r.get("attached") is False for r in results):
+                self.attached = False  # a worker without the store (vLLM restarted): attach again next time
+            check_rank_results(answer, self.ranks, activation.version)
         except _Partial as e:
             self.torn = self.torn or e.copied
             raise EngineError(f"vLLM stays on version {activation.previous}: {e}") from None

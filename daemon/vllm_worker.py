@@ -77,8 +77,8 @@ class PatchswarmWorkerExtension:
                 raise SyncError(f"rank {rank}: patchswarm_attach was not called")
             version, regions = parse_apply(payload, rank)
             return sync.apply(version, regions).to_json()
-        except SyncError as e:
-            return {"ok": False, "rank": rank, "error": str(e), "copied": e.copied}
+        except SyncError as e:  # ("attached": False tells the driver to attach again: a restarted vLLM)
+            return {"ok": False, "rank": rank, "error": str(e), "copied": e.copied, "attached": sync is not None}
         except Exception as e:  # the engine's loader or a device error: parameters may be part written
             return {"ok": False, "rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"[:500], "copied": True}
 

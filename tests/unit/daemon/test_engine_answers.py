@@ -6,6 +6,7 @@ byte at a time, too large), every call ends in one EngineError line or the right
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -111,3 +112,46 @@ async def test_an_answer_dripped_byte_by_byte_is_read_whole(engine: tuple[Hostil
     finally:
         await zero.close()
         await vllm.close()
+
+
+class RestartingVllm:
+    """vLLM's /collective_rpc as the worker extension answers it, with workers that lose their store
+    mapping when vLLM restarts (``attached`` False), and the routes a commit calls after it."""
+
+    def __init__(self) -> None:
+        self.attached = False
+        self.attaches = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.path != "/collective_rpc":
+            return web.json_response({"success": True})
+        body = await request.json()
+        if body["method"] == "patchswarm_attach":
+            self.attached, self.attaches = True, self.attaches + 1
+            return web.json_response({"results": [{"rank": 0, "entries": 1, "loader": [], "loader_count": 0}]})
+        version = json.loads(body["args"][0])["version"]
+        if not self.attached:
+            error = "rank 0: patchswarm_attach was not called"
+            return web.json_response(
+                {"results": [{"ok": False, "rank": 0, "error": error, "copied": False, "attached": False}]}
+            )
+        return web.json_response({"results": [{"ok": True, "rank": 0, "version": version}]})
+
+
+@pytest.mark.asyncio
+async def test_the_vllm_driver_attaches_again_after_vllm_restarted() -> None:
+    fake = RestartingVllm()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", fake.handle)
+    server = await serve_app(app, "127.0.0.1", 0)
+    driver = VllmEngine(server.url, 1, '{"socket": "/nonexistent"}', Timeouts(5, 5))
+    try:
+        assert await driver.commit(Activation(1, None, True, {}, True)) == 1
+        fake.attached = False  # vLLM restarted: its workers hold no store
+        with pytest.raises(EngineError, match="patchswarm_attach was not called"):
+            await driver.commit(Activation(2, 1, True, {}, True))
+        assert await driver.commit(Activation(2, 1, True, {}, True)) == 2  # (before: refused for ever)
+        assert fake.attaches == 2
+    finally:
+        await driver.close()
+        await server.close()

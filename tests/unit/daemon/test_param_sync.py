@@ -248,6 +248,7 @@ def test_the_vllm_extension_attaches_once_and_applies_each_version(name: str, tm
     worker = _ExtendedWorker(model)
     answer = worker.patchswarm_apply(apply_wire(Activation(1, None, True)))
     assert answer["ok"] is False and "patchswarm_attach" in answer["error"] and answer["copied"] is False
+    assert answer["attached"] is False  # (the driver attaches again: a restarted vLLM)
     info = worker.patchswarm_attach(json.dumps({"attach": [store.attach_info()]}))
     assert info["rank"] == 0 and info["loader_count"] == 0
     assert worker.patchswarm_apply(apply_wire(Activation(1, None, True)))["ok"] is True
