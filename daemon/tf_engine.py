@@ -10,7 +10,8 @@ wait ``fence_wait_s`` and then fail (``FenceUnavailable``, HTTP 503), never read
 Requests are served one step at a time under one lock (no batching).  A small LRU prefix cache
 keeps the KV state of recent prompts keyed by (version, prompt tokens): an entry of another
 version is never used, and ``commit(v, flush_cache=True)`` drops them.  ``pause``/``resume``
-hold requests between steps (the daemon's in-place activations), for at most ``pause_limit_s`` each.
+hold requests between steps (the daemon's in-place activations), for at most ``pause_limit_s`` from
+when the pause began.
 """
 
 from __future__ import annotations
