@@ -402,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, board)")
     args = ap.parse_args(argv)
     console = Console()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("the demo needs transformers: pip install 'patchswarm[transformers]'", file=sys.stderr)
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix="patchswarm-demo-"))
     demo = Demo(workdir, args.hosts, args.steps, args.preset)
     console.print(
@@ -416,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     if demo.errors:
         console.print(f"[red]errors:[/] {demo.errors}")
-    console.print("[bold green]every host matched the trainer bitwise[/]" if ok else "[bold red]mismatch[/]")
+    console.print(
+        "[bold green]every host matched the trainer bitwise[/]"
+        if ok
+        else "[bold red]failed[/]: a host differs from the trainer, or the engine left a version unanswered"
+    )
     return 0 if ok else 1
 
 
