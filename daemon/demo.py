@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -97,8 +96,13 @@ def toml_text(sections: dict[str, dict[str, TomlValue]]) -> str:
         if isinstance(v, int | float):
             return repr(v)
         if isinstance(v, list):
-            return "[" + ", ".join(json.dumps(x) for x in v) + "]"
-        return json.dumps(v)  # a TOML basic string is a JSON string for the paths and names used here
+            return "[" + ", ".join(map(text, v)) + "]"
+        return text(v)
+
+    def text(v: str) -> str:  # a TOML basic string: quotes, backslashes and control characters escaped
+        return (
+            '"' + "".join(f"\\u{ord(c):04x}" if c in '"\\' or ord(c) < 0x20 or ord(c) == 0x7F else c for c in v) + '"'
+        )
 
     return "".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items()) + "\n"

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from patchswarm.daemon.checkpoint import FILES_KEY, TIED_KEY
-from patchswarm.daemon.demo import toml_text
+from patchswarm.daemon.demo import TomlValue, toml_text
 from patchswarm.daemon.demo_llama import FACTS, Trainer, chat_ids
 
 transformers = pytest.importorskip("transformers")
@@ -60,4 +62,19 @@ def test_daemon_config_text_reads_back_as_the_sections_it_was_made_of() -> None:
         "swarm": {"bootstrap": ["http://127.0.0.1:1", 'a "quoted" \\ path'], "x": 3, "y": 0.5},
         "sidecar": {"enabled": True, "commit_mode": "in_place"},
     }
+    assert tomllib.loads(toml_text(sections)) == sections
+
+
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+        st.dictionaries(
+            st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+            st.text(max_size=20) | st.booleans() | st.integers(-(2**40), 2**40) | st.lists(st.text(max_size=8)),
+            max_size=4,
+        ),
+        max_size=4,
+    )
+)
+def test_any_flat_sections_survive_the_toml_text(sections: dict[str, dict[str, TomlValue]]) -> None:
     assert tomllib.loads(toml_text(sections)) == sections
