@@ -291,8 +291,10 @@ class Demo:
             p = f"{prog.get('chunks_done', 0)}/{prog.get('chunks_total', 0)}" if prog.get("chunks_total") else ""
             t.add_row(h.name, h.zone, str(st.get("state", "")), str(st.get("version", "")), p)
         head = max(self.published, default=0)
+        answered = [(v, a) for v, a in sorted(self.answers.items()) if a is not None]
+        last = f"   [bold]v{answered[-1][0]}:[/] {QUESTION} {answered[-1][1].text!r}" if answered else ""
         return Group(f"[bold]trainer:[/] {self.trainer_state}   [bold]head:[/] version {head}   "
-                     f"[bold]engine answers:[/] {len(self.answers)}", t)  # fmt: skip
+                     f"[bold]engine answers:[/] {len(self.answers)}{last}", t)  # fmt: skip
 
     def final_table(self) -> tuple[Table, bool]:
         t = Table(title="patchswarm demo: every version, every host")
