@@ -177,6 +177,8 @@ class Demo:
                 "upstream": f"http://127.0.0.1:{self.engine_port}",
                 "commit_mode": "in_place",
             }
+            # Only a version the engine acknowledged (POST /patchswarm/v1/commit) is reported as served.
+            cfg["engine"] = {"kind": "zero-copy"}
         return cfg
 
     def start_host(self, h: Host, engine: bool) -> None:
