@@ -129,3 +129,24 @@ def test_the_scenario_keys() -> None:
     assert s.tcp == TcpModel(14600.0, restart_after_idle=False)
     with pytest.raises(ScenarioError, match="initial_window"):
         parse_text(base + "[network]\ninitial_window = -1\n")
+
+
+def test_the_testbed_gives_the_simulator_its_tcp() -> None:
+    """benchmarks/latency_testbed.py's scenario parses, with the hosts' TCP and the seed's pacing."""
+    import argparse
+
+    from benchmarks.latency_testbed import scenario_toml
+
+    args = argparse.Namespace(
+        regions=2, hosts=3, rate=2e6, chunk_mib=1, mtu=64000, initcwnd=1, notsent_lowat=0,
+        no_slow_start_after_idle=False, pace=False, config=None,
+    )  # fmt: skip
+    owd = {(0, 1): 0.02, (1, 0): 0.02}
+    s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000))
+    assert s.tcp == TcpModel(63948.0, restart_after_idle=True, send_buffer=20 * 63948.0 + 65536)
+    assert not s.seed_paced and s.hosts == 6
+    args.initcwnd, args.notsent_lowat, args.no_slow_start_after_idle = 0, 131072, True
+    args.config = '{"seed": {"upload_rate": 2e6}}'
+    s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000))
+    assert s.tcp == TcpModel(10 * 63948.0, restart_after_idle=False, send_buffer=0.0)
+    assert s.seed_paced
