@@ -1,6 +1,6 @@
 """Engine pause per update relative to a memcpy of the weights it serves (CPU, transformers engine).
 
-    python -m benchmarks.engine_pause_bench [--mb 50,200] [--updates 15] [--stream-updates 8]
+    python -m benchmarks.engine_pause_bench [--mb 50,200] [--updates 30] [--stream-updates 12]
                                             [--frac 0.005] [--hidden 1024] [--json OUT.json]
 
 Real processes: this process plays the daemon's side (a host shared-memory ``WeightStore`` and the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -73,8 +74,10 @@ def versions(config: Any, frac: float, seed: int = 0) -> tuple[ServedModel, Serv
     one or two ulps (an Adam-like step).  Embedding rows >= ASCII are zero in both (tied: zero logits)."""
     import transformers
 
+    auto: Any = transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in transformers.AutoModelForCausalLM.from_config(config).named_parameters()}
+        meta = auto.from_config(config)
+    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     g = torch.Generator().manual_seed(seed)
     a: dict[str, torch.Tensor] = {}
     b: dict[str, torch.Tensor] = {}
@@ -237,7 +240,7 @@ def stream_delays(rows: list[dict[str, float]], arrivals: list[float]) -> tuple[
     from the last chunk before the pause call to the first after resume answered, less the gaps the
     chunks inside it account for."""
     gaps = []
-    for p, q in zip(arrivals, arrivals[1:], strict=False):
+    for p, q in itertools.pairwise(arrivals):
         if not any(p < r["end"] and q > r["start"] for r in rows):
             gaps.append(q - p)
     base = statistics.median(gaps)
@@ -286,6 +289,7 @@ async def one_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str,
         "idle": {k: summary(idle, k) for k in keys},
         "streaming": {k: summary(streaming, k) for k in keys},
         "stream_chunk_gap_s": base, "stream_added_s": added, "stream_chunks": len(arrivals),
+        "streaming_rows": [{k: v for k, v in r.items() if k not in ("start", "end")} for r in streaming],
     }  # fmt: skip
     out["pause_over_memcpy"] = out["idle"]["pause"]["median"] / mc
     out["streaming_pause_over_memcpy"] = out["streaming"]["pause"]["median"] / mc
@@ -321,8 +325,8 @@ def main() -> None:
     ap.add_argument("--mb", default="50,200", help="model sizes in MB of bf16, comma-separated")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--frac", type=float, default=0.005, help="fraction of values changed per update")
-    ap.add_argument("--updates", type=int, default=15, help="updates measured with no request in flight")
-    ap.add_argument("--stream-updates", type=int, default=8, help="updates measured while a client streams")
+    ap.add_argument("--updates", type=int, default=30, help="updates measured with no request in flight")
+    ap.add_argument("--stream-updates", type=int, default=12, help="updates measured while a client streams")
     ap.add_argument("--stream-tokens", type=int, default=1024, help="max_tokens of the streamed completion")
     ap.add_argument("--json", default=None, help="also write the measurements to this file")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (the engine process)
