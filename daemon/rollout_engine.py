@@ -151,6 +151,13 @@ class EngineControl:
             log.warning("the engine says it serves version %s, but the store holds %s", served, held)
         if held is not None and self.served != held:
             self._engine_behind(held, "the daemon started with the store ahead of the engine")
+        elif self.cfg["sidecar.enabled"] and self.cfg["sidecar.commit_mode"] == "in_place":
+            # A daemon that died between pause and resume left the engine holding every request (vLLM
+            # and SGLang for ever); nothing is left to activate, so it goes on (a no-op when running).
+            try:
+                await self.driver.resume()
+            except EngineError as e:  # (not up yet: then nobody paused it)
+                log.info("engine resume at start-up: %s", e)
 
     async def _hold_if_behind(self) -> None:
         """Start-up, once the sidecar's gate exists: closed while the engine is behind the store (what

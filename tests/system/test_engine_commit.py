@@ -231,3 +231,29 @@ async def test_a_refused_commit_keeps_the_old_version_served_and_is_retried_also
         assert out["engine_version"] == {"before": 3, "after": 3}
         assert set(r.control.asked) == {1, 2, 3}
         assert await r.d.stop() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_restarted_after_dying_between_pause_and_resume_resumes_the_engine(
+    tmp_path: Path, traj: Trajectory
+) -> None:
+    """kill -9 while the engine is paused (in_place, between pause and resume): the engine would hold
+    every request for ever (vLLM, SGLang); the restarted daemon, with nothing left to activate,
+    resumes it."""
+    async with rig(tmp_path, "in_place", traj) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"http://127.0.0.1:{r.engine_port}/pause_generation", json={"mode": "in_place"}) as resp,
+        ):
+            assert resp.status == 200
+        assert (await r.engine_health())["paused"] is True
+        r.d.kill()
+        r.d.start()
+        await r.status_until(lambda st: st["served_version"] == 1 and st["state"] == "idle")
+        deadline = time.monotonic() + 30
+        while (await r.engine_health())["paused"]:
+            assert time.monotonic() < deadline, "the engine was left paused"
+            await asyncio.sleep(0.05)
+        status, out = await r.generate(exact=1)
+        assert status == 200 and out["weight_version"] == {"start": 1, "end": 1}, out
+        assert await r.d.stop() == 0
