@@ -96,7 +96,9 @@ class EngineControl:
             if self._holding or self._held_paused:
                 log.warning("admission stays closed until the engine acknowledges the store's version")
             return
-        if self.gate is not None:  # the engine's acknowledged version, or the one it served before
+        # The engine's acknowledged version, or the one it served before.  (A start-up commit retry may
+        # begin before the sidecar's gate exists, which then opens closed: _hold_if_behind.)
+        if self.gate is not None and self.gate.activating is not None:
             self.gate.end_activation(ack if ack is not None else self.gate.applied)
         self._holding = False
         if paused or self._held_paused:  # (after end_activation: no request reports a version it did not see)
