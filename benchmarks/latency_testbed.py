@@ -225,8 +225,30 @@ def role_fetch(argv: list[str]) -> int:
 # ---------------------------------------------------------------- the simulator
 
 
+def tcp_keys(args: argparse.Namespace) -> list[str]:
+    """The hosts' TCP as the simulator's network keys (docs/simulation.md, "TCP on the connections").
+
+    - ``initial_window``: ``--initcwnd`` segments (0: the kernel's 10) of one MSS, the MTU less the
+      IPv4 and TCP headers with timestamps (52 bytes).
+    - ``send_buffer``: what a server's ``resp.write`` hands to the kernel before it returns.  Linux
+      sizes a new socket's send buffer to 2 x 10 segments (``tcp_sndbuf_expand``; more as the window
+      grows), counted with each segment's overhead, and aiohttp returns from a drain once no more
+      than 64 KiB wait in user space.  At MTU 64,000 that is over a MiB: a whole chunk.  With
+      ``--notsent-lowat`` the write waits for the wire instead: 0.
+    """
+    mss = args.mtu - 52
+    sndbuf = 0 if args.notsent_lowat else 2 * 10 * mss + (64 << 10)
+    return [
+        f"initial_window = {(args.initcwnd or 10) * mss}",
+        f"slow_start_after_idle = {'false' if args.no_slow_start_after_idle else 'true'}",
+        f"send_buffer = {sndbuf}",
+    ]
+
+
 def scenario_toml(args: argparse.Namespace, owd: dict[tuple[int, int], float], intra: float, size: int) -> str:
-    """The testbed as a simulator scenario: regions of equal share, direct backbones with the measured delay."""
+    """The testbed as a simulator scenario: regions of equal share, direct backbones with the measured delay,
+    the hosts' TCP (``tcp_keys``), and the seed paced by the node only when the testbed's seed is."""
+    seed_paced = args.pace or float(sb.load_overrides(args.config).get("seed", {}).get("upload_rate", 0)) > 0
     lines = [
         'name = "latency-testbed"',
         f'description = "benchmarks/latency_testbed.py: {args.regions} x {args.hosts} hosts"',
@@ -237,6 +259,7 @@ def scenario_toml(args: argparse.Namespace, owd: dict[tuple[int, int], float], i
         "[seed]",
         f"uplink = {args.rate:.1f}",
         'region = "r0"',
+        f"paced = {'true' if seed_paced else 'false'}",
         "[payload]",
         f"patch_size = {size}",
         f"chunk_size = {args.chunk_mib << 20}",
@@ -244,6 +267,8 @@ def scenario_toml(args: argparse.Namespace, owd: dict[tuple[int, int], float], i
         "seed = 1",
         'strategies = ["central", "swarm"]',
         f"deadline = {max(600.0, 20 * size * args.regions * args.hosts / args.rate):.0f}",
+        "[network]",
+        *tcp_keys(args),
     ]
     for r in range(args.regions):
         lines += ["[[regions]]", f'name = "r{r}"', f"share = {1 / args.regions!r}", f"latency = {intra:.6f}"]

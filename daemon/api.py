@@ -2,7 +2,8 @@
 
     GET  /v1/status                  state, versions, progress, peers (also what `patchswarm status` shows)
     GET  /v1/version                 the store's version, its state root, the version the engine serves
-    GET  /v1/wait?version=N&timeout=S   long poll until version N is applied (or the timeout)
+    GET  /v1/wait?version=N&timeout=S[&served=true]   long poll until the store holds version N
+                                     (served=true: until the engine acknowledged it) or the timeout
     GET  /v1/events                  server-sent events: one per state change
     GET  /v1/layout?rank=K           the weight layout and how to attach to the store (of rank K: store.ranks > 1)
     POST /v1/ack                     an engine acknowledges the version it now serves
@@ -74,12 +75,14 @@ async def wait(request: web.Request) -> web.Response:
     try:
         want = int(request.query["version"])
         timeout = float(request.query.get("timeout", "30"))
+        served = {"true": True, "1": True, "false": False, "0": False}[request.query.get("served", "false")]
     except (KeyError, ValueError):
-        return _bad("query needs version=<int> and optionally timeout=<seconds>")
+        return _bad("query needs version=<int> and optionally timeout=<seconds>, served=true|false")
     if want < 0 or not 0 <= timeout <= MAX_WAIT_S:
         return _bad(f"version must be >= 0 and timeout within [0, {MAX_WAIT_S:g}] seconds")
-    reached = await s.wait_version(want, timeout)
-    return _json({"reached": reached, "version": s.version, "state": str(s.phase)})
+    reached = await s.wait_version(want, timeout, served=served)
+    answer = {"reached": reached, "version": s.version, "served_version": s.served_version, "state": str(s.phase)}
+    return _json(answer)
 
 
 async def events(request: web.Request) -> web.StreamResponse:

@@ -277,7 +277,11 @@ SCHEMA: list[Key] = [
         "flush_cache",
         parse_bool,
         True,
-        "On each version, ask the engine to drop cached KV/prefixes computed with older versions.",
+        (
+            "On each version, ask the engine to drop cached KV/prefixes computed with older versions. false: "
+            "vLLM and SGLang may then reuse a prefix's KV computed with an older version in a response reported "
+            "as the new one (the transformers engine keys its cache by version and never does)."
+        ),
     ),
     Key(
         "engine",

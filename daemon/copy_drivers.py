@@ -273,21 +273,22 @@ class SglangEngine:
             if _field(answer, "success") is False:
                 raise EngineError(f"{prefix}: begin_weight_update: {one_line(_field(answer, 'message'))}")
         req = sglang_update_request(activation, self.ranks, self.attach_spec, full=self.torn)
+        # From here until the version reads back, the parameters may be part (or all) the new version's
+        # under the old label: torn (the daemon keeps its sidecar closed; the next commit copies whole).
+        self.torn = True
         try:
             answer = await self.http.call(req, self.http.timeouts.apply_s)
         except EngineError as e:
-            self.torn = True
             raise EngineError(f"{prefix}: {e}") from None
         finally:
             if self.session:
                 await self.http.call(EngineRequest("POST", "/end_weight_update", {}))
         if _field(answer, "success") is not True:
-            self.torn = True
             raise EngineError(f"{prefix}: update_weights_from_tensor: {one_line(_field(answer, 'message'))}")
-        self.torn = False
         got = await self.served_version()
         if got != activation.version:
             raise EngineError(f"SGLang reports weight version {got} after the update to {activation.version}")
+        self.torn = False
         return activation.version
 
     async def close(self) -> None:

@@ -14,8 +14,11 @@ One activation, in the daemon's order (docs/engines.md):
    engines: they already read the store, they only confirm the fence shows the version; copy
    engines such as vLLM and SGLang copy ``activation.regions`` into their runtime parameters),
    drops cached prefixes of older versions when ``flush_cache``, records the version and returns
-   the version it now serves.  Raising ``EngineError`` means the engine still serves
-   ``activation.previous`` (the daemon reports that and retries).
+   the version it now serves.  Raising ``EngineError`` means the engine did not take the version:
+   a copy engine (``copies``) whose ``torn`` is false still serves ``activation.previous`` (the
+   gate reopens there); a zero-copy engine (it reads the store, which holds the new version) or a
+   torn copy engine serves no known version, so the daemon keeps the sidecar's admission closed
+   (and an in-place pause on) until a retried commit is acknowledged (daemon/rollout_engine.py).
 4. the sidecar's gate is committed at ``ack``; then ``await driver.resume()``.
 
 Drivers: ``none`` (no engine under control: the store's version is reported, as before),

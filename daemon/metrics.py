@@ -36,7 +36,7 @@ _PENDING_CAP = 64
 class DaemonMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.version = Gauge("patchswarm_version_applied", "Version the engine serves from the store", registry=r)
+        self.version = Gauge("patchswarm_version_applied", "Version the store holds (written and verified)", registry=r)
         self.served = Gauge(
             "patchswarm_version_served",
             "Version the engine acknowledged serving (engine.kind none: the store's)",

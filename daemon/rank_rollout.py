@@ -58,7 +58,7 @@ class RankHost(Protocol):
 
     async def _engine_commit(self, activation: Activation) -> int | None: ...
 
-    async def _engine_resume(self) -> None: ...
+    async def _end_activation(self, ack: int | None, *, attempted: bool, paused: bool) -> None: ...
 
 
 class RankStartError(Exception):
@@ -174,7 +174,7 @@ async def _activate_ranks(
     if host.gate is not None:
         await host._drain_sidecar(mode, held.version)
     host.status.update(phase=Phase.ACTIVATING)
-    paused = False
+    paused = attempted = False
     ack = stats = None
     start = time.perf_counter()
     try:
@@ -186,12 +186,10 @@ async def _activate_ranks(
             # Whole when every rank was loaded, or the engine missed a version (its regions are not these).
             full = updates is None or stats is None or host.served != common
             regions = ranks.written_regions() if not full and copies_regions(host.driver) else None
+            attempted = True
             ack = await host._engine_commit(host._activation(held.version, full=full, regions=regions))
-    finally:
-        if host.gate is not None:  # the engine's acknowledged version, or the one it served before
-            host.gate.end_activation(ack if ack is not None else host.gate.applied)
-        if paused:
-            await host._engine_resume()
+    finally:  # the engine's acknowledged version (or kept closed: daemon/rollout_engine.py)
+        await host._end_activation(ack, attempted=attempted, paused=paused)
         host.status.update(ranks=ranks.entries())
     pause = stats.total_pause_s if stats is not None else time.perf_counter() - start
     host.metrics.applied.inc()

@@ -137,6 +137,7 @@ class RolloutDaemon(ApiAnswers):
         self.served: int | None = None
         self._behind: str | None = None
         self._recommit: asyncio.Task[None] | None = None
+        self._holding = self._held_paused = False
 
     # ------------------------------------------------------------ start-up
 
@@ -331,6 +332,7 @@ class RolloutDaemon(ApiAnswers):
                 ssl_context=tls.server_context() if tls is not None else None,
             )
         self._servers.append(server)
+        await self._hold_if_behind()
 
     # ------------------------------------------------------------ engine-allocated stores
 

@@ -291,12 +291,13 @@ class VersionActivation(EngineControl):
             if self.gate is not None:
                 await self._drain_sidecar("quiesce", held.version)
             ack: int | None = None
+            attempted = False
             try:
                 await off_loop(self.store.load, whole.model, held.version, root)
+                attempted = True
                 ack = await self._engine_commit(self._activation(held.version, full=True))
-            finally:
-                if self.gate is not None:  # the engine's acknowledged version, or the one it served before
-                    self.gate.end_activation(ack if ack is not None else self.gate.applied)
+            finally:  # (no pause: a load is quiesced)
+                await self._end_activation(ack, attempted=attempted, paused=False)
             self.status.update(last_activation_pause_s=time.perf_counter() - start)
             self.metrics.applied.inc()
             return True
@@ -311,7 +312,7 @@ class VersionActivation(EngineControl):
         if self.gate is not None:
             await self._drain_sidecar(self.cfg["sidecar.commit_mode"], held.version)
         self.status.update(phase=Phase.ACTIVATING)
-        paused = False
+        paused = attempted = False
         ack = None
         t0 = time.perf_counter()
         try:
@@ -321,13 +322,13 @@ class VersionActivation(EngineControl):
                 await self._engine_pause()
                 paused = True
             stats = await off_loop(self.store.activate, held.version, root, updates, self.journal_dir)
+            attempted = True
             ack = await self._engine_commit(self._activation(held.version, full=full, regions=regions))
         finally:
-            if self.gate is not None:
-                # Reopen at the version the engine acknowledged; on a failure, the one it served before.
-                self.gate.end_activation(ack if ack is not None else self.gate.applied)
-            if paused:  # resumed only after end_activation, so no request reports a version it did not see
-                await self._engine_resume()
+            # Reopen at the version the engine acknowledged (on a failure, the one it served before,
+            # or kept closed: daemon/rollout_engine.py); resumed only after, so no request reports a
+            # version it did not see.
+            await self._end_activation(ack, attempted=attempted, paused=paused)
         self.metrics.pause.observe(stats.pause_s)
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)
@@ -344,6 +345,9 @@ class VersionActivation(EngineControl):
         node retries the activation, with backoff."""
         if self._stopping:
             raise StoreError("activation abandoned: the daemon is stopping")
+        if self._holding:  # closed since a commit the engine did not acknowledge: nothing to drain
+            self.gate.retarget(version)
+            return
         old = self.gate.applied
         drain = asyncio.ensure_future(
             self.gate.begin_activation(mode, version, timeout_s=self.cfg["sidecar.drain_timeout"])

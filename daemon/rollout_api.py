@@ -16,7 +16,7 @@ from patchswarm.daemon.api import parse_rank
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.journal import recover
 from patchswarm.daemon.rank_rollout import rank_layout, register_rank
-from patchswarm.daemon.rollout_activation import AWAITING_ENGINE, VersionActivation
+from patchswarm.daemon.rollout_activation import AWAITING_ENGINE, VersionActivation, off_loop
 from patchswarm.daemon.status import Phase
 from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError
 from patchswarm.daemon.weightstore import RegistrationError, check_registration
@@ -72,7 +72,8 @@ class ApiAnswers(VersionActivation):
                     if exporter is not None:
                         exporter.close()
                     return 422, {"error": "BadHandle", "message": f"cannot map the engine's buffer: {e}"}
-                recover(store, self.journal_dir)  # a journal for an earlier buffer is void now
+                # A journal for an earlier buffer is void now (off the loop: it may wait for the readers' lock).
+                await off_loop(recover, store, self.journal_dir)
                 self.status.update(version=None, root=None)
                 log.info("engine %r registered buffer %x (%s)", engine, handle["buffer_id"], handle["kind"])
             hdr = store.header()

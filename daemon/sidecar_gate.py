@@ -310,6 +310,17 @@ class VersionGate:
             self._reopen()
             raise
 
+    def retarget(self, next_version: int) -> None:
+        """Move the activation in progress to ``next_version`` (admission stays closed): the daemon
+        held it open after a commit the engine did not acknowledge, and a newer version came."""
+        if self._activating is None:
+            raise ActivationError("no activation in progress")
+        if next_version <= self._applied:
+            raise ActivationError(f"version {next_version} does not move past the applied version {self._applied}")
+        self._activating = next_version
+        self.set_target(next_version)
+        self._notify()
+
     def end_activation(self, new_version: int) -> None:
         """Reopen admission at ``new_version``: the version being activated (commit) or the
         applied one (abort: the weights were not changed)."""

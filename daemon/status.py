@@ -138,13 +138,19 @@ class Status:
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
         self._subscribers.discard(q)
 
-    async def wait_version(self, version: int, timeout: float) -> bool:
-        """Until the applied version is at least ``version`` (True) or the timeout passes (False)."""
+    async def wait_version(self, version: int, timeout: float, *, served: bool = False) -> bool:
+        """Until the store's version (``served``: the engine's acknowledged one) is at least ``version``
+        (True) or the timeout passes (False)."""
+
+        def reached() -> bool:
+            v = self.served_version if served else self.version
+            return v is not None and v >= version
+
+        if reached():  # (timeout 0 is a poll: asyncio.wait_for would time out before looking)
+            return True
         async with self.changed:
             try:
-                await asyncio.wait_for(
-                    self.changed.wait_for(lambda: self.version is not None and self.version >= version), timeout
-                )
+                await asyncio.wait_for(self.changed.wait_for(reached), timeout)
             except TimeoutError:
                 return False
         return True

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from patchswarm.simulations.network_share import TOLERANCE, Flow, Resource, Sharer, has_bottleneck, progressive_filling
+from patchswarm.simulations.tcp_window import TcpModel
 
 __all__ = [
     "DEFAULT_WINDOW",
@@ -107,8 +108,11 @@ class Network:
         *,
         window: float | None = DEFAULT_WINDOW,
         quantum: float = 0.0,
+        tcp: TcpModel | None = None,
     ) -> None:
-        """``window``: bytes per round trip a flow may carry (None: no cap).  ``quantum``: seconds; when
+        """``window``: bytes per round trip a flow may carry (None: no cap).  ``tcp``: slow start and
+        restart after idle on the transport's connections (simulations/tcp_window.py; None: flows get
+        their share from their first byte); the network only carries it for the transport.  ``quantum``: seconds; when
         positive, events are processed only at multiples of it (each at the first one not before it), so
         that nearby events share one re-sharing: faster, and late by less than ``quantum`` each, never early.
         """
@@ -116,6 +120,7 @@ class Network:
             raise ValueError("quantum must be >= 0")
         self.window = window
         self.quantum = quantum
+        self.tcp = tcp
         self.hosts: dict[str, Host] = {}
         self.regions: dict[str, Region] = {r.name: r for r in regions}
         self._resources: list[Resource] = []
@@ -216,17 +221,25 @@ class Network:
         nbytes: float,
         on_done: Callable[[Flow], None] | None = None,
         tag: object = None,
+        *,
+        latency: float | None = None,
+        window: float | None = None,
     ) -> Flow:
-        """Start a flow at ``now``: it turns active after the latency and ``on_done`` runs from advance()."""
+        """Start a flow at ``now``: it turns active after the latency and ``on_done`` runs from advance().
+        ``latency``: seconds before it turns active instead of the route's one-way latency (0 for a
+        round of a transfer already under way); ``window``: its cap's window instead of the network's
+        (a round of slow start), the RTT still the route's."""
         if nbytes < 0:
             raise ValueError("a flow cannot carry a negative number of bytes")
-        lat, links = self._route(self._host(src).region, self._host(dst).region)
+        route_lat, links = self._route(self._host(src).region, self._host(dst).region)
+        lat = route_lat if latency is None else latency
         if now + lat < self.now - 1e-9:  # (a nanosecond's slack for rounding: it activates at the next event)
             raise ValueError(f"add_flow at {now} turns active at {now + lat}, but the network is at {self.now}")
         up, down = self._up[src], self._down[dst]
         resources = tuple(r for r in (up, down, *links) if r is not None)
-        rtt = 2.0 * lat
-        cap = self.window / rtt if self.window is not None and rtt > 0 else math.inf
+        rtt = 2.0 * route_lat
+        win = self.window if window is None else window
+        cap = win / rtt if win is not None and rtt > 0 else math.inf
         flow = Flow(self._next_id, src, dst, float(nbytes), now, lat, cap, resources, on_done, tag)
         self._next_id += 1
         heapq.heappush(self._pending, (flow.active_at, flow.id, flow))

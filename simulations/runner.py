@@ -38,6 +38,7 @@ from patchswarm.protocol.signed import Envelope
 from patchswarm.simulations.bounds import kumar_ross
 from patchswarm.simulations.clock import SimClock, VirtualTimeLoop, long_lived, run_virtual
 from patchswarm.simulations.network import Backbone, Host, Network, Region
+from patchswarm.simulations.tcp_window import TcpModel
 from patchswarm.simulations.transport import MessageStats, SimNet
 from patchswarm.swarm.board_files import BoardReader
 from patchswarm.swarm.download import VerifyChunk
@@ -226,6 +227,7 @@ async def _run(
     backbones: Sequence[Backbone],
     window: float | None,
     quantum: float,
+    tcp: TcpModel | None,
     seed: int,
     churn: Churn | None,
     start_from: Held | None,
@@ -247,7 +249,7 @@ async def _run(
     loop = asyncio.get_running_loop()
     jumps0 = loop.jumps if isinstance(loop, VirtualTimeLoop) else 0
     kw: dict[str, Any] = {} if window is None else {"window": window}
-    network = Network([seed_host, *peers], regions, backbones, quantum=quantum, **kw)
+    network = Network([seed_host, *peers], regions, backbones, quantum=quantum, tcp=tcp, **kw)
     net = SimNet(network, gossip_flows=gossip_flows)
     clock = SimClock(setup.epoch)
     t0 = clock.now()
@@ -443,6 +445,7 @@ async def run_swarm(
     regions: Sequence[Region] = (),
     backbones: Sequence[Backbone] = (),
     window: float | None = None,
+    tcp: TcpModel | None = None,
     seed: int = 0,
     deadline: float = 600.0,
     membership: MembershipConfig | None = None,
@@ -470,6 +473,7 @@ async def run_swarm(
         backbones=backbones,
         window=window,
         quantum=0.0,
+        tcp=tcp,
         seed=seed,
         churn=None,
         start_from=start_from,
@@ -521,6 +525,7 @@ async def run_stream(
     backbones: Sequence[Backbone] = (),
     window: float | None = None,
     quantum: float = 0.0,
+    tcp: TcpModel | None = None,
     seed: int = 0,
     churn: Churn | None = None,
     start_from: Held | None = None,
@@ -564,6 +569,7 @@ async def run_stream(
         backbones=backbones,
         window=window,
         quantum=quantum,
+        tcp=tcp,
         seed=seed,
         churn=churn,
         start_from=start_from,
@@ -646,8 +652,9 @@ def simulate_stream(setup: SwarmSetup, seed_host: Host, peers: Sequence[Host], *
     """Run ``run_stream`` on a fresh virtual-time loop and return its result.
 
     Keywords: ``versions`` (published in this order), ``interval`` (virtual seconds between
-    publications; the first at 0), ``regions``, ``backbones``, ``window``, ``quantum`` (network
-    event batching, seconds), ``seed`` (every random choice: nodes, churn, rejoin bootstrap),
+    publications; the first at 0), ``regions``, ``backbones``, ``window``, ``tcp`` (slow start, a
+    ``TcpModel``), ``quantum`` (network event batching, seconds), ``seed`` (every random choice:
+    nodes, churn, rejoin bootstrap),
     ``churn`` (a ``Churn``), ``start_from`` (what every peer holds at 0), ``deadline`` (virtual
     seconds after the last publication), ``membership``, ``node_options`` (NodeConfig fields),
     ``host_options`` (NodeConfig fields per host id, over node_options),

@@ -26,6 +26,7 @@ from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.files import read_file
 from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.simulations.network import Backbone, Host, Region
+from patchswarm.simulations.tcp_window import TcpModel
 
 MAX_HOSTS = 10_000
 MAX_REGIONS = 4
@@ -101,6 +102,7 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
     "seed": {
         "uplink": _Field("rate", 1.25e9, 1.0, doc="uplink of the seed, which is also the central store"),
         "region": _Field("str", "", doc="region of the seed/store (default: the first region)"),
+        "paced": _Field("bool", True, doc="swarm: the seed sends one chunk after another at its uplink rate"),
     },
     "payload": {
         "patch_size": _Field("size", 500 * 10**6, 1, 10**13, "bytes of one version's patch"),
@@ -121,6 +123,13 @@ _SCHEMA: dict[str, dict[str, _Field]] = {
     "network": {
         "window": _Field("size", 4 << 20, 0, 1 << 40, "TCP window per flow (rate <= window/RTT); 0: no cap"),
         "quantum": _Field("duration", 0.0, 0.0, 10.0, "batch network events to multiples of this; 0: exact"),
+        "initial_window": _Field(
+            "size", 0, 0, 1 << 30, "TCP initial window, bytes: swarm requests pay handshakes and slow start; 0: off"
+        ),
+        "slow_start_after_idle": _Field("bool", True, doc="an idle connection's window falls back (Linux default)"),
+        "send_buffer": _Field(
+            "size", 0, 0, 1 << 30, "with initial_window: a chunk reply this small frees the server's slot at once"
+        ),
     },
     "run": {
         "seed": _Field("int", 0, 0, 2**63 - 1, "RNG seed for hosts, churn and nodes"),
@@ -246,6 +255,7 @@ class Scenario:
     slow_fraction: float
     slow_factor: float
     seed_uplink: float
+    seed_paced: bool
     seed_region: str
     regions: tuple[RegionSpec, ...]
     backbones: tuple[Backbone, ...]
@@ -259,6 +269,7 @@ class Scenario:
     churn_window: float
     window: float | None
     quantum: float
+    tcp: TcpModel | None  # slow start on the swarm's connections (network.initial_window > 0)
     rng_seed: int
     deadline: float
     strategies: tuple[str, ...]
@@ -449,6 +460,7 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
         slow_fraction=sec["hosts"]["slow_fraction"],
         slow_factor=sec["hosts"]["slow_factor"],
         seed_uplink=sec["seed"]["uplink"],
+        seed_paced=sec["seed"]["paced"],
         seed_region=seed_region,
         regions=regions,
         backbones=backbones,
@@ -462,6 +474,15 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
         churn_window=churn["window"] or ver["interval"],
         window=float(net["window"]) or None,
         quantum=net["quantum"],
+        tcp=(
+            TcpModel(
+                float(net["initial_window"]),
+                restart_after_idle=net["slow_start_after_idle"],
+                send_buffer=float(net["send_buffer"]),
+            )
+            if net["initial_window"]
+            else None
+        ),
         rng_seed=run["seed"],
         deadline=run["deadline"],
         strategies=run["strategies"],

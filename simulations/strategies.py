@@ -218,6 +218,8 @@ def swarm(
         backbones=lay.backbones,
         window=s.window,
         quantum=s.quantum,
+        tcp=s.tcp,
+        pace_seed=s.seed_paced,
         seed=s.rng_seed,
         churn=Churn(events=tuple((e.time, e.host, e.up) for e in churn)) if churn else None,
         start_from=placeholder_held(0),

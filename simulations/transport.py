@@ -14,6 +14,10 @@ flow and waits for it.  ``SimTransport`` is one host's ``swarm.transport.Transpo
 ``SimNet.crash(host)`` kills a host: its endpoints go and its flows stop with a TransportError
 (used for churn).  Chunk replies carry the serving node's bytes; ``placeholder_bytes`` gives
 shared, sized stand-ins for studies where payloads are not materialised (simulations/placeholder.py).
+
+With ``Network(tcp=TcpModel(...))`` chunk requests go over keep-alive connections with a TCP
+congestion window (simulations/tcp_window.py): a new connection first pays a handshake round trip,
+and a reply moves in slow-start rounds while its window, not its share of the path, bounds it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from patchswarm.simulations.network import Flow, Network
+from patchswarm.simulations.tcp_window import Connection, Connections
 from patchswarm.swarm.futures import drain, fail, settle
 from patchswarm.swarm.transport import Busy, ChunkReply, Handlers, Missing, TransportError
 
@@ -67,6 +72,8 @@ class SimNet:
         self.gossip_flows = gossip_flows
         self.endpoints: dict[str, Endpoint] = {}
         self.stats = MessageStats()
+        # keep-alive connections with their windows (None: no slow start, the plain flow model)
+        self.connections = Connections(network.tcp) if network.tcp is not None else None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._waiters: dict[int, tuple[Flow, asyncio.Future[None]]] = {}
@@ -97,6 +104,8 @@ class SimNet:
         bytes moved so far count as sent); whoever waits on such a flow gets a TransportError."""
         for addr in [a for a, ep in self.endpoints.items() if ep.host == host]:
             del self.endpoints[addr]
+        if self.connections is not None:
+            self.connections.forget_host(host)
         now = self._net_now()
         self._advance(now)
         for fid, (flow, waiter) in list(self._waiters.items()):
@@ -133,12 +142,22 @@ class SimNet:
             raise
         return flow
 
-    def start_flow(self, src: str, dst: str, nbytes: float, tag: object = None) -> tuple[Flow, asyncio.Future[None]]:
+    def start_flow(
+        self,
+        src: str,
+        dst: str,
+        nbytes: float,
+        tag: object = None,
+        *,
+        latency: float | None = None,
+        window: float | None = None,
+    ) -> tuple[Flow, asyncio.Future[None]]:
         """``transfer`` without the coroutine: the flow, and a future done when it finishes (or failing
-        with a TransportError if a host at either end crashes).  Whoever stops waiting calls ``stop_flow``."""
+        with a TransportError if a host at either end crashes).  Whoever stops waiting calls ``stop_flow``.
+        ``latency``, ``window``: as for ``Network.add_flow``."""
         now = self._net_now()
         self._advance(now)
-        flow = self.network.add_flow(now, src, dst, nbytes, tag=tag)
+        flow = self.network.add_flow(now, src, dst, nbytes, tag=tag, latency=latency, window=window)
         done: asyncio.Future[None] = self.loop().create_future()
         self._waiters[flow.id] = (flow, done)
         self._arm()
@@ -250,12 +269,16 @@ class SimTransport:
         loop = net.loop()
         reply: asyncio.Future[ChunkReply] = loop.create_future()
         out = _Delivery(net, ep.host, self.host, size)
-        arrival = loop.call_later(
-            net.network.latency(self.host, ep.host), self._arrive, addr, chunk_hash, requester, held, out, reply
-        )
+        delay = net.network.latency(self.host, ep.host)
+        conns = net.connections
+        if conns is not None and delay > 0:
+            out.conn = conn = conns.take(ep.host, self.host, loop.time(), 2.0 * delay)
+            if conn.new:
+                delay *= 3.0  # SYN, SYN-ACK, then the request: one round trip more
+        arrival = loop.call_later(delay, self._arrive, addr, chunk_hash, requester, held, out, reply)
         deadline = loop.call_later(max(timeout, 0.0), _time_out, addr, reply)
         try:
-            return await reply
+            answer = await reply
         except asyncio.CancelledError:
             arrival.cancel()
             out.abandon()  # the requester gave up: its connection closes and the server's send ends
@@ -267,6 +290,9 @@ class SimTransport:
             raise
         finally:
             deadline.cancel()
+        if out.conn is not None and conns is not None:
+            conns.give_back(out.conn, loop.time())  # the exchange is over; the connection stays open
+        return answer
 
     def _arrive(
         self, addr: str, chunk_hash: bytes, requester: str, held: int, out: _Delivery, reply: asyncio.Future[ChunkReply]
@@ -305,6 +331,8 @@ class SimTransport:
         except Exception as e:  # the requester sees what the handler raised
             fail(reply, e)
             return
+        if out.behind is not None:
+            await out.behind  # the reply's bytes, still moving after the handler (and its slot) let go
         if reply.done():
             return  # the requester gave up or timed out
         if self.net.endpoints.get(addr) is not ep:  # the server that handled it must still be there to answer
@@ -376,7 +404,7 @@ class _Delivery:
     an HTTP server's is while it writes the body.  A requester that gives up cancels the flow, like
     a closed connection failing the server's next write."""
 
-    __slots__ = ("data", "done", "dst", "flow", "gone", "net", "size", "src")
+    __slots__ = ("behind", "conn", "data", "done", "dst", "flow", "gone", "net", "size", "src", "started")
 
     def __init__(self, net: SimNet, src: str, dst: str, size: int) -> None:
         self.net = net
@@ -387,30 +415,72 @@ class _Delivery:
         self.flow: Flow | None = None
         self.done: asyncio.Future[None] | None = None
         self.gone = False
+        self.started = False
+        self.conn: Connection | None = None  # the connection's window (None: no slow start)
+        self.behind: asyncio.Task[None] | None = None  # the bytes still moving after the write returned
 
     async def send(self, data: bytes) -> None:
-        if self.gone or self.flow is not None:
+        if self.gone or self.started:
             return
+        self.started = True
         if len(data) > self.size:
             self.data = data  # the requester stops reading past its limit: nothing more moves
             return
+        conn = self.conn
+        if conn is None:
+            if await self._round(len(data), None, None):
+                self.data = data
+            return
+        model = self.net.network.tcp
+        if model is not None and len(data) <= model.send_buffer:
+            # The socket takes the whole reply: the server's write returns now, its bytes still to move.
+            self.behind = self.net.loop().create_task(self._rounds(conn, data))
+            return
+        await self._rounds(conn, data)
+
+    async def _rounds(self, conn: Connection, data: bytes) -> None:
+        """Move ``data`` over ``conn`` in slow-start rounds; ``self.data`` is set once it has arrived."""
+        # Slow start (simulations/tcp_window.py): round k carries at most cwnd bytes in at least one
+        # RTT; once a round took longer, the path's share bounds the connection, not its window, and
+        # the rest goes as one flow.  The window grows by the bytes acknowledged, up to the network's.
+        net = self.net.network
+        rtt = 2.0 * net.latency(self.src, self.dst)
+        most = net.window if net.window is not None else math.inf
+        left, first, windowed = float(len(data)), True, conn.cwnd < most
+        while left > 0:
+            size = min(left, conn.cwnd) if windowed else left
+            t0 = self.net.now()
+            if not await self._round(size, None if first else 0.0, conn.cwnd if windowed else None):
+                return
+            took = self.net.now() - t0 - (rtt / 2.0 if first else 0.0)
+            windowed = windowed and took <= rtt * 1.05 and conn.cwnd + size < most
+            conn.cwnd = min(conn.cwnd + size, most)
+            left -= size
+            first = False
+        self.data = data
+
+    async def _round(self, size: float, latency: float | None, window: float | None) -> bool:
+        """Move ``size`` bytes as one flow; False if it was stopped (a reset or a requester gone)."""
         # The flow's own future, awaited in the handler's task (no task per transfer: a chunk reply
         # is the hot path of large simulations).
-        self.flow, self.done = flow, done = self.net.start_flow(self.src, self.dst, len(data), tag="chunk")
+        self.flow, self.done = flow, done = self.net.start_flow(
+            self.src, self.dst, size, tag="chunk", latency=latency, window=window
+        )
         try:
             await done
         except TransportError:
-            return  # a host died mid-transfer: a reset, as a socket write would see it
+            return False  # a host died mid-transfer: a reset, as a socket write would see it
         except asyncio.CancelledError:
             self.net.stop_flow(flow)
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the handler itself is being cancelled
-            return  # the requester gave up (``abandon``)
-        self.data = data
+            return False  # the requester gave up (``abandon``)
+        return not self.gone
 
     def abandon(self) -> None:
         self.gone = True
+        self.conn = None  # closed: never given back for reuse
         if self.flow is not None and self.done is not None:
             self.net.stop_flow(self.flow)  # the connection closes now
             self.done.cancel()

@@ -1,20 +1,19 @@
 """A tiny Llama checkpoint directory with a byte-level tokenizer built locally (never downloaded), for the
 transformers engine's tests: config.json, generation_config.json, bf16 model.safetensors (tied
-embeddings, as transformers saves them), tokenizer.json and tokenizer_config.json with a chat template."""
+embeddings, as transformers saves them), tokenizer.json and tokenizer_config.json with a chat template
+(the demo's tokenizer, daemon/demo_llama.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+from patchswarm.daemon.demo_llama import CHAT_TEMPLATE, SPECIALS, write_tokenizer
+
+__all__ = ["CHAT_TEMPLATE", "SPECIALS", "VOCAB", "tiny_llama_bf16", "write_checkpoint", "write_tokenizer"]
+
 VOCAB = 300  # 256 bytes + 5 specials, and rows no token reaches
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def tiny_llama_bf16(seed: int = 0, tie: bool = True) -> torch.nn.Module:
@@ -39,39 +38,6 @@ def tiny_llama_bf16(seed: int = 0, tie: bool = True) -> torch.nn.Module:
             if p.dim() == 2:
                 p.normal_(0.0, 0.2)
     return model.to(torch.bfloat16)
-
-
-def write_tokenizer(d: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: bytes_of(c))
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<|bos|>",
-                "eos_token": "<|eos|>",
-                "add_bos_token": False,
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-
-
-def bytes_of(c: str) -> int:
-    """The byte a ByteLevel alphabet character stands for (GPT-2's table: printable bytes map to themselves)."""
-    o = ord(c)
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    if o in printable:
-        return o
-    missing = [b for b in range(256) if b not in printable]
-    return missing[o - 256]
 
 
 def write_checkpoint(d: Path, model: torch.nn.Module) -> Path:

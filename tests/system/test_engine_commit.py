@@ -199,17 +199,23 @@ async def test_a_refused_commit_keeps_the_old_version_served_and_is_retried_also
         assert st["served_version"] == 1
         assert "answered 409: Refused; the test engine refuses commits" in st["reason"], st["reason"]
         assert "retrying" in st["reason"]
-        assert (await r.gate())["applied_version"] == 1
-        status, out = await r.generate(exact=2)
-        assert status == 409 and out["applied_version"] == 1, out
+        # The engine reads the store, which holds version 2: no response may say version 1 (nor 2, not
+        # acknowledged), so admission stays closed until a retried commit is acknowledged.
+        unpinned, pinned = asyncio.create_task(r.generate()), asyncio.create_task(r.generate(exact=2))
         asked = len(r.control.asked)
         while len(r.control.asked) < asked + 1:  # (retried: only the commit, the store holds version 2)
             await asyncio.sleep(0.05)
+        gate = await r.gate()
+        assert gate["applied_version"] == 1 and gate["activating_version"] == 2, gate
         r.control.refuse = False
         st = await r.status_until(lambda st: st["served_version"] == 2 and st["state"] == "idle")
         assert st["reason"] is None and st["version"] == 2
-        status, out = await r.generate(exact=2)
-        assert status == 200 and out["weight_version"] == {"start": 2, "end": 2}, out
+        for task in (unpinned, pinned):
+            status, out = await asyncio.wait_for(task, 60)
+            assert status == 200, out
+            engine = out["engine_version"]
+            assert out["weight_version"] == {"start": engine["before"], "end": engine["after"]}, out
+            assert out["weight_version"] == {"start": 2, "end": 2}, out
 
         # Refused again, then the daemon dies: restarted, it finds its store ahead of the engine.
         r.control.refuse = True
@@ -224,4 +230,30 @@ async def test_a_refused_commit_keeps_the_old_version_served_and_is_retried_also
         assert status == 200 and out["weight_version"] == {"start": 3, "end": 3}, out
         assert out["engine_version"] == {"before": 3, "after": 3}
         assert set(r.control.asked) == {1, 2, 3}
+        assert await r.d.stop() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_restarted_after_dying_between_pause_and_resume_resumes_the_engine(
+    tmp_path: Path, traj: Trajectory
+) -> None:
+    """kill -9 while the engine is paused (in_place, between pause and resume): the engine would hold
+    every request for ever (vLLM, SGLang); the restarted daemon, with nothing left to activate,
+    resumes it."""
+    async with rig(tmp_path, "in_place", traj) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"http://127.0.0.1:{r.engine_port}/pause_generation", json={"mode": "in_place"}) as resp,
+        ):
+            assert resp.status == 200
+        assert (await r.engine_health())["paused"] is True
+        r.d.kill()
+        r.d.start()
+        await r.status_until(lambda st: st["served_version"] == 1 and st["state"] == "idle")
+        deadline = time.monotonic() + 30
+        while (await r.engine_health())["paused"]:
+            assert time.monotonic() < deadline, "the engine was left paused"
+            await asyncio.sleep(0.05)
+        status, out = await r.generate(exact=1)
+        assert status == 200 and out["weight_version"] == {"start": 1, "end": 1}, out
         assert await r.d.stop() == 0

@@ -1,5 +1,6 @@
 """The transformers engine as an operator runs it: a Llama trained a few AdamW steps, each step published; a
-rollout daemon (sidecar, commit_mode in_place, export.dir) and ``patchswarm engine transformers`` as separate
+rollout daemon (sidecar, commit_mode in_place, export.dir, ``engine.kind = "zero-copy"``: it commits each
+version through the engine's /patchswarm/v1/commit) and ``patchswarm engine transformers`` as separate
 processes.  After each version the engine's logits for fixed prompts are bitwise those of a fresh
 ``from_pretrained`` of the version the daemon exported; a request pinned to the next version gets 409
 until it lands, then runs on it and says so."""
@@ -71,7 +72,7 @@ async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp
     extra = (
         f'[sidecar]\nenabled = true\nlisten = "127.0.0.1:{sidecar_port}"\n'
         f'upstream = "http://127.0.0.1:{engine_port}"\ncommit_mode = "in_place"\n'
-        f'[export]\ndir = "{export}"\n'
+        f'[export]\ndir = "{export}"\n[engine]\nkind = "zero-copy"\n'
     )
     d = make_daemon(sw, "d1", tmp_path, extra=extra)
     d.start()
@@ -79,7 +80,9 @@ async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp
     proc: subprocess.Popen[bytes] | None = None
     engine, sidecar = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{sidecar_port}"
     try:
-        await d.wait_version(1)
+        # The store holds version 1 before the engine runs: not served (no engine acknowledged it yet).
+        st = await wait_for(lambda: _status_at(d, 1), "the daemon to write version 1")
+        assert st["served_version"] is None and st["state"] == "error", st
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "patchswarm.daemon.cli", "engine", "transformers", "--checkpoint",
@@ -97,6 +100,7 @@ async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp
                     return None
 
             await wait_for(health, "the engine to start")
+            await wait_for(lambda: _status_at(d, 1, served=True), "the daemon's commit of v1 to the engine")
             for version in (1, 2, 3):
                 if version > 1:
                     pinned = {"prompt": "hi", "max_tokens": 2, "weight_version": {"exact_version": version}}
@@ -142,6 +146,8 @@ async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp
                     return st is not None and (st.get("acks") or {}).get("transformers") == v
 
                 await wait_for(acked, f"the daemon to hear the engine's ack of v{version}")
+                st = await d.status()
+                assert st is not None and st["served_version"] == version and st["state"] == "idle", st
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 60) == 0, log.read_text()[-2000:]
@@ -154,6 +160,14 @@ async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp
             proc.wait(30)
         d.cleanup()
         await sw.close()
+
+
+async def _status_at(d: Any, version: int, *, served: bool = False) -> Any:
+    """The daemon's status once its store (``served``: its engine) is at ``version``; None before."""
+    st = await d.status()
+    if st is None or st["version"] != version or (served and st["served_version"] != version):
+        return None
+    return st
 
 
 async def _exported(export: Path, version: int) -> bool:

@@ -82,6 +82,25 @@ async def test_wait_returns_when_the_version_lands(api: tuple[aiohttp.ClientSess
 
 
 @pytest.mark.asyncio
+async def test_wait_for_the_served_version_follows_the_engines_ack(api: tuple[aiohttp.ClientSession, Status]) -> None:
+    s, st = api
+    waiter = asyncio.create_task(get(s, "/v1/wait?version=6&timeout=30&served=true"))
+    st.update(phase=Phase.IDLE, version=6, served_version=5)  # written, not acknowledged by the engine
+    code, body = await get(s, "/v1/wait?version=6&timeout=0.2&served=true")
+    check("/v1/wait", "get", code, body)
+    assert code == 200 and body["reached"] is False and body["served_version"] == 5
+    code, body = await get(s, "/v1/wait?version=6&timeout=0")  # (the store's version: reached)
+    assert body["reached"] is True and body["version"] == 6
+    assert not waiter.done()
+    st.update(served_version=6)
+    code, body = await waiter
+    assert code == 200 and body["reached"] and body["served_version"] == 6
+    code, body = await get(s, "/v1/wait?version=6&served=maybe")
+    check("/v1/wait", "get", code, body)
+    assert code == 400
+
+
+@pytest.mark.asyncio
 async def test_events_stream_state_changes(api: tuple[aiohttp.ClientSession, Status]) -> None:
     s, st = api
     async with s.get("http://d/v1/events") as r:

@@ -195,3 +195,57 @@ def test_attach_answers_are_checked() -> None:
     ):
         with pytest.raises(EngineError, match=why):
             check_attach_results(answer, 2)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault", ["end_weight_update fails", "stale weight_version"])
+async def test_an_sglang_update_that_copied_but_did_not_confirm_leaves_the_driver_torn(fault: str) -> None:
+    """SGLang took the new weights (``success``) but the session's end or the version read back failed:
+    its parameters are the new version's under the old label, so the driver must not say it still
+    serves the old one (``torn``: the daemon keeps the sidecar closed, the next commit copies whole)."""
+    from aiohttp import web
+
+    updates: list[dict[str, object]] = []
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    async def end(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="end failed") if fault.startswith("end") else await ok(request)
+
+    async def update(request: web.Request) -> web.Response:
+        updates.append(await request.json())
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "7"})
+
+    app = web.Application()
+    app.router.add_post("/begin_weight_update", ok)
+    app.router.add_post("/end_weight_update", end)
+    app.router.add_post("/update_weights_from_tensor", update)
+    app.router.add_get("/model_info", info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    driver = make_sglang_driver(f"http://127.0.0.1:{port}", 2, json.dumps({"socket": "/x", "ranks": 2}), apply_s=5)
+    try:
+        with pytest.raises(EngineError):
+            await driver.commit(ACT)
+        assert len(updates) == 1 and driver.torn
+        with pytest.raises(EngineError):
+            await driver.commit(ACT)  # (still not confirmed) but this time every entry is copied whole
+        assert len(updates) == 2
+
+        def regions(body: dict[str, object]) -> object:
+            entries = body["serialized_named_tensors"]
+            assert isinstance(entries, list)
+            ((name, _),) = deserialize_ipc(entries[1])
+            return parse_apply(json.loads(name)["apply"], 1)[1]
+
+        assert regions(updates[0]) == [Region("b.weight", 32, 64)] and regions(updates[1]) is None
+    finally:
+        await driver.close()
+        await runner.cleanup()

@@ -439,6 +439,9 @@ class _Host:
     async def _engine_resume(self) -> None:
         raise AssertionError("no engine here")
 
+    async def _end_activation(self, ack: int | None, *, attempted: bool, paused: bool) -> None:
+        assert self.gate is None and not paused  # (no sidecar, no pause here)
+
     def _activation(self, version: int, *, full: bool, regions: object = None) -> Activation:
         return Activation(version, self.served, full, {} if full else dict(regions or {}))  # type: ignore[call-overload]
 

@@ -212,6 +212,27 @@ async def test_admission_waits_during_activation() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_held_activation_moves_to_a_newer_version_without_reopening() -> None:
+    gate = VersionGate(applied=1)
+    with pytest.raises(ActivationError, match="no activation"):
+        gate.retarget(3)
+    await gate.begin_activation("quiesce", 2)
+    pin2 = asyncio.create_task(gate.admit(VersionConstraint(exact_version=2)))
+    free = asyncio.create_task(gate.admit())
+    await guarded(gate.wait_until(lambda g: g.waiting == 2))
+    with pytest.raises(ActivationError, match="does not move past"):
+        gate.retarget(1)
+    gate.retarget(3)  # (a commit of 2 was never acknowledged; 3 came meanwhile)
+    assert (gate.applied, gate.activating, gate.target) == (1, 3, 3)
+    r = await guarded(pin2)  # waiting for 2 cannot help any more
+    assert isinstance(r, NotReady) and r.reason == "not_ready" and r.activating == 3
+    assert not free.done()  # admission stays closed
+    gate.end_activation(3)
+    t = await guarded(free)
+    assert isinstance(t, Ticket) and t.start_version == 3
+
+
+@pytest.mark.asyncio
 async def test_admission_wait_is_bounded_and_abort_keeps_version() -> None:
     gate = VersionGate(applied=1, admission_timeout_s=0, retry_after_s=2)
     await gate.begin_activation("in_place", 2)
