@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean system-deps native
+.PHONY: demo test lint typecheck unit bench clean system-deps native engine-deps
 
 $(STAMP): pyproject.toml constraints-test.txt
 	python3 -m venv $(VENV)
@@ -24,7 +24,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-test: system-deps lint typecheck native unit
+test: system-deps engine-deps lint typecheck native unit
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.codec_bench
@@ -61,3 +61,14 @@ system-deps:
 	  npm install -g --no-audit --no-fund --loglevel=error azurite@3.37.0 >/dev/null 2>&1 || \
 	  echo "could not install azurite; the Azure board tests will be skipped"; \
 	fi
+
+# vLLM's and SGLang's own Python classes for the engine tests that import on CPU
+# (tests/unit/daemon/test_param_sync_vllm.py, test_copy_drivers.py): the wheels only, --no-deps, so
+# nothing pulls another torch (their pinned CUDA torch is multi-GB); their servers do not run here.
+ENGINE_STAMP := $(VENV)/.engine-deps
+engine-deps: $(ENGINE_STAMP)
+
+$(ENGINE_STAMP): $(STAMP)
+	$(PIP) install --quiet --no-deps vllm==0.34.0 sglang==0.5.23 || \
+	  echo "could not install vllm/sglang; the tests against their classes will be skipped"
+	touch $(ENGINE_STAMP)
