@@ -1,7 +1,7 @@
 """Engine pause per update relative to a memcpy of the weights it serves (CPU, transformers engine).
 
     python -m benchmarks.engine_pause_bench [--mb 50,200] [--updates 30] [--stream-updates 12]
-                                            [--frac 0.005] [--hidden 1024] [--json OUT.json]
+                                            [--frac 0.005] [--hidden 1024] [--order both] [--json OUT.json]
 
 Real processes: this process plays the daemon's side (a host shared-memory ``WeightStore`` and the
 real ``ZeroCopyEngine`` driver); the engine is a second process (``--serve``, started here) that
@@ -9,10 +9,14 @@ attaches to the store as ``patchswarm engine transformers`` does and serves the 
 ``daemon/openai_api.py`` app on loopback.  The model is a transformers Llama of about ``--mb`` MB of
 bf16 (``--hidden``; its layers set the size), random weights, built from its config (no download).
 
-Per update, in the daemon's order (daemon/rollout_activation.py, in_place): ``driver.pause()``
-(HTTP), ``store.activate`` (journal + fsync, then the fenced write; ``--frac`` of the values moved
-by one or two ulps, versions alternating between two weight sets), ``driver.commit()`` (HTTP: the
-engine checks the fence shows the version and flushes its prefix cache), ``driver.resume()``.
+Per update, in the daemon's order (daemon/rollout_activation.py, in_place): ``store.prepare``
+(staging, journal + fsync; the engine still serves), ``driver.pause()`` (HTTP), ``store.finish``
+(the fenced write; ``--frac`` of the values moved by one or two ulps, versions alternating between
+two weight sets), ``driver.commit()`` (HTTP: the engine checks the fence shows the version and
+flushes its prefix cache), ``driver.resume()``.  ``--order both`` (the default) alternates these
+idle updates with the order before it (``in_pause``: ``store.activate``, staging and journal
+included, inside the pause), so both are measured in one run under the same load.
+
 Printed: the pause (pause call start -> resume answered) and its parts, median and [min, max] over
 ``--updates``, next to a torch ``copy_`` of the served bytes measured in the same run (median of
 5), and the ratio pause / memcpy.  Then the same while a client streams a greedy completion (the
@@ -174,14 +178,23 @@ class Updater:
         self.version = store.header().version
         self.changed = 0
 
-    async def update(self) -> dict[str, float]:
-        """One update, timed: the pause (pause call start -> resume answered) and its parts, seconds."""
+    async def update(self, *, in_pause: bool = False) -> dict[str, float]:
+        """One update, timed: the pause (pause call start -> resume answered) and its parts, seconds.
+        The daemon's order stages and journals before the pause (``store.prepare``), then writes
+        inside it (``store.finish``); ``in_pause`` is the order before that: ``store.activate``
+        (staging, journal and write) inside the pause."""
         i = self.version % 2  # version 1 holds a: odd versions go a -> b
         v = self.version + 1
+        ups, root = self.ups[1 - i], self.roots[1 - i]
+        tp = time.perf_counter()
+        prepared = None if in_pause else await asyncio.to_thread(self.store.prepare, v, root, ups, self.jdir)
         t0 = time.perf_counter()
         await self.driver.pause()
         t1 = time.perf_counter()
-        st = await asyncio.to_thread(self.store.activate, v, self.roots[1 - i], self.ups[1 - i], self.jdir)
+        if prepared is None:
+            st = await asyncio.to_thread(self.store.activate, v, root, ups, self.jdir)
+        else:
+            st = await asyncio.to_thread(self.store.finish, prepared)
         t2 = time.perf_counter()
         ack = await self.driver.commit(Activation(v, self.version, full=False, flush_cache=True))
         t3 = time.perf_counter()
@@ -189,9 +202,9 @@ class Updater:
         t4 = time.perf_counter()
         assert ack == v
         self.version, self.changed = v, st.changed
-        other = (t2 - t1) - st.journal_s - st.pause_s  # staging, thread hand-off
-        return {"start": t0, "end": t4, "pause": t4 - t0, "pause_http": t1 - t0, "journal": st.journal_s,
-                "fenced_write": st.pause_s, "activate_other": other, "commit_http": t3 - t2,
+        other = (t2 - t1) - st.pause_s - (st.journal_s if in_pause else 0.0)  # staging (in_pause), thread hand-off
+        return {"start": t0, "end": t4, "pause": t4 - t0, "prepare": t0 - tp, "pause_http": t1 - t0,
+                "journal": st.journal_s, "fenced_write": st.pause_s, "activate_other": other, "commit_http": t3 - t2,
                 "resume_http": t4 - t3}  # fmt: skip
 
 
@@ -200,7 +213,9 @@ def summary(rows: list[dict[str, float]], key: str) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-async def stream_phase(up: Updater, url: str, n: int, max_tokens: int) -> tuple[list[dict[str, float]], list[float]]:
+async def stream_phase(
+    up: Updater, url: str, n: int, max_tokens: int, in_pause: bool = False
+) -> tuple[list[dict[str, float]], list[float]]:
     """Updates while one client streams a greedy completion; the updates and the chunk arrival times."""
     arrivals: list[float] = []
     rows: list[dict[str, float]] = []
@@ -226,7 +241,7 @@ async def stream_phase(up: Updater, url: str, n: int, max_tokens: int) -> tuple[
                     if reader.done():
                         raise RuntimeError(f"the stream ended after {len(arrivals)} chunks (raise --stream-tokens)")
                     await asyncio.sleep(0.002)
-                rows.append(await up.update())
+                rows.append(await up.update(in_pause=in_pause))
             seen = len(arrivals)
             while len(arrivals) < seen + 4 and not reader.done():
                 await asyncio.sleep(0.002)
@@ -271,9 +286,14 @@ async def one_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str,
         jdir = work / f"journal-{mb:g}"
         jdir.mkdir()
         up = Updater(store, a, b, driver, jdir)
-        await up.update()  # warm-up (connections, first scatter), not counted
-        idle = [await up.update() for _ in range(args.updates)]
-        streaming, arrivals = await stream_phase(up, engine.url, args.stream_updates, args.stream_tokens)
+        orders = {"prepared": (False,), "in_pause": (True,), "both": (False, True)}[args.order]
+        for o in orders:
+            await up.update(in_pause=o)  # warm-up (connections, first scatter), not counted
+        idle: dict[bool, list[dict[str, float]]] = {o: [] for o in orders}
+        for _ in range(args.updates):  # (both orders: alternating, so that they see the same host load)
+            for o in orders:
+                idle[o].append(await up.update(in_pause=o))
+        streaming, arrivals = await stream_phase(up, engine.url, args.stream_updates, args.stream_tokens, orders[0])
         store.verify(up.roots[0] if up.version % 2 == 0 else up.roots[1])
         mc = memcpy_s(store._require_data())
     finally:
@@ -282,15 +302,19 @@ async def one_size(mb: float, args: argparse.Namespace, work: Path) -> dict[str,
             engine.close()
         store.destroy()
     base, added = stream_delays(streaming, arrivals)
-    keys = ("pause", *PARTS, "activate_other")
+    keys = ("pause", *PARTS, "activate_other", "prepare")
     out: dict[str, Any] = {
         "mb": mb, "served_bytes": a.nbytes, "layers": config.num_hidden_layers, "hidden": args.hidden,
         "changed": up.changed, "engine_startup_s": startup, "memcpy_s": mc,
-        "idle": {k: summary(idle, k) for k in keys},
+        "order": "in_pause" if orders[0] else "prepared",
+        "idle": {k: summary(idle[orders[0]], k) for k in keys},
         "streaming": {k: summary(streaming, k) for k in keys},
         "stream_chunk_gap_s": base, "stream_added_s": added, "stream_chunks": len(arrivals),
         "streaming_rows": [{k: v for k, v in r.items() if k not in ("start", "end")} for r in streaming],
     }  # fmt: skip
+    if len(orders) == 2:
+        out["idle_in_pause"] = {k: summary(idle[True], k) for k in keys}
+        out["in_pause_over_memcpy"] = out["idle_in_pause"]["pause"]["median"] / mc
     out["pause_over_memcpy"] = out["idle"]["pause"]["median"] / mc
     out["streaming_pause_over_memcpy"] = out["streaming"]["pause"]["median"] / mc
     return out
@@ -303,16 +327,24 @@ def ms(s: dict[str, float]) -> str:
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"{r['served_bytes'] / 1e6:.1f} MB bf16 Llama ({r['layers']} layers x hidden {r['hidden']}), "
           f"{r['changed']:,} values changed per update; engine start-up {r['engine_startup_s']:.1f} s")  # fmt: skip
-    for phase, n in (("idle", args.updates), ("streaming", args.stream_updates)):
-        rows = r[phase]
-        print(f"  {phase} ({n} updates): median [min, max]")
+    phases = [("idle", args.updates, r["order"]), ("streaming", args.stream_updates, r["order"])]
+    if "idle_in_pause" in r:
+        phases.insert(1, ("idle_in_pause", args.updates, "in_pause"))
+    for phase, n, order in phases:
+        rows, before = r[phase], order == "prepared"
+        print(f"  {phase} ({n} updates, order {order}): median [min, max]")
+        if before:
+            print(f"    prepare before the pause (staging, journal) {ms(rows['prepare'])}")
         print(f"    pause (pause call -> resume answered) {ms(rows['pause'])}")
         for k in PARTS:
-            print(f"      {k:<14} {ms(rows[k])}")
-        print(f"      {'other':<14} {ms(rows['activate_other'])}   (staging + thread hand-off)")
+            print(f"      {k:<14} {ms(rows[k])}{'   (before the pause)' if before and k == 'journal' else ''}")
+        what = "thread hand-off" if before else "staging + thread hand-off"
+        print(f"      {'other':<14} {ms(rows['activate_other'])}   ({what})")
     mc = r["memcpy_s"]
     print(f"  memcpy of the served bytes (torch copy_, median of 5) {mc * 1e3:.2f} ms")
     print(f"  pause / memcpy: idle {r['pause_over_memcpy']:.2f}, streaming {r['streaming_pause_over_memcpy']:.2f}")
+    if "in_pause_over_memcpy" in r:
+        print(f"  pause / memcpy, staging and journal inside the pause: idle {r['in_pause_over_memcpy']:.2f}")
     added = r["stream_added_s"]
     if added:
         print(f"  stream: {r['stream_chunks']} chunks, median gap {r['stream_chunk_gap_s'] * 1e3:.2f} ms away from "
@@ -328,6 +360,13 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=30, help="updates measured with no request in flight")
     ap.add_argument("--stream-updates", type=int, default=12, help="updates measured while a client streams")
     ap.add_argument("--stream-tokens", type=int, default=1024, help="max_tokens of the streamed completion")
+    ap.add_argument(
+        "--order",
+        choices=("prepared", "in_pause", "both"),
+        default="both",
+        help="prepared: staging and journal before the pause (the daemon's order); in_pause: inside it (the "
+        "order before); both: idle updates alternate between the two (streaming: prepared)",
+    )
     ap.add_argument("--json", default=None, help="also write the measurements to this file")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (the engine process)
     ap.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)

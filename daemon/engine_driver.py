@@ -7,6 +7,8 @@ versions, 409s): a version the engine did not confirm is never attributed to a r
 
 One activation, in the daemon's order (docs/engines.md):
 
+0. the daemon stages the version and writes its journal (daemon/prepared.py) while the engine
+   serves on, then drains the sidecar.
 1. ``await driver.pause()`` (sidecar.commit_mode in_place only): the engine holds its requests
    between steps.
 2. the daemon writes the version into the store (fenced);

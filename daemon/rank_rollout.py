@@ -19,6 +19,7 @@ from patchswarm.daemon.engine_driver import Activation
 from patchswarm.daemon.engine_drivers import copies_regions
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.metrics import DaemonMetrics
+from patchswarm.daemon.prepared import abandon_on_error
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
 from patchswarm.daemon.shadow import StagedVersion, store_updates
 from patchswarm.daemon.status import Phase, Status
@@ -171,26 +172,31 @@ async def _activate_ranks(
     ranks.arm_faults(os.environ.get(FAULT_ENV))
     mode = host.cfg["sidecar.commit_mode"] if updates is not None else "quiesce"
     in_place = host.gate is not None and mode == "in_place"
-    if host.gate is not None:
-        await host._drain_sidecar(mode, held.version)
-    host.status.update(phase=Phase.ACTIVATING)
-    paused = attempted = False
-    ack = stats = None
-    start = time.perf_counter()
-    try:
-        if in_place:
-            await host._engine_pause()
-            paused = True
-        stats = await off_loop(ranks.apply, held.version, model, updates)
-        if ranks.common_version() == held.version:  # (else a rank waits for its buffer: committed once loaded)
-            # Whole when every rank was loaded, or the engine missed a version (its regions are not these).
-            full = updates is None or stats is None or host.served != common
-            regions = ranks.written_regions() if not full and copies_regions(host.driver) else None
-            attempted = True
-            ack = await host._engine_commit(host._activation(held.version, full=full, regions=regions))
-    finally:  # the engine's acknowledged version (or kept closed: daemon/rollout_engine.py)
-        await host._end_activation(ack, attempted=attempted, paused=paused)
-        host.status.update(ranks=ranks.entries())
+    # Routed, hashed, staged and journaled (fsync) while the engine serves: only the writes, the
+    # commit and the resume sit inside the pause.  Abandoned (journal removed) if the drain or pause fails.
+    prepared = await off_loop(ranks.prepare_apply, held.version, model, updates)
+    assert prepared is not None
+    with abandon_on_error(prepared):
+        if host.gate is not None:
+            await host._drain_sidecar(mode, held.version)
+        host.status.update(phase=Phase.ACTIVATING)
+        paused = attempted = False
+        ack = stats = None
+        start = time.perf_counter()
+        try:
+            if in_place:
+                await host._engine_pause()
+                paused = True
+            stats = await off_loop(ranks.finish_apply, prepared)
+            if ranks.common_version() == held.version:  # (else a rank waits for its buffer: committed once loaded)
+                # Whole when every rank was loaded, or the engine missed a version (its regions are not these).
+                full = updates is None or stats is None or host.served != common
+                regions = ranks.written_regions() if not full and copies_regions(host.driver) else None
+                attempted = True
+                ack = await host._engine_commit(host._activation(held.version, full=full, regions=regions))
+        finally:  # the engine's acknowledged version (or kept closed: daemon/rollout_engine.py)
+            await host._end_activation(ack, attempted=attempted, paused=paused)
+            host.status.update(ranks=ranks.entries())
     pause = stats.total_pause_s if stats is not None else time.perf_counter() - start
     host.metrics.applied.inc()
     host.metrics.pause.observe(pause)

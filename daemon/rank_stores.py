@@ -37,9 +37,11 @@ from patchswarm.daemon.checkpoint_writer import checkpoint_files
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
 from patchswarm.daemon.engine_driver import Region
 from patchswarm.daemon.engine_regions import store_regions, whole_regions
+from patchswarm.daemon.prepared import Prepared
 from patchswarm.daemon.store_format import (
     KIND_ENGINE_BUFFER,
     KIND_HOST,
+    Header,
     JournalError,
     StoreError,
     StoreLayout,
@@ -48,7 +50,7 @@ from patchswarm.daemon.store_format import (
     StoreTooSmallError,
     TensorUpdate,
 )
-from patchswarm.daemon.weightstore import WeightStore, torch_threads
+from patchswarm.daemon.weightstore import StoreStateError, WeightStore, torch_threads
 from patchswarm.protocol.errors import PlanError
 from patchswarm.protocol.files import InputFileError, read_file
 from patchswarm.protocol.layout_builtin import builtin_plan
@@ -124,6 +126,23 @@ class RanksApplied:
     journal_s: float
     journal_bytes: int
     changed: int
+
+
+class PreparedRanks(Prepared):
+    """A prepared ``RankStores.apply``: its in-place ranks staged and journaled, the ranks to load."""
+
+    def __init__(self, owner: RankStores, journal_s: float = 0.0, journal_bytes: int = 0, *, journaled: bool = False):
+        super().__init__(owner.journal_dir, journal_s, journal_bytes, journaled=journaled)
+        self.version = 0
+        self.model: ServedModel | None = None
+        self.roots: list[bytes] = []
+        self.digests: list[list[bytes]] = []
+        self.loads: list[int] = []
+        self.routed: list[list[SlotChange]] | list[RankChanges] | None = None
+        self.stores: dict[int, WeightStore] = {}  # the ranks written in place
+        self.staged: dict[int, list[TensorUpdate]] = {}
+        self.bases: dict[int, Header] = {}
+        self.data_ptrs: dict[int, int] = {}
 
 
 def _kill_at(point: str) -> Callable[[str], None]:
@@ -345,7 +364,19 @@ class RankStores:
     def apply(
         self, version: int, model: ServedModel, updates: list[TensorUpdate] | None, *, write: bool = True
     ) -> RanksApplied | None:
-        """Make every rank that has a buffer hold ``version`` (canonical ``model``).
+        """``finish_apply(prepare_apply(...))``: make every rank that has a buffer hold ``version``."""
+        prepared = self.prepare_apply(version, model, updates, write=write)
+        return None if prepared is None else self.finish_apply(prepared)
+
+    def prepare_apply(
+        self, version: int, model: ServedModel, updates: list[TensorUpdate] | None, *, write: bool = True
+    ) -> PreparedRanks | None:
+        """Everything of ``apply`` before the first byte a rank's engine reads changes: routing, the
+        ranks' roots, staging, the journal (fsynced).  Serving goes on; the daemon prepares before it
+        drains the sidecar or pauses the engine, then calls ``finish_apply`` or ``abandon`` on it
+        (daemon/prepared.py).  None when ``write`` is False.
+
+        ``apply``: make every rank that has a buffer hold ``version`` (canonical ``model``).
 
         Ranks READY at the version the host held take ``updates`` (canonical sparse updates, shadow
         -> model) in place under one journal; the others (EMPTY, FAILED, never loaded) are loaded
@@ -408,13 +439,36 @@ class RankStores:
         if not write:  # (only the roots of the version the host now holds)
             self.roots, self.digests = list[bytes | None](roots), list[list[bytes] | None](digests)
             return None
+        if not (incremental and routed is not None):
+            incremental, routed = [], None
+        prepared = self._stage(incremental, version, roots, routed) if routed is not None else PreparedRanks(self)
+        prepared.version, prepared.model, prepared.roots, prepared.digests = version, model, roots, digests
+        prepared.loads, prepared.routed = loads, routed
+        return prepared
+
+    def finish_apply(self, p: PreparedRanks) -> RanksApplied | None:
+        """The writes of a prepared ``apply``: the in-place ranks under their fences (every rank's
+        readers held first), then the ranks loaded whole.  Returns the in-place activation's figures,
+        or None when there was none.  A rank store that moved since ``prepare_apply`` is not written:
+        the journal is removed and StoreStateError raised."""
+        plan, model = self.plan, p.model
+        assert plan is not None and model is not None
+        moved = [
+            k
+            for k, s in p.stores.items()
+            if s.data is None or s.data.data_ptr() != p.data_ptrs[k] or s.control.raw() != p.bases[k]
+        ]
+        if moved:
+            p.abandon()
+            raise StoreStateError(f"rank stores {moved} changed between preparing the activation and writing it")
+        p.claim()
         self._written = ({}, [])
-        stats = self._activate(incremental, version, roots, routed) if incremental and routed is not None else None
-        in_place = {k: routed[k] for k in incremental} if stats is not None and routed is not None else {}
-        self._written = (in_place, loads)
-        for k in loads:  # (only the ranks loaded whole are built)
-            self._load(k, rank_model(plan, model, k), version, roots[k])
-        self.roots, self.digests = list[bytes | None](roots), list[list[bytes] | None](digests)
+        stats = self._write(p) if p.routed is not None else None
+        in_place = {k: p.routed[k] for k in p.stores} if stats is not None and p.routed is not None else {}
+        self._written = (in_place, p.loads)
+        for k in p.loads:  # (only the ranks loaded whole are built)
+            self._load(k, rank_model(plan, model, k), p.version, p.roots[k])
+        self.roots, self.digests = list[bytes | None](p.roots), list[list[bytes] | None](p.digests)
         return stats
 
     def written_regions(self) -> dict[int, tuple[Region, ...]]:
@@ -439,9 +493,10 @@ class RankStores:
             raise StoreError(f"rank {k} store {self.names[k]} does not exist yet")
         return s
 
-    def _activate(
+    def _stage(
         self, ranks: list[int], version: int, roots: list[bytes], routed: list[list[SlotChange]] | list[RankChanges]
-    ) -> RanksApplied:
+    ) -> PreparedRanks:
+        """Stage every in-place rank and write the one journal covering them (nothing written yet)."""
         t0 = time.perf_counter()
         stores = {k: self._rank(k) for k in ranks}
         per_rank: dict[int, list[TensorUpdate]] = {}
@@ -473,7 +528,19 @@ class RankStores:
         t1 = time.perf_counter()
         jbytes = journal.write_rank_journal(self.journal_dir, entries, fault=self.fault)
         t2 = time.perf_counter()
+        prepared = PreparedRanks(self, t2 - t1, jbytes, journaled=True)
+        prepared.stores, prepared.staged, prepared.bases = stores, staged, bases
+        prepared.data_ptrs = {k: s._require_data().data_ptr() for k, s in stores.items()}
+        self.phases |= {"stage": t1 - t0, "journal": t2 - t1}
         self.fault("journaled")
+        return prepared
+
+    def _write(self, p: PreparedRanks) -> RanksApplied:
+        """The fenced writes of the staged ranks (their journal on disk): every rank's readers held,
+        then each rank in turn; a failure brings every rank to one version from the journal."""
+        stores, staged, bases, version = p.stores, p.staged, p.bases, p.version
+        ranks, roots = list(stores), p.roots
+        t2 = time.perf_counter()
         self._hold_readers(stores)
         longest = 0.0
         try:
@@ -497,8 +564,8 @@ class RankStores:
         with contextlib.suppress(JournalError):  # a journal left behind only re-applies what the ranks hold
             journal.remove_journal(self.journal_dir)
         changed = sum(u.count for st in staged.values() for u in st)
-        self.phases |= {"stage": t1 - t0, "journal": t2 - t1, "write": t3 - t2, "remove": time.perf_counter() - t3}
-        return RanksApplied(longest, t3 - t2, t2 - t1, jbytes, changed)
+        self.phases |= {"write": t3 - t2, "remove": time.perf_counter() - t3}
+        return RanksApplied(longest, t3 - t2, p.journal_s, p.journal_bytes, changed)
 
     def _hold_readers(self, stores: dict[int, WeightStore]) -> None:
         """Wait for every rank's readers in flight before any rank's fence goes odd (each rank's

@@ -25,6 +25,7 @@ from patchswarm.daemon.config import DaemonConfig
 from patchswarm.daemon.engine_drivers import copies_regions
 from patchswarm.daemon.engine_regions import store_regions
 from patchswarm.daemon.metrics import DaemonMetrics
+from patchswarm.daemon.prepared import abandon_on_error
 from patchswarm.daemon.pull_state import PullState
 from patchswarm.daemon.rank_rollout import FAULT_ENV, activate_ranks
 from patchswarm.daemon.rank_stores import RankStores
@@ -309,26 +310,30 @@ class VersionActivation(EngineControl):
         copy = not full and copies_regions(self.driver)  # (only a copy engine takes regions)
         regions = {0: store_regions(self.store.layout.specs, changed)} if copy else None
         in_place = self.gate is not None and self.cfg["sidecar.commit_mode"] == "in_place"
-        if self.gate is not None:
-            await self._drain_sidecar(self.cfg["sidecar.commit_mode"], held.version)
-        self.status.update(phase=Phase.ACTIVATING)
-        paused = attempted = False
-        ack = None
-        t0 = time.perf_counter()
-        try:
-            if in_place:
-                # Unpinned requests stay in flight across the switch: the engine must hold them
-                # between steps while the weights change (docs/sidecar.md, attribution guarantee).
-                await self._engine_pause()
-                paused = True
-            stats = await off_loop(self.store.activate, held.version, root, updates, self.journal_dir)
-            attempted = True
-            ack = await self._engine_commit(self._activation(held.version, full=full, regions=regions))
-        finally:
-            # Reopen at the version the engine acknowledged (on a failure, the one it served before,
-            # or kept closed: daemon/rollout_engine.py); resumed only after, so no request reports a
-            # version it did not see.
-            await self._end_activation(ack, attempted=attempted, paused=paused)
+        # Staged and journaled (fsync) while the engine serves: only the fenced write, the commit and
+        # the resume sit inside the pause.  Abandoned (journal removed) if the drain or pause fails.
+        prepared = await off_loop(self.store.prepare, held.version, root, updates, self.journal_dir)
+        with abandon_on_error(prepared):
+            if self.gate is not None:
+                await self._drain_sidecar(self.cfg["sidecar.commit_mode"], held.version)
+            self.status.update(phase=Phase.ACTIVATING)
+            paused = attempted = False
+            ack = None
+            t0 = time.perf_counter()
+            try:
+                if in_place:
+                    # Unpinned requests stay in flight across the switch: the engine must hold them
+                    # between steps while the weights change (docs/sidecar.md, attribution guarantee).
+                    await self._engine_pause()
+                    paused = True
+                stats = await off_loop(self.store.finish, prepared)
+                attempted = True
+                ack = await self._engine_commit(self._activation(held.version, full=full, regions=regions))
+            finally:
+                # Reopen at the version the engine acknowledged (on a failure, the one it served before,
+                # or kept closed: daemon/rollout_engine.py); resumed only after, so no request reports a
+                # version it did not see.
+                await self._end_activation(ack, attempted=attempted, paused=paused)
         self.metrics.pause.observe(stats.pause_s)
         self.metrics.applied.inc()
         self.status.update(last_activation_pause_s=stats.pause_s)

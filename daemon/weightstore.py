@@ -37,6 +37,7 @@ from patchswarm.daemon.device_blake3 import device_digests
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment, import_buffer
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.fence_lock import ReadersStalled, WriteGate, readers_lock_path
+from patchswarm.daemon.prepared import Prepared
 from patchswarm.daemon.store_format import (
     CONTROL_SIZE,
     HANDLE_CAP,
@@ -155,6 +156,16 @@ class ActivationStats:
     changed: int  # elements written
     bytes_written: int
     journal_bytes: int
+
+
+class PreparedWrite(Prepared):
+    """One store's prepared activation (``WeightStore.prepare``): what ``finish`` writes."""
+
+    base: Header
+    version: int
+    root: bytes
+    staged: list[TensorUpdate]
+    data_ptr: int
 
 
 def diff_updates(old: ServedModel, new: ServedModel, dense_fraction: float = DENSE_FRACTION) -> list[TensorUpdate]:
@@ -650,7 +661,8 @@ class WeightStore:
     def activate(
         self, version: int, root: bytes, updates: list[TensorUpdate], journal_dir: Path | str
     ) -> ActivationStats:
-        """Make ``version`` (state root ``root``) the served one by writing ``updates`` in place.
+        """Make ``version`` (state root ``root``) the served one by writing ``updates`` in place:
+        ``finish(prepare(...))``.
 
         Order: stage and check -> journal (absolute old and new values, fsynced; JournalError here
         leaves memory untouched) -> wait for the readers in flight (``ReadersStalled`` past
@@ -658,6 +670,12 @@ class WeightStore:
         compare -> version/root -> seq even -> journal removed.  The caller has verified ``root``
         on its shadow copy.  After any other error, call ``daemon.journal.recover``.
         """
+        return self.finish(self.prepare(version, root, updates, journal_dir))
+
+    def prepare(self, version: int, root: bytes, updates: list[TensorUpdate], journal_dir: Path | str) -> PreparedWrite:
+        """Everything of ``activate`` before the first byte the engine reads changes: stage and check,
+        write and fsync the journal.  Serving goes on; the daemon prepares before it drains the
+        sidecar or pauses the engine (daemon/prepared.py), then calls ``finish`` or ``abandon``."""
         self._require_live_buffer()
         hdr = self.control.raw()
         if hdr.state != StoreState.READY or not hdr.stable:
@@ -668,17 +686,33 @@ class WeightStore:
             Path(journal_dir), self.layout.layout_hash, (hdr.version, hdr.root), (version, root), updates,
             fault=self.fault,
         )  # fmt: skip
-        t1 = time.perf_counter()
+        prepared = PreparedWrite(Path(journal_dir), time.perf_counter() - t0, jbytes)
+        prepared.base, prepared.version, prepared.root, prepared.staged = hdr, version, root, staged
+        prepared.data_ptr = self._require_data().data_ptr()
         self.fault("journaled")
+        return prepared
+
+    def finish(self, prepared: PreparedWrite) -> ActivationStats:
+        """The fenced write of a prepared activation: wait for the readers, scatter, check, publish,
+        remove the journal.  A store that moved since ``prepare`` (another write, a buffer let go or
+        replaced) is not written: the journal is removed and StoreStateError raised."""
+        hdr = self.control.raw()
+        moved = self.data is None or self.data.data_ptr() != prepared.data_ptr or hdr != prepared.base
+        if moved:
+            prepared.abandon()
+            raise StoreStateError("the store changed between preparing the activation and writing it; not written")
+        prepared.claim()
+        t1 = time.perf_counter()
         try:
-            self.write_fenced(hdr, version, root, staged)
+            self.write_fenced(hdr, prepared.version, prepared.root, prepared.staged)
         except (StoreVerifyError, ReadersStalled):  # (stalled: nothing was written)
-            journal.remove_journal(Path(journal_dir))
+            journal.remove_journal(prepared.journal_dir)
             raise
         t2 = time.perf_counter()
         # Best effort: a journal left behind only re-applies the values the store now holds.
         with contextlib.suppress(JournalError):
-            journal.remove_journal(Path(journal_dir))
+            journal.remove_journal(prepared.journal_dir)
+        staged = prepared.staged
         changed = sum(u.count for u in staged)
         written = sum(u.count * u.new.element_size() for u in staged)
-        return ActivationStats(t2 - t1, t1 - t0, changed, written, jbytes)
+        return ActivationStats(t2 - t1, prepared.journal_s, changed, written, prepared.journal_bytes)

@@ -125,6 +125,8 @@ async def test_a_request_that_never_ends_puts_off_the_activation_not_everyone(tm
             async with http.get(f"{sidecar}{STATUS_PATH}") as r:
                 assert (await r.json())["applied_version"] == 1
             assert view.read_version() == (1, sw.served[1].root())  # the store was not touched
+            # Journaled before the drain (daemon/prepared.py), removed when the drain gave up.
+            assert not (d.dir / "data" / "journal" / "activation.journal").exists()
             assert engine.streaming == 1 and not long.content.at_eof()
             # The long request ends: the next try drains and the version lands.
             engine.finish.set()
@@ -165,6 +167,7 @@ async def test_sigterm_during_a_drain_cancels_it_and_exits(tmp_path: Path) -> No
             assert await d.stop() == 0  # (waits 60 s at most; the drain alone would hold it 10 min)
             log = d.log.read_text()
             assert "abandoned: the daemon is stopping" in log and "drain timed out" not in log, log[-3000:]
+            assert not (d.dir / "data" / "journal" / "activation.journal").exists()  # (abandoned: removed)
             long.close()
     finally:
         d.cleanup()

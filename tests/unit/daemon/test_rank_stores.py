@@ -476,12 +476,13 @@ async def test_a_patch_decoded_once_reaches_every_rank_and_a_failed_activation_l
         assert held.model.bitwise_equal(v2)  # (the changes are in the copy while the ranks are written)
         raise StoreError("injected: the ranks refuse")
 
-    rs.apply = refuse  # type: ignore[method-assign]
+    rs.finish_apply = refuse  # type: ignore[method-assign,assignment]
     with pytest.raises(StoreError, match="injected"):
         await activate_ranks(host, rs, staged, _inline)  # type: ignore[arg-type]
     assert held.model.bitwise_equal(v1) and staged.changes
     assert_ranks_hold(rs, 2, 1)
-    del rs.apply  # (the class's own again)
+    assert not journal_path(rs.journal_dir).exists()  # (prepared before the write, abandoned: removed)
+    del rs.finish_apply  # (the class's own again)
     before = [_rank_store(rs, k).read_model() for k in range(2)]
     assert await activate_ranks(host, rs, staged, _inline)  # type: ignore[arg-type]
     assert_ranks_hold(rs, 2, 2)
@@ -527,7 +528,7 @@ def test_a_routed_run_reaching_past_its_parameter_is_refused_before_anything_is_
     for slot, at in ((0, rs.bases[0][1]), (1, rs.bases[0][1] - 1)):  # (past slot 0's end; before slot 1's start)
         run = RankChanges([slot], [1], torch.tensor([at]), old + 1, old)
         with pytest.raises(ValueError, match="outside its parameter"):
-            rs._activate([0], 2, rs.rank_roots(), [run])
+            rs._stage([0], 2, rs.rank_roots(), [run])  # (refused while staging, before the journal)
         assert all(torch.equal(store.slot_bytes(i), b) for i, b in enumerate(before))
         assert store.header().version == 1 and not journal_path(rs.journal_dir).exists()
     rs.close()
