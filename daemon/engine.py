@@ -75,10 +75,12 @@ def store_lock_path(name: str, shm_dir: Path | str = SHM_DIR) -> Path:
 class SharedSegment:
     """A named POSIX shared-memory segment mapped read-write; it stays until ``unlink``."""
 
-    def __init__(self, name: str, path: Path, mm: mmap.mmap) -> None:
+    def __init__(self, name: str, path: Path, mm: mmap.mmap, file_id: tuple[int, int] | None = None) -> None:
         self.name = name
         self.path = path
         self.mm = mm
+        # (st_dev, st_ino) of the file mapped: a segment made again under the name is another file
+        self.file_id = file_id
 
     @staticmethod
     def path_for(name: str, shm_dir: Path | str) -> Path:
@@ -113,6 +115,7 @@ class SharedSegment:
                 if e.errno != errno.EOPNOTSUPP:  # fallocate unsupported: pages are reserved lazily
                     raise
             mm = mmap.mmap(fd, size)
+            st = os.fstat(fd)
         except OSError as e:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -122,7 +125,7 @@ class SharedSegment:
             path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        return cls(name, path, mm)
+        return cls(name, path, mm, (st.st_dev, st.st_ino))
 
     @classmethod
     def open(cls, name: str, shm_dir: Path | str = SHM_DIR) -> SharedSegment:
@@ -132,13 +135,13 @@ class SharedSegment:
         except FileNotFoundError:
             raise StoreMissingError(f"no shared memory named {path}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
+            st = os.fstat(fd)
+            if st.st_size == 0:
                 raise StoreMissingError(f"shared memory {path} is empty (its creation never finished)")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
-        return cls(name, path, mm)
+        return cls(name, path, mm, (st.st_dev, st.st_ino))
 
     @property
     def size(self) -> int:
@@ -369,6 +372,11 @@ class EngineView:
         self._index = {s.name: i for i, s in enumerate(layout.slots)}
         if fence.device is None:
             fence.device = data.device  # (consistent's default sync: this device's current stream)
+
+    @property
+    def control_segment(self) -> SharedSegment:
+        """The store's segment (control block and layout) this view mapped."""
+        return self._segments[0]
 
     def tensor(self, name: str) -> torch.Tensor:
         s = self.layout.slots[self._index[name]]

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from patchswarm.daemon.engine import EngineView, attach
+from patchswarm.daemon.engine import SHM_DIR, EngineView, SharedSegment, attach
 from patchswarm.daemon.engine_client import DaemonClient
 from patchswarm.daemon.engine_driver import Activation, Region
+from patchswarm.daemon.store_format import StoreError
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.untrusted_json import load_json
 
@@ -40,6 +41,11 @@ class SyncError(Exception):
     def __init__(self, message: str, *, copied: bool = False) -> None:
         super().__init__(message)
         self.copied = copied
+
+
+class NotAtVersion(SyncError):
+    """The mapped store does not hold the version to apply: a race with the daemon's write, or a store
+    the daemon made again since it was mapped (``StoreIdentity`` tells them apart)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +113,7 @@ class ParamSync:
         got = None if h is None else self.view.fence.read_version()
         if h is None or got is None or got[0] != version:
             held = None if got is None else got[0]
-            raise SyncError(f"rank {self.rank}: the store does not hold version {version} ready (it holds {held})")
+            raise NotAtVersion(f"rank {self.rank}: the store does not hold version {version} ready (it holds {held})")
         data = self.view.data
         nbytes = 0
         loads: list[str] = []
@@ -177,11 +183,16 @@ def parse_apply(text: object, rank: int) -> tuple[int, list[Region] | None]:
 # ---------------------------------------------------------------- attaching a worker to its rank's store
 
 
-def open_rank_store(spec_text: object, rank: int, device: torch.device | str) -> EngineView:
-    """Map rank ``rank``'s store, once per worker, from JSON text: ``{"socket": <daemon API socket>,
-    "ranks": N, "engine": name, "wait_s": s}`` (a host store is attached, an engine store allocated on
-    ``device`` and registered: one CUDA IPC handle for the whole buffer) or ``{"attach": [<attach_info
-    of each rank>]}`` (host stores named directly)."""
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    info: dict[str, Any] | None  # the rank's attach info, named in the spec
+    socket: str = ""
+    ranks: int = 1
+    engine: str = "engine"
+    wait_s: float = 60.0
+
+
+def _parse_spec(spec_text: object, rank: int) -> _Spec:
     if not isinstance(spec_text, str) or len(spec_text) > MAX_WIRE_CHARS:
         raise SyncError("the attach spec must be JSON text")
     try:
@@ -194,12 +205,85 @@ def open_rank_store(spec_text: object, rank: int, device: torch.device | str) ->
         infos = spec["attach"]
         if not isinstance(infos, list) or not 0 <= rank < len(infos) or not isinstance(infos[rank], dict):
             raise SyncError(f"the attach spec has no attach info for rank {rank}")
-        return attach(infos[rank])
+        return _Spec(infos[rank])
     sock, ranks, engine = spec.get("socket"), spec.get("ranks", 1), spec.get("engine", "engine")
     wait_s = spec.get("wait_s", 60)
     if not isinstance(sock, str) or type(ranks) is not int or not 0 <= rank < ranks or not isinstance(engine, str):
         raise SyncError(f"the attach spec needs socket, and ranks > {rank}")
     if not isinstance(wait_s, int | float) or not 0 <= wait_s <= 3600:
         raise SyncError("the attach spec's wait_s must be 0..3600 seconds")
-    client = DaemonClient(sock)
-    return client.open_store(device, engine=engine, wait_s=float(wait_s), rank=rank if ranks > 1 else None)
+    return _Spec(None, sock, ranks, engine, float(wait_s))
+
+
+def open_rank_store(spec_text: object, rank: int, device: torch.device | str) -> EngineView:
+    """Map rank ``rank``'s store, once per worker, from JSON text: ``{"socket": <daemon API socket>,
+    "ranks": N, "engine": name, "wait_s": s}`` (a host store is attached, an engine store allocated on
+    ``device`` and registered: one CUDA IPC handle for the whole buffer) or ``{"attach": [<attach_info
+    of each rank>]}`` (host stores named directly)."""
+    spec = _parse_spec(spec_text, rank)
+    if spec.info is not None:
+        return attach(spec.info)
+    client = DaemonClient(spec.socket)
+    return client.open_store(device, engine=spec.engine, wait_s=spec.wait_s, rank=rank if spec.ranks > 1 else None)
+
+
+# ---------------------------------------------------------------- which store a mapping is of
+
+REASK_S = 5.0  # how long a worker waits for the daemon's layout when it asks again
+
+
+@dataclass(frozen=True, slots=True)
+class StoreIdentity:
+    """Which store a mapping is of: a store the daemon made again (restarted: another segment file under
+    the name, another layout, another engine buffer) differs in one of these."""
+
+    segment: str
+    file: tuple[int, int] | None  # (st_dev, st_ino) of the segment's file; None: no file by that name
+    layout_hash: str
+    buffer_id: int  # 0: a host store; -1: an engine store without a buffer
+
+    @classmethod
+    def of_view(cls, view: EngineView) -> StoreIdentity:
+        seg = view.control_segment
+        return cls(seg.name, seg.file_id, view.layout.layout_hash.hex(), view.fence.buffer_id)
+
+    @classmethod
+    def of_answer(cls, info: object) -> StoreIdentity:
+        """From a layout answer's attach info (daemon/weightstore.py ``attach_info``); SyncError if malformed."""
+        bad = SyncError("the daemon's layout answer has no well-formed attach info")
+        control = info.get("control") if isinstance(info, dict) else None
+        if not isinstance(info, dict) or not isinstance(control, dict):
+            raise bad
+        name, shm_dir, lay = control.get("name"), info.get("shm_dir", str(SHM_DIR)), info.get("layout_hash")
+        kind, buf = info.get("kind"), info.get("buffer")
+        if not (isinstance(name, str) and isinstance(shm_dir, str) and isinstance(lay, str)):
+            raise bad
+        if kind == "shm":
+            buffer_id = 0
+        elif kind == "engine_buffer" and not buf:
+            buffer_id = -1
+        elif kind == "engine_buffer" and isinstance(buf, dict) and type(buf.get("buffer_id")) is int:
+            buffer_id = buf["buffer_id"]
+        else:
+            raise bad
+        try:
+            st = SharedSegment.path_for(name, shm_dir).stat()
+            file: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except ValueError:  # (not a segment name)
+            raise bad from None
+        except OSError:
+            file = None
+        return cls(name, file, lay, buffer_id)
+
+
+def current_identity(spec_text: object, rank: int) -> StoreIdentity | None:
+    """The identity of the store rank ``rank`` should map now (the daemon's layout answer, asked again for
+    at most ``REASK_S``; or the info the spec names); None when the daemon does not answer."""
+    spec = _parse_spec(spec_text, rank)
+    if spec.info is not None:
+        return StoreIdentity.of_answer(spec.info)
+    try:
+        answer = DaemonClient(spec.socket, timeout=REASK_S).layout(0.0, rank=rank if spec.ranks > 1 else None)
+    except (StoreError, OSError, ValueError):  # (down, restarting, or an answer that is not JSON)
+        return None
+    return StoreIdentity.of_answer(answer.get("attach"))

@@ -11,6 +11,12 @@ memory travels: the weights are in the store).  SGLang's own ``load_weights`` ex
 names and shards them itself, which a rank store (runtime names, already sharded) is not: entries
 that do not match a parameter go through the model's ``load_weights`` only where the engine was
 started at TP=1 (refused at TP > 1).
+
+The mapping is kept across updates; a daemon that restarted and made its store again (another
+segment file, layout or engine buffer) leaves it stale, at its last version for ever.  So an update
+whose store does not hold the version asks the daemon's layout again (bounded, ``REASK_S``) and maps
+the store again when its identity (``StoreIdentity``) changed; the same store is a race with the
+daemon's write, and that update fails (the driver retries).
 """
 
 from __future__ import annotations
@@ -20,7 +26,16 @@ from typing import Any
 
 import torch
 
-from patchswarm.daemon.param_sync import MAX_WIRE_CHARS, ParamSync, SyncError, open_rank_store, parse_apply
+from patchswarm.daemon.param_sync import (
+    MAX_WIRE_CHARS,
+    NotAtVersion,
+    ParamSync,
+    StoreIdentity,
+    SyncError,
+    current_identity,
+    open_rank_store,
+    parse_apply,
+)
 from patchswarm.protocol.untrusted_json import load_json
 
 # One mapping per scheduler process, by attach spec (a process serves one rank of one store).
@@ -50,18 +65,35 @@ def load_regions(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
     spec, rank = obj["attach"], obj["rank"]
     if not isinstance(spec, str):
         raise SyncError("a patchswarm update's attach spec must be text")
+    version, regions = parse_apply(obj["apply"], rank)
     sync = _SYNCS.get(spec)
     if sync is None:
-        device = next(model.parameters()).device
-        view = open_rank_store(spec, rank, device)
-        load = getattr(model, "load_weights", None)
+        sync = _SYNCS[spec] = _map(model, spec, rank)
+    try:
+        sync.apply(version, regions)
+    except NotAtVersion:
+        now = current_identity(spec, rank)
+        if now is None or now == StoreIdentity.of_view(sync.view):
+            raise  # the daemon has not written the version yet (or does not answer): this update fails
+        fresh = _map(model, spec, rank)  # (the stale mapping stays cached until a fresh one exists)
+        sync.view.close()
+        _SYNCS[spec] = fresh
+        fresh.apply(version, regions)
+
+
+def _map(model: torch.nn.Module, spec: str, rank: int) -> ParamSync:
+    device = next(model.parameters()).device
+    view = open_rank_store(spec, rank, device)
+    load = getattr(model, "load_weights", None)
+    try:
         sync = ParamSync(view, dict(model.named_parameters()), load, rank)
-        if sync.fallback and _world(spec) > 1:
-            view.close()
-            raise SyncError(
-                f"rank {rank}: {len(sync.fallback)} store entries do not match SGLang's parameters (first: "
-                f"{sync.fallback[0]}); its load_weights takes checkpoint tensors, not a rank's shard (TP > 1)"
-            )
-        _SYNCS[spec] = sync
-    version, regions = parse_apply(obj["apply"], sync.rank)
-    sync.apply(version, regions)
+    except BaseException:
+        view.close()
+        raise
+    if sync.fallback and _world(spec) > 1:
+        view.close()
+        raise SyncError(
+            f"rank {rank}: {len(sync.fallback)} store entries do not match SGLang's parameters (first: "
+            f"{sync.fallback[0]}); its load_weights takes checkpoint tensors, not a rank's shard (TP > 1)"
+        )
+    return sync
