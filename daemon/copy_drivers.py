@@ -139,14 +139,15 @@ def check_rank_results(answer: Any, ranks: int, version: int) -> bool:
 
 def check_attach_results(answer: Any, ranks: int) -> None:
     """Every worker attached; at TP > 1 none needs vLLM's loader (its ``load_weights`` takes checkpoint
-    tensors and shards them itself, which a rank's runtime entry is not): EngineError otherwise."""
+    tensors and shards them itself, which a rank's runtime entry is not) unless the worker has the plan's
+    routing of those entries (``loader_routed``: it rebuilds their canonical tensors): EngineError otherwise."""
     results = _field(answer, "results")
     if not isinstance(results, list) or len(results) != ranks or not all(isinstance(r, dict) for r in results):
         raise EngineError(f"patchswarm_attach: expected {ranks} worker results, got {one_line(answer)}")
     reported = [r.get("rank") for r in results]
     if not all(type(r) is int for r in reported) or sorted(reported) != list(range(ranks)):
         raise EngineError(f"patchswarm_attach: workers report ranks {one_line(reported[:16])}")
-    loaded = [r for r in results if r.get("loader_count")]
+    loaded = [r for r in results if r.get("loader_count") and r.get("loader_routed") is not True]
     if loaded and ranks > 1:
         first = loaded[0]
         names = first.get("loader")

@@ -100,13 +100,20 @@ class DaemonClient:
     ) -> EngineView:
         """Map the daemon's store (rank ``rank``'s, for a tensor-parallel engine's rank): attach to a host
         store, or allocate on ``device`` and register."""
-        info = self.layout(wait_s, rank=rank)["attach"]
+        return self.open_store_answer(device, engine, wait_s, rank)[0]
+
+    def open_store_answer(
+        self, device: torch.device | str = "cpu", engine: str = "engine", wait_s: float = 60.0, rank: int | None = None
+    ) -> tuple[EngineView, dict[str, Any]]:
+        """``open_store`` and the layout answer it mapped (a rank's answer carries its plan routing)."""
+        answer = self.layout(wait_s, rank=rank)
+        info = answer["attach"]
         if info["kind"] == "shm":
-            return attach(info)
+            return attach(info), answer
         view = allocate(info, device)
         try:
             self.register(view, engine, rank)
         except BaseException:
             view.close()
             raise
-        return view
+        return view, answer

@@ -26,6 +26,8 @@ from patchswarm.daemon.engine import SHM_DIR, EngineView, SharedSegment, attach
 from patchswarm.daemon.engine_client import DaemonClient
 from patchswarm.daemon.engine_driver import Activation, Region
 from patchswarm.daemon.store_format import StoreError
+from patchswarm.protocol.errors import PlanError
+from patchswarm.protocol.layout_inverse import Routing, rebuild, routing_from_json
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.untrusted_json import load_json
 
@@ -74,9 +76,14 @@ class ParamSync:
     """One rank's store mapped onto an engine's parameters by name; ``apply`` copies regions in place."""
 
     def __init__(
-        self, view: EngineView, params: Mapping[str, torch.Tensor], loader: Loader | None = None, rank: int = 0
+        self,
+        view: EngineView,
+        params: Mapping[str, torch.Tensor],
+        loader: Loader | None = None,
+        rank: int = 0,
+        routing: Routing | None = None,
     ) -> None:
-        self.view, self.loader, self.rank = view, loader, rank
+        self.view, self.loader, self.rank, self.routing = view, loader, rank, routing
         self.slots = {s.name: s for s in view.layout.slots}
         self.direct: dict[str, torch.Tensor] = {}
         self.fallback: list[str] = []
@@ -86,6 +93,9 @@ class ParamSync:
                 self.direct[s.name] = p.detach().view(-1).view(torch.uint8)
             else:
                 self.fallback.append(s.name)
+        # With the plan's routing of those entries, the loader is given the canonical tensors they come
+        # from (protocol/layout_inverse.py): what an engine's load_weights takes at any TP size.
+        self.routed = routing is not None and routing.rank == rank and set(self.fallback) <= set(routing.params)
         if self.fallback and loader is None:
             raise SyncError(
                 f"rank {rank}: {len(self.fallback)} store entries have no parameter of the same name, shape and "
@@ -101,6 +111,20 @@ class ParamSync:
                 raise SyncError(
                     f"rank {self.rank}: region [{r.start}, {r.end}) of {r.name} lies outside {s.nbytes} bytes"
                 )
+
+    def _entry_bytes(self, name: str) -> torch.Tensor:
+        s = self.slots[name]
+        return self.view.data[s.offset : s.offset + s.nbytes]
+
+    def _loader_items(self, loads: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """The store entries under their runtime names, or (routed) the canonical tensors they come from."""
+        if not self.routed:
+            return [(n, self.view.tensor(n)) for n in loads]
+        assert self.routing is not None
+        try:
+            return rebuild(self.routing, self._entry_bytes, loads)
+        except (PlanError, KeyError) as e:  # (a routing that names another layout's entries)
+            raise SyncError(f"rank {self.rank}: the routing does not fit the store: {e}"[:500]) from None
 
     def apply(self, version: int, regions: Sequence[Region] | None) -> Applied:
         """Copy ``regions`` (None: every entry whole) of the store, which must hold ``version``, into the
@@ -129,7 +153,7 @@ class ParamSync:
                 nbytes += r.end - r.start
             if loads:
                 assert self.loader is not None
-                self.loader([(n, self.view.tensor(n)) for n in loads])
+                self.loader(self._loader_items(loads))
                 nbytes += sum(self.slots[n].nbytes for n in loads)
             for t in (data, *self.direct.values()):
                 if t.is_cuda:
@@ -220,11 +244,30 @@ def open_rank_store(spec_text: object, rank: int, device: torch.device | str) ->
     "ranks": N, "engine": name, "wait_s": s}`` (a host store is attached, an engine store allocated on
     ``device`` and registered: one CUDA IPC handle for the whole buffer) or ``{"attach": [<attach_info
     of each rank>]}`` (host stores named directly)."""
+    return open_rank_store_routed(spec_text, rank, device)[0]
+
+
+def open_rank_store_routed(
+    spec_text: object, rank: int, device: torch.device | str
+) -> tuple[EngineView, Routing | None]:
+    """``open_rank_store`` and the plan's routing of the rank's entries where the daemon's layout answer
+    carries it (``routing``: daemon/rank_rollout.py ``rank_layout``); None for a spec naming its stores."""
     spec = _parse_spec(spec_text, rank)
     if spec.info is not None:
-        return attach(spec.info)
+        return attach(spec.info), None
     client = DaemonClient(spec.socket)
-    return client.open_store(device, engine=spec.engine, wait_s=spec.wait_s, rank=rank if spec.ranks > 1 else None)
+    view, answer = client.open_store_answer(
+        device, engine=spec.engine, wait_s=spec.wait_s, rank=rank if spec.ranks > 1 else None
+    )
+    raw = answer.get("routing")
+    if raw is None:
+        return view, None
+    try:
+        routing = routing_from_json(raw)
+    except PlanError as e:
+        view.close()
+        raise SyncError(f"rank {rank}: the daemon's routing is malformed: {e}"[:500]) from None
+    return view, routing if routing.rank == rank else None
 
 
 # ---------------------------------------------------------------- which store a mapping is of

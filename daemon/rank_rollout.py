@@ -25,7 +25,9 @@ from patchswarm.daemon.shadow import StagedVersion, store_updates
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError, TensorUpdate
 from patchswarm.daemon.weightstore import RegistrationError, check_registration
+from patchswarm.protocol.errors import PlanError
 from patchswarm.protocol.held import Held
+from patchswarm.protocol.layout_inverse import routing_for, routing_to_json
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.sparse_apply import WordChange, commit
 
@@ -213,7 +215,16 @@ def rank_layout(ranks: RankStores, rank: int, engine_kind: bool) -> dict[str, An
         return None
     if not engine_kind and store.header().state != StoreState.READY:
         return None
-    return {"rank": rank, "ranks": len(ranks), "layout": store.layout.to_json(), "attach": store.attach_info()}
+    answer = {"rank": rank, "ranks": len(ranks), "layout": store.layout.to_json(), "attach": store.attach_info()}
+    # The plan's routing of the rank's entries: a copy engine's loader then takes the canonical tensors
+    # an entry it cannot copy comes from (protocol/layout_inverse.py); left out past its bound.
+    if ranks.plan is not None and ranks.canonical is not None:
+        try:
+            routing = routing_for(ranks.plan, ranks.canonical, rank, ranks.plan.params[rank])
+            answer["routing"] = routing_to_json(routing)
+        except PlanError:
+            pass
+    return answer
 
 
 def check_rank_registration(host: RankHost, ranks: RankStores, body: Any) -> tuple[int, dict[str, Any]] | int:

@@ -9,8 +9,9 @@ python/sglang/srt/model_executor).  Each rank's entry is one pair whose *name* i
 ``{"attach": <attach spec>, "apply": <apply_wire text>, "rank": r}`` and whose tensor is empty (no
 memory travels: the weights are in the store).  SGLang's own ``load_weights`` expects checkpoint
 names and shards them itself, which a rank store (runtime names, already sharded) is not: entries
-that do not match a parameter go through the model's ``load_weights`` only where the engine was
-started at TP=1 (refused at TP > 1).
+that do not match a parameter go through the model's ``load_weights`` as the canonical tensors they
+come from (full size, this rank's slice filled: protocol/layout_inverse.py) where the daemon's layout
+answer carries the plan's routing, else only where the engine was started at TP=1 (refused at TP > 1).
 
 The mapping is kept across updates; a daemon that restarted and made its store again (another
 segment file, layout or engine buffer) leaves it stale, at its last version for ever.  So an update
@@ -33,7 +34,7 @@ from patchswarm.daemon.param_sync import (
     StoreIdentity,
     SyncError,
     current_identity,
-    open_rank_store,
+    open_rank_store_routed,
     parse_apply,
 )
 from patchswarm.protocol.untrusted_json import load_json
@@ -83,14 +84,14 @@ def load_regions(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
 
 def _map(model: torch.nn.Module, spec: str, rank: int) -> ParamSync:
     device = next(model.parameters()).device
-    view = open_rank_store(spec, rank, device)
+    view, routing = open_rank_store_routed(spec, rank, device)
     load = getattr(model, "load_weights", None)
     try:
-        sync = ParamSync(view, dict(model.named_parameters()), load, rank)
+        sync = ParamSync(view, dict(model.named_parameters()), load, rank, routing)
     except BaseException:
         view.close()
         raise
-    if sync.fallback and _world(spec) > 1:
+    if sync.fallback and not sync.routed and _world(spec) > 1:
         view.close()
         raise SyncError(
             f"rank {rank}: {len(sync.fallback)} store entries do not match SGLang's parameters (first: "

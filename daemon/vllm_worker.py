@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from patchswarm.daemon.param_sync import ParamSync, SyncError, open_rank_store, parse_apply
+from patchswarm.daemon.param_sync import ParamSync, SyncError, open_rank_store_routed, parse_apply
 
 
 def _tp_rank() -> int:
@@ -44,10 +44,11 @@ class PatchswarmWorkerExtension:
 
     def patchswarm_attach(self, spec: str) -> dict[str, Any]:
         """Map this worker's rank store (daemon/param_sync.py ``open_rank_store``) and match its entries
-        to the model's parameters; returns the rank and how many entries go through the loader."""
+        to the model's parameters; returns the rank, how many entries go through the loader and whether
+        the plan's routing gives the loader their canonical tensors (``loader_routed``: needed at TP > 1)."""
         rank = _tp_rank()
         device = getattr(self, "device", "cpu")
-        view = open_rank_store(spec, rank, device)
+        view, routing = open_rank_store_routed(spec, rank, device)
         model = self.patchswarm_model()
         params = dict(model.named_parameters())
 
@@ -55,7 +56,7 @@ class PatchswarmWorkerExtension:
             return model.load_weights(items)  # type: ignore[operator]  # vLLM models have it
 
         try:
-            sync = ParamSync(view, params, load, rank)
+            sync = ParamSync(view, params, load, rank, routing)
         except BaseException:
             view.close()
             raise
@@ -63,8 +64,8 @@ class PatchswarmWorkerExtension:
         # whole-model mapping (an engine-allocated store: another buffer of the model's size on the GPU).
         self.patchswarm_detach()
         self.patchswarm_sync = sync
-        return {"rank": rank, "entries": len(view.layout.slots), "loader": self.patchswarm_sync.fallback[:64],
-                "loader_count": len(self.patchswarm_sync.fallback)}  # fmt: skip
+        return {"rank": rank, "entries": len(view.layout.slots), "loader": sync.fallback[:64],
+                "loader_count": len(sync.fallback), "loader_routed": sync.routed}  # fmt: skip
 
     def patchswarm_apply(self, payload: str) -> dict[str, Any]:
         """Copy this rank's regions of one version (daemon/param_sync.py ``apply_wire``) into the weights.

@@ -103,3 +103,51 @@ def test_vllm_llama_parameters_equal_vllms_own_load_of_each_version(vllm_env: tu
         rs.close()
     finally:
         remove_segments(name)
+
+
+def test_entries_through_vllms_loader_take_their_canonical_tensors(vllm_env: tuple[Any, Any], tmp_path: Path) -> None:
+    """The fused entries (qkv_proj, gate_up_proj) sent through vLLM's own ``load_weights`` as the canonical
+    q/k/v and gate/up tensors the plan's routing rebuilds (protocol/layout_inverse.py): the parameters
+    equal vLLM's own load of each version."""
+    from patchswarm.protocol.layout_inverse import routing_for
+    from tests.support.rank_plans import llama_state
+
+    name = unique_name("psr")
+    try:
+        v1, v2 = llama_versions()
+        _, cfg = llama_state(3)
+        plan = builtin_plan(json.loads(cfg), served(v1).specs, 1)
+        rs = stores(name, tmp_path, plan, served(v1))
+        store = rs.store(0)
+        assert store is not None
+        view = attach(store.attach_info())
+        model = vllm_model(vllm_env)
+        fused = [n for n in plan.params[0] if "qkv_proj" in n or "gate_up_proj" in n]
+        params = {n: p for n, p in model.named_parameters() if n not in fused}  # (as if vLLM transformed them)
+        loaded: list[list[str]] = []
+
+        def load(items: list[tuple[str, torch.Tensor]]) -> object:
+            loaded.append([n for n, _ in items])
+            return model.load_weights(items)  # type: ignore[operator]
+
+        routing = routing_for(plan, served(v1).specs, 0, fused)
+        sync = ParamSync(view, params, load, 0, routing)
+        assert sorted(sync.fallback) == sorted(fused) and sync.routed
+        sync.apply(1, None)
+        before = view.data.clone()
+        rs.apply(2, served(v2), diff_updates(served(v1), served(v2)))
+        got = sync.apply(2, changed_regions(view, before))
+        assert got.loaded == ("model.layers.1.self_attn.qkv_proj.weight",)  # (v2 changes k_proj of layer 1)
+        assert sorted(loaded[-1]) == [f"model.layers.1.self_attn.{p}_proj.weight" for p in "kqv"]
+        fresh = vllm_model(vllm_env)
+        fresh.load_weights(list(v2.items()))  # type: ignore[operator]
+        want = dict(fresh.named_parameters())
+        for n, p in model.named_parameters():
+            w = want[n]
+            if n in ("model.embed_tokens.weight", "lm_head.weight"):
+                p, w = p[:500], w[:500]
+            assert torch.equal(p.view(torch.uint8), w.view(torch.uint8)), n
+        view.close()
+        rs.close()
+    finally:
+        remove_segments(name)
