@@ -43,7 +43,7 @@ def name() -> Iterator[str]:
 
 
 @contextmanager
-def daemon_api(layout_of: Callable[[int], dict[str, Any] | None]) -> Iterator[str]:
+def daemon_api(layout_of: Callable[[int], dict[str, Any] | None], ranks: int = 1) -> Iterator[str]:
     """The daemon's API app serving ``layout_of`` on a unix socket, in a thread with its own loop."""
     sock = str(Path(tempfile.mkdtemp(prefix="psr-")) / "api.sock")  # (short: unix socket paths are bounded)
     loop = asyncio.new_event_loop()
@@ -51,7 +51,7 @@ def daemon_api(layout_of: Callable[[int], dict[str, Any] | None]) -> Iterator[st
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        app = make_api_app(Status("h", "r"), lambda: layout_of(0), lambda: b"", rank_layout=layout_of)
+        app = make_api_app(Status("h", "r"), lambda: layout_of(0), lambda: b"", ranks=ranks, rank_layout=layout_of)
         runner = loop.run_until_complete(serve_unix(app, sock))
         started.set()
         loop.run_forever()
@@ -144,4 +144,63 @@ def test_the_identity_of_an_answer_names_segment_layout_and_buffer(name: str, tm
     ):
         with pytest.raises(SyncError, match="layout answer"):
             StoreIdentity.of_answer(bad)
+    rs.close()
+
+
+def rank_module(specs: list[Any], leave_out: set[str]) -> torch.nn.Module:
+    """A module whose parameters are a rank's runtime parameters (``leave_out``: as if the engine had
+    transformed those) and whose ``load_weights`` keeps what it is given, as SGLang's model classes take it."""
+
+    class Rank(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loaded: dict[str, torch.Tensor] = {}
+
+        def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+            self.loaded.update((n, t.clone()) for n, t in items)
+
+    root = Rank()
+    for s in specs:
+        if s.name in leave_out:
+            continue
+        *path, leaf = s.name.split(".")
+        m: torch.nn.Module = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(s.shape, dtype=s.dt.torch_dtype), False))
+    return root
+
+
+def test_at_tp2_the_loader_takes_the_canonical_tensors_the_daemons_routing_rebuilds(name: str, tmp_path: Path) -> None:
+    """Each scheduler's entries that do not match a parameter reach ``load_weights`` as the canonical
+    tensors they come from (the daemon's layout answer carries the plan's routing): sharded again by
+    vLLM's rules (tests/support/rank_plans.py ``llama_rank``, independent of the plan) they are the rank's
+    own entries."""
+    from patchswarm.protocol.layout_builtin import builtin_plan
+    from tests.support.rank_plans import llama_rank, llama_state
+
+    v1, _ = llama_versions()
+    _, cfg = llama_state(3)
+    plan = builtin_plan(json.loads(cfg), served(v1).specs, 2)
+    rs = stores(name, tmp_path, plan, served(v1))
+    fused = {n for n in plan.params[0] if "qkv_proj" in n or "gate_up_proj" in n}
+    with daemon_api(lambda r: rank_layout(rs, r, False), ranks=2) as sock:
+        spec = json.dumps({"socket": sock, "ranks": 2, "engine": "sglang", "wait_s": 5})
+        req = sglang_update_request(Activation(1, None, True), 2, spec, full=False)
+        assert req.json is not None
+        for rank in range(2):
+            model = rank_module(plan.rank_specs(rank), fused)
+            sglang_loader.load_regions(model, deserialize_ipc(req.json["serialized_named_tensors"][rank]))
+            sglang_loader._SYNCS.pop(spec).view.close()  # (one process per rank in SGLang)
+            loaded: dict[str, torch.Tensor] = model.loaded  # type: ignore[assignment]
+            parts = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+            assert sorted(loaded) == sorted(n for n in v1 if n.split(".")[-2] in parts)
+            assert all(loaded[n].shape == v1[n].shape for n in loaded)
+            want = llama_rank(v1, 2, rank)
+            again = llama_rank({n: loaded.get(n, torch.zeros_like(t)) for n, t in v1.items()}, 2, rank)
+            assert all(torch.equal(again[n], want[n]) for n in fused), rank
+            params = dict(model.named_parameters())
+            assert all(torch.equal(p, want[n]) for n, p in params.items()), rank
     rs.close()
