@@ -62,13 +62,17 @@ system-deps:
 	  echo "could not install azurite; the Azure board tests will be skipped"; \
 	fi
 
-# vLLM's and SGLang's own Python classes for the engine tests that import on CPU
-# (tests/unit/daemon/test_param_sync_vllm.py, test_copy_drivers.py): the wheels only, --no-deps, so
-# nothing pulls another torch (their pinned CUDA torch is multi-GB); their servers do not run here.
+# vLLM's own Python classes for the engine tests that import on CPU (tests/unit/daemon/
+# test_param_sync_vllm.py, test_copy_drivers.py, tests/system/test_vllm_tp_loader.py): the wheels its
+# imports need, each --no-deps, so nothing pulls another torch (vLLM pins a multi-GB CUDA one).  SGLang is
+# left out: its utilities import triton (1 GB installed) for one payload test, which then skips.
 ENGINE_STAMP := $(VENV)/.engine-deps
+ENGINE_WHEELS := vllm==0.34.0 psutil==7.2.2 orjson==3.13.0 pybase64==1.5.1 pyzmq==27.3.0 cachetools==8.0.3 \
+  cbor2==6.3.0 msgspec==0.23.0 cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 einops==0.8.2 \
+  llguidance==1.9.1 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 engine-deps: $(ENGINE_STAMP)
 
 $(ENGINE_STAMP): $(STAMP)
-	$(PIP) install --quiet --no-deps vllm==0.34.0 sglang==0.5.23 || \
-	  echo "could not install vllm/sglang; the tests against their classes will be skipped"
+	$(PIP) install --quiet --no-deps $(ENGINE_WHEELS) || \
+	  echo "could not install vLLM's wheels; the tests against its classes will be skipped"
 	touch $(ENGINE_STAMP)
