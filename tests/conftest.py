@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# vLLM picks its platform once, at the first import of its model code, which collection may do in any
+# test module (importorskip): on a machine without CUDA it has to be told "cpu" before that.
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 settings.register_profile(
     "ci",

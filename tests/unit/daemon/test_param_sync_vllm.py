@@ -10,7 +10,6 @@ classes and their weight loaders do not use it).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from patchswarm.protocol.layout_builtin import builtin_plan
 from tests.support.copy_engine import changed_regions, llama_versions, served, stores
 from tests.support.store_worker import remove_segments, unique_name
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # (read when vLLM picks its platform)
 vllm_llama = pytest.importorskip("vllm.model_executor.models.llama")
 
 
