@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from patchswarm.daemon.store_format import StoreLayout
-from patchswarm.daemon.weightstore import WeightStore, _sync, diff_updates
+from patchswarm.daemon.store_updates import device_sync, diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.served import ServedModel, TensorSpec
 
 COLS = 4096
@@ -113,10 +114,10 @@ def gpu_case(device: str, gb: float, frac: float, repeat: int, jdir: Path, name:
         dst = torch.empty_like(data)
         best = float("inf")
         for _ in range(3):
-            _sync(data.device)
+            device_sync(data.device)
             t = time.perf_counter()
             dst.copy_(data)
-            _sync(data.device)
+            device_sync(data.device)
             best = min(best, time.perf_counter() - t)
         r["device_memcpy_s"] = best
         del dst

@@ -34,7 +34,7 @@ from patchswarm.daemon.copy_drivers import make_sglang_driver, make_vllm_driver
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.engine_driver import Activation, Region
 from patchswarm.daemon.rank_stores import RankStores
-from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.served import ServedModel
 

@@ -46,7 +46,8 @@ import torch
 from patchswarm.daemon.engine_driver import Activation
 from patchswarm.daemon.engine_drivers import ZeroCopyEngine
 from patchswarm.daemon.store_format import StoreLayout
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.served import ServedModel
 
 VOCAB = 264  # the byte-level tokenizer of daemon/demo_llama.py (256 bytes, 5 specials), rounded up

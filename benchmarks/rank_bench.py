@@ -42,7 +42,7 @@ import torch
 from patchswarm.daemon import rank_stores
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
 from patchswarm.daemon.rank_stores import RankStores, rank_store_names
-from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
 

@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.rank_bench import llama_specs, two_versions
 from patchswarm.daemon.store_format import StoreLayout
-from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.layout_digest import RankDigests
 from patchswarm.protocol.layout_flat import FlatRouter

@@ -23,8 +23,8 @@ from patchswarm.daemon.prepared import abandon_on_error
 from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
 from patchswarm.daemon.shadow import StagedVersion, store_updates
 from patchswarm.daemon.status import Phase, Status
+from patchswarm.daemon.store_buffer import RegistrationError, check_registration
 from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError, TensorUpdate
-from patchswarm.daemon.weightstore import RegistrationError, check_registration
 from patchswarm.protocol.errors import PlanError
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.layout_inverse import routing_for, routing_to_json

@@ -47,10 +47,12 @@ from patchswarm.daemon.store_format import (
     StoreLayout,
     StoreMissingError,
     StoreState,
+    StoreStateError,
     StoreTooSmallError,
     TensorUpdate,
 )
-from patchswarm.daemon.weightstore import StoreStateError, WeightStore, torch_threads
+from patchswarm.daemon.store_updates import torch_threads
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.errors import PlanError
 from patchswarm.protocol.files import InputFileError, read_file
 from patchswarm.protocol.layout_builtin import builtin_plan

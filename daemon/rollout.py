@@ -51,6 +51,7 @@ from patchswarm.daemon.shadow import (
     tune_malloc,
 )
 from patchswarm.daemon.status import Phase, Status
+from patchswarm.daemon.store_buffer import ENGINE_BUFFER_KINDS
 from patchswarm.daemon.store_format import (
     KIND_ENGINE_BUFFER,
     KIND_HOST,
@@ -59,7 +60,7 @@ from patchswarm.daemon.store_format import (
     StoreState,
 )
 from patchswarm.daemon.user_error import UserError
-from patchswarm.daemon.weightstore import ENGINE_BUFFER_KINDS, WeightStore
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import load_public_key
 from patchswarm.protocol.node_config import NodeConfig

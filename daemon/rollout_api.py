@@ -18,8 +18,8 @@ from patchswarm.daemon.journal import recover
 from patchswarm.daemon.rank_rollout import rank_layout, register_rank
 from patchswarm.daemon.rollout_activation import AWAITING_ENGINE, VersionActivation, off_loop
 from patchswarm.daemon.status import Phase
+from patchswarm.daemon.store_buffer import RegistrationError, check_registration
 from patchswarm.daemon.store_format import StoreError, StoreState, StoreTooSmallError
-from patchswarm.daemon.weightstore import RegistrationError, check_registration
 from patchswarm.protocol.head import utc_text
 
 log = logging.getLogger("patchswarm.daemon")

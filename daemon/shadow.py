@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from patchswarm.daemon.store_format import StoreError, TensorUpdate
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import Manifest

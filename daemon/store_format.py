@@ -57,6 +57,10 @@ class StoreVerifyError(StoreError, DigestMismatchError):
     """What the store holds is not what it should hold (written values or the state root)."""
 
 
+class StoreStateError(StoreError):
+    """The store is not in a state that allows the operation (e.g. activate before the first load)."""
+
+
 class JournalError(StoreError):
     """The activation journal could not be written or read; memory was not touched if raised by activate."""
 

@@ -34,7 +34,8 @@ import torch
 
 from patchswarm.daemon.engine import EngineView, allocate, attach
 from patchswarm.daemon.journal import recover
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, state_root
 
 SPECS = [

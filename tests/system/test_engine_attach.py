@@ -18,8 +18,9 @@ from patchswarm.daemon.cuda_ipc import allocate_own_segment, export_handle, ref_
 from patchswarm.daemon.engine import allocate, attach, export_buffer
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.journal import Action, recover
-from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
-from patchswarm.daemon.weightstore import StoreStateError, WeightStore, diff_updates
+from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState, StoreStateError
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 REPO = Path(__file__).resolve().parents[2]

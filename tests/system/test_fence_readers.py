@@ -17,7 +17,8 @@ import pytest
 from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path
 from patchswarm.daemon.store_format import StoreLayout
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 REPO = Path(__file__).resolve().parents[2]

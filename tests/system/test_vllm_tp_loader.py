@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.layout_inverse import routing_for, routing_to_json
 from tests.support.copy_engine import llama_versions, served, stores

@@ -26,7 +26,8 @@ from patchswarm.daemon.engine import EngineView, FenceReader, Observed, attach
 from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path
 from patchswarm.daemon.store_format import OFF_WRITE_PENDING, StoreLayout
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.served import ServedModel, TensorSpec
 from tests.support.store_worker import remove_segments, unique_name
 

@@ -39,7 +39,8 @@ from patchswarm.daemon.store_format import (
     StoreVerifyError,
     TensorUpdate,
 )
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 
 SEED = 11

@@ -21,8 +21,8 @@ from patchswarm.daemon.param_sync import ParamSync, SyncError, apply_wire, parse
 from patchswarm.daemon.payloads import deserialize_ipc
 from patchswarm.daemon.rank_stores import RankStores
 from patchswarm.daemon.sglang_loader import load_regions
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.daemon.vllm_worker import PatchswarmWorkerExtension
-from patchswarm.daemon.weightstore import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
 from tests.support.copy_engine import changed_regions, identity_plan, llama_versions, served, stores
 from tests.support.rank_plans import LLAMA, SPECS, llama_rank, llama_state, version_model

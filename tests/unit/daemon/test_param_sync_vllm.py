@@ -19,7 +19,7 @@ import torch
 
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.param_sync import ParamSync
-from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
 from tests.support.copy_engine import changed_regions, llama_versions, served, stores
 from tests.support.store_worker import remove_segments, unique_name

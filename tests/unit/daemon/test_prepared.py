@@ -16,8 +16,9 @@ import pytest
 from patchswarm.daemon import journal
 from patchswarm.daemon.journal import journal_path
 from patchswarm.daemon.rank_stores import RankStores
-from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreState
-from patchswarm.daemon.weightstore import StoreStateError, WeightStore, diff_updates
+from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreState, StoreStateError
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from tests.support.rank_plans import ONE_WIDTH, split_plan, version_model
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 

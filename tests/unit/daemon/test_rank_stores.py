@@ -29,7 +29,8 @@ from patchswarm.daemon.rank_stores import PlanRefused, RankStores, rank_store_na
 from patchswarm.daemon.shadow import StagedVersion, decode_once
 from patchswarm.daemon.status import Status
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.layout_flat import RankChanges
 from patchswarm.protocol.layout_plan import rank_model

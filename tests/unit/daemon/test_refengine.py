@@ -261,7 +261,8 @@ def test_steps_run_under_the_store_fence_and_a_changed_step_is_never_one_version
 ) -> None:
     from patchswarm.daemon.engine import FenceReader, Observed, attach
     from patchswarm.daemon.store_format import StoreLayout, StoreState
-    from patchswarm.daemon.weightstore import WeightStore, diff_updates
+    from patchswarm.daemon.store_updates import diff_updates
+    from patchswarm.daemon.weightstore import WeightStore
     from patchswarm.protocol.served import ServedModel
     from tests.support.store_worker import remove_segments, unique_name
 

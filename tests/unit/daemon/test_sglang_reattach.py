@@ -27,7 +27,7 @@ from patchswarm.daemon.payloads import deserialize_ipc
 from patchswarm.daemon.rank_rollout import rank_layout
 from patchswarm.daemon.rank_stores import RankStores
 from patchswarm.daemon.status import Status
-from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.daemon.store_updates import diff_updates
 from tests.support.copy_engine import identity_plan, llama_versions, served, stores
 from tests.support.rank_plans import LLAMA
 from tests.support.store_worker import remove_segments, unique_name

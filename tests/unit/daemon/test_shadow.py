@@ -15,7 +15,7 @@ from patchswarm.daemon.shadow import (
     tune_malloc,
 )
 from patchswarm.daemon.store_format import StoreError
-from patchswarm.daemon.weightstore import diff_updates
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.patchfile import build_version

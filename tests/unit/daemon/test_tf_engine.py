@@ -16,9 +16,10 @@ import torch
 from patchswarm.daemon.checkpoint import read_served
 from patchswarm.daemon.engine import EngineView, attach
 from patchswarm.daemon.store_format import StoreLayout, StoreState
+from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.daemon.tf_engine import FenceUnavailable, Sampling, TfEngine, VersionMismatch
 from patchswarm.daemon.tf_model import ModelMismatch, build_model, load_config
-from patchswarm.daemon.weightstore import WeightStore, diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from tests.support.tf_checkpoints import tiny_llama_bf16, write_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -23,6 +23,7 @@ from patchswarm.daemon.device_blake3 import device_digests
 from patchswarm.daemon.engine import FenceReader, SharedSegment, allocate, attach
 from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path
+from patchswarm.daemon.store_buffer import RegistrationError, check_registration
 from patchswarm.daemon.store_format import (
     ALIGN,
     CONTROL_SIZE,
@@ -32,17 +33,13 @@ from patchswarm.daemon.store_format import (
     StoreLayoutMismatch,
     StoreMissingError,
     StoreState,
+    StoreStateError,
     StoreTooSmallError,
     StoreVerifyError,
     TensorUpdate,
 )
-from patchswarm.daemon.weightstore import (
-    RegistrationError,
-    StoreStateError,
-    WeightStore,
-    check_registration,
-    diff_updates,
-)
+from patchswarm.daemon.store_updates import diff_updates
+from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.served import ServedModel, TensorSpec, layout_hash
 from tests.support.store_worker import SPECS, model, remove_segments, unique_name
 from tests.support.strategies import layouts, patch_cases
