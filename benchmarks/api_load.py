@@ -29,7 +29,8 @@ from pathlib import Path
 
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.refengine import StoreViewSource, start_engine
+from patchswarm.daemon.ref_sources import StoreViewSource
+from patchswarm.daemon.refengine import start_engine
 from patchswarm.daemon.trajectory import generate
 from patchswarm.protocol.files import write_atomic
 from patchswarm.protocol.trust import Certificate

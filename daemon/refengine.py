@@ -6,10 +6,8 @@ The engine never loads or copies a checkpoint: every decoding step reads the ten
 It reads the source's version before and after every step and reports both, so a test (or a
 demo) can check which weights produced each token.
 
-The model is the decoder-only transformer of ``daemon.trajectory`` (``TinyLM``), computed
-functionally from its state-dict names (``tok``, ``pos``, ``blocks.<i>.{ln1,qkv,proj,ln2,fc1,fc2}``,
-``ln_f``, ``head``), from either export: bf16, or fp8 with per-tensor ``<name>.scale``.
-Generation is greedy; the context is the last ``seq_len`` tokens.
+The model is the decoder-only transformer of ``daemon.trajectory`` (``TinyLM``, daemon/ref_model.py);
+the sources are in daemon/ref_sources.py.  Generation is greedy; the context is the last ``seq_len`` tokens.
 
 HTTP API (see docs/sidecar.md):
 
@@ -39,260 +37,22 @@ import asyncio
 import contextlib
 import functools
 import json
-import re
 import signal
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any
 
-import torch
-import torch.nn.functional as F
 from aiohttp import web
 
+from patchswarm.daemon.ref_model import LMShape, greedy_next
+from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
 from patchswarm.daemon.sidecar import RunningServer, serve_app
-from patchswarm.daemon.trajectory import PRESETS
 from patchswarm.protocol.untrusted_json import load_json
-
-T = TypeVar("T")
-# How long a step waits for the daemon's write in progress to end (an activation takes milliseconds);
-# past it the fence is taken as stuck (a daemon killed mid-write) and steps run unattributed until
-# the sequence number moves (the restarted daemon's recovery).
-STABLE_WAIT_S = 2.0
 
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
-_BLOCK_RE = re.compile(r"blocks\.(\d+)\.qkv\.weight")
-_BLOCK_PARTS = ("ln1", "qkv", "proj", "ln2", "fc1", "fc2")
 COMMIT_WAIT_S = 10.0  # a commit follows the daemon's write: the fence reads the version at once
-
-
-# ---------------------------------------------------------------- weight sources
-
-
-@runtime_checkable
-class WeightSource(Protocol):
-    """Where the engine's weights live.  ``tensors()``: zero-copy views, read at every step;
-    ``version()``: the version those tensors hold when no write is in progress."""
-
-    def tensors(self) -> Mapping[str, torch.Tensor]: ...
-
-    def version(self) -> int: ...
-
-
-class StaticSource:
-    """An in-memory source for tests and demos.  It keeps the tensors it is given (no copy);
-    :meth:`update` writes a new version into them in place, as the weight store would."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0) -> None:
-        if version < 0:
-            raise ValueError("version must be non-negative")
-        self._tensors = dict(tensors)
-        self._version = version
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        return self._tensors
-
-    def version(self) -> int:
-        return self._version
-
-    def update(self, new: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``new`` into the held tensors (same names, dtypes, shapes), then publish ``version``."""
-        if version <= self._version:
-            raise ValueError(f"version {version} does not move past {self._version}")
-        if set(new) != set(self._tensors):
-            raise ValueError("update must carry exactly the tensors of the current version")
-        for name, t in new.items():
-            cur = self._tensors[name]
-            if t.dtype != cur.dtype or t.shape != cur.shape:
-                raise ValueError(f"{name}: {t.dtype}{tuple(t.shape)} does not match {cur.dtype}{tuple(cur.shape)}")
-        with torch.no_grad():
-            for name, t in new.items():
-                self._tensors[name].copy_(t)
-        self._version = version
-
-
-NO_VERSION = -1
-
-
-class StoreView(Protocol):
-    """What ``daemon.engine.attach(info)`` returns, as far as the engine needs it."""
-
-    def tensors(self) -> Mapping[str, torch.Tensor]: ...
-
-    def read_version(self) -> tuple[int, bytes] | None: ...
-
-
-class StoreViewSource:
-    """A :class:`WeightSource` over a weight-store view: the tensors are mapped once (zero-copy
-    views of the store), the version comes from the store's fence, and is :data:`NO_VERSION` (-1)
-    while the daemon is writing or before the store holds a version.  A view with a ``fence``
-    (``daemon.engine.EngineView``) runs each step under ``fence.consistent`` (:meth:`run`)."""
-
-    def __init__(self, view: StoreView) -> None:
-        self.view = view
-        self._tensors = view.tensors()
-        self._stuck_at: int | None = None  # a fence found odd past STABLE_WAIT_S, at this seq
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        return self._tensors
-
-    def version(self) -> int:
-        got = self.view.read_version()
-        return NO_VERSION if got is None else got[0]
-
-    def run(self, step: Callable[[], T]) -> tuple[T, int, int]:
-        """``step`` (one forward pass) and the versions to report for it: (value, before, after).
-
-        Under the view's fence (daemon/engine.py ``FenceReader.consistent``: no write begins
-        while the step may read, its device work synchronized before the fence is read again),
-        ``before == after`` names the one version the step read; a step the fence saw change
-        reports an ``after`` other than ``before``, so that nothing attributes it to one version."""
-        fence = getattr(self.view, "fence", None)
-        if fence is None:
-            before = self.version()
-            value = step()
-            return value, before, self.version()
-        started = False
-
-        def fenced() -> T:
-            nonlocal started
-            started = True
-            return step()
-
-        while True:
-            if fence.seq() == self._stuck_at:
-                # A fence left odd (a daemon killed mid-write): serve, attributed to no version.
-                return step(), NO_VERSION, self.version()
-            try:
-                obs = fence.consistent(fenced, timeout=STABLE_WAIT_S)
-                break
-            except TimeoutError:
-                if started:
-                    raise
-                seq = fence.seq()
-                if seq % 2:  # (even: a writer waits for other readers, bounded by its deadline; wait on)
-                    self._stuck_at = seq
-        self._stuck_at = None
-        before = NO_VERSION if obs.version is None else obs.version
-        if not obs.changed:
-            return obs.value, before, before
-        after = self.version()
-        return obs.value, before, NO_VERSION if after == before else after
-
-
-# ---------------------------------------------------------------- the model
-
-
-class ModelLayoutError(ValueError):
-    """The source's tensors are not a TinyLM state dict this engine can compute with."""
-
-
-@dataclass(frozen=True, slots=True)
-class LMShape:
-    vocab: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    seq_len: int
-
-    @classmethod
-    def infer(cls, tensors: Mapping[str, torch.Tensor], n_heads: int | None = None) -> LMShape:
-        """Read the dimensions off the tensor shapes; ``n_heads`` (not in a state dict) defaults
-        to that of the ``daemon.trajectory`` preset with the same dimensions."""
-        for name in ("tok.weight", "pos.weight", "ln_f.weight", "head.weight"):
-            if name not in tensors:
-                raise ModelLayoutError(f"missing tensor {name!r}")
-        vocab, d_model = tensors["tok.weight"].shape
-        seq_len = tensors["pos.weight"].shape[0]
-        layers = sorted(int(m.group(1)) for name in tensors if (m := _BLOCK_RE.fullmatch(name)))
-        if layers != list(range(len(layers))) or not layers:
-            raise ModelLayoutError(f"blocks must be numbered 0..n-1, found {layers}")
-        d_ff = tensors["blocks.0.fc1.weight"].shape[0] if "blocks.0.fc1.weight" in tensors else 0
-        if n_heads is None:
-            matches = [
-                p.n_heads
-                for p in PRESETS.values()
-                if (p.vocab, p.d_model, p.n_layers, p.d_ff, p.seq_len) == (vocab, d_model, len(layers), d_ff, seq_len)
-            ]
-            if not matches:
-                raise ModelLayoutError("no trajectory preset has these dimensions: pass n_heads")
-            n_heads = matches[0]
-        shape = cls(int(vocab), int(d_model), len(layers), n_heads, int(d_ff), int(seq_len))
-        shape.check(tensors)
-        return shape
-
-    def expected(self) -> dict[str, tuple[int, ...]]:
-        d, f = self.d_model, self.d_ff
-        out: dict[str, tuple[int, ...]] = {
-            "tok.weight": (self.vocab, d),
-            "pos.weight": (self.seq_len, d),
-            "ln_f.weight": (d,),
-            "ln_f.bias": (d,),
-            "head.weight": (self.vocab, d),
-        }
-        for i in range(self.n_layers):
-            p = f"blocks.{i}."
-            out |= {
-                p + "ln1.weight": (d,), p + "ln1.bias": (d,),
-                p + "qkv.weight": (3 * d, d), p + "qkv.bias": (3 * d,),
-                p + "proj.weight": (d, d), p + "proj.bias": (d,),
-                p + "ln2.weight": (d,), p + "ln2.bias": (d,),
-                p + "fc1.weight": (f, d), p + "fc1.bias": (f,),
-                p + "fc2.weight": (d, f), p + "fc2.bias": (d,),
-            }  # fmt: skip
-        return out
-
-    def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        if self.n_heads <= 0 or self.d_model % self.n_heads:
-            raise ModelLayoutError(f"d_model {self.d_model} is not divisible into {self.n_heads} heads")
-        for name, shape in self.expected().items():
-            t = tensors.get(name)
-            if t is None:
-                raise ModelLayoutError(f"missing tensor {name!r}")
-            if tuple(t.shape) != shape:
-                raise ModelLayoutError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-            scale = tensors.get(f"{name}.scale")
-            if scale is not None and scale.numel() != 1:
-                raise ModelLayoutError(f"{name}.scale must hold one value")
-
-
-def _weight(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """A float32 copy of a tensor, dequantized (``q * scale``) when it has a scale."""
-    x = tensors[name].to(torch.float32)
-    scale = tensors.get(f"{name}.scale")
-    return x * scale.to(torch.float32).reshape(()) if scale is not None else x
-
-
-def forward_logits(tensors: Mapping[str, torch.Tensor], shape: LMShape, idx: torch.Tensor) -> torch.Tensor:
-    """TinyLM's forward pass over one sequence ``idx`` (1-D token ids, at most ``seq_len``) -> logits ``[t, vocab]``."""
-    t, d, h = idx.shape[0], shape.d_model, shape.n_heads
-
-    def w(name: str) -> torch.Tensor:
-        return _weight(tensors, name)
-
-    def norm(prefix: str, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (d,), w(prefix + ".weight"), w(prefix + ".bias"))
-
-    def linear(prefix: str, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w(prefix + ".weight"), w(prefix + ".bias"))
-
-    x = (F.embedding(idx, w("tok.weight")) + w("pos.weight")[:t]).unsqueeze(0)
-    for i in range(shape.n_layers):
-        p = f"blocks.{i}."
-        q, k, v = (z.view(1, t, h, d // h).transpose(1, 2) for z in linear(p + "qkv", norm(p + "ln1", x)).chunk(3, -1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, t, d)
-        x = x + linear(p + "proj", y)
-        x = x + linear(p + "fc2", F.gelu(linear(p + "fc1", norm(p + "ln2", x))))
-    logits = F.linear(norm("ln_f", x), w("head.weight"))
-    return logits[0]
-
-
-def greedy_next(tensors: Mapping[str, torch.Tensor], shape: LMShape, context: Sequence[int]) -> int:
-    with torch.inference_mode():
-        idx = torch.tensor(list(context[-shape.seq_len :]), dtype=torch.long, device=tensors["tok.weight"].device)
-        return int(forward_logits(tensors, shape, idx)[-1].argmax())
 
 
 # ---------------------------------------------------------------- the engine

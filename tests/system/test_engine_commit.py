@@ -22,7 +22,8 @@ from aiohttp import web
 
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.refengine import StoreViewSource, make_engine_app
+from patchswarm.daemon.ref_sources import StoreViewSource
+from patchswarm.daemon.refengine import make_engine_app
 from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.daemon.trajectory import Trajectory, generate
 from patchswarm.protocol.trust import Certificate

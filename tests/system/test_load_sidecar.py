@@ -19,7 +19,8 @@ import pytest
 
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.publisher import Publisher
-from patchswarm.daemon.refengine import StoreViewSource, start_engine
+from patchswarm.daemon.ref_sources import StoreViewSource
+from patchswarm.daemon.refengine import start_engine
 from patchswarm.daemon.trajectory import generate
 from patchswarm.protocol.trust import Certificate
 from tests.support.boards import free_port

@@ -15,7 +15,8 @@ from aiohttp import web
 from patchswarm.daemon.config import ConfigError, from_mapping
 from patchswarm.daemon.engine_driver import Activation, EngineError
 from patchswarm.daemon.engine_drivers import NoEngine, ZeroCopyEngine, copies_regions, make_driver
-from patchswarm.daemon.refengine import StaticSource, start_engine
+from patchswarm.daemon.ref_sources import StaticSource
+from patchswarm.daemon.refengine import start_engine
 from patchswarm.daemon.sidecar import serve_app
 from tests.support.boards import free_port
 from tests.support.tinylm import random_export

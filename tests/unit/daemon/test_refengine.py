@@ -14,20 +14,11 @@ import aiohttp
 import pytest
 import torch
 
-from patchswarm.daemon import refengine
+from patchswarm.daemon import ref_sources
 from patchswarm.daemon import trajectory as tr
-from patchswarm.daemon.refengine import (
-    NO_VERSION,
-    LMShape,
-    ModelLayoutError,
-    RefEngine,
-    StaticSource,
-    StoreViewSource,
-    WeightSource,
-    forward_logits,
-    greedy_next,
-    start_engine,
-)
+from patchswarm.daemon.ref_model import LMShape, ModelLayoutError, forward_logits, greedy_next
+from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
+from patchswarm.daemon.refengine import RefEngine, start_engine
 from tests.support.tinylm import PRESET, greedy_reference, module_from_export, random_export
 
 T = TypeVar("T")
@@ -300,7 +291,7 @@ def test_steps_run_under_the_store_fence_and_a_changed_step_is_never_one_version
         assert src.run(lambda: 0) == (0, 2, 2)
         # A fence left odd (a daemon killed mid-write): after a bounded wait the engine serves on,
         # attributed to no version, until the restarted daemon's recovery moves the fence.
-        monkeypatch.setattr(refengine, "STABLE_WAIT_S", 0.05)
+        monkeypatch.setattr(ref_sources, "STABLE_WAIT_S", 0.05)
         store.control.begin(StoreState.WRITING, gated=False)
         assert src.run(lambda: 0) == (0, NO_VERSION, NO_VERSION)
         assert src.run(lambda: 1) == (1, NO_VERSION, NO_VERSION)

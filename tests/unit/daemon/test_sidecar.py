@@ -21,7 +21,8 @@ import aiohttp
 import pytest
 import torch
 
-from patchswarm.daemon.refengine import RefEngine, StaticSource, start_engine
+from patchswarm.daemon.ref_sources import StaticSource
+from patchswarm.daemon.refengine import RefEngine, start_engine
 from patchswarm.daemon.sidecar import (
     HEADER_END,
     HEADER_EXACT,

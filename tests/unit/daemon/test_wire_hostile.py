@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from patchswarm.daemon.param_sync import SyncError, open_rank_store, parse_apply
-from patchswarm.daemon.refengine import StaticSource, start_engine
+from patchswarm.daemon.ref_sources import StaticSource
+from patchswarm.daemon.refengine import start_engine
 from patchswarm.daemon.sglang_loader import load_regions
 from tests.support.tinylm import random_export
 
