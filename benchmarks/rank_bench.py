@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from patchswarm.daemon import rank_stores
+from patchswarm.daemon import rank_activation, rank_stores
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
 from patchswarm.daemon.rank_stores import RankStores, rank_store_names
 from patchswarm.daemon.store_updates import diff_updates
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.phase_clock == "cpu":  # (rank_stores' own clock only; the apply columns stay wall-clock)
-        rank_stores.time = types.SimpleNamespace(perf_counter=time.process_time)  # type: ignore[assignment]
+        for mod in (rank_stores, rank_activation):
+            mod.time = types.SimpleNamespace(perf_counter=time.process_time)  # type: ignore[assignment]
     print("command:", "python -m benchmarks.rank_bench", *(argv if argv is not None else sys.argv[1:]))
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden,

@@ -20,7 +20,8 @@ from patchswarm.daemon.engine_drivers import copies_regions
 from patchswarm.daemon.exporter import Exporter
 from patchswarm.daemon.metrics import DaemonMetrics
 from patchswarm.daemon.prepared import abandon_on_error
-from patchswarm.daemon.rank_stores import PlanRefused, RankStores, read_plan_file, resolve_plan
+from patchswarm.daemon.rank_plans import PlanRefused, read_plan_file, resolve_plan
+from patchswarm.daemon.rank_stores import RankStores
 from patchswarm.daemon.shadow import StagedVersion, store_updates
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_buffer import RegistrationError, check_registration

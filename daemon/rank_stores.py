@@ -14,35 +14,29 @@ holding only its rank's parameters.  A version is applied to the ranks as one ac
 
 A kill -9 anywhere leaves a journal that ``journal.recover_ranks`` rolls forward on every rank (or
 back on every rank), so after a restart all ranks hold one version.  Store names: ``<store.name>``
-for one rank (existing deployments keep their store), ``<store.name>.r<k>`` for N > 1.
+for one rank (existing deployments keep their store), ``<store.name>.r<k>`` for N > 1.  The plan is
+resolved in daemon/rank_plans.py; steps 2 and 3 are daemon/rank_activation.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from patchswarm.daemon import journal
-from patchswarm.daemon.checkpoint import FILES_KEY, MAX_SMALL_FILES_BYTES, CheckpointError
-from patchswarm.daemon.checkpoint_writer import checkpoint_files
 from patchswarm.daemon.engine import SHM_DIR, SharedSegment
 from patchswarm.daemon.engine_driver import Region
 from patchswarm.daemon.engine_regions import store_regions, whole_regions
-from patchswarm.daemon.prepared import Prepared
+from patchswarm.daemon.rank_activation import PreparedRanks, RankHashing, RanksApplied, stage_ranks, write_ranks
+from patchswarm.daemon.rank_plans import PlanRefused
 from patchswarm.daemon.store_format import (
     KIND_ENGINE_BUFFER,
     KIND_HOST,
-    Header,
-    JournalError,
     StoreError,
     StoreLayout,
     StoreMissingError,
@@ -54,97 +48,19 @@ from patchswarm.daemon.store_format import (
 from patchswarm.daemon.store_updates import torch_threads
 from patchswarm.daemon.weightstore import WeightStore
 from patchswarm.protocol.errors import PlanError
-from patchswarm.protocol.files import InputFileError, read_file
-from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.layout_digest import RankDigests
-from patchswarm.protocol.layout_file import MAX_FILE_BYTES, PlanFile, parse_plan_file
+from patchswarm.protocol.layout_file import PlanFile
 from patchswarm.protocol.layout_flat import FlatRouter, RankChanges
 from patchswarm.protocol.layout_plan import LayoutPlan, rank_model
 from patchswarm.protocol.layout_route import Router, SlotChange
 from patchswarm.protocol.served import ServedModel, TensorSpec, state_root
-from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 log = logging.getLogger("patchswarm.store")
-
-
-class PlanRefused(StoreError):
-    """The layout plan does not fit the model (or store.ranks); nothing was written."""
-
-
-def read_plan_file(path: str) -> PlanFile:
-    """store.plan as a plan file: read (bounded) and parsed at start-up; PlanRefused (one line) otherwise."""
-    try:
-        data = read_file(path, MAX_FILE_BYTES)
-    except InputFileError as e:
-        raise PlanRefused(f"store.plan: cannot read the plan file {path}: {e.reason}") from None
-    try:
-        return parse_plan_file(data)
-    except PlanError as e:
-        raise PlanRefused(f"store.plan: {path}: {e}") from None
-
-
-def resolve_plan(
-    setting: str, ranks: int, canonical: list[TensorSpec], metadata: dict[str, str], plan_file: PlanFile | None = None
-) -> LayoutPlan:
-    """store.plan as a checked LayoutPlan for this model: a plan file's rules, or a built-in plan (auto: the
-    family config.json names; or a family name) from the board's config.json (manifest metadata
-    ``checkpoint.files``).  PlanRefused: one line."""
-    if plan_file is not None:
-        try:
-            return plan_file.expand(canonical, ranks)
-        except (PlanError, ValueError) as e:
-            raise PlanRefused(f"store.plan: {setting}: {e}") from None
-    try:  # the board's words: parsed strictly and bounded, as pull --to and export.dir parse them
-        files = checkpoint_files({k: v for k, v in metadata.items() if k == FILES_KEY})
-        config = (
-            load_json(files["config.json"], max_bytes=MAX_SMALL_FILES_BYTES, allow_nan=True)
-            if "config.json" in files
-            else None
-        )
-    except (CheckpointError, UntrustedJSONError) as e:
-        raise PlanRefused(f"store.plan: the board's config.json (checkpoint.files) is unreadable: {e}") from None
-    if not isinstance(config, dict):
-        raise PlanRefused(
-            f"store.plan: {setting!r} needs the model's config.json, which this run's manifests do not carry "
-            "(publish from a Hugging Face checkpoint directory)"
-        )
-    if setting != "auto":
-        config = {**config, "model_type": setting}
-    try:
-        return builtin_plan(config, canonical, ranks)
-    except (PlanError, ValueError) as e:
-        raise PlanRefused(f"store.plan: {e}") from None
 
 
 def rank_store_names(base: str, ranks: int) -> list[str]:
     """``base`` for one rank (an existing deployment keeps its store), ``base.r<k>`` otherwise."""
     return [base] if ranks == 1 else [f"{base}.r{k}" for k in range(ranks)]
-
-
-@dataclass(frozen=True, slots=True)
-class RanksApplied:
-    pause_s: float  # the longest single rank's fence odd -> even
-    total_pause_s: float  # first fence odd -> last fence even (ranks are written one after another)
-    journal_s: float
-    journal_bytes: int
-    changed: int
-
-
-class PreparedRanks(Prepared):
-    """A prepared ``RankStores.apply``: its in-place ranks staged and journaled, the ranks to load."""
-
-    def __init__(self, owner: RankStores, journal_s: float = 0.0, journal_bytes: int = 0, *, journaled: bool = False):
-        super().__init__(owner.journal_dir, journal_s, journal_bytes, journaled=journaled)
-        self.version = 0
-        self.model: ServedModel | None = None
-        self.roots: list[bytes] = []
-        self.digests: list[list[bytes]] = []
-        self.loads: list[int] = []
-        self.routed: list[list[SlotChange]] | list[RankChanges] | None = None
-        self.stores: dict[int, WeightStore] = {}  # the ranks written in place
-        self.staged: dict[int, list[TensorUpdate]] = {}
-        self.bases: dict[int, Header] = {}
-        self.data_ptrs: dict[int, int] = {}
 
 
 def _kill_at(point: str) -> Callable[[str], None]:
@@ -157,51 +73,6 @@ def _kill_at(point: str) -> Callable[[str], None]:
 
 def _no_fault(point: str) -> None:
     pass
-
-
-MAX_DIGEST_WORKERS = 8
-
-
-class _Hashing:
-    """The digests of ``jobs`` (rank, slot) on one thread per core (at most ``MAX_DIGEST_WORKERS``),
-    the largest first, started at once: the caller routes the version meanwhile and joins as a
-    worker in ``finish``.  BLAKE3 and torch's copies let go of the GIL.  At TP=8 every parameter is
-    small (hashed on one core each) and a third of the bytes are assembled first (column splits);
-    one thread for those hashed in place and one for the others left a core idle (issue 33)."""
-
-    def __init__(self, digester: RankDigests, model: ServedModel, jobs: list[tuple[int, int]]) -> None:
-        self.digester, self.model, self.jobs = digester, model, jobs
-        self.out = [b""] * len(jobs)
-        self.order = iter(sorted(range(len(jobs)), key=lambda i: -digester.nbytes(*jobs[i])))
-        self.take = threading.Lock()
-        self.pool: ThreadPoolExecutor | None = None
-        self.far: list[Future[None]] = []
-        digester.hold(model)
-        workers = min(len(jobs), os.cpu_count() or 1, MAX_DIGEST_WORKERS)
-        if workers > 1 and all(t.device.type == "cpu" for t in model.data):
-            self.pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="rank-digest")
-            self.far = [self.pool.submit(self._work, w) for w in range(1, workers)]
-
-    def _work(self, worker: int) -> None:
-        while True:
-            with self.take:
-                i = next(self.order, None)
-            if i is None:
-                return
-            self.out[i] = self.digester.digest(self.model, *self.jobs[i], worker=worker)
-
-    def finish(self) -> list[bytes]:
-        try:
-            self._work(0)
-        finally:
-            try:
-                for f in self.far:
-                    f.result()
-            finally:
-                if self.pool is not None:
-                    self.pool.shutdown()
-                self.digester.release()
-        return self.out
 
 
 class RankStores:
@@ -411,7 +282,7 @@ class RankStores:
                 else:
                     digests.append([b""] * len(digester.params[k]))
                     jobs += [(k, i) for i in range(len(digester.params[k]))]
-            hashing = _Hashing(digester, model, jobs)
+            hashing = RankHashing(digester, model, jobs)
             try:
                 if updates is not None:
                     changes = [SlotChange(u.slot, u.positions, u.new, u.old) for u in updates]
@@ -443,7 +314,9 @@ class RankStores:
             return None
         if not (incremental and routed is not None):
             incremental, routed = [], None
-        prepared = self._stage(incremental, version, roots, routed) if routed is not None else PreparedRanks(self)
+        prepared = (
+            self._stage(incremental, version, roots, routed) if routed is not None else PreparedRanks(self.journal_dir)
+        )
         prepared.version, prepared.model, prepared.roots, prepared.digests = version, model, roots, digests
         prepared.loads, prepared.routed = loads, routed
         return prepared
@@ -465,7 +338,7 @@ class RankStores:
             raise StoreStateError(f"rank stores {moved} changed between preparing the activation and writing it")
         p.claim()
         self._written = ({}, [])
-        stats = self._write(p) if p.routed is not None else None
+        stats = write_ranks(p, fault=self.fault, phases=self.phases) if p.routed is not None else None
         in_place = {k: p.routed[k] for k in p.stores} if stats is not None and p.routed is not None else {}
         self._written = (in_place, p.loads)
         for k in p.loads:  # (only the ranks loaded whole are built)
@@ -499,91 +372,11 @@ class RankStores:
         self, ranks: list[int], version: int, roots: list[bytes], routed: list[list[SlotChange]] | list[RankChanges]
     ) -> PreparedRanks:
         """Stage every in-place rank and write the one journal covering them (nothing written yet)."""
-        t0 = time.perf_counter()
         stores = {k: self._rank(k) for k in ranks}
-        per_rank: dict[int, list[TensorUpdate]] = {}
-        runs: dict[int, journal.RunUpdates] = {}
-        staged: dict[int, list[TensorUpdate]] = {}
-        # Every rank stages (moves its updates to its device) before any fence goes odd: routed in
-        # one pass, as one run over its store's words (protocol/layout_flat.py), or one per parameter.
-        with torch_threads(1):  # (small operations per rank: see apply)
-            for k in ranks:
-                r = routed[k]
-                if isinstance(r, RankChanges):
-                    runs[k] = journal.RunUpdates(r.slots, r.counts, r.within(self.bases[k]), r.new, r.old)
-                    per_rank[k] = []
-                    flat = stores[k].stage_flat(r)
-                    staged[k] = flat if flat is not None else stores[k].stage(runs[k].updates())
-                else:
-                    per_rank[k] = [TensorUpdate(c.slot, c.positions, c.new, c.old) for c in r]
-                    staged[k] = stores[k].stage(per_rank[k])
-        bases = {k: stores[k].header() for k in ranks}
-        for k in ranks:
-            stores[k].fault = self._rank_fault(k)
-        # One journal for every rank taking part (all ranks, unless an engine rank is being reloaded).
-        entries = [
-            journal.Journal(
-                stores[k].layout.layout_hash, (b.version, b.root), (version, roots[k]), per_rank[k], runs.get(k)
-            )
-            for k, b in bases.items()
-        ]
-        t1 = time.perf_counter()
-        jbytes = journal.write_rank_journal(self.journal_dir, entries, fault=self.fault)
-        t2 = time.perf_counter()
-        prepared = PreparedRanks(self, t2 - t1, jbytes, journaled=True)
-        prepared.stores, prepared.staged, prepared.bases = stores, staged, bases
-        prepared.data_ptrs = {k: s._require_data().data_ptr() for k, s in stores.items()}
-        self.phases |= {"stage": t1 - t0, "journal": t2 - t1}
-        self.fault("journaled")
-        return prepared
-
-    def _write(self, p: PreparedRanks) -> RanksApplied:
-        """The fenced writes of the staged ranks (their journal on disk): every rank's readers held,
-        then each rank in turn; a failure brings every rank to one version from the journal."""
-        stores, staged, bases, version = p.stores, p.staged, p.bases, p.version
-        ranks, roots = list(stores), p.roots
-        t2 = time.perf_counter()
-        self._hold_readers(stores)
-        longest = 0.0
-        try:
-            for i, k in enumerate(ranks):
-                a = time.perf_counter()
-                stores[k].write_fenced(bases[k], version, roots[k], staged[k])
-                longest = max(longest, time.perf_counter() - a)
-                if i == 0 and len(ranks) > 1:
-                    self.fault("between_ranks")
-        except Exception as e:
-            # (A rank whose values did not read back restored its base.)  Bring every rank to one
-            # version, forward if the others verify, else back, from the journal still on disk.
-            log.error("rank activation of version %s failed: %s; recovering every rank from the journal", version, e)
-            try:
-                journal.recover_ranks([stores[k] for k in ranks], self.journal_dir)
-            except StoreError as again:
-                log.error("rank recovery after the failed activation failed too: %s", again)
-            raise
-        t3 = time.perf_counter()
-        self.fault("all_flipped")
-        with contextlib.suppress(JournalError):  # a journal left behind only re-applies what the ranks hold
-            journal.remove_journal(self.journal_dir)
-        changed = sum(u.count for st in staged.values() for u in st)
-        self.phases |= {"write": t3 - t2, "remove": time.perf_counter() - t3}
-        return RanksApplied(longest, t3 - t2, p.journal_s, p.journal_bytes, changed)
-
-    def _hold_readers(self, stores: dict[int, WeightStore]) -> None:
-        """Wait for every rank's readers in flight before any rank's fence goes odd (each rank's
-        ``write_fenced`` then finds its gate held): a rank whose readers stall past the bound
-        stops the activation with nothing written, never with some ranks ahead of the others."""
-        taken: list[WeightStore] = []
-        try:
-            for s in stores.values():
-                s.gate.acquire(s.control)
-                taken.append(s)
-        except StoreError:
-            for s in taken:
-                s.gate.release(s.control)
-            with contextlib.suppress(JournalError):
-                journal.remove_journal(self.journal_dir)
-            raise
+        return stage_ranks(
+            stores, version, roots, routed, self.bases, self.journal_dir,
+            fault=self.fault, rank_fault=self._rank_fault, phases=self.phases,
+        )  # fmt: skip
 
     def _rank_fault(self, k: int) -> Callable[[str], None]:
         return lambda point: self.fault(f"rank{k}:{point}")

@@ -13,7 +13,7 @@ import torch
 
 from patchswarm.daemon.checkpoint import FILES_KEY, QUANT_KEY, TIED_KEY, CheckpointError, plain_file_name
 from patchswarm.daemon.checkpoint_writer import MAX_FILES, write_checkpoint
-from patchswarm.daemon.rank_stores import PlanRefused, resolve_plan
+from patchswarm.daemon.rank_plans import PlanRefused, resolve_plan
 from patchswarm.daemon.served_format import ServedFormat, check_fp16
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.served import ServedModel

@@ -24,8 +24,9 @@ from patchswarm.daemon.engine_driver import Activation, Region
 from patchswarm.daemon.fence_lock import ReadersStalled
 from patchswarm.daemon.journal import journal_path, read_journal, read_journals
 from patchswarm.daemon.metrics import DaemonMetrics
+from patchswarm.daemon.rank_plans import PlanRefused, read_plan_file, resolve_plan
 from patchswarm.daemon.rank_rollout import activate_ranks
-from patchswarm.daemon.rank_stores import PlanRefused, RankStores, rank_store_names, read_plan_file, resolve_plan
+from patchswarm.daemon.rank_stores import RankStores, rank_store_names
 from patchswarm.daemon.shadow import StagedVersion, decode_once
 from patchswarm.daemon.status import Status
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreLayoutMismatch, StoreState
