@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from patchswarm.daemon import cli_args
 from patchswarm.daemon.user_error import UserError
+
+if TYPE_CHECKING:
+    from patchswarm.daemon.sidecar import RunningServer
 
 ACK_AGAIN_S = 5.0
 
@@ -104,8 +106,8 @@ async def _follow(engine: Any, view: Any, client: Any, name: str, every_s: float
 
 
 def cmd_engine_transformers(args: argparse.Namespace) -> int:
+    from patchswarm.daemon.engine_serve import serve_until_signal
     from patchswarm.daemon.openai_api import make_openai_app
-    from patchswarm.daemon.sidecar import serve_app
     from patchswarm.daemon.tf_engine import TfEngine
     from patchswarm.daemon.tf_model import ModelMismatch
 
@@ -123,26 +125,21 @@ def cmd_engine_transformers(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except (ModelMismatch, OSError, ValueError) as e:
             raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
-        host, _, port = args.listen.rpartition(":")
 
-        async def run() -> None:
-            server = await serve_app(make_openai_app(engine), host.strip("[]") or "0.0.0.0", int(port))
-            follower = None
-            if client is not None:
-                follower = asyncio.create_task(_follow(engine, view, client, args.engine_name))
-            else:
+        def started(server: RunningServer) -> None:
+            if client is None:
                 engine.note_served(0)
             print(f"transformers engine serving {engine.model_name} (version {engine.current_version()}) "
                   f"at {server.url}", flush=True)  # fmt: skip
-            stop = asyncio.Event()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            try:
-                await stop.wait()
-            finally:
-                if follower is not None:
-                    follower.cancel()
-                await server.close()
+
+        async def follow() -> None:
+            await _follow(engine, view, client, args.engine_name)
+
+        async def run() -> None:
+            await serve_until_signal(
+                make_openai_app(engine), args.listen, default_host="0.0.0.0",
+                follow=follow if client is not None else None, started=started,
+            )  # fmt: skip
 
         asyncio.run(run())
     finally:

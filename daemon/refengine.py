@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import signal
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
+from patchswarm.daemon.engine_serve import serve_until_signal
 from patchswarm.daemon.ref_model import LMShape, greedy_next
 from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
 from patchswarm.daemon.sidecar import RunningServer, serve_app
@@ -366,7 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--version", type=int, default=None, help="version to report (default: file metadata, else 0)")
     ap.add_argument("--n-heads", type=int, default=None)
     args = ap.parse_args(argv)
-    host, _, port = args.listen.rpartition(":")
     client = None
     if args.daemon_socket:
         source: WeightSource
@@ -374,21 +373,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         source = _source_from_file(args.safetensors, args.version)
 
-    async def run() -> None:
-        server = await start_engine(source, host.strip("[]") or "127.0.0.1", int(port), n_heads=args.n_heads)
+    def started(server: RunningServer) -> None:
         print(f"refengine serving version {source.version()} at {server.url}", flush=True)
-        keeper = None
-        if client is not None and isinstance(source, StoreViewSource):
-            keeper = asyncio.create_task(_follow_daemon(client, source.view, args.engine_name))
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            if keeper is not None:
-                keeper.cancel()
-            await server.close()
+
+    async def follow() -> None:
+        assert isinstance(source, StoreViewSource)
+        await _follow_daemon(client, source.view, args.engine_name)
+
+    async def run() -> None:
+        following = client is not None and isinstance(source, StoreViewSource)
+        await serve_until_signal(
+            make_engine_app(source, n_heads=args.n_heads), args.listen, default_host="127.0.0.1",
+            follow=follow if following else None, started=started,
+        )  # fmt: skip
 
     try:
         asyncio.run(run())
