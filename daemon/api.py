@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from patchswarm.daemon.exporter import peer_pid
+from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.status import MAX_SUBSCRIBERS, Status
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
 
@@ -54,7 +55,7 @@ RANKS_KEY: web.AppKey[int] = web.AppKey("ranks", int)
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(data, status=status, headers=headers, dumps=lambda o: json.dumps(o, separators=(",", ":")))
+    return json_response(data, status=status, headers=headers, compact=True)
 
 
 def _bad(message: str) -> web.Response:
@@ -97,11 +98,11 @@ async def events(request: web.Request) -> web.StreamResponse:
         snap = s.snapshot()
         keys = ("state", "reason", "version", "served_version", "target", "progress")
         first = {"event": "state", **{k: snap[k] for k in keys}}
-        await resp.write(f"event: state\ndata: {json.dumps(first)}\n\n".encode())
+        await resp.write(f"event: state\ndata: {strict_dumps(first)}\n\n".encode())
         while True:
             try:
                 ev = await asyncio.wait_for(q.get(), timeout=15)
-                await resp.write(f"event: {ev['event']}\ndata: {json.dumps(ev)}\n\n".encode())
+                await resp.write(f"event: {ev['event']}\ndata: {strict_dumps(ev)}\n\n".encode())
             except TimeoutError:
                 if not s.subscribed(q):
                     break  # dropped for not reading: end the stream so the client reconnects, not a silent one

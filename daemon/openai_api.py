@@ -15,7 +15,9 @@ Routes (docs/engines.md):
   ``POST /patchswarm/v1/commit {"version", "flush_cache"}``, ``GET /patchswarm/v1/version``:
   daemon/engine_driver.py's zero-copy control routes.
 - ``POST /patchswarm/v1/logits {"prompt": ...}`` (debug): the last position's logits of a
-  whole-prompt forward pass and the version it ran on, for tests that compare with a fresh load.
+  whole-prompt forward pass and the version it ran on, for tests that compare with a fresh load;
+  a non-finite logit (NaN, an infinity: a diverged model) is sent as null and counted in
+  ``non_finite`` (answers are strict JSON: daemon/json_answer.py).
 
 Bodies are bounded (1 MiB) and parsed strictly (protocol/untrusted_json.py); errors are OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 503 while no stable
@@ -29,15 +31,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 from aiohttp import web
 
+from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.tf_engine import FenceUnavailable, Sampling, Step, TfEngine, VersionMismatch
 from patchswarm.protocol.untrusted_json import load_json
 
@@ -78,7 +81,7 @@ class BadRequest(ValueError):
 
 def _error(status: int, message: str, kind: str) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+    return json_response(body, status=status)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -299,7 +302,7 @@ async def _admitted(request: web.Request, chat: bool) -> web.StreamResponse:
             else:
                 choice["text"] = out
             obj = "chat.completion" if chat else "text_completion"
-            return web.json_response(
+            return json_response(
                 {
                     **head,
                     "object": obj,
@@ -337,7 +340,7 @@ async def _stream(
             n = len(steps)
             event["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
             event["weight_version"] = _weight_version(steps, engine)
-        return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+        return f"data: {strict_dumps(event, compact=True)}\n\n".encode()
 
     try:
         if chat:
@@ -354,7 +357,7 @@ async def _stream(
                 code, kind = (503, "service_unavailable") if isinstance(e, FenceUnavailable) else (500, "server_error")
                 msg = str(e) if code == 503 else _failed(e)
                 err = {"error": {"message": msg, "type": kind, "param": None, "code": code}}
-                await write(f"data: {json.dumps(err)}\n\n".encode())
+                await write(f"data: {strict_dumps(err)}\n\n".encode())
                 return resp
         await write(chunk(None if chat else "", finish()))
         await write(b"data: [DONE]\n\n")
@@ -379,12 +382,12 @@ async def _models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     model = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "patchswarm",
              "max_model_len": engine.max_positions}  # fmt: skip
-    return web.json_response({"object": "list", "data": [model]})
+    return json_response({"object": "list", "data": [model]})
 
 
 async def _health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.json_response({"status": "ok", "version": engine.served, "paused": engine.paused})
+    return json_response({"status": "ok", "version": engine.served, "paused": engine.paused})
 
 
 async def _pause(request: web.Request) -> web.Response:
@@ -395,12 +398,12 @@ async def _pause(request: web.Request) -> web.Response:
     if body.get("mode", "in_place") != "in_place":
         return _error(400, f"only mode 'in_place' is supported, got {body.get('mode')!r}", "invalid_request_error")
     await request.app[ENGINE].pause()
-    return web.json_response({"paused": True})
+    return json_response({"paused": True})
 
 
 async def _continue(request: web.Request) -> web.Response:
     request.app[ENGINE].resume()
-    return web.json_response({"paused": False})
+    return json_response({"paused": False})
 
 
 async def _commit(request: web.Request) -> web.Response:
@@ -414,14 +417,14 @@ async def _commit(request: web.Request) -> web.Response:
     except ValueError as e:
         return _error(400, str(e), "invalid_request_error")
     try:
-        return web.json_response({"version": await engine.commit(version, flush)})
+        return json_response({"version": await engine.commit(version, flush)})
     except VersionMismatch as e:
-        return web.json_response({"error": "VersionMismatch", "message": str(e), "version": e.held,
+        return json_response({"error": "VersionMismatch", "message": str(e), "version": e.held,
                                   "requested": e.wanted}, status=409)  # fmt: skip
 
 
 async def _version(request: web.Request) -> web.Response:
-    return web.json_response({"version": request.app[ENGINE].served})
+    return json_response({"version": request.app[ENGINE].served})
 
 
 async def _logits(request: web.Request) -> web.Response:
@@ -437,7 +440,13 @@ async def _logits(request: web.Request) -> web.Response:
         return _error(503, str(e), "service_unavailable")
     except RuntimeError as e:
         return _error(500, _failed(e), "server_error")
-    return web.json_response({"logits": logits.tolist(), "version": version, "prompt_tokens": len(ids)})
+    values: list[float | None] = logits.tolist()
+    finite = torch.isfinite(logits)
+    non_finite = int(finite.numel() - int(finite.sum()))
+    if non_finite:  # (strict JSON has no NaN or Infinity: null, and the count says why)
+        values = [v if ok else None for v, ok in zip(values, finite.tolist(), strict=True)]
+    body = {"logits": values, "non_finite": non_finite, "version": version, "prompt_tokens": len(ids)}
+    return json_response(body)
 
 
 def make_openai_app(engine: TfEngine, admission: Admission | None = None) -> web.Application:

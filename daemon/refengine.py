@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 from aiohttp import web
 
 from patchswarm.daemon.engine_serve import serve_until_signal
+from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.ref_model import LMShape, greedy_next
 from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
 from patchswarm.daemon.sidecar import RunningServer, serve_app
@@ -182,7 +182,7 @@ def make_engine_app(source: WeightSource | RefEngine, **options: Any) -> web.App
 
 
 def _bad(detail: str) -> web.Response:
-    return web.json_response({"error": "BadRequest", "detail": detail}, status=400)
+    return json_response({"error": "BadRequest", "detail": detail}, status=400)
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
@@ -218,7 +218,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         before, after = steps[0].before, steps[-1].after
     else:
         before = after = engine.source.version()
-    return web.json_response(
+    return json_response(
         {
             "tokens": [s.token for s in steps],
             "engine_version": {"before": before, "after": after},
@@ -236,7 +236,7 @@ async def _generate_stream(
         async with contextlib.aclosing(engine.generate(prompt, max_tokens)) as steps:
             async for s in steps:
                 event = {"index": s.index, "token": s.token, "version": {"before": s.before, "after": s.after}}
-                await resp.write(f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode())
+                await resp.write(f"data: {strict_dumps(event, compact=True)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:
@@ -253,12 +253,12 @@ async def _pause(request: web.Request) -> web.Response:
     if mode != "in_place":
         return _bad(f"only mode 'in_place' is supported, got {mode!r}")
     await request.app[ENGINE_KEY].pause()
-    return web.json_response({"paused": True})
+    return json_response({"paused": True})
 
 
 async def _continue(request: web.Request) -> web.Response:
     request.app[ENGINE_KEY].resume()
-    return web.json_response({"paused": False})
+    return json_response({"paused": False})
 
 
 async def _commit(request: web.Request) -> web.Response:
@@ -275,20 +275,20 @@ async def _commit(request: web.Request) -> web.Response:
     seen = await request.app[ENGINE_KEY].commit(version)
     if seen is not None:
         shown = "no ready version" if seen == NO_VERSION else f"version {seen}"
-        return web.json_response(
+        return json_response(
             {"error": "VersionMismatch", "message": f"the store holds {shown}, not {version}", "version": seen},
             status=409,
         )
-    return web.json_response({"version": version})
+    return json_response({"version": version})
 
 
 async def _served_version(request: web.Request) -> web.Response:
-    return web.json_response({"version": request.app[ENGINE_KEY].served})
+    return json_response({"version": request.app[ENGINE_KEY].served})
 
 
 async def _health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return web.json_response({"status": "ok", "version": engine.source.version(), "paused": engine.paused})
+    return json_response({"status": "ok", "version": engine.source.version(), "paused": engine.paused})
 
 
 async def start_engine(

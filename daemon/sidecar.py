@@ -29,7 +29,6 @@ when the activation driver follows the protocol: ``begin_activation`` before tou
 
 from __future__ import annotations
 
-import json
 import logging
 import ssl
 from collections.abc import AsyncIterator, Mapping
@@ -40,6 +39,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.sidecar_constraints import (
     BODY_KEY,
     constraint_from_headers,
@@ -151,11 +151,11 @@ def make_sidecar_app(
 
 
 async def _status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[_SETTINGS].gate.snapshot())
+    return json_response(request.app[_SETTINGS].gate.snapshot())
 
 
 def _error(status: int, error: str, detail: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": error, "detail": detail, **extra}, status=status)
+    return json_response({"error": error, "detail": detail, **extra}, status=status)
 
 
 def _refusal_response(refusal: NotReady, constraint: VersionConstraint) -> web.Response:
@@ -169,7 +169,7 @@ def _refusal_response(refusal: NotReady, constraint: VersionConstraint) -> web.R
     if refusal.activating is not None:
         body["activating_version"] = refusal.activating
     headers = {"Retry-After": str(max(0, round(refusal.retry_after_s)))} if refusal.retryable else {}
-    return web.json_response(body, status=refusal.status, headers=headers)
+    return json_response(body, status=refusal.status, headers=headers)
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
@@ -296,7 +296,7 @@ def _sse_version_event(tail: bytes, start: int, end: int) -> bytes:
         sep = b"\n"
     else:
         sep = b"\n\n"
-    data = json.dumps({BODY_KEY: {"start": start, "end": end}}, separators=(",", ":"))
+    data = strict_dumps({BODY_KEY: {"start": start, "end": end}}, compact=True)
     return sep + f"event: {SSE_EVENT}\ndata: {data}\n\n".encode()
 
 

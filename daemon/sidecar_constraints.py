@@ -5,6 +5,7 @@ the request is forwarded, so the engine never sees it)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 
@@ -73,20 +74,32 @@ def split_body_constraint(body: bytes, content_type: str) -> tuple[bytes, Versio
     return dumps_json(obj), constraint
 
 
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # (1e999: a number no double holds, read as an infinity)
+        raise ValueError(f"{text} is out of a double's range")
+    return value
+
+
 def loads_json(data: bytes) -> object:
     """The JSON value of ``data``, or None when it is not JSON this process can hold (the body is then
-    passed on untouched): ValueError covers bad UTF-8, bad JSON and integers of over 4300 digits."""
+    passed on untouched): ValueError covers bad UTF-8, bad JSON (a bare NaN or Infinity too: the
+    sidecar re-encodes only what it can write back as strict JSON) and integers of over 4300 digits."""
     try:
-        return json.loads(data)
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, RecursionError):
         return None
 
 
 def dumps_json(obj: object) -> bytes:
     try:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (an escaped \ud800 in the input): keep it as an escape
-        return json.dumps(obj, separators=(",", ":")).encode()
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
 def is_json(mimetype: str) -> bool:

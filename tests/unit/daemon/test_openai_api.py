@@ -225,3 +225,39 @@ def test_any_body_is_answered_200_or_400(ckpt: Path, weights: StaticWeights, bod
             await server.close()
 
     asyncio.run(one())
+
+
+def _refuse_constant(name: str) -> object:
+    raise AssertionError(f"the answer holds a bare {name}: not JSON")
+
+
+@pytest.mark.asyncio
+async def test_logits_send_non_finite_values_as_null_in_strict_json(ckpt: Path) -> None:
+    weights = StaticWeights.from_checkpoint(ckpt)
+    with torch.no_grad():  # (the LM head's rows, tied or not): token 7's logit NaN, token 9's infinite
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in weights.tensors():
+                head = weights.tensors()[name]
+                head[7].fill_(float("nan"))
+                head[9].zero_()
+                head[9, 0] = float("inf")
+    engine = TfEngine(weights, ckpt, max_tokens_limit=32)
+    engine.note_served(0)
+    ids = [1, 2, 3]
+    with torch.inference_mode():
+        want = engine.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    finite = torch.isfinite(want)
+    assert not finite[7] and not finite[9]
+    server = await serve_app(make_openai_app(engine), "127.0.0.1", 0)
+    try:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{server.url}/patchswarm/v1/logits", json={"prompt": ids}) as r,
+        ):
+            assert r.status == 200
+            out = json.loads(await r.read(), parse_constant=_refuse_constant)
+    finally:
+        await server.close()
+    assert out["non_finite"] == int((~finite).sum()) and out["version"] == 0
+    assert [v is None for v in out["logits"]] == (~finite).tolist()
+    assert torch.equal(torch.tensor([v for v in out["logits"] if v is not None]), want[finite])

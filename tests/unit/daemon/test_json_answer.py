@@ -1,0 +1,40 @@
+"""Strict JSON answers (daemon/json_answer.py): never a bare NaN or Infinity."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from patchswarm.daemon.json_answer import json_response, strict_dumps
+
+FINITE_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _refuse(name: str) -> Any:
+    raise ValueError(f"bare {name}")
+
+
+@given(FINITE_JSON, st.booleans())
+def test_finite_values_round_trip_through_a_strict_parser(value: Any, compact: bool) -> None:
+    text = strict_dumps(value, compact=compact)
+    assert json.loads(text, parse_constant=_refuse) == value
+    assert text == json.dumps(value, separators=(",", ":") if compact else None)  # (same bytes as before)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_raise_instead_of_writing_bare_constants(bad: float) -> None:
+    for value in (bad, [1.0, bad], {"logits": [bad]}):
+        with pytest.raises(ValueError, match="not JSON compliant"):
+            strict_dumps(value)
+        with pytest.raises(ValueError, match="not JSON compliant"):
+            json_response(value)
+    assert json_response({"a": 1.5}, status=201, compact=True).text == '{"a":1.5}'
