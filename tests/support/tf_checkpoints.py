@@ -5,13 +5,26 @@ embeddings, as transformers saves them), tokenizer.json and tokenizer_config.jso
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from patchswarm.daemon.demo_llama import CHAT_TEMPLATE, SPECIALS, write_tokenizer
+from tests.support.daemonkit import ROOT
+from tests.support.hf_models import tiny_llama_config
 
-__all__ = ["CHAT_TEMPLATE", "SPECIALS", "VOCAB", "tiny_llama_bf16", "write_checkpoint", "write_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIALS",
+    "VOCAB",
+    "start_engine_cli",
+    "tiny_llama_bf16",
+    "write_checkpoint",
+    "write_tokenizer",
+]
 
 VOCAB = 300  # 256 bytes + 5 specials, and rows no token reaches
 
@@ -19,18 +32,7 @@ VOCAB = 300  # 256 bytes + 5 specials, and rows no token reaches
 def tiny_llama_bf16(seed: int = 0, tie: bool = True) -> torch.nn.Module:
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        bos_token_id=256,
-        eos_token_id=257,
-    )
+    cfg = tiny_llama_config(vocab=VOCAB, tie=tie, bos_token_id=256, eos_token_id=257)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # larger weights than the init's: logits that differ clearly between tokens
@@ -46,3 +48,15 @@ def write_checkpoint(d: Path, model: torch.nn.Module) -> Path:
     model.save_pretrained(d)
     write_tokenizer(d)
     return d
+
+
+def start_engine_cli(checkpoint: Path, socket: str, port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """``patchswarm engine transformers`` serving ``checkpoint``'s model from the daemon at ``socket``
+    on 127.0.0.1:``port``, its output in ``log``; ``extra``: more of its options."""
+    args = ["engine", "transformers", "--checkpoint", str(checkpoint), "--daemon", socket,
+            "--listen", f"127.0.0.1:{port}", *extra]  # fmt: skip
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "patchswarm.daemon.cli", *args],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+        )  # fmt: skip

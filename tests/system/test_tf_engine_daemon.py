@@ -21,12 +21,11 @@ import aiohttp
 import pytest
 import torch
 
-from patchswarm.daemon.checkpoint import read_checkpoint
 from tests.support.boards import free_port
 from tests.support.daemonkit import ROOT, make_daemon
-from tests.support.hf_models import tiny_llama, train_step
+from tests.support.hf_models import Training
 from tests.support.swarmkit import Swarm
-from tests.support.tf_checkpoints import write_tokenizer
+from tests.support.tf_checkpoints import start_engine_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,24 +47,15 @@ async def wait_for(predicate: Any, what: str, timeout_s: float = 120.0) -> Any:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp_path: Path) -> None:
-    model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    training = Training(tmp_path)
     sw = Swarm(tmp_path)
     export = tmp_path / "export"
 
     def publish(step: int) -> None:
-        assert sw.pub is not None
-        train_step(model, opt, step)
-        model.save_pretrained(tmp_path / f"step{step}")
-        ck = read_checkpoint(tmp_path / f"step{step}")
-        sw.pub.publish(ck.tensors, metadata=ck.metadata())
+        training.publish(sw.pub, step)
 
     publish(1)
-    engine_dir = tmp_path / "engine"  # the trainer's config (float32: the engine serves the store's bf16)
-    engine_dir.mkdir()
-    for name in ("config.json", "generation_config.json"):
-        (engine_dir / name).write_bytes((tmp_path / "step1" / name).read_bytes())
-    write_tokenizer(engine_dir)
+    engine_dir = training.engine_dir(tmp_path / "engine")  # (float32 config: the engine serves the store's bf16)
 
     await sw.start_seed()
     engine_port, sidecar_port = free_port(), free_port()
@@ -83,12 +73,7 @@ async def test_engine_serves_each_trained_version_bitwise_behind_the_sidecar(tmp
         # The store holds version 1 before the engine runs: not served (no engine acknowledged it yet).
         st = await wait_for(lambda: _status_at(d, 1), "the daemon to write version 1")
         assert st["served_version"] is None and st["state"] == "error", st
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "patchswarm.daemon.cli", "engine", "transformers", "--checkpoint",
-                 str(engine_dir), "--daemon", d.socket, "--listen", f"127.0.0.1:{engine_port}", "--fence-wait", "30"],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
-            )  # fmt: skip
+        proc = start_engine_cli(engine_dir, d.socket, engine_port, log, "--fence-wait", "30")
         async with aiohttp.ClientSession() as http:
 
             async def health() -> Any:
@@ -198,22 +183,14 @@ def test_cli_refuses_bad_engine_input_in_one_line(tmp_path: Path) -> None:
 async def test_a_daemon_killed_mid_write_makes_requests_fail_never_read_torn(tmp_path: Path) -> None:
     """kill -9 of the daemon in the middle of writing version 2 (its fence odd, the engine paused): requests
     wait their bounds and fail 503; a restarted daemon recovers, and the engine serves bitwise again."""
-    model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    training = Training(tmp_path)
     sw = Swarm(tmp_path)
 
     def publish(step: int) -> None:
-        assert sw.pub is not None
-        train_step(model, opt, step)
-        model.save_pretrained(tmp_path / f"step{step}")
-        ck = read_checkpoint(tmp_path / f"step{step}")
-        sw.pub.publish(ck.tensors, metadata=ck.metadata())
+        training.publish(sw.pub, step)
 
     publish(1)
-    engine_dir = tmp_path / "engine"
-    engine_dir.mkdir()
-    (engine_dir / "config.json").write_bytes((tmp_path / "step1" / "config.json").read_bytes())
-    write_tokenizer(engine_dir)
+    engine_dir = training.engine_dir(tmp_path / "engine")
     await sw.start_seed()
     engine_port, sidecar_port = free_port(), free_port()
     extra = (
@@ -227,13 +204,7 @@ async def test_a_daemon_killed_mid_write_makes_requests_fail_never_read_torn(tmp
     engine = f"http://127.0.0.1:{engine_port}"
     try:
         await d.wait_version(1)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "patchswarm.daemon.cli", "engine", "transformers", "--checkpoint",
-                 str(engine_dir), "--daemon", d.socket, "--listen", f"127.0.0.1:{engine_port}",
-                 "--fence-wait", "1", "--pause-limit", "1"],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
-            )  # fmt: skip
+        proc = start_engine_cli(engine_dir, d.socket, engine_port, log, "--fence-wait", "1", "--pause-limit", "1")
         async with aiohttp.ClientSession() as http:
 
             async def version() -> Any:
@@ -262,7 +233,9 @@ async def test_a_daemon_killed_mid_write_makes_requests_fail_never_read_torn(tmp
             d.start()  # recovery (the journal), then version 2 again
             await d.wait_version(2, timeout=120)
             assert await wait_for(lambda: _is(version, 2), "the engine to serve v2")
-            copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "v2-bf16")  # the version, as served
+            copy.deepcopy(training.model).to(torch.bfloat16).save_pretrained(
+                tmp_path / "v2-bf16"
+            )  # the version, as served
             ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "v2-bf16")
             for ids in PROMPTS:
                 async with http.post(f"{engine}/patchswarm/v1/logits", json={"prompt": ids}) as r:
