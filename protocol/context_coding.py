@@ -6,7 +6,9 @@ far more often than large ones: on real AdamW trajectories an ideal coder condit
 exponent of the base value) needs about 0.67x the bits of the memoryless ``log2 C(n, k)`` bound
 (benchmarks/codec_contexts.py).  Coding each exponent as its own class costs a counting sort of
 the whole tensor to decode (~44 ns an element in numpy); a few contiguous exponent ranges
-("groups") keep most of the gain (0.69-0.73x) and decode with one compare pass per group.
+("groups") keep most of the gain (0.69-0.73x) and decode with one compare pass per group.  Each
+threshold is the exponent of some changed element's base value (checked), which leaves a
+corrupted threshold no way to decode to the same positions.
 
 The record's bit stream holds: ``G - 1`` (3 bits), then ``G - 1`` ascending exponent thresholds
 (``E`` bits each); then, block by block (``CTX_BLOCK`` elements), the Elias-gamma counts of
@@ -82,6 +84,8 @@ def choose_thresholds(n_c: np.ndarray, k_c: np.ndarray, e: int, blocks: int) -> 
     m = present.size
     cost = _entropy_cost(n[None, :] - n[:, None], k[None, :] - k[:, None])
     cost = np.where(np.triu(np.ones((m + 1, m + 1), dtype=bool), 1), cost, np.inf)  # group = classes i..j-1
+    # A group starts (a threshold is) only at an exponent some change has: read_ctx_positions checks it.
+    cost[1:m][k_c[present[1:]] == 0] = np.inf
     dp = cost[0].copy()  # one group: classes 0..j-1
     backs: list[np.ndarray] = []
     best_g, best = 1, dp[m]
@@ -210,4 +214,11 @@ def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.
         done += kb
     if done != k:
         raise FormatError(f"{spec.name}: context counts add up to {done}, the record says {k}")
+    # Each threshold must be the exponent of a changed element's base value: then a threshold moved
+    # to any other value moves that element to another group, whose count no longer matches, so no
+    # corrupted threshold decodes to the same positions (one spelling, as format 1).
+    if thresholds.size:
+        ex = (base[out] >> m).astype(np.int64) & ((1 << e) - 1)
+        if not np.isin(thresholds, ex).all():
+            raise FormatError(f"{spec.name}: a context threshold is not the exponent of a changed element")
     return out

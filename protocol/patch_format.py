@@ -162,6 +162,9 @@ def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHe
             raise FormatError(f"{spec.name}: context coding used on dtype {spec.dtype}")
         records.append((enc, k))
         bound += raw_bound(spec, enc, k)
+    if fmt != max([1, *(MIN_FORMAT.get(enc, 1) for enc, _ in records)]):
+        # One spelling per payload: the lowest format that holds its records (pack_payload).
+        raise FormatError(f"patch payload format {fmt} holds no record that needs it")
     if not isinstance(streams_raw, list):
         raise FormatError("patch stream table is malformed")
     streams: list[tuple[str, int, memoryview]] = []
