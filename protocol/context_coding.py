@@ -6,7 +6,8 @@ far more often than large ones: on real AdamW trajectories an ideal coder condit
 exponent of the base value) needs about 0.67x the bits of the memoryless ``log2 C(n, k)`` bound
 (benchmarks/codec_contexts.py).  Coding each exponent as its own class costs a counting sort of
 the whole tensor to decode (~44 ns an element in numpy); a few contiguous exponent ranges
-("groups") keep most of the gain (0.69-0.73x) and decode with one compare pass per group.  Each
+("groups") keep most of the gain (0.69-0.73x) and decode with one compare-and-pack pass per
+threshold (bit sets, popcounts and a select per change: ~0.2 ns an element a threshold).  Each
 threshold is the exponent of some changed element's base value (checked), which leaves a
 corrupted threshold no way to decode to the same positions.
 
@@ -36,6 +37,7 @@ GROUP_BITS = 3  # G - 1 is written in this many bits
 MANTISSA = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
 # Base elements sampled (strided) to estimate the exponent histogram when choosing thresholds.
 SAMPLE = 1 << 18
+_U64 = np.dtype("<u8")
 
 
 def exponent_field(spec: TensorSpec) -> tuple[int, int]:
@@ -44,14 +46,46 @@ def exponent_field(spec: TensorSpec) -> tuple[int, int]:
     return m, 8 * spec.dt.width - 1 - m
 
 
-def groups_of(words: np.ndarray, m: int, thresholds: np.ndarray) -> np.ndarray:
-    """The group (uint8) of each base word: how many thresholds its exponent reaches."""
-    # exponent(w) >= t  <=>  (w & magnitude mask) >= t << M: compare magnitudes, no shift.
+def group_words(words: np.ndarray, m: int, thresholds: np.ndarray) -> list[np.ndarray]:
+    """Per group, which of the block's base ``words`` belong to it, as bits packed in uint64 words
+    (element i is bit i % 64 of word i // 64): one compare and pack pass per threshold."""
+    nb = words.size
     mag = words & np.array((1 << (8 * words.dtype.itemsize - 1)) - 1, dtype=words.dtype)
-    grp = np.zeros(words.size, dtype=np.uint8)
+    nwords = -(-nb // 64)
+    valid = np.full(nwords, ~np.uint64(0), dtype=_U64)
+    if nb % 64:
+        valid[-1] = np.uint64((1 << (nb % 64)) - 1)
+    ge = [valid]
+    buf = np.zeros(nwords * 64, dtype=bool)
     for t in thresholds.tolist():
-        grp += mag >= (t << m)
-    return grp
+        # exponent(w) >= t  <=>  (w & magnitude mask) >= t << M: compare magnitudes, no shift.
+        np.greater_equal(mag, t << m, out=buf[:nb])
+        ge.append(np.packbits(buf, bitorder="little").view(_U64))
+    ge.append(np.zeros(nwords, dtype=_U64))
+    return [ge[g] & ~ge[g + 1] for g in range(len(ge) - 1)]
+
+
+def _select_table() -> np.ndarray:
+    """SELECT[b, j]: the index of the j-th set bit of byte b (8 where b has fewer set bits)."""
+    table = np.full((256, 9), 8, dtype=np.int64)
+    for b in range(256):
+        ones = [i for i in range(8) if b >> i & 1]
+        table[b, : len(ones)] = ones
+    return table
+
+
+_SELECT = _select_table()
+
+
+def _select(words: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """The index of the ``j``-th (0-based) set bit of each uint64 word (which has more than j)."""
+    by = words.astype(_U64, copy=False).view(np.uint8).reshape(-1, 8)
+    upto = np.cumsum(np.bitwise_count(by), axis=1, dtype=np.int64)  # set bits in bytes 0..i
+    byte = np.count_nonzero(upto <= j[:, None], axis=1)  # the byte holding the j-th bit
+    rows = np.arange(words.size)
+    before = np.where(byte > 0, upto[rows, np.maximum(byte - 1, 0)], 0)
+    out: np.ndarray = byte * 8 + _SELECT[by[rows, byte], j - before]
+    return out
 
 
 def ctx_bound_bits(n: int, k: int, e: int) -> int:
@@ -113,17 +147,29 @@ def _gamma(x: np.ndarray) -> list[Piece]:
     return [Fields(unary_bits(lengths), 1), Fields(np.concatenate([np.zeros(0, np.int64), *low]), 1)]
 
 
-def ctx_fields(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> list[Piece]:
-    """The SPARSE_CTX position fields of the ascending changed positions ``pos`` (at least one) of a
-    float tensor whose base words (host numpy, signed) are ``base``."""
+def context_thresholds(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The thresholds the encoder uses for these changes (empty: contexts would not pay)."""
     n = spec.numel
     m, e = exponent_field(spec)
     step = max(1, n // SAMPLE)
     mask = (1 << e) - 1
     n_c = np.bincount((base[::step] >> m).astype(np.int64) & mask, minlength=1 << e) * step
     k_c = np.bincount((base[pos] >> m).astype(np.int64) & mask, minlength=1 << e)
-    n_c = np.maximum(n_c, k_c)
-    thresholds = choose_thresholds(n_c, k_c, e, -(-n // CTX_BLOCK))
+    return choose_thresholds(np.maximum(n_c, k_c), k_c, e, -(-n // CTX_BLOCK))
+
+
+def ctx_fields(
+    spec: TensorSpec, base: np.ndarray, pos: np.ndarray, thresholds: np.ndarray | None = None
+) -> list[Piece] | None:
+    """The SPARSE_CTX position fields of the ascending changed positions ``pos`` (at least one) of a
+    float tensor whose base words (host numpy, signed) are ``base``: with the given ``thresholds``,
+    else with the encoder's, or None where it finds one group best (plain gaps then cost less)."""
+    n = spec.numel
+    m, e = exponent_field(spec)
+    if thresholds is None:
+        thresholds = context_thresholds(spec, base, pos)
+        if thresholds.size == 0:
+            return None
     g_count = thresholds.size + 1
     out: list[Piece] = [Fields(np.array([g_count - 1]), GROUP_BITS), Fields(thresholds, e)]
     bounds = np.searchsorted(pos, np.arange(0, n + CTX_BLOCK, CTX_BLOCK))
@@ -132,17 +178,24 @@ def ctx_fields(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> list[Piec
         if local.size == 0:
             out.append(Fields(np.zeros(g_count, dtype=np.uint8), 1))  # gamma(1) per group: a 0 bit
             continue
-        grp = groups_of(base[start : start + CTX_BLOCK], m, thresholds)
-        of_change = grp[local]
+        members = group_words(base[start : start + CTX_BLOCK], m, thresholds)
+        mag = base[start + local] & np.array((1 << (8 * base.dtype.itemsize - 1)) - 1, dtype=base.dtype)
+        of_change = np.zeros(local.size, dtype=np.int64)
+        for t in thresholds.tolist():
+            of_change += mag >= t << m
         counts = np.bincount(of_change, minlength=g_count)
         out.extend(_gamma(counts + 1))
         quotients: list[np.ndarray] = []
         remainders: list[Piece] = []
         for g in np.flatnonzero(counts).tolist():
-            members = np.flatnonzero(grp == g)
-            ranks = np.searchsorted(members, local[of_change == g])
+            # rank = members of g before the change: whole words before it, then the bits below it
+            p = local[of_change == g]
+            per_word = np.bitwise_count(members[g]).astype(np.int64)
+            before = np.cumsum(per_word) - per_word
+            below = members[g][p >> 6] & ((np.uint64(1) << (p & 63).astype(_U64)) - np.uint64(1))
+            ranks = before[p >> 6] + np.bitwise_count(below)
             gaps = np.diff(ranks, prepend=-1) - 1
-            r = rice_bits(members.size, ranks.size)
+            r = rice_bits(int(per_word.sum()), ranks.size)
             quotients.append(gaps >> r)
             remainders.append(Fields(gaps & ((1 << r) - 1), r))
         out.append(Fields(unary_bits(np.concatenate(quotients)), 1))
@@ -185,29 +238,33 @@ def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.
             raise FormatError(f"{spec.name}: context counts add up to more than the record's {k} changes")
         if kb == 0:
             continue
-        grp = groups_of(base[start : start + nb], m, thresholds)
+        members = group_words(base[start : start + nb], m, thresholds)
         q = reader.read_unary("bits", kb)
         parts: list[np.ndarray] = []
         o = 0
         for g in np.flatnonzero(counts).tolist():
             kg = int(counts[g])
-            members = np.flatnonzero(grp == g)
-            if kg > members.size:
+            per_word = np.bitwise_count(members[g]).astype(np.int64)
+            upto = np.cumsum(per_word)
+            ng = int(upto[-1])
+            if kg > ng:
                 raise FormatError(f"{spec.name}: more changes than elements in a context group")
-            r = rice_bits(members.size, kg)
+            r = rice_bits(ng, kg)
             ranks = q[o : o + kg]
             o += kg
             # Legitimate quotients sum to at most (n_g - k_g) >> r: checked before shifting.
-            if int(ranks.sum()) > (members.size - kg) >> r:
+            if int(ranks.sum()) > (ng - kg) >> r:
                 raise FormatError(f"{spec.name}: change ranks fall outside their context group")
             ranks = ranks << r
             ranks |= reader.read_fields("bits", kg, r)
             ranks += 1
             np.cumsum(ranks, out=ranks)
             ranks -= 1
-            if ranks[-1] >= members.size:
+            if ranks[-1] >= ng:
                 raise FormatError(f"{spec.name}: change ranks fall outside their context group")
-            parts.append(members[ranks])
+            # The word holding each rank's member, then the member's bit within it.
+            word = np.searchsorted(upto, ranks, side="right")
+            parts.append(word * 64 + _select(members[g][word], ranks - (upto[word] - per_word[word])))
         block = np.concatenate(parts) if len(parts) > 1 else parts[0]
         block.sort()
         out[done : done + kb] = block + start

@@ -81,7 +81,7 @@ def _sparse_pieces(
     enc = Encoding.SPARSE_ULP
     if base is not None and spec.dtype in MANTISSA:
         ctx = ctx_fields(spec, word_view(to_host(base), spec).numpy(), pos)
-        if field_bits(ctx) < field_bits(bits):
+        if ctx is not None and field_bits(ctx) < field_bits(bits):
             bits, enc = ctx, Encoding.SPARSE_CTX
     width = spec.dt.width
     if not spec.dt.is_float:

@@ -23,7 +23,7 @@ from patchswarm.protocol.patch_format import Encoding, read_header
 from patchswarm.protocol.patchfile import apply_version, build_version
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import ServedModel, TensorSpec
-from patchswarm.protocol.streams import StreamReader, StreamWriter
+from patchswarm.protocol.streams import Piece, StreamReader, StreamWriter
 from tests.support.helpers import adam_like_pair
 from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases, random_words
 
@@ -84,13 +84,25 @@ def test_format2_round_trip_skewed_changes(dtype: str, numel: int, rate: float, 
 
 
 def _ctx_round_trip(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    fields = ctx_fields(spec, base, pos)
+    if fields is None:  # one group: the encoder codes plain gaps; force two groups to test the code
+        fields = _forced_two_groups(spec, base, pos)
     writer = StreamWriter()
-    writer.emit({"bits": ctx_fields(spec, base, pos)})
+    writer.emit({"bits": fields})
     table, _ = writer.finish()
     reader = StreamReader([(name, raw, memoryview(comp)) for name, raw, comp in table])
     got = read_ctx_positions(reader, spec, pos.size, base)
     reader.finish()
     return got
+
+
+def _forced_two_groups(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> list[Piece]:
+    """Fields with one threshold at the largest exponent of a changed element (none if that is 0)."""
+    m, e = context_coding.exponent_field(spec)
+    top = int(((base[pos].astype(np.int64) >> m) & ((1 << e) - 1)).max())
+    fields = ctx_fields(spec, base, pos, np.array([top] if top else [], dtype=np.int64))
+    assert fields is not None
+    return fields
 
 
 PATTERNS = ("one", "all", "clustered", "random", "one_group", "block_edges")
