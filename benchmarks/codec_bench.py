@@ -41,10 +41,10 @@ import numpy as np
 import torch
 import zstandard
 
-from patchswarm.protocol import ordered
+from patchswarm.protocol import context_coding, ordered
 from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.diffscan import scan
-from patchswarm.protocol.served import ServedModel, word_view
+from patchswarm.protocol.served import ServedModel, TensorSpec, word_view
 
 LN2 = math.log(2.0)
 
@@ -89,6 +89,28 @@ def varint(values: np.ndarray) -> bytes:
     return out
 
 
+def ctx_ideal_bits(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> float:
+    """Ideal position bits under the contexts format 2 would use for this tensor: sum over blocks
+    and groups of log2 C(n_bg, k_bg) (the memoryless log2 C(n, k) where it would use plain gaps)."""
+    if spec.dtype not in context_coding.MANTISSA:
+        return log2_binom(spec.numel, pos.size)
+    th = context_coding.context_thresholds(spec, base, pos)
+    m, _ = context_coding.exponent_field(spec)
+    bits = 0.0
+    block = context_coding.CTX_BLOCK
+    for start in range(0, spec.numel, block):
+        words = base[start : start + block]
+        local = pos[(pos >= start) & (pos < start + block)] - start
+        mag = words & np.array((1 << (8 * words.dtype.itemsize - 1)) - 1, dtype=words.dtype)
+        groups = np.zeros(words.size, dtype=np.int64)
+        for t in th.tolist():
+            groups += mag >= t << m
+        n_g = np.bincount(groups, minlength=th.size + 1)
+        k_g = np.bincount(groups[local], minlength=th.size + 1)
+        bits += sum(log2_binom(int(n), int(k)) for n, k in zip(n_g, k_g, strict=True))
+    return min(bits, log2_binom(spec.numel, pos.size))
+
+
 class PairSizes:
     """Every size measure of one (base, target) pair."""
 
@@ -96,7 +118,9 @@ class PairSizes:
         self.n = target.nbytes
         self.numel = sum(s.numel for s in target.specs)
         self.k = 0
-        self.ours = len(encode_patch(base, target, level=level).payload)
+        self.ours = len(encode_patch(base, target, level=level, payload_format=1).payload)
+        self.v2 = len(encode_patch(base, target, level=level, payload_format=2).payload)
+        ctx_pos_bits = 0.0
         ref_pos_bits = 0.0
         deltas: dict[str, Counter[int]] = {}
         gaps_parts: list[bytes] = []
@@ -112,6 +136,8 @@ class PairSizes:
             k = len(ch)
             self.k += k
             ref_pos_bits += log2_binom(spec.numel, k)
+            if k:
+                ctx_pos_bits += ctx_ideal_bits(spec, a.numpy(), ch.positions.numpy())
             xor_parts.append(xor_obj.compress((bdata ^ tdata).numpy().tobytes()))
             gaps_parts.append(varint(np.array([k])))
             if k == 0:
@@ -130,6 +156,7 @@ class PairSizes:
         ref_val_bits = sum(sum(c.values()) * entropy_bits(c) for c in deltas.values())
         self.delta_entropy = {dt: entropy_bits(c) for dt, c in deltas.items()}
         self.reference = (ref_pos_bits + ref_val_bits) / 8
+        self.ctx_ideal = (ctx_pos_bits + ref_val_bits) / 8  # the same, positions under format 2's contexts
         self.ref_pos = ref_pos_bits / 8
         self.pulse = len(cz.compress(b"".join(gaps_parts) + b"".join(value_parts)))
         self.trl = trl
@@ -139,7 +166,17 @@ class PairSizes:
         return size / self.reference if self.reference else float("inf")
 
 
-def size_table(kind: str, versions: list[ServedModel]) -> list[PairSizes]:
+def _timed_apply(base: ServedModel, payload: bytes, reps: int) -> float:
+    work = base.clone()
+
+    def reset() -> None:
+        for w, b in zip(work.data, base.data, strict=True):
+            w.copy_(b)
+
+    return best_of(reps, lambda: apply_patch(work, payload, base.specs), reset)
+
+
+def size_table(kind: str, versions: list[ServedModel], reps: int = 3) -> list[PairSizes]:
     print(f"\n### Size, {kind} ({versions[0].nbytes / 1e6:.1f} MB served, {len(versions) - 1} pairs)\n")
     print(
         "| pair | changed | K | reference B | ours B | ours/ref | PULSE-style/ref | TRL-style/ref "
@@ -162,7 +199,39 @@ def size_table(kind: str, versions: list[ServedModel]) -> list[PairSizes]:
         f"| all | | {sum(r.k for r in rows):,} | {tot_ref:,.0f} | {tot['ours']:,} | **{tot['ours'] / tot_ref:.3f}** "
         f"| {tot['pulse'] / tot_ref:.2f} | {tot['trl'] / tot_ref:.2f} | {tot['xor'] / tot_ref:.2f} | |"
     )
+    format2_table(kind, versions, rows, reps)
     return rows
+
+
+def format2_table(kind: str, versions: list[ServedModel], rows: list[PairSizes], reps: int) -> None:
+    """Format 1 against format 2 (SPARSE_CTX, issue 37): bytes, against the memoryless bound and the
+    ideal entropy under the contexts format 2 uses, and CPU encode/apply times (best of ``reps``)."""
+    print(f"\n### Format 2 (positions under base-value contexts), {kind}\n")
+    print(
+        "| pair | v1 B | v2 B | v2/v1 | v1/bound | **v2/bound** | ctx ideal/bound | v2/ctx ideal (coder) "
+        "| memcpy/encode v1 | **memcpy/encode v2** | apply v1 | apply v2 | **apply v2/v1** |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows, start=1):
+        base, target = versions[i - 1], versions[i]
+        t_mem = min(memcpy_times([d.numpy() for d in base.data], reps))
+        t_e1 = best_of(reps, lambda: encode_patch(base, target, payload_format=1))  # noqa: B023
+        t_e2 = best_of(reps, lambda: encode_patch(base, target, payload_format=2))  # noqa: B023
+        p1 = encode_patch(base, target, payload_format=1).payload
+        p2 = encode_patch(base, target, payload_format=2).payload
+        t_a1, t_a2 = _timed_apply(base, p1, reps), _timed_apply(base, p2, reps)
+        print(
+            f"| v{i - 1}->v{i} | {r.ours:,} | {r.v2:,} | {r.v2 / r.ours:.3f} | {r.ratio(r.ours):.3f} "
+            f"| **{r.ratio(r.v2):.3f}** | {r.ratio(int(r.ctx_ideal)):.3f} | {r.v2 / r.ctx_ideal:.3f} "
+            f"| {t_mem / t_e1:.2f} | **{t_mem / t_e2:.2f}** | {t_a1 * 1e3:.1f} ms | {t_a2 * 1e3:.1f} ms "
+            f"| **{t_a2 / t_a1:.2f}** |"
+        )
+    tot_ref, tot_ctx = sum(r.reference for r in rows), sum(r.ctx_ideal for r in rows)
+    v1, v2 = sum(r.ours for r in rows), sum(r.v2 for r in rows)
+    print(
+        f"| all | {v1:,} | {v2:,} | {v2 / v1:.3f} | {v1 / tot_ref:.3f} | **{v2 / tot_ref:.3f}** "
+        f"| {tot_ctx / tot_ref:.3f} | {v2 / tot_ctx:.3f} | | | | | |"
+    )
 
 
 # ---------------------------------------------------------------- b) speed
@@ -388,6 +457,48 @@ def speed(big_gb: float, ntensors: int, frac: float, seed: int, reps: int) -> No
         raise SystemExit("the bare scatter did not reproduce the target")
 
 
+def adam_like_synthetic(total_bytes: int, ntensors: int, step: float, seed: int) -> tuple[ServedModel, ServedModel]:
+    """Base: an FP32 master normal*0.02 served in bf16; target: the master moved by +-``step``, served
+    in bf16 (a change is a rounding boundary crossed: likelier the smaller the value, as in training)."""
+    g = torch.Generator().manual_seed(seed)
+    n_each = total_bytes // 2 // ntensors
+    base: dict[str, torch.Tensor] = {}
+    target: dict[str, torch.Tensor] = {}
+    for t in range(ntensors):
+        master = torch.randn(n_each, generator=g) * 0.02
+        base[f"layer{t:02d}.weight"] = master.bfloat16()
+        master -= step * torch.sign(torch.randn(n_each, generator=g))
+        target[f"layer{t:02d}.weight"] = master.bfloat16()
+    return ServedModel.from_tensors(base), ServedModel.from_tensors(target)
+
+
+def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
+    """Format 1 against format 2 on an AdamW-like synthetic step (changes favour small magnitudes)."""
+    base, target = adam_like_synthetic(int(big_gb * (1 << 30)), ntensors, 2e-7, seed)
+    nb = base.nbytes
+    t_mem = min(memcpy_times([d.numpy() for d in base.data], 3))
+    p1 = encode_patch(base, target, payload_format=1).payload
+    p2 = encode_patch(base, target, payload_format=2).payload
+    k = sum(int((a != b).sum()) for a, b in zip(base.data, target.data, strict=True))
+    t_e1 = best_of(reps, lambda: encode_patch(base, target, payload_format=1))
+    t_e2 = best_of(reps, lambda: encode_patch(base, target, payload_format=2))
+    t_a1, t_a2 = _timed_apply(base, p1, reps), _timed_apply(base, p2, reps)
+    work = base.clone()
+    exact = apply_patch(work, p2, base.specs).bitwise_equal(target)
+    print(
+        f"\n### Speed, format 1 against format 2: AdamW-like synthetic bf16 step, {nb / 1e9:.3f} GB in "
+        f"{ntensors} tensors, about {k / (nb / 2):.2%} of the bytes' elements changed\n"
+    )
+    print("| | format 1 | format 2 | goal |")
+    print("|---|---|---|---|")
+    print(f"| payload bytes | {len(p1):,} | {len(p2):,} ({len(p2) / len(p1):.3f}x) | |")
+    print(f"| memcpy/encode (memcpy {t_mem * 1e3:.0f} ms) | {t_mem / t_e1:.2f} | **{t_mem / t_e2:.2f}** | >= 0.4 |")
+    print(f"| apply in place | {t_a1 * 1e3:.1f} ms | {t_a2 * 1e3:.1f} ms (**{t_a2 / t_a1:.2f}x**) | <= 1.5x |")
+    print(f"\nformat 2 bitwise exact after apply: {exact}")
+    if not exact:
+        raise SystemExit("format 2 did not reproduce the target")
+
+
 # ---------------------------------------------------------------- c) hashing
 
 
@@ -474,9 +585,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"generated in {time.perf_counter() - t0:.1f} s"
             )
         for kind, versions in exports.items():
-            size_table(kind, versions)
+            size_table(kind, versions, args.reps)
     if "speed" not in args.skip:
         speed(args.big_gb, args.big_tensors, args.big_frac, args.seed, args.reps)
+        speed_format2(args.big_gb, args.big_tensors, args.seed, args.reps)
     if "hash" not in args.skip:
         hashing(args.hash_mb)
     return 0
