@@ -1,7 +1,9 @@
 """The patch codec: ``encode_patch(base, target)`` and ``apply_patch(base, payload)``, bitwise exact.
 
-Each tensor gets the smallest of four representations (see docs/format.md):
+Each tensor gets the smallest of its representations (see docs/format.md):
 SAME (costs one header entry), SPARSE_ULP (floats: position gaps + ordered-line deltas),
+SPARSE_CTX (payload format 2, where allowed: SPARSE_ULP with positions coded per magnitude range
+of the base value, protocol/context_coding.py),
 SPARSE_RAW (integers: position gaps + new raw words), XOR (dense: base ^ target byte planes)
 or FULL (target byte planes; the only one an anchor, which has no base, uses).
 Encoding and decoding go tensor by tensor, so extra memory is one tensor plus the patch (and,
