@@ -6,12 +6,15 @@ vectors of docs/format.md (tests/vectors/_codec/)."""
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from functools import cache
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -210,6 +213,35 @@ def test_every_single_byte_corruption_of_a_format2_payload_is_refused_or_visible
             if result == "same":
                 assert pos in slack, (pos, xor)
     assert outcomes["error"] > 0 and outcomes["differs"] > 0
+
+
+def _with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
+    """The payload with bits of its decompressed ``bits`` stream flipped (recompressed, sizes redeclared):
+    reaches the context decoder's own checks, past zstd and the container's."""
+    _, _, hlen = struct.unpack_from("<4sB3xI", payload)
+    records, table = msgpack.unpackb(zstandard.decompress(payload[12 : 12 + hlen]))
+    comps, off = [], 12 + hlen
+    for _, _, comp_len in table:
+        comps.append(payload[off : off + comp_len])
+        off += comp_len
+    i = [name for name, _, _ in table].index("bits")
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(comps[i], max_output_size=1 << 20))
+    for f in {f % (8 * len(raw)) for f in flips}:  # distinct bits: two flips of one bit would cancel
+        raw[f >> 3] ^= 1 << (f & 7)
+    comps[i] = zstandard.compress(bytes(raw))
+    table[i][2] = len(comps[i])
+    hz = zstandard.compress(msgpack.packb([records, table]))
+    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 1 << 16), min_size=1, max_size=4))
+def test_flipped_context_bits_are_refused_or_visible(flips: list[int]) -> None:
+    """Bits of the context code flipped: a FormatError or another target, never a crash and never the
+    same target (the code is a sequence of prefix codes and checked thresholds: one spelling)."""
+    outcome = _outcome(_with_bits_flipped(_ctx_case()[2], flips))
+    event(outcome)
+    assert outcome != "same"
 
 
 def test_format2_records_in_a_format1_payload_are_refused() -> None:
