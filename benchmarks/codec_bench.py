@@ -41,10 +41,11 @@ import numpy as np
 import torch
 import zstandard
 
-from patchswarm.protocol import context_coding, ordered
+from benchmarks.codec_contexts import ctx_ideal_bits, speed_format2
+from patchswarm.protocol import ordered
 from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.diffscan import scan
-from patchswarm.protocol.served import ServedModel, TensorSpec, word_view
+from patchswarm.protocol.served import ServedModel, word_view
 
 LN2 = math.log(2.0)
 
@@ -87,28 +88,6 @@ def varint(values: np.ndarray) -> bytes:
     valid = np.stack(out_cols[1::2], axis=1).astype(bool)
     out: bytes = data[valid].tobytes()
     return out
-
-
-def ctx_ideal_bits(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> float:
-    """Ideal position bits under the contexts format 2 would use for this tensor: sum over blocks
-    and groups of log2 C(n_bg, k_bg) (the memoryless log2 C(n, k) where it would use plain gaps)."""
-    if spec.dtype not in context_coding.MANTISSA:
-        return log2_binom(spec.numel, pos.size)
-    th = context_coding.context_thresholds(spec, base, pos)
-    m, _ = context_coding.exponent_field(spec)
-    bits = 0.0
-    block = context_coding.CTX_BLOCK
-    for start in range(0, spec.numel, block):
-        words = base[start : start + block]
-        local = pos[(pos >= start) & (pos < start + block)] - start
-        mag = words & np.array((1 << (8 * words.dtype.itemsize - 1)) - 1, dtype=words.dtype)
-        groups = np.zeros(words.size, dtype=np.int64)
-        for t in th.tolist():
-            groups += mag >= t << m
-        n_g = np.bincount(groups, minlength=th.size + 1)
-        k_g = np.bincount(groups[local], minlength=th.size + 1)
-        bits += sum(log2_binom(int(n), int(k)) for n, k in zip(n_g, k_g, strict=True))
-    return min(bits, log2_binom(spec.numel, pos.size))
 
 
 class PairSizes:
@@ -455,81 +434,6 @@ def speed(big_gb: float, ntensors: int, frac: float, seed: int, reps: int) -> No
         raise SystemExit("apply_patch did not reproduce the target")
     if not scatter_exact:
         raise SystemExit("the bare scatter did not reproduce the target")
-
-
-def adam_like_synthetic(total_bytes: int, ntensors: int, step: float, seed: int) -> tuple[ServedModel, ServedModel]:
-    """Base: an FP32 master normal*0.02 served in bf16; target: the master moved by +-``step``, served
-    in bf16 (a change is a rounding boundary crossed: likelier the smaller the value, as in training)."""
-    g = torch.Generator().manual_seed(seed)
-    n_each = total_bytes // 2 // ntensors
-    base: dict[str, torch.Tensor] = {}
-    target: dict[str, torch.Tensor] = {}
-    for t in range(ntensors):
-        master = torch.randn(n_each, generator=g) * 0.02
-        base[f"layer{t:02d}.weight"] = master.bfloat16()
-        master -= step * torch.sign(torch.randn(n_each, generator=g))
-        target[f"layer{t:02d}.weight"] = master.bfloat16()
-    return ServedModel.from_tensors(base), ServedModel.from_tensors(target)
-
-
-def cpu_best_of(n: int, fn: Callable[[], object], setup: Callable[[], object] | None = None) -> float:
-    """Best CPU seconds (this process, every thread) of ``n`` calls: steadier than wall time on a
-    machine other jobs share."""
-    best = float("inf")
-    for _ in range(n):
-        if setup:
-            setup()
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return best
-
-
-def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
-    """Format 1 against format 2 on an AdamW-like synthetic step (changes favour small magnitudes),
-    in CPU time with one torch thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    base, target = adam_like_synthetic(int(big_gb * (1 << 30)), ntensors, 2e-7, seed)
-    nb = base.nbytes
-    src = [d.numpy() for d in base.data]
-    dst = [np.zeros_like(a) for a in src]
-    t_mem = cpu_best_of(5, lambda: [np.copyto(d, a) for d, a in zip(dst, src, strict=True)])
-    p1 = encode_patch(base, target, payload_format=1).payload
-    p2 = encode_patch(base, target, payload_format=2).payload
-    k = sum(int((a != b).sum()) for a, b in zip(base.data, target.data, strict=True))
-    t_e1 = cpu_best_of(reps, lambda: encode_patch(base, target, payload_format=1))
-    t_e2 = cpu_best_of(reps, lambda: encode_patch(base, target, payload_format=2))
-    work = base.clone()
-
-    def reset() -> None:
-        for w, b in zip(work.data, base.data, strict=True):
-            w.copy_(b)
-
-    t_a1 = cpu_best_of(reps, lambda: apply_patch(work, p1, base.specs), reset)
-    t_a2 = cpu_best_of(reps, lambda: apply_patch(work, p2, base.specs), reset)
-    reset()
-    exact = apply_patch(work, p2, base.specs).bitwise_equal(target)
-    torch.set_num_threads(threads)
-    n = nb // 2
-    print(
-        f"\n### Speed, format 1 against format 2: AdamW-like synthetic bf16 step, {nb / 1e9:.3f} GB in "
-        f"{ntensors} tensors, about {k / n:.2%} of the elements changed (CPU time, 1 torch thread)\n"
-    )
-    print("| | format 1 | format 2 | goal |")
-    print("|---|---|---|---|")
-    print(f"| payload bytes | {len(p1):,} | {len(p2):,} ({len(p2) / len(p1):.3f}x) | |")
-    print(
-        f"| encode (memcpy {t_mem * 1e3:.0f} ms) | {t_e1 * 1e3:.0f} ms, memcpy/encode {t_mem / t_e1:.2f} "
-        f"| {t_e2 * 1e3:.0f} ms, **memcpy/encode {t_mem / t_e2:.2f}** | >= 0.4 |"
-    )
-    print(f"| apply in place | {t_a1 * 1e3:.0f} ms | {t_a2 * 1e3:.0f} ms (**{t_a2 / t_a1:.2f}x**) | <= 1.5x |")
-    print(
-        f"\nformat 2 costs {(t_e2 - t_e1) / n * 1e9:.2f} ns an element more to encode, {(t_a2 - t_a1) / n * 1e9:.2f} "
-        f"ns to apply; bitwise exact after apply: {exact}"
-    )
-    if not exact:
-        raise SystemExit("format 2 did not reproduce the target")
 
 
 # ---------------------------------------------------------------- c) hashing
