@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import zstandard
 
+from benchmarks.codec_contexts import ctx_ideal_bits, speed_format2
 from patchswarm.protocol import ordered
 from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.diffscan import scan
@@ -96,7 +97,9 @@ class PairSizes:
         self.n = target.nbytes
         self.numel = sum(s.numel for s in target.specs)
         self.k = 0
-        self.ours = len(encode_patch(base, target, level=level).payload)
+        self.ours = len(encode_patch(base, target, level=level, payload_format=1).payload)
+        self.v2 = len(encode_patch(base, target, level=level, payload_format=2).payload)
+        ctx_pos_bits = 0.0
         ref_pos_bits = 0.0
         deltas: dict[str, Counter[int]] = {}
         gaps_parts: list[bytes] = []
@@ -112,6 +115,8 @@ class PairSizes:
             k = len(ch)
             self.k += k
             ref_pos_bits += log2_binom(spec.numel, k)
+            if k:
+                ctx_pos_bits += ctx_ideal_bits(spec, a.numpy(), ch.positions.numpy())
             xor_parts.append(xor_obj.compress((bdata ^ tdata).numpy().tobytes()))
             gaps_parts.append(varint(np.array([k])))
             if k == 0:
@@ -130,6 +135,7 @@ class PairSizes:
         ref_val_bits = sum(sum(c.values()) * entropy_bits(c) for c in deltas.values())
         self.delta_entropy = {dt: entropy_bits(c) for dt, c in deltas.items()}
         self.reference = (ref_pos_bits + ref_val_bits) / 8
+        self.ctx_ideal = (ctx_pos_bits + ref_val_bits) / 8  # the same, positions under format 2's contexts
         self.ref_pos = ref_pos_bits / 8
         self.pulse = len(cz.compress(b"".join(gaps_parts) + b"".join(value_parts)))
         self.trl = trl
@@ -139,7 +145,17 @@ class PairSizes:
         return size / self.reference if self.reference else float("inf")
 
 
-def size_table(kind: str, versions: list[ServedModel]) -> list[PairSizes]:
+def _timed_apply(base: ServedModel, payload: bytes, reps: int) -> float:
+    work = base.clone()
+
+    def reset() -> None:
+        for w, b in zip(work.data, base.data, strict=True):
+            w.copy_(b)
+
+    return best_of(reps, lambda: apply_patch(work, payload, base.specs), reset)
+
+
+def size_table(kind: str, versions: list[ServedModel], reps: int = 3) -> list[PairSizes]:
     print(f"\n### Size, {kind} ({versions[0].nbytes / 1e6:.1f} MB served, {len(versions) - 1} pairs)\n")
     print(
         "| pair | changed | K | reference B | ours B | ours/ref | PULSE-style/ref | TRL-style/ref "
@@ -162,7 +178,39 @@ def size_table(kind: str, versions: list[ServedModel]) -> list[PairSizes]:
         f"| all | | {sum(r.k for r in rows):,} | {tot_ref:,.0f} | {tot['ours']:,} | **{tot['ours'] / tot_ref:.3f}** "
         f"| {tot['pulse'] / tot_ref:.2f} | {tot['trl'] / tot_ref:.2f} | {tot['xor'] / tot_ref:.2f} | |"
     )
+    format2_table(kind, versions, rows, reps)
     return rows
+
+
+def format2_table(kind: str, versions: list[ServedModel], rows: list[PairSizes], reps: int) -> None:
+    """Format 1 against format 2 (SPARSE_CTX, issue 37): bytes, against the memoryless bound and the
+    ideal entropy under the contexts format 2 uses, and CPU encode/apply times (best of ``reps``)."""
+    print(f"\n### Format 2 (positions under base-value contexts), {kind}\n")
+    print(
+        "| pair | v1 B | v2 B | v2/v1 | v1/bound | **v2/bound** | ctx ideal/bound | v2/ctx ideal (coder) "
+        "| memcpy/encode v1 | **memcpy/encode v2** | apply v1 | apply v2 | **apply v2/v1** |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows, start=1):
+        base, target = versions[i - 1], versions[i]
+        t_mem = min(memcpy_times([d.numpy() for d in base.data], reps))
+        t_e1 = best_of(reps, lambda: encode_patch(base, target, payload_format=1))  # noqa: B023
+        t_e2 = best_of(reps, lambda: encode_patch(base, target, payload_format=2))  # noqa: B023
+        p1 = encode_patch(base, target, payload_format=1).payload
+        p2 = encode_patch(base, target, payload_format=2).payload
+        t_a1, t_a2 = _timed_apply(base, p1, reps), _timed_apply(base, p2, reps)
+        print(
+            f"| v{i - 1}->v{i} | {r.ours:,} | {r.v2:,} | {r.v2 / r.ours:.3f} | {r.ratio(r.ours):.3f} "
+            f"| **{r.ratio(r.v2):.3f}** | {r.ratio(int(r.ctx_ideal)):.3f} | {r.v2 / r.ctx_ideal:.3f} "
+            f"| {t_mem / t_e1:.2f} | **{t_mem / t_e2:.2f}** | {t_a1 * 1e3:.1f} ms | {t_a2 * 1e3:.1f} ms "
+            f"| **{t_a2 / t_a1:.2f}** |"
+        )
+    tot_ref, tot_ctx = sum(r.reference for r in rows), sum(r.ctx_ideal for r in rows)
+    v1, v2 = sum(r.ours for r in rows), sum(r.v2 for r in rows)
+    print(
+        f"| all | {v1:,} | {v2:,} | {v2 / v1:.3f} | {v1 / tot_ref:.3f} | **{v2 / tot_ref:.3f}** "
+        f"| {tot_ctx / tot_ref:.3f} | {v2 / tot_ctx:.3f} | | | | | |"
+    )
 
 
 # ---------------------------------------------------------------- b) speed
@@ -474,9 +522,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"generated in {time.perf_counter() - t0:.1f} s"
             )
         for kind, versions in exports.items():
-            size_table(kind, versions)
+            size_table(kind, versions, args.reps)
     if "speed" not in args.skip:
         speed(args.big_gb, args.big_tensors, args.big_frac, args.seed, args.reps)
+        speed_format2(args.big_gb, args.big_tensors, args.seed, args.reps)
     if "hash" not in args.skip:
         hashing(args.hash_mb)
     return 0

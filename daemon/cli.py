@@ -210,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--base-version", type=cli_args.base_version, help="version number of BASE (default VERSION-1)")
     d.add_argument("--chunk-size", type=cli_args.chunk_size, default=1 << 20, metavar="BYTES")
     d.add_argument("--level", type=cli_args.zstd_level, default=3, help="zstd level (default 3)")
+    d.add_argument(
+        "--payload-format",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: float positions coded under base-value contexts where smaller (about 0.75x the bytes, "
+        "slower to apply; readers need format 2); 1 (default): readable by every version",
+    )
     d.set_defaults(func=cmd_diff, check=_check_diff)
 
     a = sub.add_parser("apply", help="apply PATCH to BASE and write the verified result to OUT")

@@ -42,6 +42,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             level=args.level,
             progress=advance,
+            payload_format=args.payload_format,
         )
     write_file(args.output, v)
     enc = v.encoded

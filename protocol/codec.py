@@ -1,7 +1,9 @@
 """The patch codec: ``encode_patch(base, target)`` and ``apply_patch(base, payload)``, bitwise exact.
 
-Each tensor gets the smallest of four representations (see docs/format.md):
+Each tensor gets the smallest of its representations (see docs/format.md):
 SAME (costs one header entry), SPARSE_ULP (floats: position gaps + ordered-line deltas),
+SPARSE_CTX (payload format 2, where allowed: SPARSE_ULP with positions coded per magnitude range
+of the base value, protocol/context_coding.py),
 SPARSE_RAW (integers: position gaps + new raw words), XOR (dense: base ^ target byte planes)
 or FULL (target byte planes; the only one an anchor, which has no base, uses).
 Encoding and decoding go tensor by tensor, so extra memory is one tensor plus the patch (and,
@@ -43,6 +45,7 @@ import torch
 from patchswarm.protocol.diffscan import Changes, scan
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.patch_format import (
+    PAYLOAD_FORMATS,
     EncodedPatch,
     Encoding,
     TensorStat,
@@ -70,6 +73,10 @@ from patchswarm.protocol.value_coding import (
 
 # Tensors with at least this fraction changed also try the dense encodings and keep the smallest.
 DENSE_PROBE = 0.05
+# The payload format a publisher writes unless told otherwise (docs/benchmarks.md: format 2 is
+# smaller, but its decoder reads every base element of a changed float tensor, format 1 only the
+# changed ones).
+DEFAULT_FORMAT = 1
 
 
 Progress = Callable[[int], None]  # called with the byte size of each tensor done
@@ -125,8 +132,12 @@ def diff_tensor(
     level: int = 3,
     *,
     changes: Changes | None = None,
+    payload_format: int = DEFAULT_FORMAT,
 ) -> TensorDelta:
     """One tensor's delta: ``target`` against ``base`` (flat uint8 tensors of ``spec``), or FULL without a base.
+
+    ``payload_format`` 2 lets a float tensor's positions be coded under base contexts (SPARSE_CTX)
+    where that is smaller; 1 keeps every record readable by format-1 readers.
 
     ``changes``, when given, must be what ``protocol.diffscan.scan`` returns for these two
     tensors' word views (a caller that scanned block by block, e.g. while the blocks were in
@@ -143,7 +154,9 @@ def diff_tensor(
     k = len(ch)
     if k == 0:
         return TensorDelta(spec, Encoding.SAME, 0)
-    enc, pieces = _sparse_pieces(spec, ch)
+    if payload_format not in PAYLOAD_FORMATS:
+        raise ValueError(f"payload format {payload_format} is not one of {PAYLOAD_FORMATS}")
+    enc, pieces = _sparse_pieces(spec, ch, base if payload_format >= 2 else None)
     if k < DENSE_PROBE * spec.numel:
         return TensorDelta(spec, enc, k, pieces)
     # Dense candidates.  A device target crosses to the host once: its FULL planes are sized from
@@ -191,13 +204,19 @@ def assemble(deltas: Iterable[TensorDelta], level: int = 3, *, progress: Progres
 
 
 def encode_patch(
-    base: ServedModel | None, target: ServedModel, *, level: int = 3, progress: Progress | None = None
+    base: ServedModel | None,
+    target: ServedModel,
+    *,
+    level: int = 3,
+    progress: Progress | None = None,
+    payload_format: int = DEFAULT_FORMAT,
 ) -> EncodedPatch:
-    """Encode target against base (or, with no base, as a full anchor)."""
+    """Encode target against base (or, with no base, as a full anchor); see :func:`diff_tensor`
+    for ``payload_format`` (the payload declares the lowest format that holds its records)."""
     if base is not None:
         base.same_layout(target)
     deltas = (
-        diff_tensor(spec, base.data[i] if base is not None else None, tdata, level)
+        diff_tensor(spec, base.data[i] if base is not None else None, tdata, level, payload_format=payload_format)
         for i, (spec, tdata) in enumerate(target)
     )
     return assemble(deltas, level, progress=progress)
@@ -231,6 +250,9 @@ def _decode(
             yield TensorUpdate(
                 i, enc, pos, torch.from_numpy(reader.read_planes("raw", k, spec.dt.width).copy()).to(device)
             )
+        elif enc == Encoding.SPARSE_CTX:
+            assert base is not None
+            yield _read_ulp(reader, spec, i, k, base.data[i])
         else:
             yield _read_ulp(reader, spec, i, k)
     reader.finish()

@@ -50,13 +50,17 @@ def field(d: dict[str, Any], key: str, what: str) -> Any:
     return d[key]
 
 
-def read_prefix(layout: struct.Struct, data: memoryview, magic: bytes, fmt: int, what: str) -> tuple[Any, ...]:
-    """Unpack a fixed header ``(magic, format, ...)``, checking length, magic and format version."""
+def read_prefix(
+    layout: struct.Struct, data: memoryview, magic: bytes, fmt: int | tuple[int, ...], what: str
+) -> tuple[Any, ...]:
+    """Unpack a fixed header ``(magic, format, ...)``, checking length, magic and format version
+    (``fmt``: the one version, or every version, this build reads)."""
     if len(data) < layout.size:
         raise TruncatedError(f"{what} shorter than its fixed header")
     fields = layout.unpack_from(data)
     if fields[0] != magic:
         raise FormatError(f"not a patchswarm {what} (bad magic)")
-    if fields[1] != fmt:
-        raise UnsupportedFormatError(f"{what} format {fields[1]} (this build reads {fmt})")
+    accepted = fmt if isinstance(fmt, tuple) else (fmt,)
+    if fields[1] not in accepted:
+        raise UnsupportedFormatError(f"{what} format {fields[1]} (this build reads {', '.join(map(str, accepted))})")
     return tuple(fields[2:])

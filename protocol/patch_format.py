@@ -14,6 +14,7 @@ import msgpack
 import torch
 import zstandard
 
+from patchswarm.protocol.context_coding import MANTISSA, ctx_bound_bits, exponent_field
 from patchswarm.protocol.docfields import read_prefix
 from patchswarm.protocol.errors import FormatError, LimitExceededError, TruncatedError
 from patchswarm.protocol.position_coding import rice_bits
@@ -21,7 +22,8 @@ from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import MAX_EXPANSION, MAX_WINDOW, check_frame
 
 PAYLOAD_MAGIC = b"PSWP"
-PAYLOAD_FORMAT = 1
+PAYLOAD_FORMAT = 2  # the newest this build writes; it reads every format in PAYLOAD_FORMATS
+PAYLOAD_FORMATS = (1, 2)
 _PREFIX = struct.Struct("<4sB3xI")  # magic, format, reserved, compressed header length
 
 
@@ -31,6 +33,12 @@ class Encoding(IntEnum):
     SPARSE_RAW = 2
     XOR = 3
     FULL = 4
+    SPARSE_CTX = 5  # format 2: floats, positions under base-value contexts (protocol/context_coding.py)
+
+
+# The lowest payload format that can hold each encoding: a payload declares the lowest that holds all of
+# its records, so a patch that uses no format-2 encoding stays readable by format-1 readers.
+MIN_FORMAT = {Encoding.SPARSE_CTX: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +89,8 @@ def pack_payload(records: list[list[int]], table: list[tuple[str, int, bytes]], 
     """The payload of the given records and compressed streams (``StreamWriter.finish``'s table)."""
     header = msgpack.packb([records, [[name, raw, len(comp)] for name, raw, comp in table]])
     header_z = zstandard.ZstdCompressor(level=level).compress(header)
-    parts = [_PREFIX.pack(PAYLOAD_MAGIC, PAYLOAD_FORMAT, len(header_z)), header_z]
+    fmt = max([1, *(MIN_FORMAT.get(Encoding(enc), 1) for enc, _ in records)])
+    parts = [_PREFIX.pack(PAYLOAD_MAGIC, fmt, len(header_z)), header_z]
     parts.extend(comp for _, _, comp in table)
     return b"".join(parts)
 
@@ -94,6 +103,10 @@ def raw_bound(spec: TensorSpec, enc: Encoding, k: int) -> int:
     if enc in (Encoding.XOR, Encoding.FULL):
         return spec.numel * w
     n = spec.numel
+    if enc == Encoding.SPARSE_CTX:
+        # positions, k sign bits, then what SPARSE_ULP adds: k big bits, k magnitude bytes, k escapes
+        bits = ctx_bound_bits(n, k, exponent_field(spec)[1]) + k
+        return (bits + 7) // 8 + 1 + (k + 7) // 8 + 1 + k + k * w
     r = rice_bits(n, k) if 0 < k <= n else 0
     # Rice codes: k terminators, quotients summing to at most (n-k) >> r, k*r remainder bits;
     # floats add k sign bits, k big bits and at most k magnitude bytes.  +1: a partial byte
@@ -107,7 +120,8 @@ def raw_bound(spec: TensorSpec, enc: Encoding, k: int) -> int:
 def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHeader:
     """Parse and bound-check a payload's header against the layout it is meant for."""
     mv = memoryview(payload)
-    (hlen,) = read_prefix(_PREFIX, mv, PAYLOAD_MAGIC, PAYLOAD_FORMAT, "patch payload")
+    (hlen,) = read_prefix(_PREFIX, mv, PAYLOAD_MAGIC, PAYLOAD_FORMATS, "patch payload")
+    fmt = mv[4]
     if any(mv[5:8]):
         raise FormatError("patch payload reserved bytes are not zero")
     body = mv[_PREFIX.size :]
@@ -136,12 +150,21 @@ def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHe
             enc = Encoding(enc_i)
         except ValueError:
             raise FormatError(f"{spec.name}: unknown encoding {enc_i}") from None
+        if MIN_FORMAT.get(enc, 1) > fmt:
+            raise FormatError(
+                f"{spec.name}: encoding {enc.name} needs payload format {MIN_FORMAT[enc]} (this is {fmt})"
+            )
         if not 0 <= k <= spec.numel or ((enc == Encoding.SAME) != (k == 0) and enc != Encoding.FULL):
             raise FormatError(f"{spec.name}: change count {k} impossible for {spec.numel} elements")
         if enc == Encoding.SPARSE_ULP and not spec.dt.is_float:
             raise FormatError(f"{spec.name}: ulp coding used on non-float dtype {spec.dtype}")
+        if enc == Encoding.SPARSE_CTX and spec.dtype not in MANTISSA:
+            raise FormatError(f"{spec.name}: context coding used on dtype {spec.dtype}")
         records.append((enc, k))
         bound += raw_bound(spec, enc, k)
+    if fmt != max([1, *(MIN_FORMAT.get(enc, 1) for enc, _ in records)]):
+        # One spelling per payload: the lowest format that holds its records (pack_payload).
+        raise FormatError(f"patch payload format {fmt} holds no record that needs it")
     if not isinstance(streams_raw, list):
         raise FormatError("patch stream table is malformed")
     streams: list[tuple[str, int, memoryview]] = []

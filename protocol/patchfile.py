@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
-from patchswarm.protocol.codec import Progress, apply_update, encode_patch, iter_updates
+from patchswarm.protocol.codec import DEFAULT_FORMAT, Progress, apply_update, encode_patch, iter_updates
 from patchswarm.protocol.docfields import read_prefix
 from patchswarm.protocol.errors import (
     BaseMismatchError,
@@ -64,11 +64,13 @@ def build_version(
     prev_manifest: bytes | None = None,
     level: int = 3,
     progress: Progress | None = None,
+    payload_format: int = DEFAULT_FORMAT,
 ) -> Version:
-    """Encode ``target`` against ``base`` (an anchor when base is None), chunk it and sign the manifest."""
+    """Encode ``target`` against ``base`` (an anchor when base is None), chunk it and sign the manifest
+    (``payload_format``: see :func:`protocol.codec.diff_tensor`)."""
     if (base is None) != (base_version is None):
         raise ValueError("give both base and base_version, or neither (anchor)")
-    encoded = encode_patch(base, target, level=level, progress=progress)
+    encoded = encode_patch(base, target, level=level, progress=progress, payload_format=payload_format)
     digests = target_digests if target_digests is not None else target.digests()
     base_root = None
     if base is not None:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from patchswarm.protocol import ordered
+from patchswarm.protocol.context_coding import MANTISSA, ctx_fields, field_bits, read_ctx_positions
 from patchswarm.protocol.diffscan import Changes
 from patchswarm.protocol.patch_format import Encoding, TensorUpdate
 from patchswarm.protocol.position_coding import _read_positions, gap_fields
@@ -69,9 +70,19 @@ def _np_delta(old: np.ndarray, new: np.ndarray, width: int) -> np.ndarray:
     return d
 
 
-def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, list[Piece]]]:
+def _sparse_pieces(
+    spec: TensorSpec, ch: Changes, base: torch.Tensor | None = None
+) -> tuple[Encoding, dict[str, list[Piece]]]:
+    """A sparse record's pieces; with ``base`` (a float tensor's flat bytes, payload format 2), its
+    positions are coded under contexts (SPARSE_CTX) where that takes fewer bits than plain gaps."""
     pieces: dict[str, list[Piece]] = {}
-    bits = gap_fields(spec.numel, ch.positions.cpu().numpy())
+    pos = ch.positions.cpu().numpy()
+    bits = gap_fields(spec.numel, pos)
+    enc = Encoding.SPARSE_ULP
+    if base is not None and spec.dtype in MANTISSA:
+        ctx = ctx_fields(spec, word_view(to_host(base), spec).numpy(), pos)
+        if ctx is not None and field_bits(ctx) < field_bits(bits):
+            bits, enc = ctx, Encoding.SPARSE_CTX
     width = spec.dt.width
     if not spec.dt.is_float:
         pieces["bits"] = bits
@@ -93,7 +104,7 @@ def _sparse_pieces(spec: TensorSpec, ch: Changes) -> tuple[Encoding, dict[str, l
         pieces["ulp.mag"] = [np.where(escaped, MAG_ESCAPE, m).astype(np.uint8)]
         if escaped.any():
             _planes("ulpx", ch.new.cpu().numpy().take(where_big[escaped]), pieces)
-    return Encoding.SPARSE_ULP, pieces
+    return enc, pieces
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -170,8 +181,14 @@ def _read_dense(
     return out
 
 
-def _read_ulp(reader: StreamReader, spec: TensorSpec, index: int, k: int) -> _UlpSteps:
-    pos = _read_positions(reader, spec, k)
+def _read_ulp(
+    reader: StreamReader, spec: TensorSpec, index: int, k: int, base: torch.Tensor | None = None
+) -> _UlpSteps:
+    """A SPARSE_ULP record, or with ``base`` (the verified base tensor) a SPARSE_CTX record."""
+    if base is None:
+        pos = _read_positions(reader, spec, k)
+    else:
+        pos = read_ctx_positions(reader, spec, k, word_view(to_host(base), spec).numpy())
     w = spec.dt.width
     negative = reader.read_bits("bits", k)
     big = reader.read_bits("ulp.big", k)

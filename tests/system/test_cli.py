@@ -49,6 +49,20 @@ def test_inspect_json(work: Path) -> None:
     assert {t["encoding"] for t in info["tensors"]} <= {"SAME", "SPARSE_ULP", "SPARSE_RAW", "XOR", "FULL"}
 
 
+def test_diff_in_payload_format_2_applies_exactly(work: Path) -> None:
+    r = run("diff", "base.safetensors", "target.safetensors", "-o", "p2.psw", "--payload-format", "2", cwd=work)
+    assert r.returncode == 0, r.stderr
+    r = run("inspect", "p2.psw", "--json", cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert "SPARSE_CTX" in {t["encoding"] for t in json.loads(r.stdout)["tensors"]}
+    r = run("apply", "base.safetensors", "p2.psw", "-o", "out2.safetensors", cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert load_safetensors(work / "out2.safetensors").bitwise_equal(load_safetensors(work / "target.safetensors"))
+    assert (work / "p2.psw").stat().st_size < (work / "p.psw").stat().st_size
+    r = run("diff", "base.safetensors", "target.safetensors", "-o", "p3.psw", "--payload-format", "3", cwd=work)
+    assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -255,6 +255,8 @@ def test_magic_format_and_reserved_bytes() -> None:
     with pytest.raises(FormatError, match="magic"):
         _apply(b"XSWP" + payload[4:])
     with pytest.raises(UnsupportedFormatError):
+        _apply(payload[:4] + b"\x03" + payload[5:])
+    with pytest.raises(FormatError, match="format 2 holds no record"):  # one spelling: the lowest format
         _apply(payload[:4] + b"\x02" + payload[5:])
     for i in (5, 6, 7):  # reserved, zero: a payload has one spelling
         bad = bytearray(payload)

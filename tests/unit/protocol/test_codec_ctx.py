@@ -1,0 +1,278 @@
+"""Payload format 2 (SPARSE_CTX: positions coded under base-value contexts) and the format-1 it keeps.
+
+Round trips over random float dtypes, shapes and change patterns, the context position code
+alone (whatever the encoder would choose), corruption, a wrong base, and the committed test
+vectors of docs/format.md (tests/vectors/_codec/)."""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from functools import cache
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from patchswarm.protocol import context_coding
+from patchswarm.protocol.codec import apply_patch, encode_patch
+from patchswarm.protocol.context_coding import ctx_fields, read_ctx_positions
+from patchswarm.protocol.errors import BaseMismatchError, FormatError, PatchswarmError
+from patchswarm.protocol.patch_format import Encoding, read_header
+from patchswarm.protocol.patchfile import apply_version, build_version
+from patchswarm.protocol.safetensors_io import load_safetensors
+from patchswarm.protocol.served import ServedModel, TensorSpec
+from patchswarm.protocol.streams import Piece, StreamReader, StreamWriter
+from tests.support.helpers import adam_like_pair
+from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases, random_words
+
+VECTORS = Path(__file__).parents[2] / "vectors" / "_codec"
+
+
+def _magnitude_skewed(rng: np.random.Generator, spec: TensorSpec, rate: float) -> tuple[np.ndarray, np.ndarray]:
+    """Base words of a normal-ish tensor and a target whose one-step changes favour small magnitudes."""
+    base = random_words(rng, spec.dt.width, spec.numel)
+    m, e = context_coding.exponent_field(spec)
+    # Exponents spread over a narrow band near the middle, like trained weights.
+    mid = (1 << (e - 1)) - 1
+    expo = np.clip(mid - rng.geometric(0.3, spec.numel), 1, (1 << e) - 2).astype(np.int64)
+    sign_mant = base.astype(np.int64) & ((1 << m) - 1 | (-1 << (8 * spec.dt.width - 1)))
+    base = (sign_mant | (expo << m)).astype(base.dtype)
+    p = rate * np.exp2(mid - 1 - expo).clip(0, 1 / rate) * 0.25
+    changed = rng.random(spec.numel) < p
+    new = base.copy()
+    new[changed] ^= np.array(1, dtype=base.dtype)  # one mantissa step, never crossing the exponent
+    return base, new
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def _round_trip(base: ServedModel, target: ServedModel, fmt: int) -> list[Encoding]:
+    before = base.clone()
+    patch = encode_patch(base, target, payload_format=fmt)
+    assert base.bitwise_equal(before)
+    out = apply_patch(base.clone(), patch.payload, target.specs)
+    assert out.bitwise_equal(target)
+    encs = [t.encoding for t in patch.tensors]
+    assert patch.payload[4] == (2 if Encoding.SPARSE_CTX in encs else 1)  # the lowest format that holds them
+    return encs
+
+
+@settings(max_examples=30, deadline=None)
+@given(patch_cases(dtypes=FLOAT_DTYPES, max_numel=3000))
+def test_format2_round_trip_random_patterns(case: tuple[ServedModel, ServedModel, list[str]]) -> None:
+    base, target, _ = case
+    for enc in _round_trip(base, target, 2):
+        event(enc.name)
+    assert Encoding.SPARSE_CTX not in _round_trip(base, target, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    numel=st.integers(1, 5000),
+    rate=st.floats(0.001, 0.5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_format2_round_trip_skewed_changes(dtype: str, numel: int, rate: float, seed: int) -> None:
+    spec = TensorSpec("w", dtype, (numel,))
+    old, new = _magnitude_skewed(np.random.default_rng(seed), spec, rate)
+    encs = _round_trip(model_from_words([spec], [old]), model_from_words([spec], [new]), 2)
+    event(encs[0].name)
+
+
+def _ctx_round_trip(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    fields = ctx_fields(spec, base, pos)
+    if fields is None:  # one group: the encoder codes plain gaps; force two groups to test the code
+        fields = _forced_two_groups(spec, base, pos)
+    writer = StreamWriter()
+    writer.emit({"bits": fields})
+    table, _ = writer.finish()
+    reader = StreamReader([(name, raw, memoryview(comp)) for name, raw, comp in table])
+    got = read_ctx_positions(reader, spec, pos.size, base)
+    reader.finish()
+    return got
+
+
+def _forced_two_groups(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> list[Piece]:
+    """Fields with one threshold at the largest exponent of a changed element (none if that is 0)."""
+    m, e = context_coding.exponent_field(spec)
+    top = int(((base[pos].astype(np.int64) >> m) & ((1 << e) - 1)).max())
+    fields = ctx_fields(spec, base, pos, np.array([top] if top else [], dtype=np.int64))
+    assert fields is not None
+    return fields
+
+
+PATTERNS = ("one", "all", "clustered", "random", "one_group", "block_edges")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    numel=st.integers(1, 4000),
+    pattern=st.sampled_from(PATTERNS),
+    seed=st.integers(0, 2**32 - 1),
+    block=st.sampled_from([64, 1000, 1 << 20]),
+)
+def test_context_positions_round_trip(dtype: str, numel: int, pattern: str, seed: int, block: int) -> None:
+    """The position code alone, for every change pattern (the encoder may prefer plain gaps)."""
+    rng = np.random.default_rng(seed)
+    spec = TensorSpec("w", dtype, (numel,))
+    base = random_words(rng, spec.dt.width, numel)
+    if pattern == "one":
+        pos = rng.integers(0, numel, 1)
+    elif pattern == "all":
+        pos = np.arange(numel)
+    elif pattern == "clustered":
+        start = int(rng.integers(0, numel))
+        pos = np.arange(start, min(numel, start + int(rng.integers(1, 200))))
+    elif pattern == "one_group":  # every change in the elements of one exponent class
+        m, e = context_coding.exponent_field(spec)
+        ex = (base.astype(np.int64) >> m) & ((1 << e) - 1)
+        pos = np.flatnonzero(ex == ex[int(rng.integers(0, numel))])
+    elif pattern == "block_edges":
+        pos = np.array([p for p in (0, block - 1, block, 2 * block - 1, numel - 1) if p < numel])
+    else:
+        pos = np.flatnonzero(rng.random(numel) < rng.random())
+    pos = np.unique(pos).astype(np.int64)
+    if pos.size == 0:
+        pos = np.array([numel - 1])
+    old = context_coding.CTX_BLOCK
+    context_coding.CTX_BLOCK = block  # several blocks in a small tensor (restored below)
+    try:
+        got = _ctx_round_trip(spec, base, pos)
+    finally:
+        context_coding.CTX_BLOCK = old
+    np.testing.assert_array_equal(got, pos)
+
+
+def test_real_like_step_chooses_contexts_and_is_smaller() -> None:
+    base, target = adam_like_pair(seed=5, rows=600)
+    v1 = encode_patch(base, target, payload_format=1)
+    v2 = encode_patch(base, target, payload_format=2)
+    assert Counter(t.encoding for t in v2.tensors)[Encoding.SPARSE_CTX] >= 2
+    assert len(v2.payload) < 0.9 * len(v1.payload)
+    assert apply_patch(base.clone(), v2.payload, target.specs).bitwise_equal(target)
+
+
+# ---------------------------------------------------------------- hostile input
+
+
+@cache
+def _ctx_case() -> tuple[ServedModel, ServedModel, bytes]:
+    spec = [TensorSpec("a", "BF16", (1500,)), TensorSpec("b", "F8_E4M3", (700,))]
+    rng = np.random.default_rng(7)
+    pairs = [_magnitude_skewed(rng, s, 0.05) for s in spec]
+    base = model_from_words(spec, [p[0] for p in pairs])
+    target = model_from_words(spec, [p[1] for p in pairs])
+    payload = encode_patch(base, target, payload_format=2).payload
+    assert Encoding.SPARSE_CTX in [e for e, _ in read_header(payload, target.specs).records]
+    return base, target, payload
+
+
+def _outcome(payload: bytes) -> str:
+    base, target, _ = _ctx_case()
+    try:
+        out = apply_patch(base.clone(), payload, target.specs)
+    except PatchswarmError:
+        return "error"
+    return "same" if out.bitwise_equal(target) else "differs"
+
+
+def _window_bytes(payload: bytes) -> set[int]:
+    """Offsets of the window-descriptor bytes of zstd frames without the single-segment flag: the
+    only bytes whose corruption can leave the decoded result unchanged (test_codec_bad_input.py)."""
+    out = set()
+    at = payload.find(b"\x28\xb5\x2f\xfd")
+    while at >= 0:
+        if not payload[at + 4] & 0x20:
+            out.add(at + 5)
+        at = payload.find(b"\x28\xb5\x2f\xfd", at + 1)
+    return out
+
+
+def test_every_single_byte_corruption_of_a_format2_payload_is_refused_or_visible() -> None:
+    """The decoder refuses or decodes something else; the manifest's chunk hashes and the target root
+    (test_patchfile.py) catch what decodes."""
+    _, _, payload = _ctx_case()
+    slack = _window_bytes(payload)
+    outcomes: Counter[str] = Counter()
+    for pos in range(len(payload)):
+        for xor in (0x01, 0x02, 0x10, 0x80):
+            bad = bytearray(payload)
+            bad[pos] ^= xor
+            result = _outcome(bytes(bad))
+            outcomes[result] += 1
+            if pos < 12:
+                assert result == "error", (pos, xor)
+            if result == "same":
+                assert pos in slack, (pos, xor)
+    assert outcomes["error"] > 0 and outcomes["differs"] > 0
+
+
+def _with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
+    """The payload with bits of its decompressed ``bits`` stream flipped (recompressed, sizes redeclared):
+    reaches the context decoder's own checks, past zstd and the container's."""
+    _, _, hlen = struct.unpack_from("<4sB3xI", payload)
+    records, table = msgpack.unpackb(zstandard.decompress(payload[12 : 12 + hlen]))
+    comps, off = [], 12 + hlen
+    for _, _, comp_len in table:
+        comps.append(payload[off : off + comp_len])
+        off += comp_len
+    i = [name for name, _, _ in table].index("bits")
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(comps[i], max_output_size=1 << 20))
+    for f in {f % (8 * len(raw)) for f in flips}:  # distinct bits: two flips of one bit would cancel
+        raw[f >> 3] ^= 1 << (f & 7)
+    comps[i] = zstandard.compress(bytes(raw))
+    table[i][2] = len(comps[i])
+    hz = zstandard.compress(msgpack.packb([records, table]))
+    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 1 << 16), min_size=1, max_size=4))
+def test_flipped_context_bits_are_refused_or_visible(flips: list[int]) -> None:
+    """Bits of the context code flipped: a FormatError or another target, never a crash and never the
+    same target (the code is a sequence of prefix codes and checked thresholds: one spelling)."""
+    outcome = _outcome(_with_bits_flipped(_ctx_case()[2], flips))
+    event(outcome)
+    assert outcome != "same"
+
+
+def test_format2_records_in_a_format1_payload_are_refused() -> None:
+    _, target, payload = _ctx_case()
+    with pytest.raises(FormatError, match="needs payload format 2"):
+        apply_patch(_ctx_case()[0].clone(), payload[:4] + b"\x01" + payload[5:], target.specs)
+
+
+def test_a_wrong_base_is_refused_before_any_write() -> None:
+    base, target = adam_like_pair(seed=9)
+    patch = build_version(base, target, run_id="r", version=2, base_version=1, now_ms=0, payload_format=2)
+    assert patch.payload[4] == 2
+    wrong = base.clone()
+    wrong.data[0][0] ^= 1  # a base whose digest differs by one bit
+    before = wrong.clone()
+    with pytest.raises(BaseMismatchError):
+        apply_version(wrong, patch.manifest, patch.payload)
+    assert wrong.bitwise_equal(before)
+    model, _ = apply_version(base.clone(), patch.manifest, patch.payload)
+    assert model.bitwise_equal(target)
+
+
+# ---------------------------------------------------------------- committed test vectors
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_committed_vectors_decode_to_their_target(fmt: int) -> None:
+    base = load_safetensors(VECTORS / "base.safetensors")
+    target = load_safetensors(VECTORS / "target.safetensors")
+    payload = (VECTORS / f"payload-format{fmt}.bin").read_bytes()
+    assert payload[4] == fmt
+    encs = {e for e, _ in read_header(payload, target.specs).records}
+    assert (Encoding.SPARSE_CTX in encs) == (fmt == 2)
+    assert apply_patch(base, payload, target.specs).bitwise_equal(target)
