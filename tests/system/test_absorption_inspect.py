@@ -29,7 +29,6 @@ def dumped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
     return d, run
 
 
-@pytest.mark.slow  # four CLI processes per format (each imports torch: tens of seconds on a busy machine)
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_changed_fractions_and_bytes_equal_those_inspect_reports(dumped: tuple[Path, dict[str, Any]], fmt: str) -> None:
     tmp_path, run = dumped
