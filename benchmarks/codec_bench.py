@@ -25,7 +25,6 @@ import contextlib
 import ctypes
 import gc
 import hashlib
-import math
 import os
 import platform
 import resource
@@ -41,33 +40,14 @@ import numpy as np
 import torch
 import zstandard
 
-from benchmarks.codec_contexts import ctx_ideal_bits, speed_format2
+from benchmarks.bound import counter, entropy_bits, log2_binom
+from benchmarks.codec_contexts import ctx_ideal_bits, load_dir, speed_format2
 from patchswarm.protocol import ordered
 from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.diffscan import scan
 from patchswarm.protocol.served import ServedModel, word_view
 
-LN2 = math.log(2.0)
-
-
 # ---------------------------------------------------------------- a) size
-
-
-def log2_binom(n: int, k: int) -> float:
-    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / LN2
-
-
-def entropy_bits(counts: Counter[int]) -> float:
-    """Empirical entropy, in bits per symbol."""
-    total = sum(counts.values())
-    if total == 0:
-        return 0.0
-    return -sum(c / total * math.log2(c / total) for c in counts.values())
-
-
-def _counter(values: np.ndarray) -> Counter[int]:
-    uniq, cnt = np.unique(values, return_counts=True)
-    return Counter(dict(zip(uniq.tolist(), cnt.tolist(), strict=True)))
 
 
 def varint(values: np.ndarray) -> bytes:
@@ -126,7 +106,7 @@ class PairSizes:
             else:
                 d = ch.new.numpy().astype(np.int64)
             c = deltas.setdefault(spec.dtype, Counter())
-            c.update(_counter(d))
+            c.update(counter(d))
             pos = ch.positions.numpy()
             gaps_parts.append(varint(np.diff(pos, prepend=-1) - 1))
             value_parts.append(ch.new.numpy().tobytes())
@@ -458,12 +438,6 @@ def hashing(mb: int) -> None:
 
 
 # ---------------------------------------------------------------- main
-
-
-def load_dir(path: Path, kind: str) -> list[ServedModel]:
-    from patchswarm.protocol.safetensors_io import load_safetensors
-
-    return [load_safetensors(p) for p in sorted((path / kind).glob("v*.safetensors"))]
 
 
 def machine() -> str:

@@ -17,7 +17,6 @@ For each consecutive pair of a real trajectory (daemon.trajectory; bf16 and fp8 
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.bound import entropy_bits, log2_binom_sum
 from patchswarm.protocol import context_coding as cc
 from patchswarm.protocol import ordered
 from patchswarm.protocol.codec import apply_patch, encode_patch
@@ -33,14 +33,7 @@ from patchswarm.protocol.diffscan import scan
 from patchswarm.protocol.position_coding import rice_bits
 from patchswarm.protocol.served import ServedModel, TensorSpec, word_view
 
-LN2 = math.log(2.0)
 MANTISSA = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
-
-
-def log2_binom(n: np.ndarray, k: np.ndarray) -> float:
-    nt = torch.from_numpy(n.astype(np.float64))
-    kt = torch.from_numpy(k.astype(np.float64))
-    return float(torch.sum(torch.lgamma(nt + 1) - torch.lgamma(kt + 1) - torch.lgamma(nt - kt + 1))) / LN2
 
 
 def exponent(words: np.ndarray, name: str) -> np.ndarray:
@@ -52,7 +45,7 @@ def exponent(words: np.ndarray, name: str) -> np.ndarray:
 def class_bits(cls: np.ndarray, changed: np.ndarray, nclass: int) -> tuple[float, np.ndarray, np.ndarray]:
     n_c = np.bincount(cls, minlength=nclass)
     k_c = np.bincount(cls[changed], minlength=nclass)
-    return log2_binom(n_c, k_c), n_c, k_c
+    return log2_binom_sum(n_c, k_c), n_c, k_c
 
 
 def gamma_bits(x: np.ndarray) -> int:
@@ -113,11 +106,6 @@ def group_lut(n_c: np.ndarray, k_c: np.ndarray, groups: int) -> np.ndarray:
     return lut
 
 
-def entropy(c: Counter[int]) -> float:
-    t = sum(c.values())
-    return -sum(v / t * math.log2(v / t) for v in c.values()) if t else 0.0
-
-
 def pair_row(base: ServedModel, target: ServedModel, prev: dict[str, np.ndarray] | None) -> dict[str, object]:
     acc: dict[str, dict[str, float]] = {}
     dcount: dict[str, Counter[int]] = {}
@@ -141,7 +129,7 @@ def pair_row(base: ServedModel, target: ServedModel, prev: dict[str, np.ndarray]
         row["k"] += k
         if k == 0:
             continue
-        mem = log2_binom(np.array([n]), np.array([k]))
+        mem = log2_binom_sum(np.array([n]), np.array([k]))
         row["mem"] += mem
         cls = exponent(a.numpy(), name)
         nclass = 1 << (8 * spec.dt.width - 1 - MANTISSA[name])
@@ -166,9 +154,10 @@ def pair_row(base: ServedModel, target: ServedModel, prev: dict[str, np.ndarray]
             per.setdefault(c, Counter())[dv] += 1
     for name, row in acc.items():
         c = dcount.get(name, Counter())
-        row["H_d"] = entropy(c)
+        row["H_d"] = entropy_bits(c)
         tot = sum(c.values())
-        row["H_d_a"] = sum(sum(v.values()) * entropy(v) for v in dcond.get(name, {}).values()) / tot if tot else 0.0
+        hd_a = sum(sum(v.values()) * entropy_bits(v) for v in dcond.get(name, {}).values())
+        row["H_d_a"] = hd_a / tot if tot else 0.0
     return {"rows": acc, "changed": changed_now}
 
 
@@ -179,7 +168,7 @@ def ctx_ideal_bits(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> float
     """Ideal position bits under the contexts format 2 would use for this tensor: sum over blocks
     and groups of log2 C(n_bg, k_bg) (the memoryless log2 C(n, k) where it would use plain gaps)."""
     if spec.dtype not in cc.MANTISSA:
-        return log2_binom(np.array([spec.numel]), np.array([pos.size]))
+        return log2_binom_sum(np.array([spec.numel]), np.array([pos.size]))
     th = cc.context_thresholds(spec, base, pos)
     m, _ = cc.exponent_field(spec)
     bits = 0.0
@@ -193,8 +182,8 @@ def ctx_ideal_bits(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> float
             groups += mag >= t << m
         n_g = np.bincount(groups, minlength=th.size + 1)
         k_g = np.bincount(groups[local], minlength=th.size + 1)
-        bits += log2_binom(n_g, k_g)
-    return min(bits, log2_binom(np.array([spec.numel]), np.array([pos.size])))
+        bits += log2_binom_sum(n_g, k_g)
+    return min(bits, log2_binom_sum(np.array([spec.numel]), np.array([pos.size])))
 
 
 def adam_like_synthetic(total_bytes: int, ntensors: int, step: float, seed: int) -> tuple[ServedModel, ServedModel]:
