@@ -181,6 +181,19 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in vals]
 
 
+def merge(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (point, strategy) from several results files: a real run over an extrapolation, and an
+    extrapolation from a larger real run over one from a smaller."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        key = json.dumps([r["fleet"], r["strategy"]], sort_keys=True)
+        rank = math.inf if r["extrapolated_from"] is None else r["extrapolated_from"]
+        old = best.get(key)
+        if old is None or rank > (math.inf if old["extrapolated_from"] is None else old["extrapolated_from"]):
+            best[key] = r
+    return list(best.values())
+
+
 def _read_rows(ap: argparse.ArgumentParser, path: Path) -> list[dict[str, Any]]:
     """A results file this module wrote: bounded, a JSON list of objects, or one clear line."""
     try:
@@ -222,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="print Markdown tables")
     a = ap.parse_args(argv)
     if a.cmd == "plot":
-        rows = [x for f in a.results for x in _read_rows(ap, f)]
+        rows = merge([x for f in a.results for x in _read_rows(ap, f)])
         if a.cdf:
             fleet_plots.cdf(rows, a.hosts, a.interval, a.cdf)
         if a.largest:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from patchswarm.simulations.fleet_plots import largest_fleet
-from patchswarm.simulations.fleet_study import Fleet, extrapolate, main, row, run_strategy
+from patchswarm.simulations.fleet_study import Fleet, extrapolate, main, merge, row, run_strategy
 from patchswarm.simulations.scenario import ChurnEvent, layout
 from patchswarm.simulations.staleness import Staleness, staleness, up_intervals
 from patchswarm.simulations.strategies import Outcome, swarm
@@ -155,3 +155,19 @@ def test_the_command_writes_results_and_plots(tmp_path: Path) -> None:
     cdf, big = tmp_path / "cdf.png", tmp_path / "largest.png"
     assert main(["plot", str(out), "--hosts", "5", "--interval", "5", "--cdf", str(cdf), "--largest", str(big)]) == 0
     assert cdf.stat().st_size > 1000 and big.stat().st_size > 1000
+
+
+def test_merging_results_prefers_real_runs_then_larger_sources() -> None:
+    f = {"hosts": 300, "interval": 60.0}
+    rows = [
+        {"fleet": f, "strategy": "swarm", "extrapolated_from": 30, "tag": "a"},
+        {"fleet": f, "strategy": "swarm", "extrapolated_from": 100, "tag": "b"},
+        {"fleet": f, "strategy": "central", "extrapolated_from": None, "tag": "c"},
+    ]
+    assert sorted(r["tag"] for r in merge(rows)) == ["b", "c"]
+    assert [
+        r["tag"] for r in merge([*rows, {"fleet": f, "strategy": "swarm", "extrapolated_from": None, "tag": "d"}])
+    ] == [
+        "d",
+        "c",
+    ]
