@@ -85,8 +85,19 @@ def largest(rows: Sequence[dict[str, Any]], path: Path) -> None:
             if all(y is None for y in ys):
                 continue
             color, label = STYLE[strat]
-            ax.plot(intervals, [y if y is not None else floor for y in ys], "o-", color=color, label=label)
+            extrapolated = any(r["extrapolated_from"] for r in rows if r["strategy"] == strat)
+            style = "--" if extrapolated else "-"
+            note = " (real N <= 100, extrapolated above)" if extrapolated else ""
+            ax.plot(
+                intervals, [y if y is not None else floor for y in ys], "o" + style, color=color, label=label + note
+            )
+            for t, y in zip(intervals, ys, strict=True):
+                top = max(r["fleet"]["hosts"] for r in rows if r["strategy"] == strat and r["fleet"]["interval"] == t)
+                if y == top:  # within the bound at every N run: the real limit is higher
+                    ax.annotate("^ largest N run", (t, y), textcoords="offset points", xytext=(-20, 6), fontsize=7)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_ylim(0.4, 4e4)
         ax.set_yscale("log")
         ax.set_xticks(intervals, [f"{t:g}" for t in intervals])
         ax.set_xlabel("seconds between versions (T)")

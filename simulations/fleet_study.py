@@ -66,6 +66,7 @@ class Fleet:
     life: float = 2 * 3600.0  # mean seconds a spot host lives; inf: no churn
     downtime: float = 300.0  # mean seconds until the replacement serves again
     seed: int = 1
+    window_mib: float = 4.0  # TCP window per flow (a flow moves at most window / RTT); 0: no cap
     single_region: bool = False  # one region, no backbones (the hand-computable case)
 
     def scenario(self, strategies: Sequence[str] = STRATEGY_ORDER) -> Scenario:
@@ -80,6 +81,7 @@ class Fleet:
                 "chunk_size": min(4 << 20, max(1024, self.patch_bytes)),
             },
             "versions": {"count": self.versions, "interval": self.interval},
+            "network": {"window": round(self.window_mib * 2**20)},
             "churn": {"crash_rate": crash, "rejoin_after": self.downtime, "window": self.interval},
             # the swarm stops at the end of the window; the central strategies have no deadline
             "run": {"seed": self.seed, "deadline": self.interval, "strategies": list(strategies)},
@@ -224,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--downtime", type=float, default=300.0, help="mean seconds until a replacement serves")
     r.add_argument("--strategies", default=",".join(STRATEGY_ORDER))
     r.add_argument("--swarm-max-hosts", type=int, default=1000, help="above: swarm extrapolated from the largest")
+    r.add_argument("--window-mib", type=float, default=4.0, help="TCP window per flow, MiB (0: no window cap)")
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--out", type=Path, required=True, help="results JSON (appended to if it exists)")
     p = sub.add_parser("plot", help="figures from results JSON")
@@ -248,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--strategies from {STRATEGY_ORDER}; --versions in [1, 1000]")
     if (a.patch_mb is not None and not 0.001 <= a.patch_mb <= 1e7) or not 1e6 <= a.params <= 1e13:
         ap.error("--patch-mb in [0.001, 1e7]; --params in [1e6, 1e13]")
+    if not 0 <= a.window_mib <= 4096:
+        ap.error("--window-mib in [0, 4096]")
     if not 0 < a.changed <= 1 or not a.life_h > 0 or not 0 <= a.downtime < 1e7:
         ap.error("--changed in (0, 1]; --life-h > 0 (inf: no churn); --downtime in [0, 1e7)")
     patch = round(a.patch_mb * 1e6) if a.patch_mb else default_patch_bytes(a.params, a.changed)
@@ -267,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 life=a.life_h * 3600.0,
                 downtime=a.downtime,
                 seed=a.seed,
+                window_mib=a.window_mib,
             )
             for strat in strategies:
                 t0 = time.perf_counter()
