@@ -128,7 +128,7 @@ def tables(rows: Sequence[dict[str, Any]]) -> str:
     intervals = sorted({r["fleet"]["interval"] for r in rows})
     out += ["", "| strategy | " + " | ".join(f"T = {t:g} s, p99 <= {b}" for b in BOUNDS for t in intervals) + " |"]
     out.append("| --- |" + " ---: |" * (len(BOUNDS) * len(intervals)))
-    for strat in STRATEGY_ORDER:
+    for strat in [x for x in STRATEGY_ORDER if any(r["strategy"] == x for r in rows)]:
         cells = []
         for b in BOUNDS:
             for t in intervals:
