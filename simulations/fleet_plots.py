@@ -87,7 +87,7 @@ def largest(rows: Sequence[dict[str, Any]], path: Path) -> None:
             color, label = STYLE[strat]
             extrapolated = any(r["extrapolated_from"] for r in rows if r["strategy"] == strat)
             style = "--" if extrapolated else "-"
-            note = " (real N <= 100, extrapolated above)" if extrapolated else ""
+            note = " (extrapolated above the real runs)" if extrapolated else ""
             ax.plot(
                 intervals, [y if y is not None else floor for y in ys], "o" + style, color=color, label=label + note
             )
@@ -133,7 +133,10 @@ def tables(rows: Sequence[dict[str, Any]]) -> str:
         for b in BOUNDS:
             for t in intervals:
                 n = largest_fleet(rows, strat, t, b)
-                biggest = max((r["fleet"]["hosts"] for r in rows if r["fleet"]["interval"] == t), default=0)
+                biggest = max(
+                    (r["fleet"]["hosts"] for r in rows if r["fleet"]["interval"] == t and r["strategy"] == strat),
+                    default=0,
+                )
                 cells.append("none" if n is None else (f">= {n:,}" if n == biggest else f"{n:,}"))
         out.append(f"| {STYLE[strat][1]} | " + " | ".join(cells) + " |")
     return "\n".join(out)
