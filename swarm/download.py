@@ -282,12 +282,14 @@ class ChunkFetcher:
             )
             if isinstance(reply, Busy):
                 self.metrics.busy_replies += 1
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
+                now = self.clock.now()
+                sched.on_failure(now, req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after, now - start)
                 self.take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
                 return
             if isinstance(reply, Missing):
                 self.downloads.missing_at(mid, req.peer_id, req.chunk)
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
+                now = self.clock.now()
+                sched.on_failure(now, req.chunk, req.peer_id, FailureReason.MISSING, elapsed=now - start)
                 self.take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
                 return
             try:
