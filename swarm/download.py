@@ -45,6 +45,7 @@ BOARD_FETCHES = 4  # board fetches at once, per download
 # left alone for a while, doubling up to the last: a store's 403 or 404 answers in milliseconds, and
 # without a pause every host would ask again at once, forever (each request billed).
 BOARD_RETRY_S = (1.0, 30.0)
+TIMEOUT_MARGIN = 0.25  # seconds the transport waits past a request's deadline (see ``fetch``)
 
 
 class ChunkFetcher:
@@ -117,6 +118,7 @@ class ChunkFetcher:
                 now = self.clock.now()
                 self.downloads.refresh(sched, mid, len(sizes), now)
                 for req in sched.expired(now):
+                    self.metrics.request_timeouts += 1
                     task = running.pop((req.chunk, req.peer_id), None)
                     if task:
                         task.cancel()
@@ -264,7 +266,10 @@ class ChunkFetcher:
                 await self.clock.sleep(pause)
             start = self.clock.now()
             try:
-                timeout = max(req.deadline - start, 0.05)
+                # A little past the deadline: the scheduler's expiry, not the transport's timer, ends a late
+                # request, as a TIMEOUT (it cuts the peer's rate estimate, which lengthens its next deadline:
+                # protocol/peer_timing.py), not as an ERROR (which does not).
+                timeout = max(req.deadline - start, 0.05) + TIMEOUT_MARGIN
                 reply = await self.transport.get_chunk(
                     view.info.addr, ref.hash, ref.size, timeout, self.me.node_id, sched.held_count
                 )
