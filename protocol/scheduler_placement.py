@@ -212,10 +212,9 @@ class ChunkPlacement(SchedulerState):
         cfg = self._cfg
         pid = peer.info.peer_id
         size = self._sizes[chunk]
+        allow = cfg.deadline_base + size / cfg.deadline_rate
         if cfg.deadline_slack and peer.rate is not None:  # measured: its own pace (protocol/peer_timing.py)
-            allow = peer.timing.timeout(size / peer.rate, cfg.deadline_slack, cfg.deadline_min, cfg.deadline_max)
-        else:
-            allow = cfg.deadline_base + size / cfg.deadline_rate
+            allow = peer.timing.timeout(size / peer.rate, cfg.deadline_slack, allow, max(allow, cfg.deadline_max))
         deadline = rnd.now + allow
         req = Request(chunk, pid, deadline, duplicate)
         remote = peer.remote

@@ -152,7 +152,8 @@ def simulate(seed: int) -> World:
             assert resting.get(r.peer_id, -1.0) <= now + 1e-9, "requested from a resting peer"
             assert r.duplicate == any(c == r.chunk for c, _ in out), "duplicate flag wrong"
             if r.peer_id in measured and cfg.deadline_slack:  # its own deadline (protocol/peer_timing.py)
-                assert now + cfg.deadline_min - 1e-9 <= r.deadline <= now + cfg.deadline_max + 1e-9
+                fixed = cfg.deadline_base + w.sizes[r.chunk] / cfg.deadline_rate
+                assert now + fixed - 1e-9 <= r.deadline <= now + max(fixed, cfg.deadline_max) + 1e-9
             else:
                 assert r.deadline == pytest.approx(now + cfg.deadline_base + w.sizes[r.chunk] / cfg.deadline_rate)
             out[key] = (r, now)
