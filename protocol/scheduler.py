@@ -51,8 +51,8 @@ Rules (after Kraken, BitTorrent and Dragonfly: docs/design.md#swarm-distribution
 * Deadlines: for a peer whose rate is measured, its own (protocol/peer_timing.py: ``deadline_slack`` x
   the time its rate predicts for the chunk, plus deviations and its round trip from busy/missing
   answers, at most ``deadline_max``), never shorter than the fixed deadline; for one never measured
-  (or ``deadline_slack`` 0), the fixed ``deadline_base + size / deadline_rate`` after the request.  An expired request is
-  a TIMEOUT: the chunk goes back to the pool, the peer rests and its rate estimate is cut to at
+  (or ``deadline_slack`` 0), the fixed ``deadline_base + size / deadline_rate`` after the request.
+  An expired request is a TIMEOUT: the chunk goes back to the pool, the peer rests and its rate estimate is cut to at
   most half of what it could have delivered, so faster peers win next time.
 * Failures: HASH bans the peer for ``ban_seconds``; ERROR, TIMEOUT and BUSY rest it for
   ``failure_backoff`` doubling per consecutive failure up to ``backoff_cap`` (BUSY with
