@@ -119,6 +119,7 @@ class ChunkFetcher:
                 self.downloads.refresh(sched, mid, len(sizes), now)
                 for req in sched.expired(now):
                     self.metrics.request_timeouts += 1
+                    log.debug("%s: chunk %d from %s -> timeout at %.3f", self.me.node_id, req.chunk, req.peer_id, now)
                     task = running.pop((req.chunk, req.peer_id), None)
                     if task:
                         task.cancel()
