@@ -344,7 +344,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results: list[sb.Result] = []
             if "patchswarm" in args.systems:
                 relay0 = sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0
-                res = sb.run_patchswarm(args, board, places, node_rate=args.rate if args.pace else 0)
+                res = sb.run_patchswarm(
+                    args, board, places, node_rate=args.rate if args.pace else 0, probe=lambda: wire_bytes(tb.seed)
+                )
                 res.extra["relay_cpu_s"] = round((sb.proc_cpu(tb.relay.pid) if tb.relay else 0.0) - relay0, 2)
                 if args.verify:
                     from patchswarm.protocol.served import ServedModel
@@ -385,6 +387,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def wire_bytes(host: NetHost) -> dict[str, int]:
+    """Bytes and packets that left ``host``'s interface so far (its namespace's eth0 counters)."""
+    out: dict[str, int] = {}
+    for name in ("tx_bytes", "tx_packets"):
+        text = subprocess.run(
+            host.wrap(["cat", f"/sys/class/net/eth0/statistics/{name}"]), capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        out[name] = int(text) if text.isdigit() else 0
     return out
 
 
@@ -446,6 +459,16 @@ def report(out: dict[str, Any]) -> str:
                 f"{r['machine_util']:.0%}",
             )
         )
+    for r in out.get("results", []):
+        x = r["extra"]
+        if "probe" in x:  # what left the seed's interface (the chunks, headers and TCP/IP), not what it counted
+            wire = x["probe"].get("tx_bytes", 0) / r["size"]
+            lines.append(
+                f"{r['name']}: seed wire egress/F {wire:.2f}; request timeouts {x.get('nodes_request_timeouts')}; "
+                f"uploads abandoned: seed {x.get('seed_uploads_abandoned')} "
+                f"({x.get('seed_bytes_abandoned', 0) / r['size']:.2f} F), nodes {x.get('nodes_uploads_abandoned')}; "
+                f"busy replies: seed {x.get('seed_busy_replies')}, nodes {x.get('nodes_busy_replies')}"
+            )
     for r in out.get("results", []):
         checks = {k: v for k, v in r["extra"].items() if k in ("roots_ok", "sha256_ok")}
         if checks:

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -575,8 +576,11 @@ def run_patchswarm(
     *,
     node_rate: float | None = None,
     tls: bool = False,
+    probe: Callable[[], dict[str, int]] | None = None,
 ) -> Result:
-    """``places``: the seed's then each node's (default: loopback).  ``node_rate``: every process's own
+    """``probe``: counters read where the seed's metrics are (before the publish, after the last node),
+    their differences in ``Result.extra["probe"]`` (the testbed: bytes on the seed's wire).
+    ``places``: the seed's then each node's (default: loopback).  ``node_rate``: every process's own
     ``--upload-rate`` (default ``args.rate``; 0: unlimited, when the kernel limits the links instead).
     With ``args.print_root`` nodes print each version's state root (``Result.extra["roots"]``).
     ``tls``: every process over mutual TLS, certificates from a cluster CA made for the run."""
@@ -627,6 +631,7 @@ def run_patchswarm(
         seed.p.send_signal(signal.SIGUSR1)
         before = seed.wait("metrics", 30)[1]["metrics"]
         seed.forget("metrics")
+        probed = probe() if probe is not None else {}
 
         log(f"{name}: publishing version 2 ({nbytes / 1e6:.0f} MB of random bytes)")
         info = pub.publish(target)
@@ -651,6 +656,8 @@ def run_patchswarm(
         cpu = meter.stop()
         seed.p.send_signal(signal.SIGUSR1)
         after = seed.wait("metrics", 30)[1]["metrics"]
+        if probe is not None:
+            probed = {k: v - probed.get(k, 0) for k, v in probe().items()}
         for p in nodes:
             p.stop()
         node_metrics = [p.seen.get("stopped", (0, {"metrics": {}}))[1]["metrics"] for p in nodes]
@@ -662,6 +669,10 @@ def run_patchswarm(
             "nodes_bytes_from_seed": sum(m.get("bytes_from_seed", 0) for m in node_metrics),
             "nodes_bytes_from_peers": sum(m.get("bytes_from_peers", 0) for m in node_metrics),
             "nodes_busy_replies": sum(m.get("busy_replies", 0) for m in node_metrics),
+            "nodes_request_timeouts": sum(m.get("request_timeouts", 0) for m in node_metrics),
+            "seed_uploads_abandoned": after.get("uploads_abandoned", 0) - before.get("uploads_abandoned", 0),
+            "seed_bytes_abandoned": after.get("bytes_abandoned", 0) - before.get("bytes_abandoned", 0),
+            "nodes_uploads_abandoned": sum(m.get("uploads_abandoned", 0) for m in node_metrics),
             "publish_seconds": round(info.seconds, 2),
             "idle_cpu_per_process": f"{idle_cpu:.1%} of a core",
             "overrides": overrides,
@@ -669,6 +680,8 @@ def run_patchswarm(
         }
         if print_root:
             extra["roots"] = roots
+        if probe is not None:
+            extra["probe"] = probed
         return Result(
             name,
             size,
