@@ -79,6 +79,15 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_wait(pid: int) -> float:
+    """Seconds one process has spent runnable but waiting for a CPU so far (``/proc/PID/schedstat``'s
+    run-queue delay; 0 if it is gone): the direct measure of CPU starvation on a shared machine."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def machine_busy() -> tuple[float, float]:
     """(busy, total) jiffies over all CPUs from /proc/stat."""
     vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -93,14 +102,23 @@ class CpuMeter:
     def __init__(self, procs: list[Proc]) -> None:
         self.procs = procs
         self.mine0 = self._mine()
+        self.wait0 = self._wait()
         self.busy0, self.total0 = machine_busy()
+        self.load0 = os.getloadavg()
+        self.wait_s = 0.0  # after ``stop``: the processes' run-queue delay over the interval, seconds
+        self.load: dict[str, list[float]] = {}  # after ``stop``: load averages (1, 5, 15 min) at start and end
 
     def _mine(self) -> float:
         return sum(p.cpu() for p in self.procs) + proc_cpu(os.getpid())
 
+    def _wait(self) -> float:
+        return sum(proc_wait(p.p.pid) for p in self.procs)
+
     def stop(self) -> tuple[float, float, float]:
-        """(our CPU s, other CPU s, machine busy fraction)."""
+        """(our CPU s, other CPU s, machine busy fraction); also sets ``wait_s`` and ``load``."""
         mine = self._mine() - self.mine0
+        self.wait_s = self._wait() - self.wait0
+        self.load = {"start": [round(x, 2) for x in self.load0], "end": [round(x, 2) for x in os.getloadavg()]}
         busy1, total1 = machine_busy()
         busy = (busy1 - self.busy0) / CLK_TCK
         return mine, max(0.0, busy - mine), (busy1 - self.busy0) / max(total1 - self.total0, 1)
@@ -677,6 +695,8 @@ def run_patchswarm(
             "idle_cpu_per_process": f"{idle_cpu:.1%} of a core",
             "overrides": overrides,
             "wall": t1 - t0,
+            "cpu_wait_s": round(meter.wait_s, 2),  # the processes' time runnable but without a CPU
+            "loadavg": meter.load,
         }
         if print_root:
             extra["roots"] = roots

@@ -150,3 +150,10 @@ def test_the_testbed_gives_the_simulator_its_tcp() -> None:
     s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000))
     assert s.tcp == TcpModel(10 * 63948.0, restart_after_idle=False, send_buffer=0.0)
     assert s.seed_paced
+    # The node's own TCP_NOTSENT_LOWAT (upload_notsent_lowat) holds the slot for the wire only where
+    # both the seed and the nodes set it; the simulator has one send buffer for all hosts.
+    args.notsent_lowat, args.config = 0, '{"node": {"upload_notsent_lowat": 131072}}'
+    assert parse_text(scenario_toml(args, owd, 0.0001, 2_000_000)).tcp.send_buffer == 20 * 63948.0 + 65536
+    args.config = '{"node": {"upload_notsent_lowat": 131072}, "seed": {"upload_notsent_lowat": 65536}}'
+    s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000, rng_seed=7))
+    assert s.tcp.send_buffer == 0.0 and s.rng_seed == 7
