@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks import swarm_bench as sb
 from benchmarks.latency_net import NetHost, Testbed, can_run, cleanup_stale
+from patchswarm.protocol.node_config import NodeConfig
 
 SYSTEMS = ("patchswarm", "libtorrent", "central")
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,11 +236,12 @@ def tcp_keys(args: argparse.Namespace) -> list[str]:
       grows), counted with each segment's overhead, and aiohttp returns from a drain once no more
       than 64 KiB wait in user space.  At MTU 64,000 that is over a MiB: a whole chunk.  With
       ``--notsent-lowat`` (the hosts') or ``upload_notsent_lowat`` for both the seed and the nodes
-      (``--config``) the write waits for the wire instead: 0.
+      (the node's default, or ``--config``) the write waits for the wire instead: 0.
     """
     mss = args.mtu - 52
     overrides = sb.load_overrides(args.config)
-    lowat = all(int(overrides.get(role, {}).get("upload_notsent_lowat", 0)) > 0 for role in ("seed", "node"))
+    default = NodeConfig.__dataclass_fields__["upload_notsent_lowat"].default
+    lowat = all(int(overrides.get(r, {}).get("upload_notsent_lowat", default)) > 0 for r in ("seed", "node"))
     sndbuf = 0 if args.notsent_lowat or lowat else 2 * 10 * mss + (64 << 10)
     return [
         f"initial_window = {(args.initcwnd or 10) * mss}",

@@ -50,8 +50,10 @@ class NodeConfig:
     # >0: a chunk reply's socket keeps at most this many bytes not yet sent (TCP_NOTSENT_LOWAT, Linux;
     # ignored elsewhere), the rest waiting in the process: the write of a chunk returns once it has left,
     # not once the kernel's send buffer (megabytes, autotuned) took it, so the upload slot covers the
-    # transfer on the wire, and a requester that gives up stops the bytes not yet sent.
-    upload_notsent_lowat: int = 0
+    # transfer on the wire, and a requester that gives up stops the bytes not yet sent.  On by default:
+    # with slots freed at the kernel's take, a seed across regions sent 2.1 copies of the patch for 1
+    # received, and the swarm took 1.3x as long (docs/bandwidth-study.md section 7); 0: off.
+    upload_notsent_lowat: int = 128 * 1024
     upload_stall_rest: float = 30.0
     upload_stall_max_rest: float = 900.0
     # Uploads one requester (by address) may have under way or waiting at once; 0: all slots but one,

@@ -6,6 +6,7 @@ yet sent dropped (swarm/http.py ``_hold_until_sent``, swarm/uploads.py ``_send_w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import socket
 
@@ -34,8 +35,12 @@ async def _until(cond: object, what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
-async def _serve(lowat: int) -> tuple[SwarmNode, HardenedRunner, int, SimNet]:
-    cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_queue=0, upload_notsent_lowat=lowat)
+async def _serve(lowat: int | None = None) -> tuple[SwarmNode, HardenedRunner, int, SimNet]:
+    """A node serving one chunk over real HTTP; ``lowat`` None: the node's default."""
+    cfg = NodeConfig("a", RUN, SECRET, max_uploads=1, upload_queue=0)
+    if lowat is not None:
+        cfg = dataclasses.replace(cfg, upload_notsent_lowat=lowat)
+    lowat = cfg.upload_notsent_lowat
     net = SimNet(Network([Host("a", "r")], [Region("r", 0.001)]))  # (gossip only: unused here)
     node = SwarmNode(cfg, "http://a", net.transport("a"), SystemClock(), TrustState(b"k" * 32), random.Random(0))
     node.chunks.put(HASH, b"x" * SIZE)
@@ -62,8 +67,8 @@ def _ask(port: int) -> socket.socket:
 async def test_the_slot_is_held_until_the_chunk_has_left() -> None:
     """(Without the option, on this machine's loopback the kernel takes the whole 1 MiB at once and
     the slot is free while the requester has read nothing; not asserted: it depends on the kernel's
-    buffer sizes.)"""
-    node, runner, port, net = await _serve(16384)
+    buffer sizes.)  The node's default does it."""
+    node, runner, port, net = await _serve()
     s = _ask(port)
     try:
         await _until(lambda: node.metrics.chunks_uploaded == 1, "the upload began")
