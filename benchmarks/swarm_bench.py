@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,15 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_wait(pid: int) -> float:
+    """Seconds one process has spent runnable but waiting for a CPU so far (``/proc/PID/schedstat``'s
+    run-queue delay; 0 if it is gone): the direct measure of CPU starvation on a shared machine."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def machine_busy() -> tuple[float, float]:
     """(busy, total) jiffies over all CPUs from /proc/stat."""
     vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -92,14 +102,23 @@ class CpuMeter:
     def __init__(self, procs: list[Proc]) -> None:
         self.procs = procs
         self.mine0 = self._mine()
+        self.wait0 = self._wait()
         self.busy0, self.total0 = machine_busy()
+        self.load0 = os.getloadavg()
+        self.wait_s = 0.0  # after ``stop``: the processes' run-queue delay over the interval, seconds
+        self.load: dict[str, list[float]] = {}  # after ``stop``: load averages (1, 5, 15 min) at start and end
 
     def _mine(self) -> float:
         return sum(p.cpu() for p in self.procs) + proc_cpu(os.getpid())
 
+    def _wait(self) -> float:
+        return sum(proc_wait(p.p.pid) for p in self.procs)
+
     def stop(self) -> tuple[float, float, float]:
-        """(our CPU s, other CPU s, machine busy fraction)."""
+        """(our CPU s, other CPU s, machine busy fraction); also sets ``wait_s`` and ``load``."""
         mine = self._mine() - self.mine0
+        self.wait_s = self._wait() - self.wait0
+        self.load = {"start": [round(x, 2) for x in self.load0], "end": [round(x, 2) for x in os.getloadavg()]}
         busy1, total1 = machine_busy()
         busy = (busy1 - self.busy0) / CLK_TCK
         return mine, max(0.0, busy - mine), (busy1 - self.busy0) / max(total1 - self.total0, 1)
@@ -575,8 +594,11 @@ def run_patchswarm(
     *,
     node_rate: float | None = None,
     tls: bool = False,
+    probe: Callable[[], dict[str, int]] | None = None,
 ) -> Result:
-    """``places``: the seed's then each node's (default: loopback).  ``node_rate``: every process's own
+    """``probe``: counters read where the seed's metrics are (before the publish, after the last node),
+    their differences in ``Result.extra["probe"]`` (the testbed: bytes on the seed's wire).
+    ``places``: the seed's then each node's (default: loopback).  ``node_rate``: every process's own
     ``--upload-rate`` (default ``args.rate``; 0: unlimited, when the kernel limits the links instead).
     With ``args.print_root`` nodes print each version's state root (``Result.extra["roots"]``).
     ``tls``: every process over mutual TLS, certificates from a cluster CA made for the run."""
@@ -627,6 +649,7 @@ def run_patchswarm(
         seed.p.send_signal(signal.SIGUSR1)
         before = seed.wait("metrics", 30)[1]["metrics"]
         seed.forget("metrics")
+        probed = probe() if probe is not None else {}
 
         log(f"{name}: publishing version 2 ({nbytes / 1e6:.0f} MB of random bytes)")
         info = pub.publish(target)
@@ -651,6 +674,8 @@ def run_patchswarm(
         cpu = meter.stop()
         seed.p.send_signal(signal.SIGUSR1)
         after = seed.wait("metrics", 30)[1]["metrics"]
+        if probe is not None:
+            probed = {k: v - probed.get(k, 0) for k, v in probe().items()}
         for p in nodes:
             p.stop()
         node_metrics = [p.seen.get("stopped", (0, {"metrics": {}}))[1]["metrics"] for p in nodes]
@@ -662,13 +687,21 @@ def run_patchswarm(
             "nodes_bytes_from_seed": sum(m.get("bytes_from_seed", 0) for m in node_metrics),
             "nodes_bytes_from_peers": sum(m.get("bytes_from_peers", 0) for m in node_metrics),
             "nodes_busy_replies": sum(m.get("busy_replies", 0) for m in node_metrics),
+            "nodes_request_timeouts": sum(m.get("request_timeouts", 0) for m in node_metrics),
+            "seed_uploads_abandoned": after.get("uploads_abandoned", 0) - before.get("uploads_abandoned", 0),
+            "seed_bytes_abandoned": after.get("bytes_abandoned", 0) - before.get("bytes_abandoned", 0),
+            "nodes_uploads_abandoned": sum(m.get("uploads_abandoned", 0) for m in node_metrics),
             "publish_seconds": round(info.seconds, 2),
             "idle_cpu_per_process": f"{idle_cpu:.1%} of a core",
             "overrides": overrides,
             "wall": t1 - t0,
+            "cpu_wait_s": round(meter.wait_s, 2),  # the processes' time runnable but without a CPU
+            "loadavg": meter.load,
         }
         if print_root:
             extra["roots"] = roots
+        if probe is not None:
+            extra["probe"] = probed
         return Result(
             name,
             size,

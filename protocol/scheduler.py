@@ -48,8 +48,11 @@ Rules (after Kraken, BitTorrent and Dragonfly: docs/design.md#swarm-distribution
 * Endgame: once every missing chunk is in flight and at most ``endgame_remaining`` remain, each
   gets one duplicate request to another eligible peer (to the seed only after ``seed_patience``
   or when the holders are too slow); the first success returns the other to cancel.
-* Deadlines: ``deadline_base + size / deadline_rate`` after the request.  An expired request is
-  a TIMEOUT: the chunk goes back to the pool, the peer rests and its rate estimate is cut to at
+* Deadlines: for a peer whose rate is measured, its own (protocol/peer_timing.py: ``deadline_slack`` x
+  the time its rate predicts for the chunk, plus deviations and its round trip from busy/missing
+  answers, at most ``deadline_max``), never shorter than the fixed deadline; for one never measured
+  (or ``deadline_slack`` 0), the fixed ``deadline_base + size / deadline_rate`` after the request.
+  An expired request is a TIMEOUT: the chunk goes back to the pool, the peer rests and its rate estimate is cut to at
   most half of what it could have delivered, so faster peers win next time.
 * Failures: HASH bans the peer for ``ban_seconds``; ERROR, TIMEOUT and BUSY rest it for
   ``failure_backoff`` doubling per consecutive failure up to ``backoff_cap`` (BUSY with
@@ -354,6 +357,7 @@ class ChunkScheduler(ChunkPlacement):
         self._index(chunk)
         p = self._peers.get(peer_id)
         if p is not None:
+            p.timing.transfer(elapsed, None if p.rate is None else nbytes / p.rate)
             sample = nbytes / max(elapsed, _MIN_ELAPSED)
             a = self._cfg.rate_alpha
             p.rate = sample if p.rate is None else a * sample + (1 - a) * p.rate
@@ -375,13 +379,22 @@ class ChunkScheduler(ChunkPlacement):
         return cancel
 
     def on_failure(
-        self, now: float, chunk: int, peer_id: str, reason: FailureReason, retry_after: float | None = None
+        self,
+        now: float,
+        chunk: int,
+        peer_id: str,
+        reason: FailureReason,
+        retry_after: float | None = None,
+        elapsed: float | None = None,
     ) -> None:
-        """A request failed; the chunk becomes requestable again unless another request covers it."""
+        """A request failed; the chunk becomes requestable again unless another request covers it.
+        ``elapsed``: how long a BUSY or MISSING answer took (a round trip: the peer's deadlines)."""
         self._tick(now)
         self._index(chunk)
         flight = self._drop_flight(chunk, peer_id) if peer_id in self._flights.get(chunk, _NO_FLIGHTS) else None
         p = self._peers.get(peer_id)
+        if p is not None and elapsed is not None and reason in (FailureReason.BUSY, FailureReason.MISSING):
+            p.timing.answer(elapsed)
         # An ERROR or TIMEOUT for a request no longer tracked was already accounted for (expired or
         # cancelled); HASH, MISSING and BUSY still say something about the peer.
         stale = flight is None and reason in (FailureReason.ERROR, FailureReason.TIMEOUT)

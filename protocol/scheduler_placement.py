@@ -211,7 +211,11 @@ class ChunkPlacement(SchedulerState):
     def _issue(self, chunk: int, peer: _Peer, rnd: _Round, *, duplicate: bool) -> Request:
         cfg = self._cfg
         pid = peer.info.peer_id
-        deadline = rnd.now + cfg.deadline_base + self._sizes[chunk] / cfg.deadline_rate
+        size = self._sizes[chunk]
+        allow = cfg.deadline_base + size / cfg.deadline_rate
+        if cfg.deadline_slack and peer.rate is not None:  # measured: its own pace (protocol/peer_timing.py)
+            allow = peer.timing.timeout(size / peer.rate, cfg.deadline_slack, allow, max(allow, cfg.deadline_max))
+        deadline = rnd.now + allow
         req = Request(chunk, pid, deadline, duplicate)
         remote = peer.remote
         self._flights.setdefault(chunk, {})[pid] = _Flight(req, rnd.now, remote)

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 from patchswarm.protocol.bitfield import Bitfield
+from patchswarm.protocol.peer_timing import PeerTiming
 from patchswarm.protocol.scheduler_types import PeerInfo, Request, SchedulerConfig
 
 _MIN_ELAPSED = 1e-6  # seconds: a zero elapsed time would be an infinite rate
@@ -61,6 +62,7 @@ class _Peer:
     bytes: int
     missing: dict[int, float]  # chunk -> until when its claims are ignored
     remote: bool  # in another region: its requests count against max_inflight_remote
+    timing: PeerTiming  # its round trip and how far its transfers stray from the rate's prediction
 
     def __init__(self, info: PeerInfo, bits: int, seq: int) -> None:
         self.info = info
@@ -72,6 +74,7 @@ class _Peer:
         self.failures = self.bytes = self.cap = self.load = 0
         self.missing = {}
         self.remote = False
+        self.timing = PeerTiming()
 
     def holds(self, chunk: int) -> bool:
         return bool(self.bits >> chunk & 1)

@@ -39,8 +39,16 @@ class SchedulerConfig:
     max_inflight_seed: int = 5  # Kraken: 5 to origins
     random_first: int = 4  # BitTorrent: first pieces random, then rarest-first
     endgame_remaining: int = 3  # Kraken: endgame at <= 3 chunks left: duplicate in-flight requests
-    deadline_base: float = 2.0  # per-request deadline = base + size / deadline_rate
+    deadline_base: float = 2.0  # per-request deadline = base + size / deadline_rate (a peer never measured)
     deadline_rate: float = 2e6  # bytes/s assumed as the slowest acceptable peer
+    # A measured peer's deadline (protocol/peer_timing.py): deadline_slack x the duration its delivery
+    # rate predicts for the chunk, plus 4 deviations and its round trip, at least the fixed deadline
+    # above and at most deadline_max.  Across regions a transfer's time is the peer's, not a constant's:
+    # the fixed 2.5 s for 1 MiB timed out 240-570 times per run on the real-latency testbed
+    # (docs/bandwidth-study.md section 7).  Never shorter than the fixed one: on the testbed shorter
+    # deadlines for fast peers (a 2 s floor) timed out as often.  0: the fixed deadline for every peer.
+    deadline_slack: float = 2.0
+    deadline_max: float = 30.0
     ban_seconds: float = 60.0  # a peer that sent a chunk failing its hash is not asked for this long
     failure_backoff: float = 1.0  # rest after error / timeout / refusal, doubling per consecutive failure
     seed_patience: float = 1.0  # seconds a chunk may wait while a peer holds it before the seed may be asked
@@ -81,6 +89,7 @@ class SchedulerConfig:
             "seed_patience",
             "backoff_cap",
             "tree_patience",
+            "deadline_slack",
         ):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
@@ -89,6 +98,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be finite and > 0")
+        if not 0 <= self.deadline_max < math.inf:
+            raise ValueError("deadline_max must be finite and >= 0")
         if not 0 < self.rate_alpha <= 1:
             raise ValueError("rate_alpha must be in (0, 1]")
 

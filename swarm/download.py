@@ -45,6 +45,7 @@ BOARD_FETCHES = 4  # board fetches at once, per download
 # left alone for a while, doubling up to the last: a store's 403 or 404 answers in milliseconds, and
 # without a pause every host would ask again at once, forever (each request billed).
 BOARD_RETRY_S = (1.0, 30.0)
+TIMEOUT_MARGIN = 0.25  # seconds the transport waits past a request's deadline (see ``fetch``)
 
 
 class ChunkFetcher:
@@ -117,6 +118,8 @@ class ChunkFetcher:
                 now = self.clock.now()
                 self.downloads.refresh(sched, mid, len(sizes), now)
                 for req in sched.expired(now):
+                    self.metrics.request_timeouts += 1
+                    log.debug("%s: chunk %d from %s -> timeout at %.3f", self.me.node_id, req.chunk, req.peer_id, now)
                     task = running.pop((req.chunk, req.peer_id), None)
                     if task:
                         task.cancel()
@@ -264,7 +267,10 @@ class ChunkFetcher:
                 await self.clock.sleep(pause)
             start = self.clock.now()
             try:
-                timeout = max(req.deadline - start, 0.05)
+                # A little past the deadline: the scheduler's expiry, not the transport's timer, ends a late
+                # request, as a TIMEOUT (it cuts the peer's rate estimate, which lengthens its next deadline:
+                # protocol/peer_timing.py), not as an ERROR (which does not).
+                timeout = max(req.deadline - start, 0.05) + TIMEOUT_MARGIN
                 reply = await self.transport.get_chunk(
                     view.info.addr, ref.hash, ref.size, timeout, self.me.node_id, sched.held_count
                 )
@@ -282,12 +288,14 @@ class ChunkFetcher:
             )
             if isinstance(reply, Busy):
                 self.metrics.busy_replies += 1
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after)
+                now = self.clock.now()
+                sched.on_failure(now, req.chunk, req.peer_id, FailureReason.BUSY, reply.retry_after, now - start)
                 self.take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
                 return
             if isinstance(reply, Missing):
                 self.downloads.missing_at(mid, req.peer_id, req.chunk)
-                sched.on_failure(self.clock.now(), req.chunk, req.peer_id, FailureReason.MISSING)
+                now = self.clock.now()
+                sched.on_failure(now, req.chunk, req.peer_id, FailureReason.MISSING, elapsed=now - start)
                 self.take_hints(mid, req.chunk, reply.holders, len(manifest.chunks) - sched.held_count)
                 return
             try:

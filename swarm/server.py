@@ -65,7 +65,8 @@ async def start_http_node(
         return await box[0].handle_object(path, requester, insist, off_loop=True)
 
     app = board_app(board.root) if board is not None else web.Application()
-    add_routes(app, Handlers(gossip, chunk, obj, chunk_from=chunk))  # chunk_from: per-requester upload limits
+    # chunk_from: per-requester upload limits
+    add_routes(app, Handlers(gossip, chunk, obj, chunk_from=chunk), notsent_lowat=config.upload_notsent_lowat)
     if tls is not None:  # (TlsError) nothing reached, nor reaching us, over plain HTTP: checked before binding
         from patchswarm.swarm.board_store import is_store_url
 

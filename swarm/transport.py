@@ -40,7 +40,8 @@ ChunkReply = bytes | Busy | Missing
 
 SendChunk = Callable[[bytes], Awaitable[None]]
 """Sends a chunk's bytes to the requester; returns once they are on their way out (written to the
-socket, or the simulated flow finished), or at once when the requester is gone.  A serving node
+socket, or the simulated flow finished), or at once when the requester is gone (a real connection
+closed by the requester: raises ConnectionError, the bytes not sent yet dropped).  A serving node
 calls it while it holds an upload slot, so its slots bound the transfers under way, not only the
 time to look the chunk up."""
 

@@ -212,12 +212,26 @@ class ChunkServer:
     async def _send_within(self, send: SendChunk, data: bytes, key: str) -> bool:
         """``send(data)`` within its deadline, max(``upload_deadline``, bytes / ``upload_floor_rate``);
         False: it passed, the send was cancelled (a transport aborts the connection then) and the
-        requester rests.  The caller's slot is released once, by the caller, either way.  (Loop time:
-        virtual in simulations, as the line's waits are.)"""
+        requester rests; or the requester went away (``send`` raised ConnectionError).  The caller's
+        slot is released once, by the caller, either way.  (Loop time: virtual in simulations, as the
+        line's waits are.)"""
         cfg = self.config
         try:
             async with asyncio.timeout(max(cfg.upload_deadline, len(data) / cfg.upload_floor_rate)):
                 await send(data)
+        except ConnectionError:
+            # The requester closed the connection (it gave up): the transport dropped what was not sent,
+            # and the slot goes back now, to a request somebody still waits for.  No rest: giving up
+            # at a deadline is what requesters do.
+            self.metrics.uploads_abandoned += 1
+            self.metrics.bytes_abandoned += len(data)
+            return False
+        except asyncio.CancelledError:
+            # The same seen from a server that cancels a handler whose client left (swarm/serving.py), or
+            # a shutdown: the transport aborted the connection; the caller's ``finally`` frees the slot.
+            self.metrics.uploads_abandoned += 1
+            self.metrics.bytes_abandoned += len(data)
+            raise
         except TimeoutError:
             self.metrics.upload_stalls += 1
             if key:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import swarm_bench as sb
 from benchmarks.latency_net import can_run, namespaces
+from benchmarks.latency_testbed import accepted, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 RTT_MS = 40.0
@@ -40,7 +42,7 @@ def test_ci_sized_testbed_delivers_the_rtt_and_every_system_converges_bitwise(tm
     out = tmp_path / "out.json"
     argv = [sys.executable, "-m", "benchmarks.latency_testbed", "--regions", "2", "--hosts", "3"]
     argv += ["--rtt", f"{RTT_MS:g}", "--rate", f"{RATE:g}", "--size-mb", "2", "--settle", "1", "--verify"]
-    argv += ["--systems", ",".join(systems), "--json", str(out)]
+    argv += ["--systems", ",".join(systems), "--repeat", "1", "--sim-seeds", "1", "--json", str(out)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -77,3 +79,27 @@ def test_ci_sized_testbed_delivers_the_rtt_and_every_system_converges_bitwise(tm
         assert checks == [True] * 6, (name, checks)
     assert doc["relay"]["packets"] > 0 and doc["relay"]["dropped"] == 0
     assert "| patchswarm |" in stdout
+
+
+def test_median_and_range_of_the_runs() -> None:
+    assert summary([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert summary([4.0, 1.0, 2.0, 10.0]) == {"median": 3.0, "min": 1.0, "max": 10.0, "n": 4}
+
+
+def test_a_run_that_waited_for_the_cpu_or_filled_the_cores_is_rejected() -> None:
+    """The acceptance rule reads the run's measured CPU and run-queue wait (no root needed)."""
+    import argparse
+
+    args = argparse.Namespace(max_wait=0.25, max_cpu=0.6)
+    cores = os.cpu_count() or 1
+
+    def run(cpu: float, wait: float, wall: float = 10.0, done: bool = True) -> sb.Result:
+        extra = {"wall": wall, "cpu_wait_s": wait, "relay_cpu_s": 1.0, "relay_wait_s": 0.0}
+        return sb.Result("patchswarm", 1, 6, 1e6, 1.0, wall if done else None, 1, cpu - 1.0, 0.0, 1.0, extra=extra)
+
+    assert accepted(run(2.0, 0.4), args) == (True, "")  # waited 0.4 s for 2 CPU-s: 20%
+    ok, why = accepted(run(2.0, 0.6), args)
+    assert not ok and "CPU wait" in why
+    ok, why = accepted(run(0.61 * 10.0 * cores + 0.1, 0.0), args)
+    assert not ok and "of the cores" in why
+    assert accepted(run(2.0, 0.0, done=False), args) == (False, "did not finish")

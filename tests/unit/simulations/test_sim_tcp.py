@@ -137,9 +137,10 @@ def test_the_testbed_gives_the_simulator_its_tcp() -> None:
 
     from benchmarks.latency_testbed import scenario_toml
 
+    off = '{"node": {"upload_notsent_lowat": 0}, "seed": {"upload_notsent_lowat": 0}}'
     args = argparse.Namespace(
         regions=2, hosts=3, rate=2e6, chunk_mib=1, mtu=64000, initcwnd=1, notsent_lowat=0,
-        no_slow_start_after_idle=False, pace=False, config=None,
+        no_slow_start_after_idle=False, pace=False, config=off,
     )  # fmt: skip
     owd = {(0, 1): 0.02, (1, 0): 0.02}
     s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000))
@@ -150,3 +151,12 @@ def test_the_testbed_gives_the_simulator_its_tcp() -> None:
     s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000))
     assert s.tcp == TcpModel(10 * 63948.0, restart_after_idle=False, send_buffer=0.0)
     assert s.seed_paced
+    # The node's own TCP_NOTSENT_LOWAT (upload_notsent_lowat, on by default) holds the slot for the
+    # wire only where both the seed and the nodes set it; the simulator has one send buffer for all.
+    args.notsent_lowat, args.config = 0, None
+    assert parse_text(scenario_toml(args, owd, 0.0001, 2_000_000)).tcp.send_buffer == 0.0
+    args.config = '{"seed": {"upload_notsent_lowat": 0}}'
+    assert parse_text(scenario_toml(args, owd, 0.0001, 2_000_000)).tcp.send_buffer == 20 * 63948.0 + 65536
+    args.config = '{"node": {"upload_notsent_lowat": 131072}, "seed": {"upload_notsent_lowat": 65536}}'
+    s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000, rng_seed=7))
+    assert s.tcp.send_buffer == 0.0 and s.rng_seed == 7
