@@ -7,15 +7,19 @@ and whole payloads)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import zstandard
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from patchswarm.protocol import context_coding
-from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.codec import encode_patch
+from patchswarm.protocol.errors import FormatError, PatchswarmError
+from patchswarm.protocol.patch_format import Encoding, read_header
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import StreamReader, StreamWriter
-from tests.support.strategies import FLOAT_DTYPES, random_words
+from tests.support.strategies import FLOAT_DTYPES, model_from_words, random_words
+from tests.unit.protocol.test_codec_ctx import _magnitude_skewed
 
 
 def _code(spec: TensorSpec, base: np.ndarray, pos: np.ndarray, thresholds: np.ndarray) -> bytes:
@@ -91,3 +95,15 @@ def _check(
     assert got.size == k and got[0] >= 0 and got[-1] < numel and bool(np.all(np.diff(got) > 0))
     if intact:
         np.testing.assert_array_equal(got, pos)
+
+
+@pytest.mark.parametrize(("served", "as_int"), [("BF16", "I16"), ("F8_E4M3", "U8"), ("F32", "I32")])
+def test_a_context_record_on_an_integer_tensor_is_refused_at_the_header(served: str, as_int: str) -> None:
+    """The same bytes under a layout that calls the tensor an integer: refused before any stream is read."""
+    spec = TensorSpec("w", served, (3000,))
+    base, new = _magnitude_skewed(np.random.default_rng(3), spec, 0.05)
+    b, t = model_from_words([spec], [base]), model_from_words([spec], [new])
+    payload = encode_patch(b, t, payload_format=2).payload
+    assert read_header(payload, [spec]).records[0][0] == Encoding.SPARSE_CTX
+    with pytest.raises(FormatError, match=f"context coding used on dtype {as_int}"):
+        read_header(payload, [TensorSpec("w", as_int, (3000,))])
