@@ -19,7 +19,6 @@ from patchswarm.protocol.patch_format import Encoding, read_header
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import StreamReader, StreamWriter
 from tests.support.strategies import FLOAT_DTYPES, model_from_words, random_words
-from tests.unit.protocol.test_codec_ctx import _magnitude_skewed
 
 
 def _code(spec: TensorSpec, base: np.ndarray, pos: np.ndarray, thresholds: np.ndarray) -> bytes:
@@ -101,7 +100,17 @@ def _check(
 def test_a_context_record_on_an_integer_tensor_is_refused_at_the_header(served: str, as_int: str) -> None:
     """The same bytes under a layout that calls the tensor an integer: refused before any stream is read."""
     spec = TensorSpec("w", served, (3000,))
-    base, new = _magnitude_skewed(np.random.default_rng(3), spec, 0.05)
+    rng = np.random.default_rng(3)
+    base = random_words(rng, spec.dt.width, spec.numel)
+    m, e = context_coding.exponent_field(spec)
+    ex = (base.astype(np.int64) >> m) & ((1 << e) - 1)
+    low = int(np.quantile(ex, 0.1))
+    # Every element of exponent <= low changes, and one of the next exponent up (a threshold must be
+    # the exponent of a change): the low context is all changes, cheaper than plain gaps.
+    changed = np.flatnonzero(ex <= low)
+    changed = np.append(changed, np.flatnonzero(ex > low)[np.argmin(ex[ex > low])])
+    new = base.copy()
+    new[changed] ^= np.array(1, dtype=base.dtype)
     b, t = model_from_words([spec], [base]), model_from_words([spec], [new])
     payload = encode_patch(b, t, payload_format=2).payload
     assert read_header(payload, [spec]).records[0][0] == Encoding.SPARSE_CTX
