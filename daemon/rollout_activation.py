@@ -43,7 +43,7 @@ from patchswarm.daemon.sidecar_gate import DrainTimeoutError
 from patchswarm.daemon.status import Phase, Status
 from patchswarm.daemon.store_format import StoreError, StoreLayout, StoreState, StoreTooSmallError
 from patchswarm.daemon.weightstore import WeightStore
-from patchswarm.protocol.errors import PatchswarmError, TargetMismatchError
+from patchswarm.protocol.errors import FormatError, PatchswarmError, TargetMismatchError, UnsupportedFormatError
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.served import state_root
@@ -141,7 +141,12 @@ class VersionActivation(EngineControl):
             into = self._empty_host_store(StoreLayout.from_specs(list(manifest.specs)))
         try:
             return await asyncio.to_thread(functools.partial(decode_once, held, manifest, parts, into=into))
-        except TargetMismatchError:
+        except (TargetMismatchError, FormatError) as e:
+            # A changed base may also fail to decode at all: format 2 codes positions under the base's
+            # exponents (protocol/context_coding.py), so a scribbled store reads as a malformed payload.
+            # (A format this build does not read says nothing about the store: not hashed for it.)
+            if isinstance(e, UnsupportedFormatError):
+                raise
             if held is None or not self.store_is_copy or self.store is None or self.store.data is None:
                 raise
             if await off_loop(self.store.digests) == held.digests:

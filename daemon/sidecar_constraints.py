@@ -68,6 +68,16 @@ def split_body_constraint(body: bytes, content_type: str) -> tuple[bytes, Versio
     if not body or not (is_json(content_type) or content_type == ""):
         return body, VersionConstraint()
     obj = loads_json(body)
+    if obj is None:
+        # Not JSON this process writes back strictly: passed on untouched, unless it names a
+        # constraint, which must then not be dropped silently (served from any version).
+        lenient = _loads_lenient(body)
+        if isinstance(lenient, dict) and BODY_KEY in lenient:
+            constraint_from_json(lenient[BODY_KEY])  # (a bad constraint gets its own message)
+            raise ConstraintError(
+                f"a body with {BODY_KEY} must be strict JSON (no NaN or Infinity, numbers a double holds)"
+            )
+        return body, VersionConstraint()
     if not isinstance(obj, dict) or BODY_KEY not in obj:
         return body, VersionConstraint()
     constraint = constraint_from_json(obj.pop(BODY_KEY))
@@ -91,6 +101,14 @@ def loads_json(data: bytes) -> object:
     sidecar re-encodes only what it can write back as strict JSON) and integers of over 4300 digits."""
     try:
         return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _loads_lenient(data: bytes) -> object:
+    """``data`` as Python's json reads it (bare NaN and Infinity, 1e999 as an infinity), else None."""
+    try:
+        return json.loads(data)
     except (ValueError, RecursionError):
         return None
 

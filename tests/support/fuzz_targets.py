@@ -48,7 +48,7 @@ from patchswarm.protocol.bitfield import Bitfield
 from patchswarm.protocol.board_names import CERT_TAG, HEAD_TAG, MANIFEST_TAG, ROOT_TAG
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import ChunkRef, verify_chunk
-from patchswarm.protocol.codec import apply_patch
+from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.dtypes import BY_NAME
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.head import Head, HeadTracker, verify_head
@@ -117,6 +117,20 @@ def models() -> tuple[ServedModel, ServedModel]:
             raw[pos] ^= 1 << int(rng.integers(0, 3))
     target.data[0].numpy()[-1] ^= 0x40
     return base, target
+
+
+@cache
+def ctx_payload() -> bytes:
+    """A payload-format-2 patch of ``models()``'s base: changes in the BF16 elements of smallest
+    magnitude, so its positions are coded under base contexts (a SPARSE_CTX record)."""
+    base = models()[0]
+    target = base.clone()
+    words = target.data[0].numpy().view(np.int16)
+    small = np.argsort(words & 0x7FFF, kind="stable")[:64]  # the 64 smallest magnitudes: a context of their own
+    words[small] ^= 1
+    payload = encode_patch(base, target, payload_format=2).payload
+    assert payload[4] == 2, "the seed must hold a SPARSE_CTX record"
+    return payload
 
 
 @cache
@@ -401,7 +415,7 @@ def _targets() -> dict[str, Target]:
         Target(
             "payload",
             run_payload,
-            lambda: [bytes(patch.payload), bytes(anchor.payload)],
+            lambda: [bytes(patch.payload), bytes(anchor.payload), ctx_payload()],
             tokens=_ZSTD_TOKENS,
             mutator=mutate_payload,
         ),

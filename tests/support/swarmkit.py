@@ -21,6 +21,7 @@ from patchswarm.protocol.node_config import NodeConfig
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, TrustState
 from patchswarm.swarm.server import RunningNode, start_http_node
+from patchswarm.swarm.staging import ApplyVersion
 from patchswarm.swarm.tls import TlsReloader
 
 SECRET = b"test-cluster-secret-0123456789ab"
@@ -82,7 +83,9 @@ class Swarm:
         )
         return self.seed
 
-    async def start_node(self, name: str, zone: str = "z0", region: str = "r0", **kw: object) -> RunningNode:
+    async def start_node(
+        self, name: str, zone: str = "z0", region: str = "r0", apply: ApplyVersion | None = None, **kw: object
+    ) -> RunningNode:
         assert self.seed is not None
         bootstrap = [self.seed.url, *(n.url for n in list(self.nodes.values())[:2])]
         cfg = NodeConfig(
@@ -97,7 +100,9 @@ class Swarm:
             head_poll_interval=0.5,
             **kw,  # type: ignore[arg-type]
         )
-        node = await start_http_node(cfg, self.policy(), rng=random.Random(hash(name) & 0xFFFF), tls=self._tls(name))
+        node = await start_http_node(
+            cfg, self.policy(), rng=random.Random(hash(name) & 0xFFFF), tls=self._tls(name), apply=apply
+        )
         self.nodes[name] = node
         return node
 

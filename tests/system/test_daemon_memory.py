@@ -8,6 +8,7 @@ torch, sockets), plus the store, against the model measured in the same run.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from pathlib import Path
@@ -15,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from patchswarm.daemon import publish_work
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.engine import attach
 from patchswarm.daemon.publisher import Publisher
+from patchswarm.protocol.codec import diff_tensor
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate
 from tests.support.daemonkit import make_daemon
@@ -115,9 +118,18 @@ async def test_host_memory_of_a_daemon_following_versions_stays_within_1_3x_the_
         await sw.close()
 
 
-async def test_an_engine_writing_into_the_store_is_caught_and_the_store_reloaded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("payload_format", [1, 2])
+async def test_an_engine_writing_into_the_store_is_caught_and_the_store_reloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, payload_format: int
+) -> None:
     """The host store is the daemon's only copy: a write by an engine makes the next patch's digest
-    check fail against it, and the daemon reloads from an anchor instead of serving a wrong version."""
+    check fail against it, and the daemon reloads from an anchor instead of serving a wrong version.
+    Format 2 decodes positions under the base's exponents: a scribbled base may make the payload look
+    malformed (a FormatError) rather than decode to another target; that is caught the same way."""
+    scale = 5e-4
+    if payload_format == 2:  # (the publisher here is this process; the daemon under test reads)
+        monkeypatch.setattr(publish_work, "diff_tensor", functools.partial(diff_tensor, payload_format=2))
+        scale = 3e-5  # small steps: contexts pay (SPARSE_CTX records)
     sw = Swarm(tmp_path)
     sw.publish()
     await sw.start_seed()
@@ -125,12 +137,12 @@ async def test_an_engine_writing_into_the_store_is_caught_and_the_store_reloaded
     d.start()
     try:
         await d.wait_version(1)
-        v = sw.publish(scale=5e-4)
+        v = sw.publish(scale=scale)
         await d.wait_version(v)
         view = attach((await d.get("/v1/layout"))["attach"])
         names = [s.name for s in sw.served[v].specs]
         view.tensor(names[0]).view(-1)[:64] += 1  # the engine scribbles on weights it only had to read
-        v = sw.publish(scale=5e-4)
+        v = sw.publish(scale=scale)
         st = await d.wait_version(v, timeout=60)
         assert st["root"] == sw.served[v].root().hex()
         for i, n in enumerate(names):

@@ -102,6 +102,26 @@ def test_body_constraint_is_taken_out_of_json_bodies_only() -> None:
         assert split_body_constraint(untouched, ctype) == (untouched, VersionConstraint())
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"prompt":"hi","weight_version":{"exact_version":NaN}}', "got nan"),
+        (b'{"prompt":"hi","weight_version":{"min_version":1e400}}', "got inf"),
+        (b'{"temperature":NaN,"weight_version":{"exact_version":5}}', "strict JSON"),
+        (b'{"weight_version":{"min_version":2},"x":[Infinity]}', "strict JSON"),
+        (b'{"weight_version":{"min_version":2},"x":-1e999}', "strict JSON"),
+    ],
+)
+def test_a_constraint_in_a_body_that_is_not_strict_json_is_refused_not_dropped(body: bytes, message: str) -> None:
+    """A body the sidecar cannot write back as strict JSON (a bare NaN or Infinity, a number no double
+    holds) is passed on untouched, but one that names weight_version is refused: passing it would drop
+    the client's constraint silently (served from any version) and hand the engine the key."""
+    with pytest.raises(ConstraintError, match=message):
+        split_body_constraint(body, "application/json")
+    for untouched in (b'{"temperature":NaN}', b'{"x":1e999}'):  # no constraint: forwarded as it is
+        assert split_body_constraint(untouched, "application/json") == (untouched, VersionConstraint())
+
+
 # ---------------------------------------------------------------- the gate
 
 
