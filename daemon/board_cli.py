@@ -68,6 +68,7 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
         anchor_every=args.anchor_every,
         certificate=cert,
         chunk_size=args.chunk_size,
+        payload_format=args.payload_format,
         served_format=_served_format(args),
         head_ttl=args.head_ttl,
         refresh=False,  # one version and exit: `patchswarm seed --key` or `head refresh` keeps the head fresh
