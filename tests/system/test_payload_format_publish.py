@@ -75,7 +75,7 @@ def test_publish_option_writes_format_2_and_refuses_a_bad_value_in_one_line(tmp_
         (tmp_path / "ck").mkdir(exist_ok=True)
         save_file({"model.layers.0.mlp.up_proj.weight": w.clone()}, str(tmp_path / "ck" / "model.safetensors"))
         r = cli("publish", "ck", *common, "--payload-format", "2", cwd=tmp_path)
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == 0 and "(served bf16, payload format 2)" in r.stdout, (r.stdout, r.stderr)
         w += torch.randn(w.shape, generator=g) * 2e-5
     assert board_patches(Board(tmp_path / "board"), "r") == {2: (2, ["SPARSE_CTX"])}
     for bad in ("3", "0", "two", "1.5"):
