@@ -33,7 +33,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
     pub.close()
     assert isinstance(info, PublishInfo)
     say(
-        f"published version {info.version} of run {args.run_id!r} (served {_format_label(pub.format)}): "
+        f"published version {info.version} of run {args.run_id!r} (served {_format_label(pub.format)}"
+        + (f", payload format {pub.payload_format}" if pub.payload_format != 1 else "")
+        + "): "
         f"{100 * info.changed_fraction:.3f}% changed, "
         f"patch {info.patch_bytes:,} bytes" + (f", anchor {info.anchor_bytes:,} bytes" if info.anchor_bytes else "")
     )
@@ -68,6 +70,7 @@ def _publisher(args: argparse.Namespace, cert: bytes | None) -> Publisher:
         anchor_every=args.anchor_every,
         certificate=cert,
         chunk_size=args.chunk_size,
+        payload_format=args.payload_format,
         served_format=_served_format(args),
         head_ttl=args.head_ttl,
         refresh=False,  # one version and exit: `patchswarm seed --key` or `head refresh` keeps the head fresh

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|per-tensor",
         help="fp8-e4m3 scales: NxN blocks (default 128) or one per tensor",
     )
+    pb.add_argument(
+        "--payload-format", type=cli_args.payload_format, default=1, metavar="1|2", help=cli_args.PAYLOAD_FORMAT_HELP
+    )
     add_head_ttl_arg(pb)
     pb.set_defaults(func=cmd_publish)
 
@@ -211,12 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--chunk-size", type=cli_args.chunk_size, default=1 << 20, metavar="BYTES")
     d.add_argument("--level", type=cli_args.zstd_level, default=3, help="zstd level (default 3)")
     d.add_argument(
-        "--payload-format",
-        type=int,
-        choices=(1, 2),
-        default=1,
-        help="2: float positions coded under base-value contexts where smaller (about 0.75x the bytes, "
-        "slower to apply; readers need format 2); 1 (default): readable by every version",
+        "--payload-format", type=cli_args.payload_format, default=1, metavar="1|2", help=cli_args.PAYLOAD_FORMAT_HELP
     )
     d.set_defaults(func=cmd_diff, check=_check_diff)
 

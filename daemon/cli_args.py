@@ -269,6 +269,21 @@ def served_format(text: str) -> str:
     return name
 
 
+def payload_format(text: str) -> int:
+    """A patch payload format this build writes (protocol/patch_format.py PAYLOAD_FORMATS: 1 or 2)."""
+    from patchswarm.protocol.patch_format import PAYLOAD_FORMATS
+
+    if text.strip() not in {str(f) for f in PAYLOAD_FORMATS}:
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(map(str, PAYLOAD_FORMATS))}, got {text!r}")
+    return int(text)
+
+
+PAYLOAD_FORMAT_HELP = (
+    "2: float positions coded under base-value contexts where smaller (about 0.75x the bytes, slower to "
+    "apply; hosts need a build that reads format 2, docs/format.md section 2a); 1 (default): every build reads it"
+)
+
+
 def fp8_block(text: str) -> int:
     """fp8 scale granularity: a square block size (128 as DeepSeek-V3 checkpoints), or per-tensor (0)."""
     if text == "per-tensor":

@@ -111,7 +111,7 @@ class Joiner:
                 if old is None:
                     deltas = None
                 elif (arrived := sent[i]) is not None:
-                    d = diff_tensor(specs[i], old[1], arrived)
+                    d = diff_tensor(specs[i], old[1], arrived, payload_format=pub.payload_format)
                 else:
                     pending[i] = old[1]
             if deltas is not None:
@@ -127,7 +127,9 @@ class Joiner:
             for s, d in zip(specs, sent, strict=True)
         ]
         digests = [entries[n][1] for n in names]
-        return Joined(specs, placeholder, digests, deltas, anchor, refreshed, missing, full, pending)
+        return Joined(
+            specs, placeholder, digests, deltas, anchor, refreshed, missing, full, pending, pub.payload_format
+        )
 
     def _join_tensor(
         self, plan: Plan, name: str, got: list[tuple[int, SlicePart]]
@@ -161,7 +163,13 @@ class Joiner:
             data = self.spare.take(name, torch.uint8, base.shape, base.device)
             data.copy_(base)
             word_view(data, spec)[pos] = new
-            delta = diff_tensor(spec, base, data, changes=Changes(pos, word_view(base, spec)[pos], new))
+            delta = diff_tensor(
+                spec,
+                base,
+                data,
+                changes=Changes(pos, word_view(base, spec)[pos], new),
+                payload_format=self.pub.payload_format,
+            )
             return spec, data, delta, bytes_digest(data)
         data = torch.empty(spec.nbytes, dtype=torch.uint8)
         for rank, sp in got:
@@ -173,7 +181,8 @@ class Joiner:
                 raise RuntimeError(f"tensor {name!r}: rank {rank} sent changes, but there is no base to apply them to")
             region.copy_(base[sp.start * w : (sp.start + sp.numel) * w])
             word_view(data, spec)[sp.positions() + sp.start] = sp.new
-        return spec, data, diff_tensor(spec, base, data) if base is not None else None, bytes_digest(data)
+        made = diff_tensor(spec, base, data, payload_format=self.pub.payload_format) if base is not None else None
+        return spec, data, made, bytes_digest(data)
 
     def _from_chain(self, plan: Plan, spec: TensorSpec) -> tuple[TensorSpec, torch.Tensor, bytes] | None:
         """``spec``'s tensor of the publisher's previous version, when it holds its bytes (not a placeholder)."""
@@ -224,6 +233,7 @@ class Joined:
     missing: bool  # bytes the ranks did not send are needed (an anchor, pending deltas)
     full: dict[str, tuple[TensorSpec, torch.Tensor, bytes]]
     pending: dict[int, torch.Tensor]  # index -> the chain's bytes to diff that tensor against
+    payload_format: int  # the publisher's, for the pending deltas
 
     def final_deltas(self) -> list[TensorDelta] | None:
         if self.deltas is None:
@@ -244,6 +254,6 @@ class Joined:
                 self.data[at[s.name]] = d
         if self.deltas is not None:
             for i, base in self.pending.items():
-                self.deltas[i] = diff_tensor(self.specs[i], base, self.data[i])
+                self.deltas[i] = diff_tensor(self.specs[i], base, self.data[i], payload_format=self.payload_format)
         self.pending = {}
         self.missing = False

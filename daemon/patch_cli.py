@@ -125,6 +125,7 @@ def inspect_data(path: str) -> dict[str, Any]:
         "version": m.version,
         "kind": str(m.kind),
         "base_version": m.base_version,
+        "payload_format": header.format,
         "elements": elements,
         "changed": changed,
         "changed_fraction": changed / max(elements, 1),
@@ -160,7 +161,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     say(
         f"encoded {info['encoded_bytes']:,} bytes for {info['served_bytes']:,} served "
         f"({100 * info['encoded_bytes'] / max(info['served_bytes'], 1):.3f}%), "
-        f"{info['chunk_count']} chunks of {info['chunk_size']:,}; "
+        f"{info['chunk_count']} chunks of {info['chunk_size']:,}, payload format {info['payload_format']}; "
         + (f"signed by {info['signed_by'][:16]}" if info["signed_by"] else "unsigned")
         + " (signature not checked: use verify)"
     )

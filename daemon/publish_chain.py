@@ -60,6 +60,7 @@ class PublishChain:
     run_id: str
     anchor_every: int
     chunk_size: int
+    payload_format: int  # of patches (docs/format.md §2a); anchors are FULL records, format 1
     head_ttl_ms: int
     keep_anchors: int
     clock: Callable[[], float]

@@ -110,7 +110,8 @@ class DistPublisher:
             if publisher is None
             else dataclasses.replace(publisher.format, scales={}, refreshed=[], basis=None, converted=frozenset())
         )
-        said = self._all_gather(fmt)
+        # The publishing rank's payload format travels with it: every rank codes its deltas for it.
+        said = self._all_gather(None if fmt is None or publisher is None else (fmt, publisher.payload_format))
         holders = [r for r, f in enumerate(said) if f is not None]
         if len(holders) != 1:
             raise ValueError(f"exactly one rank must hold the Publisher, not ranks {holders}")
@@ -118,7 +119,8 @@ class DistPublisher:
         self._src = self.publisher_rank if group is None else dist.get_global_rank(group, self.publisher_rank)
         self._pub = publisher
         # fp8 scales of this rank's whole tensors and of every sliced tensor (the same on every rank)
-        self._fmt: ServedFormat = said[self.publisher_rank]
+        self._fmt: ServedFormat = said[self.publisher_rank][0]
+        self._payload_format: int = said[self.publisher_rank][1]
         self._buffers = Buffers()
         self._mine = _Mine()
         # Publishing rank only: the served bytes of every sliced tensor of the last version written.
@@ -460,7 +462,7 @@ class DistPublisher:
         base = digests = None
         if mine.version == plan.base_version and mine.whole is not None and mine.whole.specs == served.specs:
             base, digests = mine.whole, mine.digests
-        deltas, final = prepare_all(base, digests, target, stages)
+        deltas, final = prepare_all(base, digests, target, stages, self._payload_format)
         fp8_weights = {x.name for x in served.specs if x.dtype == "F8_E4M3"}
         part = Part(
             self.rank,

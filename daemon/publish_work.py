@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from patchswarm.daemon.served_format import ServedFormat, check_fp16
-from patchswarm.protocol.codec import TensorDelta, diff_tensor
+from patchswarm.protocol.codec import DEFAULT_FORMAT, TensorDelta, diff_tensor
 from patchswarm.protocol.diffscan import Changes
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, word_view
 
@@ -287,8 +287,10 @@ def tensor_work(
     base_digest: bytes | None,
     level: int,
     stages: Stages,
+    payload_format: int = DEFAULT_FORMAT,
 ) -> tuple[TensorDelta | None, bytes]:
-    """One tensor's served bytes (``cast``: the copy still to do), delta against ``base`` and digest.
+    """One tensor's served bytes (``cast``: the copy still to do), delta against ``base`` (coded for
+    ``payload_format``: see protocol/codec.py diff_tensor) and digest.
 
     On the CPU this is one pass over the tensor in blocks: cast a block, scan it against the
     base's block, hash it, while the block is in cache.  Hashing starts at the first changed
@@ -304,7 +306,7 @@ def tensor_work(
         cast, cast_s = None, clock() - t
     if data.device.type != "cpu":
         t = clock()
-        delta = diff_tensor(spec, base, data, level) if base is not None else None
+        delta = diff_tensor(spec, base, data, level, payload_format=payload_format) if base is not None else None
         t2 = clock()
         unchanged = delta is not None and delta.changed == 0
         # The encoder's host copy of a dense tensor, if it made one, is hashed: no second copy.
@@ -339,7 +341,7 @@ def tensor_work(
     t = clock()
     if base is not None:
         changes = scanner.changes() if scanner is not None else None
-        delta = diff_tensor(spec, base, data, level, changes=changes)
+        delta = diff_tensor(spec, base, data, level, changes=changes, payload_format=payload_format)
     scan_s += clock() - t
     if hasher is None:  # nothing changed
         assert base_digest is not None
@@ -416,6 +418,7 @@ def prepare(
     target: Served,
     stages: Stages,
     level: int = 3,
+    payload_format: int = DEFAULT_FORMAT,
 ) -> Prepared:
     """Cast, diff against ``base`` (None: no base, or a different layout) and hash, tensor by tensor,
     on the worker pool, in layout order."""
@@ -427,16 +430,20 @@ def prepare(
         cast, target.pending[i] = target.pending[i], None
         b = base.data[i] if usable and base is not None else None
         bd = base_digests[i] if usable and base_digests is not None else None
-        jobs.append(work_pool().submit(tensor_work, spec, data, cast, b, bd, level, stages))
+        jobs.append(work_pool().submit(tensor_work, spec, data, cast, b, bd, level, stages, payload_format))
     return Prepared(jobs, usable, start)
 
 
 def prepare_all(
-    base: ServedModel | None, base_digests: list[bytes] | None, target: Served, stages: Stages
+    base: ServedModel | None,
+    base_digests: list[bytes] | None,
+    target: Served,
+    stages: Stages,
+    payload_format: int = DEFAULT_FORMAT,
 ) -> tuple[list[TensorDelta] | None, list[bytes]]:
     """``prepare`` run to the end: every tensor's delta (None without a base to diff against) and
     digest; the worker threads are settled before an error leaves."""
-    prepared = prepare(base, base_digests, target, stages)
+    prepared = prepare(base, base_digests, target, stages, payload_format=payload_format)
     try:
         deltas = list(prepared.deltas()) if prepared.has_deltas else None
         digests = prepared.digests()

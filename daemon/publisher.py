@@ -7,6 +7,9 @@ served version, encode, sign and write to the board, then move the head.
         ...
         info = pub.publish(model)        # version, changed fraction, patch bytes, seconds
 
+``payload_format=2`` lets patches code float positions under base-value contexts (docs/format.md
+section 2a; hosts must read format 2: docs/board.md, "Payload format"); 1, the default, every build reads.
+
 ``board`` is a directory or an object store URL (``s3://bucket/prefix``, ``gs://``, ``az://``;
 daemon/board_store.py), credentials from the provider's environment.  Two publishers of one run
 never fork or rewind its head: the one that loses a head write raises ``HeadRaceError`` and
@@ -69,10 +72,12 @@ from patchswarm.daemon.sharded_publish import _Rank
 from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from patchswarm.protocol.codec import DEFAULT_FORMAT
 from patchswarm.protocol.errors import PublisherBehindError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
+from patchswarm.protocol.patch_format import PAYLOAD_FORMATS
 from patchswarm.protocol.served import ServedModel
 from patchswarm.swarm.puller import Puller
 
@@ -101,6 +106,7 @@ class Publisher(PublishChain):
         anchor_every: int = 10,
         certificate: bytes | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        payload_format: int = DEFAULT_FORMAT,
         head_ttl: float | None = None,
         head_ttl_s: float | None = None,  # the earlier name of head_ttl
         keep_anchors: int = 2,
@@ -117,6 +123,7 @@ class Publisher(PublishChain):
         _check_int("keep_anchors", keep_anchors, 1, MAX_KEEP_ANCHORS)
         _check_int("chunk_size", chunk_size, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
         _check_int("queue_size", queue_size, 1, MAX_QUEUE_SIZE)
+        _check_int("payload_format", payload_format, min(PAYLOAD_FORMATS), max(PAYLOAD_FORMATS))
         if head_ttl is not None and head_ttl_s is not None:
             raise ValueError("give head_ttl or its earlier name head_ttl_s, not both")
         ttl = head_ttl if head_ttl is not None else head_ttl_s
@@ -131,6 +138,7 @@ class Publisher(PublishChain):
         self.run_id = run_id
         self.anchor_every = anchor_every
         self.chunk_size = chunk_size
+        self.payload_format = payload_format
         self.head_ttl_ms = int(ttl * 1000)
         self.keep_anchors = keep_anchors
         self.clock = clock
@@ -350,7 +358,7 @@ class Publisher(PublishChain):
 
     def _publish(self, version: int, target: Served, anchor: bool, start: float, stages: Stages) -> PublishInfo:
         with self._lock:
-            prepared = prepare(self._prev, self._prev_digests, target, stages)
+            prepared = prepare(self._prev, self._prev_digests, target, stages, payload_format=self.payload_format)
             try:
                 return self._commit(version, target.model, target.owned, prepared, anchor, start, stages, refreshed=0)
             except BaseException:

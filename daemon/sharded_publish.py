@@ -42,6 +42,7 @@ class ShardHost(Protocol):
     """What a sharded version uses of its publisher (daemon/publisher.py ``Publisher``)."""
 
     format: ServedFormat
+    payload_format: int
     served_on_host: bool
     _lock: threading.Lock
     _counter_lock: threading.Lock
@@ -172,7 +173,7 @@ class ShardedPublish:
             r.format.basis = self.version
         served = target.model
         base, base_digests = self._base(r, served.specs)
-        deltas, digests = prepare_all(base, base_digests, target, stages)
+        deltas, digests = prepare_all(base, base_digests, target, stages, pub.payload_format)
         return ShardPart(
             rank=rank,
             version=self.version,

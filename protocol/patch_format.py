@@ -83,6 +83,7 @@ class TensorUpdate:
 class PatchHeader:
     records: list[tuple[Encoding, int]]
     streams: list[tuple[str, int, memoryview]]
+    format: int = 1  # the payload format it declares (the lowest that holds its records)
 
 
 def pack_payload(records: list[list[int]], table: list[tuple[str, int, bytes]], level: int) -> bytes:
@@ -195,7 +196,7 @@ def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHe
         if raw_len > MAX_EXPANSION * len(comp):
             raise LimitExceededError(f"stream {name!r} declares {raw_len} bytes; {len(comp)} zstd bytes hold fewer")
     _check_dense_streams(specs, records, streams)
-    return PatchHeader(records, streams)
+    return PatchHeader(records, streams, fmt)
 
 
 def _check_dense_streams(

@@ -17,8 +17,12 @@ import torch
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.publisher import Publisher
 from patchswarm.daemon.served_format import ServedFormat
+from patchswarm.protocol.board_names import HEAD_TAG, chunk_rel, head_rel
+from patchswarm.protocol.head import Head
 from patchswarm.protocol.keys import SigningKey
+from patchswarm.protocol.patch_format import read_header
 from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.trust import Certificate
 
 DAY_MS = 86_400_000
@@ -132,3 +136,18 @@ http {{
 
 def board_files(board: Board) -> set[str]:
     return {str(p.relative_to(board.root)) for p in board.root.rglob("*") if p.is_file()}
+
+
+def board_patches(board: Board, run: str) -> dict[int, tuple[int, list[str]]]:
+    """Every patch the head lists: version -> (declared payload format, per-tensor encoding names),
+    read from the board's own manifest and chunk files."""
+    head = Head.from_bytes(Envelope.from_bytes(board.read(head_rel(run)) or b"", HEAD_TAG).body)
+    out: dict[int, tuple[int, list[str]]] = {}
+    for e in head.catalog:
+        if e.kind.value != "patch":
+            continue
+        m = board.manifest(e.manifest_id)
+        payload = b"".join(board.read(chunk_rel(c.hash)) or b"" for c in m.chunks)
+        h = read_header(payload, list(m.specs))
+        out[e.version] = (h.format, [enc.name for enc, _ in h.records])
+    return out

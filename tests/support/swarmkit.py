@@ -42,13 +42,21 @@ class Swarm:
     pub: Publisher | None = None
     gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
     tls_for: Callable[[str], TlsReloader] | None = None  # a node's TLS contexts, by name (tests/support/tlskit.py)
+    payload_format: int = 1  # of the trainer's patches (docs/format.md section 2a)
 
     def __post_init__(self) -> None:
         now = int(time.time() * 1000)
         cert = Certificate(self.trainer.key_id, RUN, now - 60_000, now + 86_400_000).sign(self.root).to_bytes()
         self.board = Board(self.tmp / "board")
         self.pub = Publisher(
-            self.board, self.trainer, run_id=RUN, certificate=cert, chunk_size=16 << 10, anchor_every=4, keep_anchors=2
+            self.board,
+            self.trainer,
+            run_id=RUN,
+            certificate=cert,
+            chunk_size=16 << 10,
+            anchor_every=4,
+            keep_anchors=2,
+            payload_format=self.payload_format,
         )
         self.weights = {f"layer{i}.weight": torch.randn(256, 256, generator=self.gen) * 0.02 for i in range(4)}
 

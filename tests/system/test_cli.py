@@ -60,7 +60,8 @@ def test_diff_in_payload_format_2_applies_exactly(work: Path) -> None:
     assert load_safetensors(work / "out2.safetensors").bitwise_equal(load_safetensors(work / "target.safetensors"))
     assert (work / "p2.psw").stat().st_size < (work / "p.psw").stat().st_size
     r = run("diff", "base.safetensors", "target.safetensors", "-o", "p3.psw", "--payload-format", "3", cwd=work)
-    assert r.returncode != 0 and "invalid choice" in r.stderr
+    assert r.returncode == 2 and "expected 1 or 2, got '3'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (work / "p3.psw").exists()
 
 
 @pytest.mark.parametrize(

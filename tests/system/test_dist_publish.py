@@ -26,7 +26,7 @@ from patchswarm.daemon.publish_dist import DistPublisher, DistPublishError
 from patchswarm.daemon.publisher import Publisher, PublishInfo
 from patchswarm.daemon.served_format import ServedFormat
 from patchswarm.protocol.keys import SigningKey
-from tests.support.boards import board_files
+from tests.support.boards import board_files, board_patches
 
 # Starting two processes that import torch is most of the time (over 20 s on a loaded 2-core host).
 pytestmark = pytest.mark.slow
@@ -85,6 +85,10 @@ SCENARIOS: dict[str, tuple[int, int, dict[str, Any]]] = {  # name -> (versions, 
     "failing_fp8": (4, 6, {"name": "fp8_e4m3", "block": 8}),
     # Version 4, an anchor, recomputes every scale (every weight grows 2% a version: they all move).
     "fp8_refresh": (5, 7, {"name": "fp8_e4m3", "block": 8, "refresh_at_anchor": True}),
+    # Payload format 2 (issue 37): small dense updates, where base contexts pay; partitioned ranks code
+    # their own deltas for the publishing rank's format, the publishing rank those of the DTensor slices.
+    "partitioned_ctx": (3, 8, {"name": "bf16", "payload_format": 2}),
+    "dtensor_ctx": (3, 9, {"name": "bf16", "payload_format": 2}),
 }
 
 
@@ -93,6 +97,11 @@ def weights_of(scenario: str) -> list[dict[str, torch.Tensor]]:
     out = states(versions, seed)
     if scenario.startswith("resumed_fp8") or scenario in ("failing_fp8", "fp8_refresh"):
         out = [{n: t * 1.02**v for n, t in w.items()} for v, w in enumerate(out)]
+    if scenario.endswith("_ctx"):
+        g = torch.Generator().manual_seed(seed)
+        out = [out[0]]
+        for _ in range(1, versions):
+            out.append({n: t + torch.randn(t.shape, generator=g) * 1e-3 for n, t in out[-1].items()})
     return out
 
 
@@ -136,7 +145,16 @@ def _publisher(root: Path, key: SigningKey, t0: float, fmt: Mapping[str, Any]) -
         quantize=fp8.ALL_MATRICES,
         refresh_at_anchor=fmt.get("refresh_at_anchor", False),
     )
-    return Publisher(root, key, run_id=RUN, anchor_every=4, served_format=served, clock=lambda: t0, refresh=False)
+    return Publisher(
+        root,
+        key,
+        run_id=RUN,
+        anchor_every=4,
+        served_format=served,
+        payload_format=fmt.get("payload_format", 1),
+        clock=lambda: t0,
+        refresh=False,
+    )
 
 
 # ---------------------------------------------------------------- what each rank runs
@@ -181,7 +199,7 @@ def _rank_main(rank: int, root: str) -> None:
 
 
 def _part(scenario: str, w: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    if scenario in ("partitioned", "failing", "failing_fp8"):
+    if scenario in ("partitioned", "partitioned_ctx", "failing", "failing_fp8"):
         return split(w, rank)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -321,3 +339,13 @@ def test_ranks_follow_fp8_scales_from_the_chain_after_a_failed_version(ranks: Pa
     got = results(ranks, "failing_fp8")
     assert got[0]["unchanged"] == [True] * 6 and len(got[1]["errors"]) == 6
     check_same_board(ranks, "failing_fp8")
+
+
+def test_payload_format_2_is_the_publishing_ranks_choice_on_every_rank(ranks: Path) -> None:
+    for scenario in ("partitioned_ctx", "dtensor_ctx"):
+        check_same_board(ranks, scenario)  # the one-process Publisher with payload_format=2 wrote the same files
+        patches = board_patches(Board(ranks / scenario / "board"), RUN)
+        assert sorted(patches) == [2, 3]
+        ctx = {i for fmt, encs in patches.values() if fmt == 2 for i, e in enumerate(encs) if e == "SPARSE_CTX"}
+        # Contexts pay on tensors of both ranks (names in order, split alternately): each coded them itself.
+        assert {i % WORLD for i in ctx} == {0, 1}, (scenario, patches)

@@ -33,7 +33,7 @@ from patchswarm.protocol.patch_format import Encoding
 from patchswarm.protocol.served import ServedModel
 from patchswarm.swarm.board_sources import DirSource
 from patchswarm.swarm.puller import Puller
-from tests.support.boards import board_files, small_model
+from tests.support.boards import board_files, board_patches, small_model
 from tests.support.strategies import patch_cases
 
 RUN = "sharded"
@@ -179,6 +179,33 @@ def test_two_ranks_leave_exactly_the_board_of_one_publisher(tmp_path: Path) -> N
         held = Held(stale, served[stale].clone(), served[stale].digests())
         got = pull(sharded.board, key, held)
         assert got.version == VERSIONS and got.model.bitwise_equal(served[VERSIONS]), stale
+
+
+def test_payload_format_2_sharded_is_the_one_publisher_board_and_pulls_bitwise(tmp_path: Path) -> None:
+    key = SigningKey.generate()
+    kw = {"run_id": RUN, "anchor_every": 100, "clock": fixed_clock(), "payload_format": 2}
+    plain = Publisher(tmp_path / "plain", key, **kw)  # type: ignore[arg-type]
+    sharded = Publisher(tmp_path / "sharded", key, **kw)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(5)
+    state = {k: v.clone() for k, v in small_model(5).state_dict().items()}
+    for v in range(1, 4):  # small dense updates (docs/benchmarks.md: where base contexts pay)
+        if v > 1:
+            state = {k: t + torch.randn(t.shape, generator=g) * 1e-4 for k, t in state.items()}
+        assert isinstance(plain.publish(state), PublishInfo)
+        publish_sharded(sharded, state)
+        assert file_bytes(plain.board) == file_bytes(sharded.board)
+    patches = board_patches(sharded.board, RUN)
+    assert sorted(patches) == [2, 3] and all(f == 2 and "SPARSE_CTX" in e for f, e in patches.values()), patches
+    want = ServedModel.from_tensors(ServedFormat("bf16").convert(state))
+    got = pull(sharded.board, key)
+    assert got.version == 3 and got.model.bitwise_equal(want)
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, "2", 2.0])
+def test_publisher_refuses_a_payload_format_it_cannot_write(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match="payload_format must be"):
+        Publisher(tmp_path, SigningKey.generate(), run_id=RUN, payload_format=bad)  # type: ignore[arg-type]
+    assert not list(tmp_path.rglob("*"))
 
 
 def test_tensors_moving_between_ranks_and_unsharded_versions_still_patch(tmp_path: Path) -> None:
