@@ -4,15 +4,12 @@ bitwise; a refused format-2 patch leaves the daemon's held base untouched."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
 
-from patchswarm.daemon import publish_work
 from patchswarm.daemon.shadow import decode_once, materialized
 from patchswarm.protocol.board_names import HEAD_TAG, head_rel
-from patchswarm.protocol.codec import diff_tensor
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.held import Held
@@ -30,10 +27,8 @@ def _daemon_apply(held: Held | None, manifest: Manifest, parts: list[bytes | mem
 
 
 @pytest.mark.asyncio
-async def test_format2_patches_reach_both_reader_paths_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The daemon's publisher writes format 1; this one is told to allow format 2 (readers are under test).
-    monkeypatch.setattr(publish_work, "diff_tensor", functools.partial(diff_tensor, payload_format=2))
-    s = Swarm(tmp_path)
+async def test_format2_patches_reach_both_reader_paths_bitwise(tmp_path: Path) -> None:
+    s = Swarm(tmp_path, payload_format=2)  # the trainer allows format 2 (readers are under test)
     for _ in range(3):
         s.publish(scale=3e-5)  # small steps: contexts pay (SPARSE_CTX)
     head = Head.from_bytes(Envelope.from_bytes(s.board.read(head_rel(RUN)) or b"", HEAD_TAG).body)
