@@ -9,7 +9,6 @@ the tests (< 1M parameters, seconds), ``small`` (a few M: the docs run on 2 shar
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -161,20 +160,6 @@ def batches(p: ModelPreset, seed: int) -> Iterator[Batch]:
     tp = task_preset(p)
     while True:
         yield make_batch(tp, g)
-
-
-@contextlib.contextmanager
-def deterministic(threads: int) -> Iterator[None]:
-    """Deterministic kernels, a fixed thread count; the caller's settings restored after."""
-    prev, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(threads)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        torch.use_deterministic_algorithms(prev)
-        torch.set_num_threads(prev_threads)
 
 
 def warm_up(model: nn.Module, p: ModelPreset, seed: int, log: Callable[[str], None] | None = None) -> list[float]:

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from benchmarks.absorption_formats import FORMATS, Exporter, changed_masks, pair_cost
-from benchmarks.absorption_models import ARCHS, PRESETS, batches, build, canonical, deterministic, param_count, warm_up
+from benchmarks.absorption_models import ARCHS, PRESETS, batches, build, canonical, param_count, warm_up
 from benchmarks.absorption_optim import OPTIMIZERS, REGIMES, Optim, calibrated_lr, run
+from patchswarm.daemon.trajectory import deterministic
 
 SGD_GUESS = 1000.0  # SGD's provisional lr, times AdamW's: plain gradients are ~1e-3 of Adam's unit steps
 

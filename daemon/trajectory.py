@@ -253,7 +253,7 @@ def _metadata(traj: Trajectory, kind: str, version: int) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _deterministic(threads: int | None) -> Iterator[None]:
+def deterministic(threads: int | None) -> Iterator[None]:
     """Deterministic kernels and thread count; the caller's RNG state and settings left as they were."""
     prev = torch.are_deterministic_algorithms_enabled()
     prev_threads = torch.get_num_threads()
@@ -300,7 +300,7 @@ def generate(
     if warmup_lr is not None:
         p = replace(p, warmup_lr=warmup_lr)
     traj = Trajectory(preset, seed, lr)
-    with _deterministic(threads):
+    with deterministic(threads):
         g_init = torch.Generator().manual_seed(seed)
         g_data = torch.Generator().manual_seed(seed + 1)
         g_sample = torch.Generator().manual_seed(seed + 2)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.absorption_models import PRESETS, batches, build, deterministic, next_token_loss
+from benchmarks.absorption_models import PRESETS, batches, build, next_token_loss
 from benchmarks.absorption_optim import OPTIMIZERS, Optim
 from benchmarks.absorption_study import main
+from patchswarm.daemon.trajectory import deterministic
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import typed_view
 

@@ -9,6 +9,7 @@ classes and their weight loaders do not use it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,10 +68,15 @@ def vllm_model(env: tuple[Any, Any]) -> torch.nn.Module:
     return m
 
 
-def test_vllm_llama_parameters_equal_vllms_own_load_of_each_version(vllm_env: tuple[Any, Any], tmp_path: Path) -> None:
+@contextlib.contextmanager
+def rank0_store(
+    tmp_path: Path, prefix: str
+) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, Any, Any]]:
+    """Versions 1 and 2 of the tiny Llama, the built-in TP=1 plan, its rank store at version 1 and a view
+    attached to it (closed and removed after)."""
     from tests.support.rank_plans import llama_state
 
-    name = unique_name("psv")
+    name = unique_name(prefix)
     try:
         v1, v2 = llama_versions()
         _, cfg = llama_state(3)
@@ -79,6 +85,30 @@ def test_vllm_llama_parameters_equal_vllms_own_load_of_each_version(vllm_env: tu
         store = rs.store(0)
         assert store is not None
         view = attach(store.attach_info())
+        yield v1, v2, plan, rs, view
+        view.close()
+        rs.close()
+    finally:
+        remove_segments(name)
+
+
+def same_as_fresh_load(
+    env: tuple[Any, Any], model: torch.nn.Module, target: dict[str, torch.Tensor], tag: object
+) -> None:
+    """Every parameter of ``model`` equals, bit for bit, that of a fresh vLLM model given ``target``
+    through vLLM's own ``load_weights``."""
+    fresh = vllm_model(env)
+    fresh.load_weights(list(target.items()))  # type: ignore[operator]
+    want = dict(fresh.named_parameters())
+    for n, p in model.named_parameters():
+        w = want[n]
+        if n in ("model.embed_tokens.weight", "lm_head.weight"):  # rows past the vocabulary: padding
+            p, w = p[:500], w[:500]
+        assert torch.equal(p.view(torch.uint8), w.view(torch.uint8)), (tag, n)
+
+
+def test_vllm_llama_parameters_equal_vllms_own_load_of_each_version(vllm_env: tuple[Any, Any], tmp_path: Path) -> None:
+    with rank0_store(tmp_path, "psv") as (v1, v2, _, rs, view):
         model = vllm_model(vllm_env)
         sync = ParamSync(view, dict(model.named_parameters()), None)
         assert sync.fallback == []  # the plan's runtime names, shapes and dtypes are vLLM's
@@ -89,18 +119,7 @@ def test_vllm_llama_parameters_equal_vllms_own_load_of_each_version(vllm_env: tu
                 before = view.data.clone()
                 rs.apply(2, served(v2), diff_updates(served(v1), served(v2)))
                 sync.apply(2, changed_regions(view, before))
-            fresh = vllm_model(vllm_env)
-            fresh.load_weights(list(typed.items()))  # type: ignore[operator]
-            want = dict(fresh.named_parameters())
-            for n, p in model.named_parameters():
-                w = want[n]
-                if n in ("model.embed_tokens.weight", "lm_head.weight"):  # rows past the vocabulary: padding
-                    p, w = p[:500], w[:500]
-                assert torch.equal(p.view(torch.uint8), w.view(torch.uint8)), (version, n)
-        view.close()
-        rs.close()
-    finally:
-        remove_segments(name)
+            same_as_fresh_load(vllm_env, model, typed, version)
 
 
 def test_entries_through_vllms_loader_take_their_canonical_tensors(vllm_env: tuple[Any, Any], tmp_path: Path) -> None:
@@ -108,17 +127,8 @@ def test_entries_through_vllms_loader_take_their_canonical_tensors(vllm_env: tup
     q/k/v and gate/up tensors the plan's routing rebuilds (protocol/layout_inverse.py): the parameters
     equal vLLM's own load of each version."""
     from patchswarm.protocol.layout_inverse import routing_for
-    from tests.support.rank_plans import llama_state
 
-    name = unique_name("psr")
-    try:
-        v1, v2 = llama_versions()
-        _, cfg = llama_state(3)
-        plan = builtin_plan(json.loads(cfg), served(v1).specs, 1)
-        rs = stores(name, tmp_path, plan, served(v1))
-        store = rs.store(0)
-        assert store is not None
-        view = attach(store.attach_info())
+    with rank0_store(tmp_path, "psr") as (v1, v2, plan, rs, view):
         model = vllm_model(vllm_env)
         fused = [n for n in plan.params[0] if "qkv_proj" in n or "gate_up_proj" in n]
         params = {n: p for n, p in model.named_parameters() if n not in fused}  # (as if vLLM transformed them)
@@ -137,15 +147,4 @@ def test_entries_through_vllms_loader_take_their_canonical_tensors(vllm_env: tup
         got = sync.apply(2, changed_regions(view, before))
         assert got.loaded == ("model.layers.1.self_attn.qkv_proj.weight",)  # (v2 changes k_proj of layer 1)
         assert sorted(loaded[-1]) == [f"model.layers.1.self_attn.{p}_proj.weight" for p in "kqv"]
-        fresh = vllm_model(vllm_env)
-        fresh.load_weights(list(v2.items()))  # type: ignore[operator]
-        want = dict(fresh.named_parameters())
-        for n, p in model.named_parameters():
-            w = want[n]
-            if n in ("model.embed_tokens.weight", "lm_head.weight"):
-                p, w = p[:500], w[:500]
-            assert torch.equal(p.view(torch.uint8), w.view(torch.uint8)), n
-        view.close()
-        rs.close()
-    finally:
-        remove_segments(name)
+        same_as_fresh_load(vllm_env, model, v2, 2)
