@@ -160,3 +160,16 @@ def test_the_testbed_gives_the_simulator_its_tcp() -> None:
     args.config = '{"node": {"upload_notsent_lowat": 131072}, "seed": {"upload_notsent_lowat": 65536}}'
     s = parse_text(scenario_toml(args, owd, 0.0001, 2_000_000, rng_seed=7))
     assert s.tcp.send_buffer == 0.0 and s.rng_seed == 7
+
+
+def test_the_testbed_delay_inside_a_region() -> None:
+    """Half the lowest in-region median RTT; a testbed of one host per region has no in-region pair
+    (it crashed there before the simulator's run) and leaves the bridge's delay out."""
+    from benchmarks.latency_testbed import intra_region_delay
+
+    def row(configured: float, median: float) -> dict[str, float]:
+        return {"configured_ms": configured, "median_ms": median}
+
+    rows = [row(0.0, 0.3), row(20.0, 20.1), row(0.0, 0.2)]
+    assert intra_region_delay({"rtt": rows}) == pytest.approx(0.0001)
+    assert intra_region_delay({"rtt": [row(20.0, 20.1), row(150.0, 150.4)]}) == 0.0
