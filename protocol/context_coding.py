@@ -53,7 +53,9 @@ def group_words(words: np.ndarray, m: int, thresholds: np.ndarray) -> np.ndarray
     """Row ``g``: which of the block's base ``words`` belong to group ``g``, as bits packed in uint64
     words (element i is bit i % 64 of word i // 64): one compare and pack pass per threshold."""
     nb = words.size
-    mag = words & np.array((1 << (8 * words.dtype.itemsize - 1)) - 1, dtype=words.dtype)
+    e = 8 * words.dtype.itemsize - 1 - m
+    # The exponent field once, in the narrowest integer that holds it (compares on bytes are cheapest).
+    ex = ((words >> m) & ((1 << e) - 1)).astype(np.uint8 if e <= 8 else np.uint16)
     nwords = -(-nb // 64)
     ge = np.zeros((thresholds.size + 2, nwords), dtype=_U64)  # row j: exponent >= threshold j (row 0: all)
     ge[0] = ~np.uint64(0)
@@ -61,8 +63,7 @@ def group_words(words: np.ndarray, m: int, thresholds: np.ndarray) -> np.ndarray
         ge[0, -1] = np.uint64((1 << (nb % 64)) - 1)
     buf = np.zeros(nwords * 64, dtype=bool)
     for j, t in enumerate(thresholds.tolist(), start=1):
-        # exponent(w) >= t  <=>  (w & magnitude mask) >= t << M: compare magnitudes, no shift.
-        np.greater_equal(mag, t << m, out=buf[:nb])
+        np.greater_equal(ex, t, out=buf[:nb])
         ge[j] = np.packbits(buf, bitorder="little").view(_U64)
     out: np.ndarray = ge[:-1] & ~ge[1:]
     return out
