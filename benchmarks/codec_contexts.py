@@ -237,6 +237,7 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
 
     t_a1 = cpu_best_of(reps, lambda: apply_patch(work, p1, base.specs), reset)
     t_a2 = cpu_best_of(reps, lambda: apply_patch(work, p2, base.specs), reset)
+    t_read, t_ctx, groups = context_floor(base, target, reps)
     reset()
     exact = apply_patch(work, p2, base.specs).bitwise_equal(target)
     torch.set_num_threads(threads)
@@ -257,8 +258,36 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
         f"\nformat 2 costs {(t_e2 - t_e1) / n * 1e9:.2f} ns an element more to encode, {(t_a2 - t_a1) / n * 1e9:.2f} "
         f"ns to apply; bitwise exact after apply: {exact}"
     )
+    print(
+        f"\nfloor of any base-context decoder: one read of the base (exponent extraction + bincount) "
+        f"{t_read * 1e3:.0f} ms = **{t_read / t_a1:.2f}x** format-1 apply; format 2's group bit sets alone "
+        f"({groups} groups a tensor on average) {t_ctx * 1e3:.0f} ms = **{t_ctx / t_a1:.2f}x** format-1 apply"
+    )
     if not exact:
         raise SystemExit("format 2 did not reproduce the target")
+
+
+def context_floor(base: ServedModel, target: ServedModel, reps: int) -> tuple[float, float, float]:
+    """CPU seconds of (one exponent extraction + bincount over every base element; format 2's group
+    bit sets alone, with the thresholds its encoder picks for each tensor) and the mean group count."""
+    words, cuts = [], []
+    for i, (spec, tdata) in enumerate(target):
+        a = word_view(base.data[i], spec)
+        ch = scan(a, word_view(tdata, spec))
+        words.append((a.numpy(), spec))
+        cuts.append(cc.context_thresholds(spec, a.numpy(), ch.positions.numpy()) if len(ch) else np.zeros(0, int))
+
+    def read_once() -> None:
+        for w, spec in words:
+            m, e = cc.exponent_field(spec)
+            np.bincount(((w >> m) & ((1 << e) - 1)).astype(np.intp), minlength=1 << e)
+
+    def group_sets() -> None:
+        for (w, spec), th in zip(words, cuts, strict=True):
+            for start in range(0, w.size, cc.CTX_BLOCK):
+                cc.group_words(w[start : start + cc.CTX_BLOCK], cc.exponent_field(spec)[0], th)
+
+    return cpu_best_of(reps, read_once), cpu_best_of(reps, group_sets), float(np.mean([c.size + 1 for c in cuts]))
 
 
 def load_dir(path: Path, kind: str) -> list[ServedModel]:

@@ -123,9 +123,9 @@ def _select(words: np.ndarray, j: np.ndarray) -> np.ndarray:
 def golomb_param(n: int, k: int) -> int:
     """Golomb parameter ``m`` of the gaps of ``k`` ranks among ``n`` (``1 <= k <= n``): the integer
     form of ``ceil(ln(2 - p) / -ln(1 - p))``, ``p = k/n``, the optimal ``m`` for geometric gaps,
-    with ``ln(2 - p) ~ ln 2 - p/2`` and ``-ln(1 - p) ~ 2p / (2 - p)``.  Integers only, so encoder and
+    with ``ln(2 - p) ~ ln 2 - p/2 - p**2/8`` and ``-ln(1 - p) ~ 2p / (2 - p)``.  Integers only, so encoder and
     decoder always agree."""
-    return max(1, -(-(13862 * n - 10000 * k) * (2 * n - k) // (40000 * n * k)))
+    return max(1, -(-(55448 * n * n - 40000 * n * k - 10000 * k * k) * (2 * n - k) // (160000 * n * n * k)))
 
 
 def ctx_bound_bits(n: int, k: int, e: int) -> int:
