@@ -348,7 +348,7 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
 
 def context_floor(base: ServedModel, target: ServedModel, reps: int) -> tuple[float, float, float]:
     """CPU seconds of (one read of the base: exponent extraction, one compare and a count over every
-    element; format 2's group bit sets alone, with the thresholds its encoder picks for each tensor)
+    element, block by block; format 2's group bit sets alone, with the thresholds its encoder picks for each tensor)
     and the mean group count."""
     words, cuts = [], []
     for i, (spec, tdata) in enumerate(target):
@@ -357,10 +357,11 @@ def context_floor(base: ServedModel, target: ServedModel, reps: int) -> tuple[fl
         words.append((a.numpy(), spec))
         cuts.append(cc.context_thresholds(spec, a.numpy(), ch.positions.numpy()) if len(ch) else np.zeros(0, int))
 
-    def read_once() -> None:  # the cheapest pass that sees every exponent: a two-group context's counts
+    def read_once() -> None:  # the cheapest pass that sees every exponent (block by block, as decoding)
         for w, spec in words:
             m, e = cc.exponent_field(spec)
-            np.count_nonzero(((w >> m) & ((1 << e) - 1)).astype(np.uint8 if e <= 8 else np.uint16) >= 1 << (e - 1))
+            for start in range(0, w.size, cc.CTX_BLOCK):
+                np.count_nonzero((w[start : start + cc.CTX_BLOCK] >> m) & ((1 << e) - 1) >= 1 << (e - 1))
 
     def group_sets() -> None:
         for (w, spec), th in zip(words, cuts, strict=True):
