@@ -6,21 +6,21 @@ far more often than large ones: on real AdamW trajectories an ideal coder condit
 exponent of the base value) needs about 0.67x the bits of the memoryless ``log2 C(n, k)`` bound
 (benchmarks/codec_contexts.py).  Coding each exponent as its own class costs a counting sort of
 the whole tensor to decode (~44 ns an element in numpy); a few contiguous exponent ranges
-("groups") keep most of the gain (0.69-0.73x) and decode with one compare-and-pack pass per
-threshold (bit sets, popcounts and a select per change: ~0.2 ns an element a threshold).  Each
+("groups", up to 16) keep nearly all of it and decode with one compare-and-pack pass per
+threshold (~0.05 ns an element each), then prefix counts and a select per change.  Each
 threshold is the exponent of some changed element's base value (checked), which leaves a
 corrupted threshold no way to decode to the same positions.
 
 The record's bit stream holds: ``G - 1`` (4 bits), then the ``G - 1`` ascending exponent thresholds
 as Elias-gamma codes of their differences; then, block by block (``CTX_BLOCK`` elements), the
-Elias-gamma counts of changes per group and, per group, the Golomb-coded gaps between the ranks of
+Elias-gamma counts of changes per non-empty group and, per group, the Golomb-coded gaps between the ranks of
 its changes (or, where more than half of the group's elements changed, of its unchanged elements)
 within the subsequence of the block's elements of that group.  The group of a base word ``w`` is
 the number of thresholds ``t`` with ``exponent(w) >= t``; the block's changes come out in
 ascending position order once merged.  The encoder picks the thresholds from the exponent
 histogram (a strided sample of the base) with a dynamic program over cut points; any thresholds
 decode.  Golomb rather than Rice codes, and the minority set of a dense group, because dense groups
-(small exponents, a quarter of the changes) cost a Rice code 20% over their ideal
+(small exponents, about a quarter of the changes) cost a Rice code 17% over their ideal
 (docs/benchmarks.md).
 """
 
