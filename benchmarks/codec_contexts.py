@@ -12,6 +12,9 @@ For each consecutive pair of a real trajectory (daemon.trajectory; bf16 and fp8 
 - ``(b) exp x prev``: the same with the classes split by "changed in the previous pair" (history);
 - ``rice(a)``: the bits a per-class Rice coder spends on (a), class counts included (what format 2 does);
 - the value-delta entropy H(d) pooled per dtype, and H(d | exponent class).
+
+Then where format 2's position bits go (``decompose``): the ideal per exponent and under its
+groups, Rice against Golomb codes, the minority sets of dense groups, counts and thresholds.
 """
 
 from __future__ import annotations

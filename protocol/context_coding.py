@@ -125,6 +125,7 @@ def golomb_param(n: int, k: int) -> int:
     form of ``ceil(ln(2 - p) / -ln(1 - p))``, ``p = k/n``, the optimal ``m`` for geometric gaps,
     with ``ln(2 - p) ~ ln 2 - p/2 - p**2/8`` and ``-ln(1 - p) ~ 2p / (2 - p)``.  Integers only, so encoder and
     decoder always agree."""
+    n, k = int(n), int(k)  # Python integers: the products overflow 64 bits
     return max(1, -(-(55448 * n * n - 40000 * n * k - 10000 * k * k) * (2 * n - k) // (160000 * n * n * k)))
 
 
