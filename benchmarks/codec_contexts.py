@@ -12,6 +12,9 @@ For each consecutive pair of a real trajectory (daemon.trajectory; bf16 and fp8 
 - ``(b) exp x prev``: the same with the classes split by "changed in the previous pair" (history);
 - ``rice(a)``: the bits a per-class Rice coder spends on (a), class counts included (what format 2 does);
 - the value-delta entropy H(d) pooled per dtype, and H(d | exponent class).
+
+Then where format 2's position bits go (``decompose``): the ideal per exponent and under its
+groups, Rice against Golomb codes, the minority sets of dense groups, counts and thresholds.
 """
 
 from __future__ import annotations
@@ -161,6 +164,85 @@ def pair_row(base: ServedModel, target: ServedModel, prev: dict[str, np.ndarray]
     return {"rows": acc, "changed": changed_now}
 
 
+# ---------------------------------------------------------------- where format 2's position bits go
+
+DECOMP = ("mem", "exp", "groups", "rice", "golomb_k", "golomb", "counts", "thresholds", "dense_ideal", "dense_rice")
+
+
+def decompose(spec: TensorSpec, base: np.ndarray, pos: np.ndarray, acc: dict[str, float]) -> None:
+    """Adds one tensor's position bits to ``acc`` (tensors the encoder codes with contexts only):
+    the memoryless bound; the ideal per exponent class; the ideal under the encoder's groups and
+    blocks; the gaps of those groups as Rice codes (format 2 before issue 37's revision), as Golomb
+    codes of the changes, as Golomb codes of the minority set (today); the counts; the thresholds;
+    and the ideal and Rice bits of the dense groups (more than a third of their elements changed)."""
+    th = cc.context_thresholds(spec, base, pos)
+    fields = cc.ctx_fields(spec, base, pos, th) if th.size else None
+    n, k = spec.numel, pos.size
+    if fields is None or cc.field_bits(fields) >= rice_exact(n, pos):
+        return
+    e = cc.exponent_field(spec)[1]
+    cls = exponent(base, spec.dtype)
+    changed = np.zeros(n, dtype=bool)
+    changed[pos] = True
+    acc["mem"] += log2_binom_sum(np.array([n]), np.array([k]))
+    acc["exp"] += class_bits(cls, changed, 1 << e)[0]
+    acc["thresholds"] += cc.GROUP_BITS + sum(2 * int(d).bit_length() - 1 for d in np.diff(th, prepend=0))
+    group = np.searchsorted(th, cls, side="right")
+    for start in range(0, n, cc.CTX_BLOCK):
+        g = group[start : start + cc.CTX_BLOCK]
+        local = pos[(pos >= start) & (pos < start + cc.CTX_BLOCK)] - start
+        n_g = np.bincount(g, minlength=th.size + 1)
+        k_g = np.bincount(g[local], minlength=th.size + 1)
+        acc["groups"] += log2_binom_sum(n_g, k_g)
+        acc["counts"] += gamma_bits(k_g[n_g > 0] + 1)
+        for gi in np.flatnonzero(k_g).tolist():
+            ng, kg = int(n_g[gi]), int(k_g[gi])
+            member = g == gi
+            ranks = np.cumsum(member)[local[g[local] == gi]] - 1
+            rice = rice_exact(ng, ranks)
+            acc["rice"] += rice
+            acc["golomb_k"] += golomb_bits(ranks, ng)
+            acc["golomb"] += golomb_bits(cc._minority(ranks, ng), ng)
+            if 3 * kg > ng:
+                acc["dense_ideal"] += log2_binom_sum(np.array([ng]), np.array([kg]))
+                acc["dense_rice"] += rice
+
+
+def golomb_bits(ranks: np.ndarray, n: int) -> int:
+    """Bits of format 2's Golomb code of the ascending ``ranks`` among ``n``."""
+    if ranks.size == 0:
+        return 0
+    q, rem = cc._golomb(np.diff(ranks, prepend=-1) - 1, cc.golomb_param(n, ranks.size))
+    return int(q.sum()) + q.size + cc.field_bits(rem)
+
+
+def decomposition_table(exports: dict[str, list[ServedModel]]) -> None:
+    print("\n### Where format 2's position bits go (tensors it codes with contexts; bits / memoryless bound)\n")
+    print(
+        "| export | per-exponent ideal | ideal, format 2's groups | Rice | Golomb of changes | **Golomb of minority** "
+        "| counts | thresholds | **total** | dense groups: Rice / ideal, share of ideal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kind, versions in exports.items():
+        acc = dict.fromkeys(DECOMP, 0.0)
+        for i in range(1, len(versions)):
+            for j, (spec, tdata) in enumerate(versions[i]):
+                if spec.dtype not in cc.MANTISSA:
+                    continue
+                a = word_view(versions[i - 1].data[j], spec)
+                ch = scan(a, word_view(tdata, spec))
+                if len(ch):
+                    decompose(spec, a.numpy(), ch.positions.numpy(), acc)
+        r = {key: v / acc["mem"] for key, v in acc.items()}
+        total = r["golomb"] + r["counts"] + r["thresholds"]
+        dense = acc["dense_rice"] / max(acc["dense_ideal"], 1)
+        print(
+            f"| {kind} | {r['exp']:.4f} | {r['groups']:.4f} | {r['rice']:.4f} | {r['golomb_k']:.4f} "
+            f"| **{r['golomb']:.4f}** | {r['counts']:.4f} | {r['thresholds']:.4f} | **{total:.4f}** "
+            f"| {dense:.3f}, {acc['dense_ideal'] / max(acc['groups'], 1):.1%} |"
+        )
+
+
 # ---------------------------------------------------------------- used by codec_bench's format-2 tables
 
 
@@ -237,6 +319,7 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
 
     t_a1 = cpu_best_of(reps, lambda: apply_patch(work, p1, base.specs), reset)
     t_a2 = cpu_best_of(reps, lambda: apply_patch(work, p2, base.specs), reset)
+    t_read, t_ctx, groups = context_floor(base, target, reps)
     reset()
     exact = apply_patch(work, p2, base.specs).bitwise_equal(target)
     torch.set_num_threads(threads)
@@ -257,8 +340,38 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
         f"\nformat 2 costs {(t_e2 - t_e1) / n * 1e9:.2f} ns an element more to encode, {(t_a2 - t_a1) / n * 1e9:.2f} "
         f"ns to apply; bitwise exact after apply: {exact}"
     )
+    print(
+        f"\nfloor of any base-context decoder: one read of the base (exponent extraction, compare, count) "
+        f"{t_read * 1e3:.0f} ms = **{t_read / t_a1:.2f}x** format-1 apply; format 2's group bit sets alone "
+        f"({groups} groups a tensor on average) {t_ctx * 1e3:.0f} ms = **{t_ctx / t_a1:.2f}x** format-1 apply"
+    )
     if not exact:
         raise SystemExit("format 2 did not reproduce the target")
+
+
+def context_floor(base: ServedModel, target: ServedModel, reps: int) -> tuple[float, float, float]:
+    """CPU seconds of (one read of the base: exponent extraction, one compare and a count over every
+    element, block by block; format 2's group bit sets alone, with the thresholds its encoder picks for each tensor)
+    and the mean group count."""
+    words, cuts = [], []
+    for i, (spec, tdata) in enumerate(target):
+        a = word_view(base.data[i], spec)
+        ch = scan(a, word_view(tdata, spec))
+        words.append((a.numpy(), spec))
+        cuts.append(cc.context_thresholds(spec, a.numpy(), ch.positions.numpy()) if len(ch) else np.zeros(0, int))
+
+    def read_once() -> None:  # the cheapest pass that sees every exponent (block by block, as decoding)
+        for w, spec in words:
+            m, e = cc.exponent_field(spec)
+            for start in range(0, w.size, cc.CTX_BLOCK):
+                np.count_nonzero((w[start : start + cc.CTX_BLOCK] >> m) & ((1 << e) - 1) >= 1 << (e - 1))
+
+    def group_sets() -> None:
+        for (w, spec), th in zip(words, cuts, strict=True):
+            for start in range(0, w.size, cc.CTX_BLOCK):
+                cc.group_words(w[start : start + cc.CTX_BLOCK], cc.exponent_field(spec)[0], th)
+
+    return cpu_best_of(reps, read_once), cpu_best_of(reps, group_sets), float(np.mean([c.size + 1 for c in cuts]))
 
 
 def load_dir(path: Path, kind: str) -> list[ServedModel]:
@@ -324,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"| **{r['a'] / r['mem']:.3f}** | {r['rice_1'] / r['mem']:.3f} | **{r['rice_a'] / r['mem']:.3f}** "
                     f"| **{b}** | | | {gs(r)} |"
                 )
+    decomposition_table(exports)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     return 0
 

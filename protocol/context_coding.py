@@ -6,18 +6,22 @@ far more often than large ones: on real AdamW trajectories an ideal coder condit
 exponent of the base value) needs about 0.67x the bits of the memoryless ``log2 C(n, k)`` bound
 (benchmarks/codec_contexts.py).  Coding each exponent as its own class costs a counting sort of
 the whole tensor to decode (~44 ns an element in numpy); a few contiguous exponent ranges
-("groups") keep most of the gain (0.69-0.73x) and decode with one compare-and-pack pass per
-threshold (bit sets, popcounts and a select per change: ~0.2 ns an element a threshold).  Each
+("groups", up to 16) keep nearly all of it and decode with one compare-and-pack pass per
+threshold (~0.05 ns an element each), then prefix counts and a select per change.  Each
 threshold is the exponent of some changed element's base value (checked), which leaves a
 corrupted threshold no way to decode to the same positions.
 
-The record's bit stream holds: ``G - 1`` (3 bits), then ``G - 1`` ascending exponent thresholds
-(``E`` bits each); then, block by block (``CTX_BLOCK`` elements), the Elias-gamma counts of
-changes per group and, per group, the Rice-coded gaps between the ranks of its changes within the
-subsequence of the block's elements of that group.  The group of a base word ``w`` is the number
-of thresholds ``t`` with ``exponent(w) >= t``; the block's changes come out in ascending position
-order once merged.  The encoder picks the thresholds from the exponent histogram (a strided
-sample of the base) with a dynamic program over cut points; any thresholds decode.
+The record's bit stream holds: ``G - 1`` (4 bits), then the ``G - 1`` ascending exponent thresholds
+as Elias-gamma codes of their differences; then, block by block (``CTX_BLOCK`` elements), the
+Elias-gamma counts of changes per non-empty group and, per group, the Golomb-coded gaps between the ranks of
+its changes (or, where more than half of the group's elements changed, of its unchanged elements)
+within the subsequence of the block's elements of that group.  The group of a base word ``w`` is
+the number of thresholds ``t`` with ``exponent(w) >= t``; the block's changes come out in
+ascending position order once merged.  The encoder picks the thresholds from the exponent
+histogram (a strided sample of the base) with a dynamic program over cut points; any thresholds
+decode.  Golomb rather than Rice codes, and the minority set of a dense group, because dense groups
+(small exponents, about a quarter of the changes) cost a Rice code 17% over their ideal
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,14 +29,13 @@ from __future__ import annotations
 import numpy as np
 
 from patchswarm.protocol.errors import FormatError
-from patchswarm.protocol.position_coding import rice_bits
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import Fields, Piece, StreamReader, unary_bits
 
 # Elements per block: counts restart per block, so decoding needs one block of group indices at a time.
 CTX_BLOCK = 1 << 20
-MAX_GROUPS = 8
-GROUP_BITS = 3  # G - 1 is written in this many bits
+MAX_GROUPS = 16
+GROUP_BITS = 4  # G - 1 is written in this many bits
 # Mantissa bits of each float dtype: the exponent field sits just above them (below the sign).
 MANTISSA = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
 # Base elements sampled (strided) to estimate the exponent histogram when choosing thresholds.
@@ -46,23 +49,52 @@ def exponent_field(spec: TensorSpec) -> tuple[int, int]:
     return m, 8 * spec.dt.width - 1 - m
 
 
-def group_words(words: np.ndarray, m: int, thresholds: np.ndarray) -> list[np.ndarray]:
-    """Per group, which of the block's base ``words`` belong to it, as bits packed in uint64 words
-    (element i is bit i % 64 of word i // 64): one compare and pack pass per threshold."""
+def group_words(words: np.ndarray, m: int, thresholds: np.ndarray) -> np.ndarray:
+    """Row ``g``: which of the block's base ``words`` belong to group ``g``, as bits packed in uint64
+    words (element i is bit i % 64 of word i // 64): one compare and pack pass per threshold."""
     nb = words.size
-    mag = words & np.array((1 << (8 * words.dtype.itemsize - 1)) - 1, dtype=words.dtype)
+    e = 8 * words.dtype.itemsize - 1 - m
+    # The exponent field once, in the narrowest integer that holds it (compares on bytes are cheapest).
+    ex = ((words >> m) & ((1 << e) - 1)).astype(np.uint8 if e <= 8 else np.uint16)
     nwords = -(-nb // 64)
-    valid = np.full(nwords, ~np.uint64(0), dtype=_U64)
+    ge = np.zeros((thresholds.size + 2, nwords), dtype=_U64)  # row j: exponent >= threshold j (row 0: all)
+    ge[0] = ~np.uint64(0)
     if nb % 64:
-        valid[-1] = np.uint64((1 << (nb % 64)) - 1)
-    ge = [valid]
+        ge[0, -1] = np.uint64((1 << (nb % 64)) - 1)
     buf = np.zeros(nwords * 64, dtype=bool)
-    for t in thresholds.tolist():
-        # exponent(w) >= t  <=>  (w & magnitude mask) >= t << M: compare magnitudes, no shift.
-        np.greater_equal(mag, t << m, out=buf[:nb])
-        ge.append(np.packbits(buf, bitorder="little").view(_U64))
-    ge.append(np.zeros(nwords, dtype=_U64))
-    return [ge[g] & ~ge[g + 1] for g in range(len(ge) - 1)]
+    for j, t in enumerate(thresholds.tolist(), start=1):
+        np.greater_equal(ex, t, out=buf[:nb])
+        ge[j] = np.packbits(buf, bitorder="little").view(_U64)
+    out: np.ndarray = ge[:-1] & ~ge[1:]
+    return out
+
+
+class _Groups:
+    """A block's groups as one flat bit set (group after group), with prefix counts: the rank of an
+    element in its group and the element of a given rank are one vectorized step for all groups."""
+
+    def __init__(self, words: np.ndarray, m: int, thresholds: np.ndarray) -> None:
+        members = group_words(words, m, thresholds)
+        self.nwords = members.shape[1]
+        self.flat = members.ravel()
+        self.per_word = np.bitwise_count(self.flat).astype(np.int64)
+        self.upto = np.cumsum(self.per_word)
+        self.sizes = self.per_word.reshape(members.shape).sum(axis=1)
+        self.offset = np.cumsum(self.sizes) - self.sizes  # members of the groups before each
+
+    def ranks(self, group: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """The rank of each element ``local`` (block positions) within its ``group``."""
+        fi = group * self.nwords + (local >> 6)
+        below = self.flat[fi] & ((np.uint64(1) << (local & 63).astype(_U64)) - np.uint64(1))
+        out: np.ndarray = self.upto[fi] - self.per_word[fi] + np.bitwise_count(below) - self.offset[group]
+        return out
+
+    def elements(self, flat_ranks: np.ndarray) -> np.ndarray:
+        """The block positions of the members of ranks ``offset[g] + rank`` (all groups at once)."""
+        word = np.searchsorted(self.upto, flat_ranks, side="right")
+        bit = _select(self.flat[word], flat_ranks - (self.upto[word] - self.per_word[word]))
+        out: np.ndarray = (word % self.nwords) * 64 + bit
+        return out
 
 
 def _select_table() -> np.ndarray:
@@ -88,9 +120,21 @@ def _select(words: np.ndarray, j: np.ndarray) -> np.ndarray:
     return out
 
 
+def golomb_param(n: int, k: int) -> int:
+    """Golomb parameter ``m`` of the gaps of ``k`` ranks among ``n`` (``1 <= k <= n``): the integer
+    form of ``ceil(ln(2 - p) / -ln(1 - p))``, ``p = k/n``, the optimal ``m`` for geometric gaps,
+    with ``ln(2 - p) ~ ln 2 - p/2 - p**2/8`` and ``-ln(1 - p) ~ 2p / (2 - p)``.  Integers only, so encoder and
+    decoder always agree."""
+    n, k = int(n), int(k)  # Python integers: the products overflow 64 bits
+    return max(1, -(-(55448 * n * n - 40000 * n * k - 10000 * k * k) * (2 * n - k) // (160000 * n * n * k)))
+
+
 def ctx_bound_bits(n: int, k: int, e: int) -> int:
-    """Most bits a SPARSE_CTX record's positions may take (``patch_format.raw_bound``)."""
-    bits = GROUP_BITS + (MAX_GROUPS - 1) * e + n + k * (1 + rice_bits(min(n, CTX_BLOCK), 1))
+    """Most bits a SPARSE_CTX record's positions may take (``patch_format.raw_bound``): a group's
+    Golomb codes of ``c`` ranks among ``n_g`` take at most ``n_g`` unary bits and ``c`` remainders of
+    at most ``bit_length(m - 1)`` bits, ``m`` largest for ``c = 1`` and the largest group."""
+    b = (golomb_param(min(n, CTX_BLOCK), 1) - 1).bit_length()
+    bits = GROUP_BITS + (MAX_GROUPS - 1) * (2 * e + 1) + n + k * (1 + b)
     full, last = divmod(n, CTX_BLOCK)
     for nb, count in ((CTX_BLOCK, full), (last, 1 if last else 0)):
         bits += count * MAX_GROUPS * (2 * (nb + 1).bit_length() - 1)
@@ -111,12 +155,14 @@ def _entropy_cost(n: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 def choose_thresholds(n_c: np.ndarray, k_c: np.ndarray, e: int, blocks: int) -> np.ndarray:
     """Thresholds (ascending exponents) cutting the exponent classes into contiguous groups that
-    minimize the estimated bits: sum n H(k/n) over groups, plus thresholds and per-block counts."""
+    minimize the estimated bits: n H(k/n) and the per-block counts of each group, plus thresholds."""
     present = np.flatnonzero(n_c)
     n = np.concatenate([[0.0], np.cumsum(n_c[present], dtype=np.float64)])
     k = np.concatenate([[0.0], np.cumsum(k_c[present], dtype=np.float64)])
     m = present.size
-    cost = _entropy_cost(n[None, :] - n[:, None], k[None, :] - k[:, None])
+    kk = k[None, :] - k[:, None]
+    # A group's positions (n H(k/n)) and its count in each block (Elias gamma, about 2 log2(k + 1) + 1).
+    cost = _entropy_cost(n[None, :] - n[:, None], kk) + blocks * (2 * np.log2(np.maximum(kk, 0) / blocks + 1) + 1)
     cost = np.where(np.triu(np.ones((m + 1, m + 1), dtype=bool), 1), cost, np.inf)  # group = classes i..j-1
     # A group starts (a threshold is) only at an exponent some change has: read_ctx_positions checks it.
     cost[1:m][k_c[present[1:]] == 0] = np.inf
@@ -128,7 +174,7 @@ def choose_thresholds(n_c: np.ndarray, k_c: np.ndarray, e: int, blocks: int) -> 
         back = np.argmin(tot, axis=0)
         dp = tot[back, np.arange(m + 1)]
         backs.append(back)
-        est = dp[m] + (g - 1) * (e + 12 * blocks)  # a threshold, and a count per block (about 12 bits)
+        est = dp[m] + (g - 1) * 6  # a threshold (gamma of a difference)
         if est < best:
             best_g, best = g, est
     cuts: list[int] = []
@@ -158,6 +204,44 @@ def context_thresholds(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> n
     return choose_thresholds(np.maximum(n_c, k_c), k_c, e, -(-n // CTX_BLOCK))
 
 
+def _golomb(gaps: np.ndarray, m: int) -> tuple[np.ndarray, list[Piece]]:
+    """The unary quotients and the remainder fields of the Golomb codes (parameter ``m``) of ``gaps``:
+    remainders ``x < c = 2**b - m`` (``b = bit_length(m - 1)``) in ``b - 1`` bits, the others as
+    ``(x + c) >> 1`` in ``b - 1`` bits and then, after all of them, one bit ``(x + c) & 1`` each."""
+    q = gaps // m
+    if m == 1:
+        return q, []
+    b = (m - 1).bit_length()
+    c = (1 << b) - m
+    x = gaps - q * m
+    hi = x >= c
+    return q, [Fields(np.where(hi, (x + c) >> 1, x), b - 1), Fields((x[hi] + c) & 1, 1)]
+
+
+def _read_golomb_remainders(reader: StreamReader, q: np.ndarray, m: int) -> np.ndarray:
+    """The gaps of the quotients ``q`` (checked: ``q * m`` fits) and their remainders, read next."""
+    if m == 1:
+        return q
+    b = (m - 1).bit_length()
+    c = (1 << b) - m
+    x = reader.read_fields("bits", q.size, b - 1)
+    hi = np.flatnonzero(x >= c)
+    x[hi] = (x[hi] << 1 | reader.read_bits("bits", hi.size)) - c
+    q *= m
+    q += x
+    return q
+
+
+def _minority(ranks: np.ndarray, ng: int) -> np.ndarray:
+    """The ranks a group codes: its changes' ``ranks``, or where more than half of its ``ng`` elements
+    changed, the ranks of the unchanged ones (the same set either way, in fewer codes)."""
+    if 2 * ranks.size <= ng:
+        return ranks
+    keep = np.ones(ng, dtype=bool)
+    keep[ranks] = False
+    return np.flatnonzero(keep)
+
+
 def ctx_fields(
     spec: TensorSpec, base: np.ndarray, pos: np.ndarray, thresholds: np.ndarray | None = None
 ) -> list[Piece] | None:
@@ -165,40 +249,38 @@ def ctx_fields(
     float tensor whose base words (host numpy, signed) are ``base``: with the given ``thresholds``,
     else with the encoder's, or None where it finds one group best (plain gaps then cost less)."""
     n = spec.numel
-    m, e = exponent_field(spec)
+    m, _ = exponent_field(spec)
     if thresholds is None:
         thresholds = context_thresholds(spec, base, pos)
         if thresholds.size == 0:
             return None
     g_count = thresholds.size + 1
-    out: list[Piece] = [Fields(np.array([g_count - 1]), GROUP_BITS), Fields(thresholds, e)]
+    out: list[Piece] = [Fields(np.array([g_count - 1]), GROUP_BITS)]
+    if thresholds.size:
+        out.extend(_gamma(np.diff(thresholds, prepend=0)))
     bounds = np.searchsorted(pos, np.arange(0, n + CTX_BLOCK, CTX_BLOCK))
+    mask = np.array((1 << (8 * base.dtype.itemsize - 1)) - 1, dtype=base.dtype)
     for b, start in enumerate(range(0, n, CTX_BLOCK)):
         local = pos[bounds[b] : bounds[b + 1]] - start
-        if local.size == 0:
-            out.append(Fields(np.zeros(g_count, dtype=np.uint8), 1))  # gamma(1) per group: a 0 bit
-            continue
-        members = group_words(base[start : start + CTX_BLOCK], m, thresholds)
-        mag = base[start + local] & np.array((1 << (8 * base.dtype.itemsize - 1)) - 1, dtype=base.dtype)
-        of_change = np.zeros(local.size, dtype=np.int64)
-        for t in thresholds.tolist():
-            of_change += mag >= t << m
+        groups = _Groups(base[start : start + CTX_BLOCK], m, thresholds)
+        of_change = np.searchsorted(thresholds << m, base[start + local] & mask, side="right")
         counts = np.bincount(of_change, minlength=g_count)
-        out.extend(_gamma(counts + 1))
+        out.extend(_gamma(counts[groups.sizes > 0] + 1))  # an empty group's count (0) goes without saying
+        if local.size == 0:
+            continue
+        ranks = groups.ranks(of_change, local)
         quotients: list[np.ndarray] = []
         remainders: list[Piece] = []
         for g in np.flatnonzero(counts).tolist():
-            # rank = members of g before the change: whole words before it, then the bits below it
-            p = local[of_change == g]
-            per_word = np.bitwise_count(members[g]).astype(np.int64)
-            before = np.cumsum(per_word) - per_word
-            below = members[g][p >> 6] & ((np.uint64(1) << (p & 63).astype(_U64)) - np.uint64(1))
-            ranks = before[p >> 6] + np.bitwise_count(below)
-            gaps = np.diff(ranks, prepend=-1) - 1
-            r = rice_bits(int(per_word.sum()), ranks.size)
-            quotients.append(gaps >> r)
-            remainders.append(Fields(gaps & ((1 << r) - 1), r))
-        out.append(Fields(unary_bits(np.concatenate(quotients)), 1))
+            ng = int(groups.sizes[g])
+            coded = _minority(ranks[of_change == g], ng)  # ascending: positions ascend within a group
+            if coded.size == 0:
+                continue
+            q, rem = _golomb(np.diff(coded, prepend=-1) - 1, golomb_param(ng, coded.size))
+            quotients.append(q)
+            remainders.extend(rem)
+        if quotients:
+            out.append(Fields(unary_bits(np.concatenate(quotients)), 1))
         out.extend(remainders)
     return out
 
@@ -210,6 +292,20 @@ def field_bits(pieces: list[Piece]) -> int:
 # ---------------------------------------------------------------- decoding
 
 
+def _read_gamma(reader: StreamReader, count: int, most: int) -> np.ndarray:
+    """``count`` Elias-gamma codes (see :func:`_gamma`), each refused unless its length is below ``most``."""
+    lengths = reader.read_unary("bits", count)
+    if int(lengths.max()) >= most:
+        raise FormatError("an Elias-gamma code is longer than its field allows")
+    low = reader.read_bits("bits", int(lengths.sum())).astype(np.int64)
+    out = np.empty(count, dtype=np.int64)
+    o = 0
+    for i, length in enumerate(lengths.tolist()):
+        out[i] = (1 << length) | int(np.sum(low[o : o + length] << np.arange(length)))
+        o += length
+    return out
+
+
 def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.ndarray) -> np.ndarray:
     """The ascending changed positions of a SPARSE_CTX record; ``base`` is the verified base's words."""
     n = spec.numel
@@ -217,55 +313,61 @@ def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.
         raise FormatError(f"{spec.name}: change count {k} impossible for {n} elements")
     m, e = exponent_field(spec)
     g_count = int(reader.read_fields("bits", 1, GROUP_BITS)[0]) + 1
-    thresholds = reader.read_fields("bits", g_count - 1, e)
-    if thresholds.size and (thresholds[0] < 1 or np.any(np.diff(thresholds) <= 0)):
-        raise FormatError(f"{spec.name}: context thresholds are not strictly ascending and positive")
+    thresholds = np.zeros(0, dtype=np.int64)
+    if g_count > 1:
+        try:
+            thresholds = np.cumsum(_read_gamma(reader, g_count - 1, e + 1))
+        except FormatError as exc:
+            raise FormatError(f"{spec.name}: context thresholds: {exc}") from None
+        if thresholds[-1] >= 1 << e:
+            raise FormatError(f"{spec.name}: a context threshold exceeds the exponent field")
     out = np.empty(k, dtype=np.int64)
     done = 0
     for start in range(0, n, CTX_BLOCK):
         nb = min(CTX_BLOCK, n - start)
-        lengths = reader.read_unary("bits", g_count)
-        if int(lengths.max()) >= (nb + 1).bit_length():
-            raise FormatError(f"{spec.name}: a context count exceeds its block")
-        low = reader.read_bits("bits", int(lengths.sum())).astype(np.int64)
-        counts = np.empty(g_count, dtype=np.int64)
-        o = 0
-        for g, length in enumerate(lengths.tolist()):
-            counts[g] = ((1 << length) | int(np.sum(low[o : o + length] << np.arange(length)))) - 1
-            o += length
+        groups = _Groups(base[start : start + nb], m, thresholds)
+        counts = np.zeros(g_count, dtype=np.int64)
+        nonempty = groups.sizes > 0
+        try:
+            counts[nonempty] = _read_gamma(reader, int(nonempty.sum()), (nb + 1).bit_length()) - 1
+        except FormatError:
+            raise FormatError(f"{spec.name}: a context count exceeds its block") from None
+        if np.any(counts > groups.sizes):
+            raise FormatError(f"{spec.name}: more changes than elements in a context group")
         kb = int(counts.sum())
         if done + kb > k:
             raise FormatError(f"{spec.name}: context counts add up to more than the record's {k} changes")
         if kb == 0:
             continue
-        members = group_words(base[start : start + nb], m, thresholds)
-        q = reader.read_unary("bits", kb)
+        present = np.flatnonzero(counts).tolist()
+        coded = [min(int(counts[g]), int(groups.sizes[g] - counts[g])) for g in present]
+        q_all = reader.read_unary("bits", sum(coded))
         parts: list[np.ndarray] = []
         o = 0
-        for g in np.flatnonzero(counts).tolist():
-            kg = int(counts[g])
-            per_word = np.bitwise_count(members[g]).astype(np.int64)
-            upto = np.cumsum(per_word)
-            ng = int(upto[-1])
-            if kg > ng:
-                raise FormatError(f"{spec.name}: more changes than elements in a context group")
-            r = rice_bits(ng, kg)
-            ranks = q[o : o + kg]
-            o += kg
-            # Legitimate quotients sum to at most (n_g - k_g) >> r: checked before shifting.
-            if int(ranks.sum()) > (ng - kg) >> r:
-                raise FormatError(f"{spec.name}: change ranks fall outside their context group")
-            ranks = ranks << r
-            ranks |= reader.read_fields("bits", kg, r)
-            ranks += 1
-            np.cumsum(ranks, out=ranks)
-            ranks -= 1
-            if ranks[-1] >= ng:
-                raise FormatError(f"{spec.name}: change ranks fall outside their context group")
-            # The word holding each rank's member, then the member's bit within it.
-            word = np.searchsorted(upto, ranks, side="right")
-            parts.append(word * 64 + _select(members[g][word], ranks - (upto[word] - per_word[word])))
-        block = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        for g, c in zip(present, coded, strict=True):
+            kg, ng = int(counts[g]), int(groups.sizes[g])
+            q = q_all[o : o + c]
+            o += c
+            if c == 0:  # every element of the group changed
+                ranks = np.arange(ng)
+            else:
+                gm = golomb_param(ng, c)
+                # Legitimate quotients sum to at most (n_g - c) // m: checked before multiplying.
+                if int(q.sum()) > (ng - c) // gm:
+                    raise FormatError(f"{spec.name}: change ranks fall outside their context group")
+                ranks = _read_golomb_remainders(reader, q, gm)
+                ranks += 1
+                np.cumsum(ranks, out=ranks)
+                ranks -= 1
+                if ranks[-1] >= ng:
+                    raise FormatError(f"{spec.name}: change ranks fall outside their context group")
+                if c < kg:  # the group coded its unchanged elements
+                    keep = np.ones(ng, dtype=bool)
+                    keep[ranks] = False
+                    ranks = np.flatnonzero(keep)
+            ranks += int(groups.offset[g])
+            parts.append(ranks)
+        block = groups.elements(np.concatenate(parts) if len(parts) > 1 else parts[0])
         block.sort()
         out[done : done + kb] = block + start
         done += kb

@@ -26,7 +26,7 @@ from patchswarm.protocol.patch_format import Encoding, read_header
 from patchswarm.protocol.patchfile import apply_version, build_version
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import ServedModel, TensorSpec
-from patchswarm.protocol.streams import Piece, StreamReader, StreamWriter
+from patchswarm.protocol.streams import Fields, Piece, StreamReader, StreamWriter, unary_bits
 from tests.support.helpers import adam_like_pair
 from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases, random_words
 
@@ -149,6 +149,79 @@ def test_context_positions_round_trip(dtype: str, numel: int, pattern: str, seed
     finally:
         context_coding.CTX_BLOCK = old
     np.testing.assert_array_equal(got, pos)
+
+
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.integers(0, 5000), min_size=1, max_size=50), m=st.integers(1, 3000))
+def test_golomb_codes_round_trip(gaps: list[int], m: int) -> None:
+    """Quotients in unary, remainders in truncated binary (b - 1 bits, then an extra bit for the long ones)."""
+    q, rem = context_coding._golomb(np.array(gaps, dtype=np.int64), m)
+    writer = StreamWriter()
+    writer.emit({"bits": [Fields(unary_bits(q), 1), *rem]})
+    table, _ = writer.finish()
+    reader = StreamReader([(name, raw, memoryview(comp)) for name, raw, comp in table])
+    got = context_coding._read_golomb_remainders(reader, reader.read_unary("bits", len(gaps)), m)
+    reader.finish()
+    assert got.tolist() == gaps
+    b = (m - 1).bit_length()
+    # each remainder costs b - 1 or b bits (b for all when m is a power of two: Rice)
+    assert sum(p.values.size * p.width for p in rem) == sum(b - ((g % m) < (1 << b) - m) for g in gaps)
+
+
+def _golomb_mean_bits(p: float, m: int) -> float:
+    """Expected Golomb code length (parameter m) of a geometric gap with success rate p."""
+    theta = 1 - p
+    tail = theta**m
+    b = (m - 1).bit_length()
+    short = (1 - theta ** ((1 << b) - m)) / (1 - tail)  # P(remainder < c): those take b - 1 bits
+    return 1 + tail / (1 - tail) + b - short
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 1 << 20), frac=st.floats(0.0001, 1.0))
+def test_golomb_param_is_near_optimal_for_geometric_gaps(n: int, frac: float) -> None:
+    k = max(1, min(n, round(frac * n)))
+    m = context_coding.golomb_param(n, k)
+    p = k / n
+    if p >= 1:
+        assert m == 1
+        return
+    best = min(_golomb_mean_bits(p, j) for j in range(max(1, m // 2), 2 * m + 3))
+    assert _golomb_mean_bits(p, m) <= best * 1.01  # the integer approximation: within 1% (0.7% at worst)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    numel=st.integers(1, 3000),
+    rate=st.floats(0.0, 1.0),
+    groups=st.integers(0, 15),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_context_bits_stay_within_the_declared_bound(
+    dtype: str, numel: int, rate: float, groups: int, seed: int
+) -> None:
+    """What the encoder writes never exceeds the bound a reader enforces (patch_format.raw_bound),
+    for any thresholds and densities (dense groups code their unchanged elements)."""
+    rng = np.random.default_rng(seed)
+    spec = TensorSpec("w", dtype, (numel,))
+    base = random_words(rng, spec.dt.width, numel)
+    pos = np.flatnonzero(rng.random(numel) < rate)
+    if pos.size == 0:
+        pos = np.array([numel - 1])
+    m, e = context_coding.exponent_field(spec)
+    ex = np.unique((base[pos].astype(np.int64) >> m) & ((1 << e) - 1))
+    ex = ex[ex > 0]
+    th = np.sort(rng.choice(ex, min(ex.size, groups), replace=False)).astype(np.int64) if ex.size else ex
+    fields = ctx_fields(spec, base, pos, th)
+    assert fields is not None
+    assert context_coding.field_bits(fields) <= context_coding.ctx_bound_bits(numel, pos.size, e)
+    writer = StreamWriter()
+    writer.emit({"bits": fields})
+    table, _ = writer.finish()
+    reader = StreamReader([(name, raw, memoryview(comp)) for name, raw, comp in table])
+    np.testing.assert_array_equal(read_ctx_positions(reader, spec, pos.size, base), pos)
+    event("dense" if 2 * pos.size > numel else "sparse")
 
 
 def test_real_like_step_chooses_contexts_and_is_smaller() -> None:

@@ -1,5 +1,5 @@
 """The SPARSE_CTX position decoder on hostile bits, over several blocks: a valid code (any thresholds,
-one to eight groups) with bits flipped, cut short or padded, and a record count that may lie.  The
+one to sixteen groups) with bits flipped, cut short or padded, and a record count that may lie.  The
 decoder refuses (a PatchswarmError) or returns exactly ``k`` strictly ascending positions inside the
 tensor, never crashes; an intact code decodes to its positions (test_codec_ctx.py covers one block
 and whole payloads)."""
@@ -36,7 +36,7 @@ def _code(spec: TensorSpec, base: np.ndarray, pos: np.ndarray, thresholds: np.nd
     numel=st.integers(1, 600),
     block=st.sampled_from([8, 64, 100]),
     seed=st.integers(0, 2**32 - 1),
-    groups=st.integers(0, 7),
+    groups=st.integers(0, 15),
     flips=st.lists(st.integers(0, 1 << 14), max_size=3),
     cut=st.one_of(st.none(), st.integers(0, 64)),
     pad=st.integers(0, 2),
