@@ -26,6 +26,9 @@ decode.  Golomb rather than Rice codes, and the minority set of a dense group, b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
 import numpy as np
 
 from patchswarm.protocol.errors import FormatError
@@ -41,6 +44,7 @@ MANTISSA = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2":
 # Base elements sampled (strided) to estimate the exponent histogram when choosing thresholds.
 SAMPLE = 1 << 18
 _U64 = np.dtype("<u8")
+P_co = TypeVar("P_co", covariant=True)  # the positions a context pass returns (numpy, or a torch tensor)
 
 
 def exponent_field(spec: TensorSpec) -> tuple[int, int]:
@@ -306,12 +310,71 @@ def _read_gamma(reader: StreamReader, count: int, most: int) -> np.ndarray:
     return out
 
 
+class ContextPass(Protocol[P_co]):
+    """The decoder's pass over the base: group sizes per block, and the positions of ranks in groups.
+    Here the numpy pass over host words; protocol/context_pass_torch.py runs it where a torch base lives."""
+
+    def sizes(self, block: int) -> np.ndarray:
+        """The sizes of the groups (int64, one per group) in block ``block``; blocks are asked in order."""
+
+    def select(self, block: int, flat_ranks: np.ndarray) -> None:
+        """The changes of the block last sized, as flat ranks (members of earlier groups + rank in group)."""
+
+    def finish(self) -> P_co:
+        """Every selected position, ascending."""
+
+    def covers(self, thresholds: np.ndarray) -> bool:
+        """After :meth:`finish`: whether every threshold is the exponent of some changed element."""
+
+
+class _NumpyPass:
+    """:class:`ContextPass` over host words, one block at a time (``_Groups``)."""
+
+    def __init__(self, base: np.ndarray, m: int, e: int, thresholds: np.ndarray, k: int, block: int) -> None:
+        self.base, self.m, self.e, self.thresholds, self.block = base, m, e, thresholds, block
+        self.out = np.empty(k, dtype=np.int64)
+        self.done = 0
+        self.groups: _Groups | None = None
+
+    def sizes(self, block: int) -> np.ndarray:
+        start = block * self.block
+        self.groups = _Groups(self.base[start : start + self.block], self.m, self.thresholds)
+        out: np.ndarray = self.groups.sizes
+        return out
+
+    def select(self, block: int, flat_ranks: np.ndarray) -> None:
+        assert self.groups is not None
+        local = self.groups.elements(flat_ranks)
+        local.sort()
+        self.out[self.done : self.done + local.size] = local + block * self.block
+        self.done += local.size
+
+    def finish(self) -> np.ndarray:
+        return self.out
+
+    def covers(self, thresholds: np.ndarray) -> bool:
+        ex = (self.base[self.out] >> self.m).astype(np.int64) & ((1 << self.e) - 1)
+        return bool(np.isin(thresholds, ex).all())
+
+
 def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.ndarray) -> np.ndarray:
     """The ascending changed positions of a SPARSE_CTX record; ``base`` is the verified base's words."""
+    m, e = exponent_field(spec)
+    return decode_ctx(reader, spec, k, lambda th, block: _NumpyPass(base, m, e, th, k, block))
+
+
+def decode_ctx(
+    reader: StreamReader,
+    spec: TensorSpec,
+    k: int,
+    make_pass: Callable[[np.ndarray, int], ContextPass[P_co]],
+) -> P_co:
+    """A SPARSE_CTX record's positions: the bit stream read here, the base read by the pass that
+    ``make_pass(thresholds, block elements)`` returns (for ``k`` changes, validated first)."""
     n = spec.numel
     if not 0 < k <= n:
         raise FormatError(f"{spec.name}: change count {k} impossible for {n} elements")
-    m, e = exponent_field(spec)
+    _, e = exponent_field(spec)
     g_count = int(reader.read_fields("bits", 1, GROUP_BITS)[0]) + 1
     thresholds = np.zeros(0, dtype=np.int64)
     if g_count > 1:
@@ -321,31 +384,33 @@ def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.
             raise FormatError(f"{spec.name}: context thresholds: {exc}") from None
         if thresholds[-1] >= 1 << e:
             raise FormatError(f"{spec.name}: a context threshold exceeds the exponent field")
-    out = np.empty(k, dtype=np.int64)
+    block = CTX_BLOCK
+    cpass = make_pass(thresholds, block)
     done = 0
-    for start in range(0, n, CTX_BLOCK):
-        nb = min(CTX_BLOCK, n - start)
-        groups = _Groups(base[start : start + nb], m, thresholds)
+    for b, start in enumerate(range(0, n, block)):
+        nb = min(block, n - start)
+        sizes = cpass.sizes(b)
         counts = np.zeros(g_count, dtype=np.int64)
-        nonempty = groups.sizes > 0
+        nonempty = sizes > 0
         try:
             counts[nonempty] = _read_gamma(reader, int(nonempty.sum()), (nb + 1).bit_length()) - 1
         except FormatError:
             raise FormatError(f"{spec.name}: a context count exceeds its block") from None
-        if np.any(counts > groups.sizes):
+        if np.any(counts > sizes):
             raise FormatError(f"{spec.name}: more changes than elements in a context group")
         kb = int(counts.sum())
         if done + kb > k:
             raise FormatError(f"{spec.name}: context counts add up to more than the record's {k} changes")
         if kb == 0:
             continue
+        offset = np.cumsum(sizes) - sizes  # members of the groups before each
         present = np.flatnonzero(counts).tolist()
-        coded = [min(int(counts[g]), int(groups.sizes[g] - counts[g])) for g in present]
+        coded = [min(int(counts[g]), int(sizes[g] - counts[g])) for g in present]
         q_all = reader.read_unary("bits", sum(coded))
         parts: list[np.ndarray] = []
         o = 0
         for g, c in zip(present, coded, strict=True):
-            kg, ng = int(counts[g]), int(groups.sizes[g])
+            kg, ng = int(counts[g]), int(sizes[g])
             q = q_all[o : o + c]
             o += c
             if c == 0:  # every element of the group changed
@@ -365,19 +430,16 @@ def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.
                     keep = np.ones(ng, dtype=bool)
                     keep[ranks] = False
                     ranks = np.flatnonzero(keep)
-            ranks += int(groups.offset[g])
+            ranks += int(offset[g])
             parts.append(ranks)
-        block = groups.elements(np.concatenate(parts) if len(parts) > 1 else parts[0])
-        block.sort()
-        out[done : done + kb] = block + start
+        cpass.select(b, np.concatenate(parts) if len(parts) > 1 else parts[0])
         done += kb
     if done != k:
         raise FormatError(f"{spec.name}: context counts add up to {done}, the record says {k}")
+    out = cpass.finish()
     # Each threshold must be the exponent of a changed element's base value: then a threshold moved
     # to any other value moves that element to another group, whose count no longer matches, so no
     # corrupted threshold decodes to the same positions (one spelling, as format 1).
-    if thresholds.size:
-        ex = (base[out] >> m).astype(np.int64) & ((1 << e) - 1)
-        if not np.isin(thresholds, ex).all():
-            raise FormatError(f"{spec.name}: a context threshold is not the exponent of a changed element")
+    if thresholds.size and not cpass.covers(thresholds):
+        raise FormatError(f"{spec.name}: a context threshold is not the exponent of a changed element")
     return out

@@ -1,0 +1,114 @@
+"""The SPARSE_CTX decoder's pass over the base in torch ops, on the device where the base lives
+(protocol/context_coding.py holds the format, its bit-stream reader and the numpy pass).
+
+A store in GPU memory decodes a format-2 record without copying its base to the host: per batch
+of blocks, one vectorized scan gives each element its group (exponent field, bucketized by the
+thresholds) and a stable sort of the group keys within each block puts every group's members in
+position order, group after group.  Element ``i`` of a block's sorted order is then the member of
+flat rank ``i`` (members of earlier groups + rank in its group), so the decoded ranks select their
+positions with one gather, and the group sizes are where each key starts in the sorted keys.  Only
+the group sizes (blocks x groups integers) and the decoded ranks cross between host and device.
+
+On a CPU base the numpy pass stays (``ON_CPU``): side by side it is faster there
+(docs/benchmarks.md, issue 37).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from patchswarm.protocol.context_coding import decode_ctx, exponent_field
+from patchswarm.protocol.served import TensorSpec
+from patchswarm.protocol.streams import StreamReader
+
+# Elements scanned per batch: temporaries are about 24 bytes an element (exponent field, bucket
+# index, key, sorted key, int64 order, the sort's scratch), ~200 MB at this size.
+BATCH_ELEMENTS = 1 << 23
+# Whether CPU bases use this pass too (else numpy's); tests set it to run the CPU twin end to end.
+ON_CPU = False
+
+
+def use_torch_pass(base: torch.Tensor) -> bool:
+    """Whether a record over ``base`` decodes with this pass (a device base always does)."""
+    return ON_CPU or base.device.type != "cpu"
+
+
+class TorchPass:
+    """:class:`protocol.context_coding.ContextPass` over ``words`` (a base's signed word view, any device)."""
+
+    def __init__(self, words: torch.Tensor, m: int, e: int, thresholds: np.ndarray, k: int, block: int) -> None:
+        self.words, self.m, self.e, self.block = words, m, e, block
+        self.groups = thresholds.size + 1
+        self.thresholds = torch.from_numpy(thresholds).to(words.device)
+        self.per_batch = max(1, BATCH_ELEMENTS // block)
+        self.out = torch.empty(k, dtype=torch.int64, device=words.device)
+        self.done = 0
+        self.first = -1  # first block of the batch held (none yet)
+        self.order: torch.Tensor | None = None  # per block row: its elements by (group, position)
+        self.sizes_host = np.zeros((0, self.groups), dtype=np.int64)
+        self.pending: list[np.ndarray] = []  # flat ranks of the batch's changes, offset by row * block
+
+    def _exponents(self, words: torch.Tensor) -> torch.Tensor:
+        return (words >> self.m) & ((1 << self.e) - 1)
+
+    def _load(self, first: int) -> None:
+        """Group keys, their order and the group sizes of the batch of blocks from ``first``."""
+        self._flush()
+        lo = first * self.block
+        hi = min(self.words.numel(), lo + self.per_batch * self.block)
+        rows = -(-(hi - lo) // self.block)
+        self.first = first
+        if self.groups == 1:  # one group: every element's flat rank is its block position
+            self.order = None
+            self.sizes_host = np.full((rows, 1), self.block, dtype=np.int64)
+            self.sizes_host[-1, 0] = hi - lo - (rows - 1) * self.block
+            return
+        ex = self._exponents(self.words[lo:hi])
+        # Past the tensor's end (the last block's tail) the key is ``groups``: sorted last, never selected.
+        keys = torch.full((rows * self.block,), self.groups, dtype=torch.uint8, device=self.words.device)
+        keys[: hi - lo] = torch.bucketize(ex, self.thresholds.to(ex.dtype), right=True, out_int32=True)
+        del ex
+        sorted_keys, self.order = torch.sort(keys.view(rows, self.block), dim=1, stable=True)
+        del keys
+        marks = torch.arange(self.groups + 1, dtype=torch.uint8, device=self.words.device)
+        starts = torch.searchsorted(sorted_keys, marks.expand(rows, -1).contiguous())
+        self.sizes_host = (starts[:, 1:] - starts[:, :-1]).cpu().numpy()
+
+    def _flush(self) -> None:
+        """The positions of the batch's pending ranks, ascending, into ``out``."""
+        if not self.pending:
+            return
+        flat = torch.from_numpy(np.concatenate(self.pending)).to(self.words.device)
+        self.pending = []
+        if self.order is not None:
+            flat = self.order.view(-1)[flat] + flat.div(self.block, rounding_mode="floor") * self.block
+        flat += self.first * self.block
+        pos = torch.sort(flat).values  # blocks come in order; within one, the groups' members interleave
+        self.out[self.done : self.done + pos.numel()] = pos
+        self.done += pos.numel()
+
+    def sizes(self, block: int) -> np.ndarray:
+        if not 0 <= block - self.first < self.per_batch or self.first < 0:
+            self._load(block)
+        out: np.ndarray = self.sizes_host[block - self.first]
+        return out
+
+    def select(self, block: int, flat_ranks: np.ndarray) -> None:
+        self.pending.append(flat_ranks + (block - self.first) * self.block)
+
+    def finish(self) -> torch.Tensor:
+        self._flush()
+        self.order = None
+        return self.out
+
+    def covers(self, thresholds: np.ndarray) -> bool:
+        ex = self._exponents(self.words[self.out]).to(torch.int64)
+        return bool(torch.isin(self.thresholds, ex).all())
+
+
+def read_ctx_positions_torch(reader: StreamReader, spec: TensorSpec, k: int, words: torch.Tensor) -> torch.Tensor:
+    """The ascending changed positions (int64, on ``words``' device) of a SPARSE_CTX record;
+    ``words`` is the verified base's signed word view, where it lives."""
+    m, e = exponent_field(spec)
+    return decode_ctx(reader, spec, k, lambda th, block: TorchPass(words, m, e, th, k, block))
