@@ -3,10 +3,11 @@
 
 A store in GPU memory decodes a format-2 record without copying its base to the host: per batch
 of blocks, one vectorized scan gives each element its group (exponent field, bucketized by the
-thresholds) and a stable sort of the group keys within each block puts every group's members in
-position order, group after group.  Element ``i`` of a block's sorted order is then the member of
-flat rank ``i`` (members of earlier groups + rank in its group), so the decoded ranks select their
-positions with one gather, and the group sizes are where each key starts in the sorted keys.  Only
+thresholds), and one stable sort of the keys (block, group) puts each block's elements in group
+order, and in position order within a group.  Element ``i`` of a block's stretch of that order is
+then the member of flat rank ``i`` (members of earlier groups + rank in its group), so the decoded
+ranks select their positions with one gather, and the group sizes are where each key starts in the
+sorted keys.  Only
 the group sizes (blocks x groups integers) and the decoded ranks cross between host and device.
 
 On a CPU base the numpy pass stays (``ON_CPU``): side by side it is faster there
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from patchswarm.protocol.context_coding import decode_ctx, exponent_field
+from patchswarm.protocol.context_coding import MAX_GROUPS, decode_ctx, exponent_field
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import StreamReader
 
@@ -41,11 +42,12 @@ class TorchPass:
         self.words, self.m, self.e, self.block = words, m, e, block
         self.groups = thresholds.size + 1
         self.thresholds = torch.from_numpy(thresholds).to(words.device)
-        self.per_batch = max(1, BATCH_ELEMENTS // block)
+        # (blocks of a batch x (groups + 1) sort keys fit an int16)
+        self.per_batch = max(1, min(BATCH_ELEMENTS // block, ((1 << 15) - 2) // (MAX_GROUPS + 1)))
         self.out = torch.empty(k, dtype=torch.int64, device=words.device)
         self.done = 0
         self.first = -1  # first block of the batch held (none yet)
-        self.order: torch.Tensor | None = None  # per block row: its elements by (group, position)
+        self.order: torch.Tensor | None = None  # the batch's elements by (block, group, position)
         self.sizes_host = np.zeros((0, self.groups), dtype=np.int64)
         self.pending: list[np.ndarray] = []  # flat ranks of the batch's changes, offset by row * block
 
@@ -64,16 +66,22 @@ class TorchPass:
             self.sizes_host = np.full((rows, 1), self.block, dtype=np.int64)
             self.sizes_host[-1, 0] = hi - lo - (rows - 1) * self.block
             return
+        # One key per element, row (block of the batch) major, group minor: a single stable sort then
+        # orders each block's elements by group, and by position within a group.  Past the tensor's
+        # end (the last block's tail) the key is the row's ``groups``: sorted last, never selected.
+        span = rows * (self.groups + 1)
+        kind = torch.uint8 if span < 255 else torch.int16
+        device = self.words.device
+        keys = torch.full((rows, self.block), self.groups, dtype=kind, device=device)
+        flat = keys.view(-1)
         ex = self._exponents(self.words[lo:hi])
-        # Past the tensor's end (the last block's tail) the key is ``groups``: sorted last, never selected.
-        keys = torch.full((rows * self.block,), self.groups, dtype=torch.uint8, device=self.words.device)
-        keys[: hi - lo] = torch.bucketize(ex, self.thresholds.to(ex.dtype), right=True, out_int32=True)
+        flat[: hi - lo] = torch.bucketize(ex, self.thresholds.to(ex.dtype), right=True, out_int32=True)
         del ex
-        sorted_keys, self.order = torch.sort(keys.view(rows, self.block), dim=1, stable=True)
-        del keys
-        marks = torch.arange(self.groups + 1, dtype=torch.uint8, device=self.words.device)
-        starts = torch.searchsorted(sorted_keys, marks.expand(rows, -1).contiguous())
-        self.sizes_host = (starts[:, 1:] - starts[:, :-1]).cpu().numpy()
+        keys += (torch.arange(rows, dtype=kind, device=device) * (self.groups + 1))[:, None]
+        sorted_keys, self.order = torch.sort(flat, stable=True)
+        del keys, flat
+        starts = torch.searchsorted(sorted_keys, torch.arange(span + 1, dtype=kind, device=device))
+        self.sizes_host = (starts[1:] - starts[:-1]).view(rows, self.groups + 1)[:, : self.groups].cpu().numpy()
 
     def _flush(self) -> None:
         """The positions of the batch's pending ranks, ascending, into ``out``."""
@@ -81,8 +89,8 @@ class TorchPass:
             return
         flat = torch.from_numpy(np.concatenate(self.pending)).to(self.words.device)
         self.pending = []
-        if self.order is not None:
-            flat = self.order.view(-1)[flat] + flat.div(self.block, rounding_mode="floor") * self.block
+        if self.order is not None:  # (the order holds each element's index in the batch)
+            flat = self.order[flat]
         flat += self.first * self.block
         pos = torch.sort(flat).values  # blocks come in order; within one, the groups' members interleave
         self.out[self.done : self.done + pos.numel()] = pos
