@@ -22,6 +22,9 @@ histogram (a strided sample of the base) with a dynamic program over cut points;
 decode.  Golomb rather than Rice codes, and the minority set of a dense group, because dense groups
 (small exponents, about a quarter of the changes) cost a Rice code 17% over their ideal
 (docs/benchmarks.md).
+
+Decoding reads the bit stream here (``decode_ctx``) and the base through a ``ContextPass``: the
+numpy pass here for host words, protocol/context_pass_torch.py's where a device base lives.
 """
 
 from __future__ import annotations
