@@ -27,7 +27,8 @@ e) Format 2's context pass where the store lives (``--format2-mb``; ``--format2-
    the smaller the value), encoded on the host in payload format 1 and 2 (SPARSE_CTX required);
    ``apply_patch`` of each onto a device copy of the base (best of 2, the first warms), the
    format-2 result bitwise equal to the target and to the host decode, with no host copy of the
-   base (counted at ``protocol.value_coding.to_host``).  Prints both device apply times, their ratio
+   base (counted at ``protocol.value_coding.to_host``); and format 2 encoded from the device copies:
+   the host encode's bytes, no host copy.  Prints both device apply times, their ratio
    and the device memory the format-2 apply used above the model (its batches bound it).  On
    ``--device cpu`` the torch pass runs on the host (``context_pass_torch.ON_CPU``).
 
@@ -172,6 +173,19 @@ def format2_check(device: torch.device, mb: int) -> dict[str, Any]:
     saved = context_pass_torch.ON_CPU
     context_pass_torch.ON_CPU = True  # (on a CUDA device the torch pass runs anyway)
     try:
+        dev_target = ServedModel(base.specs, [t.to(device) for t in target.data])
+        dev_model = ServedModel(base.specs, dev_base)
+        encode_patch(dev_model, dev_target, payload_format=2)  # warm
+        copies.clear()
+        value_coding.to_host = spy  # type: ignore[assignment]
+        try:
+            enc, out["encode_device_format2_s"] = timed(
+                device, lambda: encode_patch(dev_model, dev_target, payload_format=2)
+            )
+        finally:
+            value_coding.to_host = real  # type: ignore[assignment]
+        out["encode_device_format2_identical"] = enc.payload == payloads[2]
+        out["encode_device_format2_host_copies"] = sum(copies)
         for fmt, payload in payloads.items():
             runs = []
             for _ in range(2):  # the first also warms the kernels and the allocator
@@ -202,6 +216,8 @@ def format2_check(device: torch.device, mb: int) -> dict[str, Any]:
         and out["format2_bitwise"]
         and out["format2_equals_host_decode"]
         and out["host_copies_format2"] == 0
+        and out["encode_device_format2_identical"]
+        and out["encode_device_format2_host_copies"] == 0
     )
     return out
 
@@ -213,7 +229,9 @@ def print_format2(f: dict[str, Any], device: torch.device) -> None:
           f"{f['sparse_ctx']}); apply on {device}: format 1 {f['apply_device_format1_s'] * 1e3:.1f} ms, format 2 "
           f"{f['apply_device_format2_s'] * 1e3:.1f} ms (**{f['format2_over_format1']:.2f}x**; host decode "
           f"{f['apply_host_format2_s'] * 1e3:.0f} ms); bitwise: target {f['format2_bitwise']}, host decode "
-          f"{f['format2_equals_host_decode']}; host copies of the base {f['host_copies_format2']} B"
+          f"{f['format2_equals_host_decode']}; host copies of the base {f['host_copies_format2']} B; encode on "
+          f"{device} {f['encode_device_format2_s'] * 1e3:.0f} ms, payload identical to the host's "
+          f"{f['encode_device_format2_identical']}, host copies {f['encode_device_format2_host_copies']} B"
           + (f"; device memory above the model {scratch / 2**20:.0f} MiB" if scratch is not None else ""))  # fmt: skip
 
 

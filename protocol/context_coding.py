@@ -148,6 +148,66 @@ def ctx_bound_bits(n: int, k: int, e: int) -> int:
     return bits
 
 
+class ContextPass(Protocol[P_co]):
+    """The pass over the base, block by block: group sizes, and ranks in groups to positions (decoding)
+    or positions to ranks (encoding).  Here the numpy pass over host words; protocol/context_pass_torch.py
+    runs it where a torch base lives."""
+
+    def sizes(self, block: int) -> np.ndarray:
+        """The sizes of the groups (int64, one per group) in block ``block``; blocks are asked in order."""
+
+    def select(self, block: int, flat_ranks: np.ndarray) -> None:
+        """Decoding: the changes of the block last sized, as flat ranks (members of earlier groups + rank in group)."""
+
+    def changes(self, block: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Encoding: the group and the rank in it (int64) of each change at ``local`` (ascending
+        positions in the block last sized)."""
+
+    def finish(self) -> P_co:
+        """Every selected position, ascending."""
+
+    def covers(self, thresholds: np.ndarray) -> bool:
+        """After :meth:`finish`: whether every threshold is the exponent of some changed element."""
+
+
+class _NumpyPass:
+    """:class:`ContextPass` over host words, one block at a time (``_Groups``)."""
+
+    def __init__(self, base: np.ndarray, m: int, e: int, thresholds: np.ndarray, k: int, block: int) -> None:
+        self.base, self.m, self.e, self.thresholds, self.block = base, m, e, thresholds, block
+        self.out = np.empty(k, dtype=np.int64)
+        self.done = 0
+        self.groups: _Groups | None = None
+        # (the sign bit off: the exponent field is then the top of what is left)
+        self.magnitude = np.array((1 << (8 * base.dtype.itemsize - 1)) - 1, dtype=base.dtype)
+
+    def sizes(self, block: int) -> np.ndarray:
+        start = block * self.block
+        self.groups = _Groups(self.base[start : start + self.block], self.m, self.thresholds)
+        out: np.ndarray = self.groups.sizes
+        return out
+
+    def select(self, block: int, flat_ranks: np.ndarray) -> None:
+        assert self.groups is not None
+        local = self.groups.elements(flat_ranks)
+        local.sort()
+        self.out[self.done : self.done + local.size] = local + block * self.block
+        self.done += local.size
+
+    def changes(self, block: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        assert self.groups is not None
+        words = self.base[block * self.block + local]
+        group = np.searchsorted(self.thresholds << self.m, words & self.magnitude, side="right")
+        return group, self.groups.ranks(group, local)
+
+    def finish(self) -> np.ndarray:
+        return self.out
+
+    def covers(self, thresholds: np.ndarray) -> bool:
+        ex = (self.base[self.out] >> self.m).astype(np.int64) & ((1 << self.e) - 1)
+        return bool(np.isin(thresholds, ex).all())
+
+
 # ---------------------------------------------------------------- encoding
 
 
@@ -202,12 +262,21 @@ def _gamma(x: np.ndarray) -> list[Piece]:
 
 def context_thresholds(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """The thresholds the encoder uses for these changes (empty: contexts would not pay)."""
+    return thresholds_of(spec, base[:: sample_step(spec.numel)], base[pos])
+
+
+def sample_step(n: int) -> int:
+    """The stride of the base sample that estimates the exponent histogram."""
+    return max(1, n // SAMPLE)
+
+
+def thresholds_of(spec: TensorSpec, sample: np.ndarray, changed: np.ndarray) -> np.ndarray:
+    """:func:`context_thresholds` from the strided ``sample`` of the base words and the base words of the changes."""
     n = spec.numel
     m, e = exponent_field(spec)
-    step = max(1, n // SAMPLE)
     mask = (1 << e) - 1
-    n_c = np.bincount((base[::step] >> m).astype(np.int64) & mask, minlength=1 << e) * step
-    k_c = np.bincount((base[pos] >> m).astype(np.int64) & mask, minlength=1 << e)
+    n_c = np.bincount((sample >> m).astype(np.int64) & mask, minlength=1 << e) * sample_step(n)
+    k_c = np.bincount((changed >> m).astype(np.int64) & mask, minlength=1 << e)
     return choose_thresholds(np.maximum(n_c, k_c), k_c, e, -(-n // CTX_BLOCK))
 
 
@@ -255,31 +324,35 @@ def ctx_fields(
     """The SPARSE_CTX position fields of the ascending changed positions ``pos`` (at least one) of a
     float tensor whose base words (host numpy, signed) are ``base``: with the given ``thresholds``,
     else with the encoder's, or None where it finds one group best (plain gaps then cost less)."""
-    n = spec.numel
-    m, _ = exponent_field(spec)
     if thresholds is None:
         thresholds = context_thresholds(spec, base, pos)
         if thresholds.size == 0:
             return None
+    m, e = exponent_field(spec)
+    return encode_ctx(spec, pos, thresholds, _NumpyPass(base, m, e, thresholds, 0, CTX_BLOCK))
+
+
+def encode_ctx(spec: TensorSpec, pos: np.ndarray, thresholds: np.ndarray, cpass: ContextPass[object]) -> list[Piece]:
+    """The SPARSE_CTX position fields of ``pos`` under ``thresholds``, the base read by ``cpass``."""
+    n = spec.numel
     g_count = thresholds.size + 1
     out: list[Piece] = [Fields(np.array([g_count - 1]), GROUP_BITS)]
     if thresholds.size:
         out.extend(_gamma(np.diff(thresholds, prepend=0)))
     bounds = np.searchsorted(pos, np.arange(0, n + CTX_BLOCK, CTX_BLOCK))
-    mask = np.array((1 << (8 * base.dtype.itemsize - 1)) - 1, dtype=base.dtype)
     for b, start in enumerate(range(0, n, CTX_BLOCK)):
         local = pos[bounds[b] : bounds[b + 1]] - start
-        groups = _Groups(base[start : start + CTX_BLOCK], m, thresholds)
-        of_change = np.searchsorted(thresholds << m, base[start + local] & mask, side="right")
-        counts = np.bincount(of_change, minlength=g_count)
-        out.extend(_gamma(counts[groups.sizes > 0] + 1))  # an empty group's count (0) goes without saying
+        sizes = cpass.sizes(b)
         if local.size == 0:
+            out.extend(_gamma(np.ones(int(np.count_nonzero(sizes)), dtype=np.int64)))  # every count 0
             continue
-        ranks = groups.ranks(of_change, local)
+        of_change, ranks = cpass.changes(b, local)
+        counts = np.bincount(of_change, minlength=g_count)
+        out.extend(_gamma(counts[sizes > 0] + 1))  # an empty group's count (0) goes without saying
         quotients: list[np.ndarray] = []
         remainders: list[Piece] = []
         for g in np.flatnonzero(counts).tolist():
-            ng = int(groups.sizes[g])
+            ng = int(sizes[g])
             coded = _minority(ranks[of_change == g], ng)  # ascending: positions ascend within a group
             if coded.size == 0:
                 continue
@@ -311,53 +384,6 @@ def _read_gamma(reader: StreamReader, count: int, most: int) -> np.ndarray:
         out[i] = (1 << length) | int(np.sum(low[o : o + length] << np.arange(length)))
         o += length
     return out
-
-
-class ContextPass(Protocol[P_co]):
-    """The decoder's pass over the base: group sizes per block, and the positions of ranks in groups.
-    Here the numpy pass over host words; protocol/context_pass_torch.py runs it where a torch base lives."""
-
-    def sizes(self, block: int) -> np.ndarray:
-        """The sizes of the groups (int64, one per group) in block ``block``; blocks are asked in order."""
-
-    def select(self, block: int, flat_ranks: np.ndarray) -> None:
-        """The changes of the block last sized, as flat ranks (members of earlier groups + rank in group)."""
-
-    def finish(self) -> P_co:
-        """Every selected position, ascending."""
-
-    def covers(self, thresholds: np.ndarray) -> bool:
-        """After :meth:`finish`: whether every threshold is the exponent of some changed element."""
-
-
-class _NumpyPass:
-    """:class:`ContextPass` over host words, one block at a time (``_Groups``)."""
-
-    def __init__(self, base: np.ndarray, m: int, e: int, thresholds: np.ndarray, k: int, block: int) -> None:
-        self.base, self.m, self.e, self.thresholds, self.block = base, m, e, thresholds, block
-        self.out = np.empty(k, dtype=np.int64)
-        self.done = 0
-        self.groups: _Groups | None = None
-
-    def sizes(self, block: int) -> np.ndarray:
-        start = block * self.block
-        self.groups = _Groups(self.base[start : start + self.block], self.m, self.thresholds)
-        out: np.ndarray = self.groups.sizes
-        return out
-
-    def select(self, block: int, flat_ranks: np.ndarray) -> None:
-        assert self.groups is not None
-        local = self.groups.elements(flat_ranks)
-        local.sort()
-        self.out[self.done : self.done + local.size] = local + block * self.block
-        self.done += local.size
-
-    def finish(self) -> np.ndarray:
-        return self.out
-
-    def covers(self, thresholds: np.ndarray) -> bool:
-        ex = (self.base[self.out] >> self.m).astype(np.int64) & ((1 << self.e) - 1)
-        return bool(np.isin(thresholds, ex).all())
 
 
 def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.ndarray) -> np.ndarray:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from patchswarm.protocol.context_coding import MAX_GROUPS, decode_ctx, exponent_field
+from patchswarm.protocol import context_coding
+from patchswarm.protocol.context_coding import MAX_GROUPS, decode_ctx, encode_ctx, exponent_field, sample_step
 from patchswarm.protocol.served import TensorSpec
-from patchswarm.protocol.streams import StreamReader
+from patchswarm.protocol.streams import Piece, StreamReader
 
 # Elements scanned per batch: temporaries are about 24 bytes an element (exponent field, bucket
 # index, key, sorted key, int64 order, the sort's scratch), ~200 MB at this size.
@@ -48,6 +49,7 @@ class TorchPass:
         self.done = 0
         self.first = -1  # first block of the batch held (none yet)
         self.order: torch.Tensor | None = None  # the batch's elements by (block, group, position)
+        self.place: torch.Tensor | None = None  # encoding: where each element of the batch sits in ``order``
         self.sizes_host = np.zeros((0, self.groups), dtype=np.int64)
         self.pending: list[np.ndarray] = []  # flat ranks of the batch's changes, offset by row * block
 
@@ -61,6 +63,7 @@ class TorchPass:
         hi = min(self.words.numel(), lo + self.per_batch * self.block)
         rows = -(-(hi - lo) // self.block)
         self.first = first
+        self.place = None
         if self.groups == 1:  # one group: every element's flat rank is its block position
             self.order = None
             self.sizes_host = np.full((rows, 1), self.block, dtype=np.int64)
@@ -105,9 +108,25 @@ class TorchPass:
     def select(self, block: int, flat_ranks: np.ndarray) -> None:
         self.pending.append(flat_ranks + (block - self.first) * self.block)
 
+    def changes(self, block: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        row = block - self.first
+        device = self.words.device
+        at = torch.from_numpy(local + row * self.block).to(device)  # indices in the batch
+        ex = self._exponents(self.words[at + self.first * self.block])
+        group = torch.bucketize(ex, self.thresholds.to(ex.dtype), right=True)
+        if self.order is None:
+            return group.cpu().numpy(), local
+        if self.place is None:
+            self.place = torch.empty_like(self.order)
+            self.place[self.order] = torch.arange(self.order.numel(), device=device)
+        sizes = self.sizes_host[row]
+        before = torch.from_numpy(np.cumsum(sizes) - sizes + row * self.block).to(device)
+        rank = self.place[at] - before[group]  # flat rank in the block, less the earlier groups' members
+        return group.cpu().numpy(), rank.cpu().numpy()
+
     def finish(self) -> torch.Tensor:
         self._flush()
-        self.order = None
+        self.order = self.place = None
         return self.out
 
     def covers(self, thresholds: np.ndarray) -> bool:
@@ -120,3 +139,16 @@ def read_ctx_positions_torch(reader: StreamReader, spec: TensorSpec, k: int, wor
     ``words`` is the verified base's signed word view, where it lives."""
     m, e = exponent_field(spec)
     return decode_ctx(reader, spec, k, lambda th, block: TorchPass(words, m, e, th, k, block))
+
+
+def ctx_fields_torch(spec: TensorSpec, words: torch.Tensor, pos: np.ndarray) -> list[Piece] | None:
+    """:func:`protocol.context_coding.ctx_fields` (the encoder's thresholds) of a base whose signed
+    word view ``words`` lives on any device: the same fields, the base read where it is (only its
+    strided sample and the words of the changes cross to the host)."""
+    step = sample_step(spec.numel)
+    changed = words[torch.from_numpy(pos).to(words.device)]
+    thresholds = context_coding.thresholds_of(spec, words[::step].cpu().numpy(), changed.cpu().numpy())
+    if thresholds.size == 0:
+        return None
+    m, e = exponent_field(spec)
+    return encode_ctx(spec, pos, thresholds, TorchPass(words, m, e, thresholds, 0, context_coding.CTX_BLOCK))

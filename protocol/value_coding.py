@@ -12,7 +12,7 @@ import torch
 
 from patchswarm.protocol import ordered
 from patchswarm.protocol.context_coding import MANTISSA, ctx_fields, field_bits, read_ctx_positions
-from patchswarm.protocol.context_pass_torch import read_ctx_positions_torch, use_torch_pass
+from patchswarm.protocol.context_pass_torch import ctx_fields_torch, read_ctx_positions_torch, use_torch_pass
 from patchswarm.protocol.diffscan import Changes
 from patchswarm.protocol.patch_format import Encoding, TensorUpdate
 from patchswarm.protocol.position_coding import _read_positions, gap_fields
@@ -81,7 +81,10 @@ def _sparse_pieces(
     bits = gap_fields(spec.numel, pos)
     enc = Encoding.SPARSE_ULP
     if base is not None and spec.dtype in MANTISSA:
-        ctx = ctx_fields(spec, word_view(to_host(base), spec).numpy(), pos)
+        if use_torch_pass(base):  # the context pass where the base lives: no host copy of it
+            ctx = ctx_fields_torch(spec, word_view(base, spec), pos)
+        else:
+            ctx = ctx_fields(spec, word_view(base, spec).numpy(), pos)
         if ctx is not None and field_bits(ctx) < field_bits(bits):
             bits, enc = ctx, Encoding.SPARSE_CTX
     width = spec.dt.width

@@ -1,8 +1,9 @@
-"""The SPARSE_CTX decoder's context pass in torch (protocol/context_pass_torch.py) against the numpy
-pass (protocol/context_coding.py): the same positions, or the same refusal, for every float dtype,
-shape, threshold set (1 to 16 groups), density, block size and batch size; on CPU tensors (the CPU
-twin) and on CUDA where there is one.  Then whole patches applied through it: a base held as torch
-tensors rebuilds the target bitwise, and a corrupted record is refused before anything is written."""
+"""The SPARSE_CTX context pass in torch (protocol/context_pass_torch.py) against the numpy pass
+(protocol/context_coding.py): decoding, the same positions or the same refusal; encoding, the same
+fields; for every float dtype, shape, threshold set (1 to 16 groups), density, block size and batch
+size; on CPU tensors (the CPU twin) and on CUDA where there is one.  Then whole patches through it:
+encoded from torch tensors into the same bytes, applied to a base held as torch tensors bitwise,
+and a corrupted record refused before anything is written."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.patch_format import Encoding, read_header
 from patchswarm.protocol.served import ServedModel, TensorSpec
-from patchswarm.protocol.streams import StreamReader, StreamWriter
+from patchswarm.protocol.streams import Piece, StreamReader, StreamWriter
 from tests.support.format2 import magnitude_skewed, with_bits_flipped
 from tests.support.helpers import adam_like_pair
 from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases, random_words
@@ -126,6 +127,67 @@ def test_torch_pass_decodes_what_the_numpy_pass_decodes(
     event(f"{th.size + 1} groups" if th.size < 3 else "3+ groups")
 
 
+def _stream(fields: list[Piece] | None) -> object:
+    if fields is None:
+        return None
+    writer = StreamWriter()
+    writer.emit({"bits": fields})
+    return writer.finish()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    numel=st.integers(1, 3000),
+    block=st.sampled_from([8, 64, 1000, 1 << 20]),
+    batch=st.sampled_from([1, 100, 1 << 23]),
+    rate=st.floats(0.0, 1.0),
+    groups=st.integers(0, 15),
+    few_exponents=st.booleans(),
+    skewed=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_torch_pass_encodes_what_the_numpy_pass_encodes(
+    device: str,
+    dtype: str,
+    numel: int,
+    block: int,
+    batch: int,
+    rate: float,
+    groups: int,
+    few_exponents: bool,
+    skewed: bool,
+    seed: int,
+) -> None:
+    """The encoder's side: the same fields for given thresholds (1 to 16 groups) and for the
+    thresholds the encoder picks itself (or the same refusal to use contexts)."""
+    rng = np.random.default_rng(seed)
+    spec = TensorSpec("w", dtype, (numel,))
+    if skewed:  # changes favouring small magnitudes: the encoder picks contexts
+        base, new = magnitude_skewed(rng, spec, 0.01 + rate / 2)
+        pos = np.flatnonzero(base != new)
+    else:
+        base = random_words(rng, spec.dt.width, numel)
+        if few_exponents:
+            base = base[rng.integers(0, min(numel, 4), numel)]
+        pos = np.flatnonzero(rng.random(numel) < rate)
+    if pos.size == 0:
+        pos = np.array([numel - 1])
+    m, e = context_coding.exponent_field(spec)
+    ex = np.unique((base[pos].astype(np.int64) >> m) & ((1 << e) - 1))
+    ex = ex[ex > 0]
+    th = np.sort(rng.choice(ex, min(ex.size, groups), replace=False)).astype(np.int64) if ex.size else ex
+    words = torch.from_numpy(base).to(device)
+    with _sizes(block, batch):
+        given_np = context_coding.ctx_fields(spec, base, pos, th)
+        given_torch = context_coding.encode_ctx(spec, pos, th, context_pass_torch.TorchPass(words, m, e, th, 0, block))
+        assert _stream(given_torch) == _stream(given_np)
+        chosen = context_coding.ctx_fields(spec, base, pos)
+        assert _stream(context_pass_torch.ctx_fields_torch(spec, words, pos)) == _stream(chosen)
+    event("contexts chosen" if chosen is not None else "plain gaps chosen")
+
+
 def _on(model: ServedModel, device: str) -> ServedModel:
     return ServedModel(model.specs, [t.to(device) for t in model.data])
 
@@ -151,9 +213,12 @@ def _format2_pairs() -> st.SearchStrategy[tuple[ServedModel, ServedModel]]:
 def test_apply_patch_with_a_torch_base_rebuilds_the_target(
     device: str, pair: tuple[ServedModel, ServedModel], block: int, batch: int
 ) -> None:
+    """Encoded where the base lives (the same bytes as from host numpy) and applied there."""
     base, target = pair
-    with _sizes(block, batch, on_cpu=True):
+    with _sizes(block, batch):
         payload = encode_patch(base, target, payload_format=2).payload
+    with _sizes(block, batch, on_cpu=True):
+        assert encode_patch(_on(base, device), _on(target, device), payload_format=2).payload == payload
         out = apply_patch(_on(base, device), payload, target.specs)
     assert all(t.device.type == device for t in out.data)
     assert _on(out, "cpu").bitwise_equal(target)
