@@ -1,16 +1,16 @@
-"""The SPARSE_CTX decoder's pass over the base in torch ops, on the device where the base lives
-(protocol/context_coding.py holds the format, its bit-stream reader and the numpy pass).
+"""The SPARSE_CTX context pass over the base in torch ops, on the device where the base lives
+(protocol/context_coding.py holds the format, the bit-stream reader and writer, and the numpy pass).
 
-A store in GPU memory decodes a format-2 record without copying its base to the host: per batch
-of blocks, one vectorized scan gives each element its group (exponent field, bucketized by the
-thresholds), and one stable sort of the keys (block, group) puts each block's elements in group
-order, and in position order within a group.  Element ``i`` of a block's stretch of that order is
-then the member of flat rank ``i`` (members of earlier groups + rank in its group), so the decoded
-ranks select their positions with one gather, and the group sizes are where each key starts in the
-sorted keys.  Only
-the group sizes (blocks x groups integers) and the decoded ranks cross between host and device.
+A store in GPU memory encodes and decodes format-2 records without copying its base to the host.
+Per batch of blocks, one vectorized scan gives each element its group (exponent field, bucketized
+by the thresholds), and one stable sort of the keys (block, group) puts each block's elements in
+group order, and in position order within a group.  Element ``i`` of a block's stretch of that
+order is then the member of flat rank ``i`` (members of earlier groups + rank in its group): the
+decoder's ranks select their positions with one gather, the encoder's changes find their ranks
+through the inverse of the order, and the group sizes are where each key starts in the sorted keys.
+Only the group sizes (blocks x groups integers) and the ranks cross between host and device.
 
-On a CPU base the numpy pass stays (``ON_CPU``): side by side it is faster there
+CPU bases keep the numpy pass (``ON_CPU`` off): side by side it is faster there
 (docs/benchmarks.md, issue 37).
 """
 
@@ -25,7 +25,8 @@ from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import Piece, StreamReader
 
 # Elements scanned per batch: temporaries are about 24 bytes an element (exponent field, bucket
-# index, key, sorted key, int64 order, the sort's scratch), ~200 MB at this size.
+# index, key, sorted key, int64 order, the sort's scratch; the encoder adds the order's int64
+# inverse), ~200-270 MB at this size.
 BATCH_ELEMENTS = 1 << 23
 # Whether CPU bases use this pass too (else numpy's); tests set it to run the CPU twin end to end.
 ON_CPU = False
