@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.bound import entropy_bits, log2_binom_sum
 from patchswarm.protocol import context_coding as cc
-from patchswarm.protocol import ordered
+from patchswarm.protocol import context_pass_torch, ordered
 from patchswarm.protocol.codec import apply_patch, encode_patch
 from patchswarm.protocol.diffscan import scan
 from patchswarm.protocol.position_coding import rice_bits
@@ -319,6 +319,7 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
 
     t_a1 = cpu_best_of(reps, lambda: apply_patch(work, p1, base.specs), reset)
     t_a2 = cpu_best_of(reps, lambda: apply_patch(work, p2, base.specs), reset)
+    t_e2t, t_a2t, exact_torch = torch_pass_times(base, work, p2, target, reps, reset)
     t_read, t_ctx, groups = context_floor(base, target, reps)
     reset()
     exact = apply_patch(work, p2, base.specs).bitwise_equal(target)
@@ -337,6 +338,15 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
     )
     print(f"| apply in place | {t_a1 * 1e3:.0f} ms | {t_a2 * 1e3:.0f} ms (**{t_a2 / t_a1:.2f}x**) | <= 1.5x |")
     print(
+        f"| encode, the context pass in torch (protocol/context_pass_torch.py, CPU twin) | | "
+        f"{t_e2t * 1e3:.0f} ms (**{t_e2t / t_e2:.2f}x the numpy pass**), the same bytes: {exact_torch} | |"
+    )
+    print(
+        f"| apply in place, the context pass in torch (CPU twin) | | "
+        f"{t_a2t * 1e3:.0f} ms ({t_a2t / t_a1:.2f}x; **{t_a2t / t_a2:.2f}x the numpy pass**), "
+        f"bitwise exact: {exact_torch} | |"
+    )
+    print(
         f"\nformat 2 costs {(t_e2 - t_e1) / n * 1e9:.2f} ns an element more to encode, {(t_a2 - t_a1) / n * 1e9:.2f} "
         f"ns to apply; bitwise exact after apply: {exact}"
     )
@@ -345,8 +355,26 @@ def speed_format2(big_gb: float, ntensors: int, seed: int, reps: int) -> None:
         f"{t_read * 1e3:.0f} ms = **{t_read / t_a1:.2f}x** format-1 apply; format 2's group bit sets alone "
         f"({groups} groups a tensor on average) {t_ctx * 1e3:.0f} ms = **{t_ctx / t_a1:.2f}x** format-1 apply"
     )
-    if not exact:
+    if not (exact and exact_torch):
         raise SystemExit("format 2 did not reproduce the target")
+
+
+def torch_pass_times(
+    base: ServedModel, work: ServedModel, payload: bytes, target: ServedModel, reps: int, reset: Callable[[], object]
+) -> tuple[float, float, bool]:
+    """CPU seconds of encoding ``target`` against ``base`` and of applying ``payload`` (format 2) with
+    the torch context pass on CPU tensors (what a device store runs, here on the host), side by side
+    with the numpy pass; and whether it wrote the same bytes and applied bitwise exact."""
+    saved = context_pass_torch.ON_CPU
+    context_pass_torch.ON_CPU = True
+    try:
+        t_enc = cpu_best_of(reps, lambda: encode_patch(base, target, payload_format=2))
+        same = encode_patch(base, target, payload_format=2).payload == payload
+        t_apply = cpu_best_of(reps, lambda: apply_patch(work, payload, target.specs), reset)
+        reset()
+        return t_enc, t_apply, same and apply_patch(work, payload, target.specs).bitwise_equal(target)
+    finally:
+        context_pass_torch.ON_CPU = saved
 
 
 def context_floor(base: ServedModel, target: ServedModel, reps: int) -> tuple[float, float, float]:

@@ -1,6 +1,7 @@
 """GPU checks that are not pytest tests: the codec's torch path and the store digest on a device.
 
     python -m benchmarks.gpu_check [--device cuda:0] [--gb 2] [--frac 0.005] [--tensor-mb 128] [--json OUT.json]
+    python -m benchmarks.gpu_check --format2-only [--format2-mb 512]     (e alone)
 
 a) Codec on the device: a synthetic bf16 model (0.5% of values moved by one or two ulps) lives on
    the device; ``encode_patch`` scans it there (protocol.diffscan's torch path) and the payload must
@@ -21,6 +22,15 @@ d) The version fence with an asynchronous reader (docs/weightstore.md section 5)
    fenced read with nothing to read (lock + seqlock + sync), with and without the readers' lock.
    ``--fence-only`` runs this part alone.  On ``--device cpu`` the side stream is the CPU twin
    (daemon/cpu_stream.py).
+e) Format 2's context pass where the store lives (``--format2-mb``; ``--format2-only`` runs it alone):
+   an AdamW-like step of one large bf16 tensor (a change is a rounding boundary crossed, likelier
+   the smaller the value), encoded on the host in payload format 1 and 2 (SPARSE_CTX required);
+   ``apply_patch`` of each onto a device copy of the base (best of 2, the first warms), the
+   format-2 result bitwise equal to the target and to the host decode, with no host copy of the
+   base (counted at ``protocol.value_coding.to_host``); and format 2 encoded from the device copies:
+   the host encode's bytes, no host copy.  Prints both device apply times, their ratio
+   and the device memory the format-2 apply used above the model (its batches bound it).  On
+   ``--device cpu`` the torch pass runs on the host (``context_pass_torch.ON_CPU``).
 
 Any mismatch exits 1.  Run by benchmarks/gpu_check.sh; ``--device cpu`` runs the same code on
 the host (a check of the script itself, not a measurement).
@@ -40,13 +50,15 @@ from typing import Any
 
 import torch
 
+from benchmarks.codec_contexts import adam_like_synthetic
 from patchswarm.daemon.cpu_stream import CpuStream
 from patchswarm.daemon.device_blake3 import default_batch, device_digests, scratch_bound
 from patchswarm.daemon.engine import FenceReader, allocate
 from patchswarm.daemon.store_format import StoreLayout, TensorUpdate
 from patchswarm.daemon.weightstore import WeightStore
-from patchswarm.protocol import codec, value_coding
+from patchswarm.protocol import codec, context_pass_torch, value_coding
 from patchswarm.protocol.codec import apply_patch, encode_patch
+from patchswarm.protocol.patch_format import Encoding, read_header
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest
 
 COLS = 4096
@@ -136,6 +148,91 @@ def dense_host_copies(device: torch.device, n: int = 1 << 23) -> dict[str, float
         same = enc.payload == encode_patch(to_host(base), to_host(target)).payload
         out[label] = copies if same else -1.0
     return out
+
+
+def format2_check(device: torch.device, mb: int) -> dict[str, Any]:
+    """e) a format-2 patch of one large bf16 tensor applied on ``device`` against format 1 (module doc)."""
+    base, target = adam_like_synthetic(mb << 20, 1, 2e-7, seed=2)
+    out: dict[str, Any] = {"tensor_bytes": base.nbytes}
+    payloads = {fmt: encode_patch(base, target, payload_format=fmt).payload for fmt in (1, 2)}
+    records = read_header(payloads[2], base.specs).records
+    out["changed"] = records[0][1]
+    out["sparse_ctx"] = records[0][0] == Encoding.SPARSE_CTX
+    out["payload_bytes"] = {fmt: len(p) for fmt, p in payloads.items()}
+    host_decode, out["apply_host_format2_s"] = timed(
+        torch.device("cpu"), lambda: apply_patch(base.clone(), payloads[2], base.specs)
+    )
+    dev_base = [t.to(device) for t in base.data]
+    copies: list[int] = []
+    real = value_coding.to_host
+
+    def spy(t: torch.Tensor) -> torch.Tensor:
+        copies.append(t.numel() * t.element_size())
+        return real(t)
+
+    saved = context_pass_torch.ON_CPU
+    context_pass_torch.ON_CPU = True  # (on a CUDA device the torch pass runs anyway)
+    try:
+        dev_target = ServedModel(base.specs, [t.to(device) for t in target.data])
+        dev_model = ServedModel(base.specs, dev_base)
+        encode_patch(dev_model, dev_target, payload_format=2)  # warm
+        copies.clear()
+        value_coding.to_host = spy  # type: ignore[assignment]
+        try:
+            enc, out["encode_device_format2_s"] = timed(
+                device, lambda: encode_patch(dev_model, dev_target, payload_format=2)
+            )
+        finally:
+            value_coding.to_host = real  # type: ignore[assignment]
+        out["encode_device_format2_identical"] = enc.payload == payloads[2]
+        out["encode_device_format2_host_copies"] = sum(copies)
+        for fmt, payload in payloads.items():
+            runs = []
+            for _ in range(2):  # the first also warms the kernels and the allocator
+                work = ServedModel(base.specs, [t.clone() for t in dev_base])
+                floor = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                copies.clear()
+                value_coding.to_host = spy  # type: ignore[assignment]
+                try:
+                    runs.append(timed(device, lambda w=work, p=payload: apply_patch(w, p, base.specs)))  # type: ignore[misc]
+                finally:
+                    value_coding.to_host = real  # type: ignore[assignment]
+                if device.type == "cuda":
+                    out[f"apply_device_format{fmt}_scratch"] = torch.cuda.max_memory_allocated(device) - floor
+            out[f"apply_device_format{fmt}_s"] = min(r[1] for r in runs)
+            out[f"host_copies_format{fmt}"] = sum(copies)
+            got = to_host(runs[-1][0])
+            out[f"format{fmt}_bitwise"] = got.bitwise_equal(target)
+            if fmt == 2:
+                out["format2_equals_host_decode"] = got.bitwise_equal(host_decode)
+    finally:
+        context_pass_torch.ON_CPU = saved
+    out["format2_over_format1"] = out["apply_device_format2_s"] / out["apply_device_format1_s"]
+    out["ok"] = (
+        out["sparse_ctx"]
+        and out["format1_bitwise"]
+        and out["format2_bitwise"]
+        and out["format2_equals_host_decode"]
+        and out["host_copies_format2"] == 0
+        and out["encode_device_format2_identical"]
+        and out["encode_device_format2_host_copies"] == 0
+    )
+    return out
+
+
+def print_format2(f: dict[str, Any], device: torch.device) -> None:
+    scratch = f.get("apply_device_format2_scratch")
+    print(f"format 2 on {device}: one bf16 tensor of {f['tensor_bytes'] / 1e9:.2f} GB, {f['changed']:,} changed, "
+          f"payloads {f['payload_bytes'][1]:,} B (format 1) and {f['payload_bytes'][2]:,} B (format 2, SPARSE_CTX "
+          f"{f['sparse_ctx']}); apply on {device}: format 1 {f['apply_device_format1_s'] * 1e3:.1f} ms, format 2 "
+          f"{f['apply_device_format2_s'] * 1e3:.1f} ms (**{f['format2_over_format1']:.2f}x**; host decode "
+          f"{f['apply_host_format2_s'] * 1e3:.0f} ms); bitwise: target {f['format2_bitwise']}, host decode "
+          f"{f['format2_equals_host_decode']}; host copies of the base {f['host_copies_format2']} B; encode on "
+          f"{device} {f['encode_device_format2_s'] * 1e3:.0f} ms, payload identical to the host's "
+          f"{f['encode_device_format2_identical']}, host copies {f['encode_device_format2_host_copies']} B"
+          + (f"; device memory above the model {scratch / 2**20:.0f} MiB" if scratch is not None else ""))  # fmt: skip
 
 
 def fence_check(device: torch.device, gb: float, reads: int = 300) -> dict[str, Any]:
@@ -238,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-mb", type=int, default=128, help="size of each tensor (the last model tensor is whole)")
     ap.add_argument("--fence-gb", type=float, default=1.0, help="store size of the fence check (d)")
     ap.add_argument("--fence-only", action="store_true", help="run only the fence check (d)")
+    ap.add_argument("--format2-mb", type=int, default=512, help="bf16 tensor size of the format-2 check (e); 0: skip")
+    ap.add_argument("--format2-only", action="store_true", help="run only the format-2 check (e)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -249,6 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"device": str(dev), "torch": torch.__version__}
     if dev.type == "cuda":
         res["device_name"] = torch.cuda.get_device_name(dev)
+    if args.format2_only:
+        res["format2"] = format2_check(dev, args.format2_mb)
+        print_format2(res["format2"], dev)
+        res["ok"] = res["format2"]["ok"]
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print("gpu_check.py:", "OK" if res["ok"] else "MISMATCH")
+        return 0 if res["ok"] else 1
     res["fence"] = fence_check(dev, args.fence_gb)
     print_fence(res, dev)
     if args.fence_only:
@@ -322,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = res["payload_identical"] and res["apply_bitwise"] and res["digests_equal"]
     ok = ok and res.get("digest_scratch_peak", 0) <= res.get("digest_scratch_bound", 0)
     ok = ok and all(v == 1.0 for v in res["dense_host_copies"].values()) and res["fence"]["ok"]
+    if args.format2_mb > 0:
+        res["format2"] = format2_check(dev, args.format2_mb)
+        print_format2(res["format2"], dev)
+        ok = ok and res["format2"]["ok"]
     res["ok"] = ok
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

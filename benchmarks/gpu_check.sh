@@ -6,12 +6,15 @@
 #   1. cuda_quick: the in-process CUDA tests: own allocator segment per buffer (export refuses a
 #      shared one), torch's IPC count untouched by successive importers (and freed without limbo),
 #      a killed engine's buffer let go, the IPC export/import, the GPU state root, payloads, GPU
-#      masters publishing                                                   -> cuda_quick.log/.xml
+#      masters publishing, format 2's context pass on CUDA against numpy's     -> cuda_quick.log/.xml
 #   2. codec_digest: the codec's torch path on the GPU (encode == host encode, apply bitwise, one host
 #      copy of a dense tensor), the device digest (== blake3, peak scratch within its bound) and the
 #      version fence with a reader that copies a 1 GB store on a side stream and never syncs, racing
 #      writes (no torn copy may pass as consistent; the old fence's count is printed beside it)
 #                                                                           -> bench.log, codec_digest.json
+#   2b. format2: format 2's context pass on the GPU where the store lives: a format-2 patch of a 1 GiB
+#      bf16 tensor applied on the GPU (no host copy of the base), bitwise against the target and the
+#      host decode, its time against format 1's apply of the same pair on the GPU -> bench.log
 #   3. cuda_system: the real daemon with the reference engine on the GPU (kill -9 of the daemon mid-
 #      activation, kill -9 of the engine, bad registrations)                -> cuda_system.log/.xml
 #   4. activation: the pause on a 14 GB bf16 model with 0.5% changed (goal <= 50 ms), the state
@@ -151,15 +154,18 @@ fi
 KEEP='(cuda or gpu) and not without_cuda' # tests for hosts without CUDA skip on a GPU: not selected
 step cuda_quick 110 cuda_quick.log "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs \
     -k "$KEEP" --junitxml="$OUT/cuda_quick.xml" tests/system/test_engine_attach.py \
-    tests/unit/daemon/test_weightstore.py tests/unit/daemon/test_payloads.py tests/unit/daemon/test_sharded_publish.py
+    tests/unit/daemon/test_weightstore.py tests/unit/daemon/test_payloads.py tests/unit/daemon/test_sharded_publish.py \
+    tests/unit/protocol/test_context_pass_torch.py
 ran_all cuda_quick "$OUT/cuda_quick.xml"
 
 if [ "$TINY" = 1 ]; then
     step codec_digest 120 bench.log "$PY" -m benchmarks.gpu_check --device cpu --gb 0.002 --tensor-mb 1 \
-        --fence-gb 0.01 --json "$OUT/codec_digest.json"
+        --fence-gb 0.01 --format2-mb 0 --json "$OUT/codec_digest.json"
+    step format2 60 bench.log "$PY" -m benchmarks.gpu_check --device cpu --format2-only --format2-mb 4
 else
     step codec_digest 75 bench.log "$PY" -m benchmarks.gpu_check --device cuda:0 --gb 1 --fence-gb 1 \
-        --json "$OUT/codec_digest.json"
+        --format2-mb 0 --json "$OUT/codec_digest.json"
+    step format2 60 bench.log "$PY" -m benchmarks.gpu_check --device cuda:0 --format2-only --format2-mb 1024
 fi
 
 step cuda_system 150 cuda_system.log "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs \

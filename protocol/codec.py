@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import cache
 
+import numpy as np
 import torch
 
 from patchswarm.protocol.diffscan import Changes, scan
@@ -314,7 +315,7 @@ def apply_patch(base: ServedModel | None, payload: bytes | memoryview, specs: li
                 apply_update(model, u)
                 continue
             spec, data = specs[u.index], model.data[u.index]
-            if data.device.type != "cpu":
+            if data.device.type != "cpu" or not isinstance(u.positions, np.ndarray):
                 apply_update(model, _ulp_update(u, spec, data))
                 continue
             words = word_view(data, spec).numpy()

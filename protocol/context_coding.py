@@ -22,9 +22,15 @@ histogram (a strided sample of the base) with a dynamic program over cut points;
 decode.  Golomb rather than Rice codes, and the minority set of a dense group, because dense groups
 (small exponents, about a quarter of the changes) cost a Rice code 17% over their ideal
 (docs/benchmarks.md).
+
+Decoding reads the bit stream here (``decode_ctx``) and the base through a ``ContextPass``: the
+numpy pass here for host words, protocol/context_pass_torch.py's where a device base lives.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -41,6 +47,7 @@ MANTISSA = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2":
 # Base elements sampled (strided) to estimate the exponent histogram when choosing thresholds.
 SAMPLE = 1 << 18
 _U64 = np.dtype("<u8")
+P_co = TypeVar("P_co", covariant=True)  # the positions a context pass returns (numpy, or a torch tensor)
 
 
 def exponent_field(spec: TensorSpec) -> tuple[int, int]:
@@ -141,6 +148,66 @@ def ctx_bound_bits(n: int, k: int, e: int) -> int:
     return bits
 
 
+class ContextPass(Protocol[P_co]):
+    """The pass over the base, block by block: group sizes, and ranks in groups to positions (decoding)
+    or positions to ranks (encoding).  Here the numpy pass over host words; protocol/context_pass_torch.py
+    runs it where a torch base lives."""
+
+    def sizes(self, block: int) -> np.ndarray:
+        """The sizes of the groups (int64, one per group) in block ``block``; blocks are asked in order."""
+
+    def select(self, block: int, flat_ranks: np.ndarray) -> None:
+        """Decoding: the changes of the block last sized, as flat ranks (members of earlier groups + rank in group)."""
+
+    def changes(self, block: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Encoding: the group and the rank in it (int64) of each change at ``local`` (ascending
+        positions in the block last sized)."""
+
+    def finish(self) -> P_co:
+        """Every selected position, ascending."""
+
+    def covers(self, thresholds: np.ndarray) -> bool:
+        """After :meth:`finish`: whether every threshold is the exponent of some changed element."""
+
+
+class _NumpyPass:
+    """:class:`ContextPass` over host words, one block at a time (``_Groups``)."""
+
+    def __init__(self, base: np.ndarray, m: int, e: int, thresholds: np.ndarray, k: int, block: int) -> None:
+        self.base, self.m, self.e, self.thresholds, self.block = base, m, e, thresholds, block
+        self.out = np.empty(k, dtype=np.int64)
+        self.done = 0
+        self.groups: _Groups | None = None
+        # (the sign bit off: the exponent field is then the top of what is left)
+        self.magnitude = np.array((1 << (8 * base.dtype.itemsize - 1)) - 1, dtype=base.dtype)
+
+    def sizes(self, block: int) -> np.ndarray:
+        start = block * self.block
+        self.groups = _Groups(self.base[start : start + self.block], self.m, self.thresholds)
+        out: np.ndarray = self.groups.sizes
+        return out
+
+    def select(self, block: int, flat_ranks: np.ndarray) -> None:
+        assert self.groups is not None
+        local = self.groups.elements(flat_ranks)
+        local.sort()
+        self.out[self.done : self.done + local.size] = local + block * self.block
+        self.done += local.size
+
+    def changes(self, block: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        assert self.groups is not None
+        words = self.base[block * self.block + local]
+        group = np.searchsorted(self.thresholds << self.m, words & self.magnitude, side="right")
+        return group, self.groups.ranks(group, local)
+
+    def finish(self) -> np.ndarray:
+        return self.out
+
+    def covers(self, thresholds: np.ndarray) -> bool:
+        ex = (self.base[self.out] >> self.m).astype(np.int64) & ((1 << self.e) - 1)
+        return bool(np.isin(thresholds, ex).all())
+
+
 # ---------------------------------------------------------------- encoding
 
 
@@ -195,12 +262,21 @@ def _gamma(x: np.ndarray) -> list[Piece]:
 
 def context_thresholds(spec: TensorSpec, base: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """The thresholds the encoder uses for these changes (empty: contexts would not pay)."""
+    return thresholds_of(spec, base[:: sample_step(spec.numel)], base[pos])
+
+
+def sample_step(n: int) -> int:
+    """The stride of the base sample that estimates the exponent histogram."""
+    return max(1, n // SAMPLE)
+
+
+def thresholds_of(spec: TensorSpec, sample: np.ndarray, changed: np.ndarray) -> np.ndarray:
+    """:func:`context_thresholds` from the strided ``sample`` of the base words and the base words of the changes."""
     n = spec.numel
     m, e = exponent_field(spec)
-    step = max(1, n // SAMPLE)
     mask = (1 << e) - 1
-    n_c = np.bincount((base[::step] >> m).astype(np.int64) & mask, minlength=1 << e) * step
-    k_c = np.bincount((base[pos] >> m).astype(np.int64) & mask, minlength=1 << e)
+    n_c = np.bincount((sample >> m).astype(np.int64) & mask, minlength=1 << e) * sample_step(n)
+    k_c = np.bincount((changed >> m).astype(np.int64) & mask, minlength=1 << e)
     return choose_thresholds(np.maximum(n_c, k_c), k_c, e, -(-n // CTX_BLOCK))
 
 
@@ -248,31 +324,35 @@ def ctx_fields(
     """The SPARSE_CTX position fields of the ascending changed positions ``pos`` (at least one) of a
     float tensor whose base words (host numpy, signed) are ``base``: with the given ``thresholds``,
     else with the encoder's, or None where it finds one group best (plain gaps then cost less)."""
-    n = spec.numel
-    m, _ = exponent_field(spec)
     if thresholds is None:
         thresholds = context_thresholds(spec, base, pos)
         if thresholds.size == 0:
             return None
+    m, e = exponent_field(spec)
+    return encode_ctx(spec, pos, thresholds, _NumpyPass(base, m, e, thresholds, 0, CTX_BLOCK))
+
+
+def encode_ctx(spec: TensorSpec, pos: np.ndarray, thresholds: np.ndarray, cpass: ContextPass[object]) -> list[Piece]:
+    """The SPARSE_CTX position fields of ``pos`` under ``thresholds``, the base read by ``cpass``."""
+    n = spec.numel
     g_count = thresholds.size + 1
     out: list[Piece] = [Fields(np.array([g_count - 1]), GROUP_BITS)]
     if thresholds.size:
         out.extend(_gamma(np.diff(thresholds, prepend=0)))
     bounds = np.searchsorted(pos, np.arange(0, n + CTX_BLOCK, CTX_BLOCK))
-    mask = np.array((1 << (8 * base.dtype.itemsize - 1)) - 1, dtype=base.dtype)
     for b, start in enumerate(range(0, n, CTX_BLOCK)):
         local = pos[bounds[b] : bounds[b + 1]] - start
-        groups = _Groups(base[start : start + CTX_BLOCK], m, thresholds)
-        of_change = np.searchsorted(thresholds << m, base[start + local] & mask, side="right")
-        counts = np.bincount(of_change, minlength=g_count)
-        out.extend(_gamma(counts[groups.sizes > 0] + 1))  # an empty group's count (0) goes without saying
+        sizes = cpass.sizes(b)
         if local.size == 0:
+            out.extend(_gamma(np.ones(int(np.count_nonzero(sizes)), dtype=np.int64)))  # every count 0
             continue
-        ranks = groups.ranks(of_change, local)
+        of_change, ranks = cpass.changes(b, local)
+        counts = np.bincount(of_change, minlength=g_count)
+        out.extend(_gamma(counts[sizes > 0] + 1))  # an empty group's count (0) goes without saying
         quotients: list[np.ndarray] = []
         remainders: list[Piece] = []
         for g in np.flatnonzero(counts).tolist():
-            ng = int(groups.sizes[g])
+            ng = int(sizes[g])
             coded = _minority(ranks[of_change == g], ng)  # ascending: positions ascend within a group
             if coded.size == 0:
                 continue
@@ -308,10 +388,22 @@ def _read_gamma(reader: StreamReader, count: int, most: int) -> np.ndarray:
 
 def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.ndarray) -> np.ndarray:
     """The ascending changed positions of a SPARSE_CTX record; ``base`` is the verified base's words."""
+    m, e = exponent_field(spec)
+    return decode_ctx(reader, spec, k, lambda th, block: _NumpyPass(base, m, e, th, k, block))
+
+
+def decode_ctx(
+    reader: StreamReader,
+    spec: TensorSpec,
+    k: int,
+    make_pass: Callable[[np.ndarray, int], ContextPass[P_co]],
+) -> P_co:
+    """A SPARSE_CTX record's positions: the bit stream read here, the base read by the pass that
+    ``make_pass(thresholds, block elements)`` returns (for ``k`` changes, validated first)."""
     n = spec.numel
     if not 0 < k <= n:
         raise FormatError(f"{spec.name}: change count {k} impossible for {n} elements")
-    m, e = exponent_field(spec)
+    _, e = exponent_field(spec)
     g_count = int(reader.read_fields("bits", 1, GROUP_BITS)[0]) + 1
     thresholds = np.zeros(0, dtype=np.int64)
     if g_count > 1:
@@ -321,31 +413,33 @@ def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.
             raise FormatError(f"{spec.name}: context thresholds: {exc}") from None
         if thresholds[-1] >= 1 << e:
             raise FormatError(f"{spec.name}: a context threshold exceeds the exponent field")
-    out = np.empty(k, dtype=np.int64)
+    block = CTX_BLOCK
+    cpass = make_pass(thresholds, block)
     done = 0
-    for start in range(0, n, CTX_BLOCK):
-        nb = min(CTX_BLOCK, n - start)
-        groups = _Groups(base[start : start + nb], m, thresholds)
+    for b, start in enumerate(range(0, n, block)):
+        nb = min(block, n - start)
+        sizes = cpass.sizes(b)
         counts = np.zeros(g_count, dtype=np.int64)
-        nonempty = groups.sizes > 0
+        nonempty = sizes > 0
         try:
             counts[nonempty] = _read_gamma(reader, int(nonempty.sum()), (nb + 1).bit_length()) - 1
         except FormatError:
             raise FormatError(f"{spec.name}: a context count exceeds its block") from None
-        if np.any(counts > groups.sizes):
+        if np.any(counts > sizes):
             raise FormatError(f"{spec.name}: more changes than elements in a context group")
         kb = int(counts.sum())
         if done + kb > k:
             raise FormatError(f"{spec.name}: context counts add up to more than the record's {k} changes")
         if kb == 0:
             continue
+        offset = np.cumsum(sizes) - sizes  # members of the groups before each
         present = np.flatnonzero(counts).tolist()
-        coded = [min(int(counts[g]), int(groups.sizes[g] - counts[g])) for g in present]
+        coded = [min(int(counts[g]), int(sizes[g] - counts[g])) for g in present]
         q_all = reader.read_unary("bits", sum(coded))
         parts: list[np.ndarray] = []
         o = 0
         for g, c in zip(present, coded, strict=True):
-            kg, ng = int(counts[g]), int(groups.sizes[g])
+            kg, ng = int(counts[g]), int(sizes[g])
             q = q_all[o : o + c]
             o += c
             if c == 0:  # every element of the group changed
@@ -365,19 +459,16 @@ def read_ctx_positions(reader: StreamReader, spec: TensorSpec, k: int, base: np.
                     keep = np.ones(ng, dtype=bool)
                     keep[ranks] = False
                     ranks = np.flatnonzero(keep)
-            ranks += int(groups.offset[g])
+            ranks += int(offset[g])
             parts.append(ranks)
-        block = groups.elements(np.concatenate(parts) if len(parts) > 1 else parts[0])
-        block.sort()
-        out[done : done + kb] = block + start
+        cpass.select(b, np.concatenate(parts) if len(parts) > 1 else parts[0])
         done += kb
     if done != k:
         raise FormatError(f"{spec.name}: context counts add up to {done}, the record says {k}")
+    out = cpass.finish()
     # Each threshold must be the exponent of a changed element's base value: then a threshold moved
     # to any other value moves that element to another group, whose count no longer matches, so no
     # corrupted threshold decodes to the same positions (one spelling, as format 1).
-    if thresholds.size:
-        ex = (base[out] >> m).astype(np.int64) & ((1 << e) - 1)
-        if not np.isin(thresholds, ex).all():
-            raise FormatError(f"{spec.name}: a context threshold is not the exponent of a changed element")
+    if thresholds.size and not cpass.covers(thresholds):
+        raise FormatError(f"{spec.name}: a context threshold is not the exponent of a changed element")
     return out

@@ -12,6 +12,7 @@ import torch
 
 from patchswarm.protocol import ordered
 from patchswarm.protocol.context_coding import MANTISSA, ctx_fields, field_bits, read_ctx_positions
+from patchswarm.protocol.context_pass_torch import ctx_fields_torch, read_ctx_positions_torch, use_torch_pass
 from patchswarm.protocol.diffscan import Changes
 from patchswarm.protocol.patch_format import Encoding, TensorUpdate
 from patchswarm.protocol.position_coding import _read_positions, gap_fields
@@ -80,7 +81,10 @@ def _sparse_pieces(
     bits = gap_fields(spec.numel, pos)
     enc = Encoding.SPARSE_ULP
     if base is not None and spec.dtype in MANTISSA:
-        ctx = ctx_fields(spec, word_view(to_host(base), spec).numpy(), pos)
+        if use_torch_pass(base):  # the context pass where the base lives: no host copy of it
+            ctx = ctx_fields_torch(spec, word_view(base, spec), pos)
+        else:
+            ctx = ctx_fields(spec, word_view(base, spec).numpy(), pos)
         if ctx is not None and field_bits(ctx) < field_bits(bits):
             bits, enc = ctx, Encoding.SPARSE_CTX
     width = spec.dt.width
@@ -142,7 +146,7 @@ class _UlpSteps:
     """A decoded SPARSE_ULP record, before the base is read: where, and how many steps."""
 
     index: int
-    positions: np.ndarray  # int64, ascending
+    positions: np.ndarray | torch.Tensor  # int64, ascending (a tensor on a device base's device, else numpy)
     steps: np.ndarray  # signed steps along the ordered line (int32 for widths <= 2, else int64)
     escaped: np.ndarray  # indices into positions whose new words are stored raw, ascending
     escaped_words: np.ndarray  # those new words
@@ -185,10 +189,15 @@ def _read_ulp(
     reader: StreamReader, spec: TensorSpec, index: int, k: int, base: torch.Tensor | None = None
 ) -> _UlpSteps:
     """A SPARSE_ULP record, or with ``base`` (the verified base tensor) a SPARSE_CTX record."""
+    pos: np.ndarray | torch.Tensor
     if base is None:
         pos = _read_positions(reader, spec, k)
+    elif use_torch_pass(base):  # the context pass where the base lives: no host copy of it
+        pos = read_ctx_positions_torch(reader, spec, k, word_view(base, spec))
+        if pos.device.type == "cpu":
+            pos = pos.numpy()
     else:
-        pos = read_ctx_positions(reader, spec, k, word_view(to_host(base), spec).numpy())
+        pos = read_ctx_positions(reader, spec, k, word_view(base, spec).numpy())
     w = spec.dt.width
     negative = reader.read_bits("bits", k)
     big = reader.read_bits("ulp.big", k)
@@ -209,7 +218,7 @@ def _ulp_update(u: _UlpSteps, spec: TensorSpec, bdata: torch.Tensor) -> TensorUp
     """The new words of a SPARSE_ULP record, computed with torch on the base's device."""
     w = spec.dt.width
     device = bdata.device
-    pos = torch.from_numpy(u.positions).to(device)
+    pos = (u.positions if isinstance(u.positions, torch.Tensor) else torch.from_numpy(u.positions)).to(device)
     old = word_view(bdata, spec)[pos]
     new = ordered.from_ordered_key(
         ordered.ordered_key(old, w) + torch.from_numpy(u.steps).to(device), w, spec.dt.word_dtype

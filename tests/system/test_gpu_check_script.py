@@ -26,7 +26,7 @@ def test_dry_run_plan_is_cheap_first_and_checks_every_pytest_step() -> None:
     lines = out.stdout.splitlines()
     names = [ln.split()[1].rstrip(":") for ln in lines if ln.startswith(("step ", "check "))]
     assert lines[0].startswith("preflight:")
-    assert names == ["cuda_quick", "cuda_quick_skips", "codec_digest", "cuda_system", "cuda_system_skips",
+    assert names == ["cuda_quick", "cuda_quick_skips", "codec_digest", "format2", "cuda_system", "cuda_system_skips",
                      "activation", "tp_ranks", "tp_ranks_skips", "publish", "engines"]  # fmt: skip
     limits = [int(ln.split("limit=")[1].split("s ")[0]) for ln in lines if "limit=" in ln]
     assert all(limit <= 360 for limit in limits)
@@ -52,7 +52,8 @@ def test_a_spent_budget_skips_the_rest_and_fails(tmp_path: Path) -> None:
     out = run("--tiny", PYTHON=sys.executable, OUT=str(tmp_path / "out"), GPU_CHECK_BUDGET_S="1")
     assert out.returncode == 1, out.stdout + out.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    for name in ("cuda_quick", "codec_digest", "cuda_system", "activation", "tp_ranks", "publish", "engines"):
+    steps = ("cuda_quick", "codec_digest", "format2", "cuda_system", "activation", "tp_ranks", "publish", "engines")
+    for name in steps:
         assert f"{name}: skipped (the 1 s budget is spent)" in summary
 
 

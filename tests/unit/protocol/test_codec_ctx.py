@@ -6,15 +6,12 @@ vectors of docs/format.md (tests/vectors/_codec/)."""
 
 from __future__ import annotations
 
-import struct
 from collections import Counter
 from functools import cache
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
-import zstandard
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -27,26 +24,11 @@ from patchswarm.protocol.patchfile import apply_version, build_version
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import ServedModel, TensorSpec
 from patchswarm.protocol.streams import Fields, Piece, StreamReader, StreamWriter, unary_bits
+from tests.support.format2 import magnitude_skewed, with_bits_flipped
 from tests.support.helpers import adam_like_pair
 from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases, random_words
 
 VECTORS = Path(__file__).parents[2] / "vectors" / "_codec"
-
-
-def _magnitude_skewed(rng: np.random.Generator, spec: TensorSpec, rate: float) -> tuple[np.ndarray, np.ndarray]:
-    """Base words of a normal-ish tensor and a target whose one-step changes favour small magnitudes."""
-    base = random_words(rng, spec.dt.width, spec.numel)
-    m, e = context_coding.exponent_field(spec)
-    # Exponents spread over a narrow band near the middle, like trained weights.
-    mid = (1 << (e - 1)) - 1
-    expo = np.clip(mid - rng.geometric(0.3, spec.numel), 1, (1 << e) - 2).astype(np.int64)
-    sign_mant = base.astype(np.int64) & ((1 << m) - 1 | (-1 << (8 * spec.dt.width - 1)))
-    base = (sign_mant | (expo << m)).astype(base.dtype)
-    p = rate * np.exp2(mid - 1 - expo).clip(0, 1 / rate) * 0.25
-    changed = rng.random(spec.numel) < p
-    new = base.copy()
-    new[changed] ^= np.array(1, dtype=base.dtype)  # one mantissa step, never crossing the exponent
-    return base, new
 
 
 # ---------------------------------------------------------------- round trips
@@ -81,7 +63,7 @@ def test_format2_round_trip_random_patterns(case: tuple[ServedModel, ServedModel
 )
 def test_format2_round_trip_skewed_changes(dtype: str, numel: int, rate: float, seed: int) -> None:
     spec = TensorSpec("w", dtype, (numel,))
-    old, new = _magnitude_skewed(np.random.default_rng(seed), spec, rate)
+    old, new = magnitude_skewed(np.random.default_rng(seed), spec, rate)
     encs = _round_trip(model_from_words([spec], [old]), model_from_words([spec], [new]), 2)
     event(encs[0].name)
 
@@ -240,7 +222,7 @@ def test_real_like_step_chooses_contexts_and_is_smaller() -> None:
 def _ctx_case() -> tuple[ServedModel, ServedModel, bytes]:
     spec = [TensorSpec("a", "BF16", (1500,)), TensorSpec("b", "F8_E4M3", (700,))]
     rng = np.random.default_rng(7)
-    pairs = [_magnitude_skewed(rng, s, 0.05) for s in spec]
+    pairs = [magnitude_skewed(rng, s, 0.05) for s in spec]
     base = model_from_words(spec, [p[0] for p in pairs])
     target = model_from_words(spec, [p[1] for p in pairs])
     payload = encode_patch(base, target, payload_format=2).payload
@@ -288,31 +270,12 @@ def test_every_single_byte_corruption_of_a_format2_payload_is_refused_or_visible
     assert outcomes["error"] > 0 and outcomes["differs"] > 0
 
 
-def _with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
-    """The payload with bits of its decompressed ``bits`` stream flipped (recompressed, sizes redeclared):
-    reaches the context decoder's own checks, past zstd and the container's."""
-    _, _, hlen = struct.unpack_from("<4sB3xI", payload)
-    records, table = msgpack.unpackb(zstandard.decompress(payload[12 : 12 + hlen]))
-    comps, off = [], 12 + hlen
-    for _, _, comp_len in table:
-        comps.append(payload[off : off + comp_len])
-        off += comp_len
-    i = [name for name, _, _ in table].index("bits")
-    raw = bytearray(zstandard.ZstdDecompressor().decompress(comps[i], max_output_size=1 << 20))
-    for f in {f % (8 * len(raw)) for f in flips}:  # distinct bits: two flips of one bit would cancel
-        raw[f >> 3] ^= 1 << (f & 7)
-    comps[i] = zstandard.compress(bytes(raw))
-    table[i][2] = len(comps[i])
-    hz = zstandard.compress(msgpack.packb([records, table]))
-    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
-
-
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 1 << 16), min_size=1, max_size=4))
 def test_flipped_context_bits_are_refused_or_visible(flips: list[int]) -> None:
     """Bits of the context code flipped: a FormatError or another target, never a crash and never the
     same target (the code is a sequence of prefix codes and checked thresholds: one spelling)."""
-    outcome = _outcome(_with_bits_flipped(_ctx_case()[2], flips))
+    outcome = _outcome(with_bits_flipped(_ctx_case()[2], flips))
     event(outcome)
     assert outcome != "same"
 

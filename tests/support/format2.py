@@ -1,0 +1,49 @@
+"""Format-2 (SPARSE_CTX) test material: magnitude-skewed steps, which make base contexts pay, and
+payloads with bits of their decompressed ``bits`` stream flipped."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import zstandard
+
+from patchswarm.protocol import context_coding
+from patchswarm.protocol.served import TensorSpec
+from tests.support.strategies import random_words
+
+
+def magnitude_skewed(rng: np.random.Generator, spec: TensorSpec, rate: float) -> tuple[np.ndarray, np.ndarray]:
+    """Base words of a normal-ish tensor and a target whose one-step changes favour small magnitudes."""
+    base = random_words(rng, spec.dt.width, spec.numel)
+    m, e = context_coding.exponent_field(spec)
+    # Exponents spread over a narrow band near the middle, like trained weights.
+    mid = (1 << (e - 1)) - 1
+    expo = np.clip(mid - rng.geometric(0.3, spec.numel), 1, (1 << e) - 2).astype(np.int64)
+    sign_mant = base.astype(np.int64) & ((1 << m) - 1 | (-1 << (8 * spec.dt.width - 1)))
+    base = (sign_mant | (expo << m)).astype(base.dtype)
+    p = rate * np.exp2(mid - 1 - expo).clip(0, 1 / rate) * 0.25
+    changed = rng.random(spec.numel) < p
+    new = base.copy()
+    new[changed] ^= np.array(1, dtype=base.dtype)  # one mantissa step, never crossing the exponent
+    return base, new
+
+
+def with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
+    """The payload with bits of its decompressed ``bits`` stream flipped (recompressed, sizes redeclared):
+    reaches the context decoder's own checks, past zstd and the container's."""
+    _, _, hlen = struct.unpack_from("<4sB3xI", payload)
+    records, table = msgpack.unpackb(zstandard.decompress(payload[12 : 12 + hlen]))
+    comps, off = [], 12 + hlen
+    for _, _, comp_len in table:
+        comps.append(payload[off : off + comp_len])
+        off += comp_len
+    i = [name for name, _, _ in table].index("bits")
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(comps[i], max_output_size=1 << 20))
+    for f in {f % (8 * len(raw)) for f in flips}:  # distinct bits: two flips of one bit would cancel
+        raw[f >> 3] ^= 1 << (f & 7)
+    comps[i] = zstandard.compress(bytes(raw))
+    table[i][2] = len(comps[i])
+    hz = zstandard.compress(msgpack.packb([records, table]))
+    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
