@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
-import json
 import os
 import socket
 import stat
@@ -32,6 +31,7 @@ from aiohttp import web
 from patchswarm.daemon.exporter import peer_pid
 from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.status import MAX_SUBSCRIBERS, Status
+from patchswarm.protocol.untrusted_json import load_json
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
 
 MAX_WAIT_S = 300.0
@@ -144,13 +144,10 @@ async def layout(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    """The request's JSON body (413 past MAX_BODY_BYTES, 408 when too slow); ValueError for anything
-    else (deep nesting and bytes that are not UTF-8 included, not a 500)."""
-    data = await read_body(request, MAX_BODY_BYTES)
-    try:
-        return json.loads(data)
-    except RecursionError as e:
-        raise ValueError("JSON nested too deeply") from e
+    """The request's JSON body (413 past MAX_BODY_BYTES, 408 when too slow), parsed strictly
+    (protocol/untrusted_json.py); ValueError for anything else (NaN, a key given twice, deep nesting,
+    bytes that are not UTF-8: a 400, never a 500 or a value the last duplicate chose)."""
+    return load_json(await read_body(request, MAX_BODY_BYTES), max_bytes=MAX_BODY_BYTES)
 
 
 async def ack(request: web.Request) -> web.Response:
