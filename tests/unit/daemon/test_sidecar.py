@@ -110,6 +110,12 @@ def test_body_constraint_is_taken_out_of_json_bodies_only() -> None:
         (b'{"temperature":NaN,"weight_version":{"exact_version":5}}', "strict JSON"),
         (b'{"weight_version":{"min_version":2},"x":[Infinity]}', "strict JSON"),
         (b'{"weight_version":{"min_version":2},"x":-1e999}', "strict JSON"),
+        # the last duplicate used to win: the client's pin was dropped, served from any version
+        (b'{"weight_version":{"exact_version":5},"weight_version":null}', "no key given twice"),
+        (b'{"prompt":"a","prompt":"b","weight_version":{"exact_version":5}}', "no key given twice"),
+        (b'{"weight_version":{"exact_version":5},"x":' + b"[" * 100 + b"]" * 100 + b"}", "64 levels"),
+        # past Python's recursion limit even the lenient parse fails: the pin was forwarded and dropped
+        (b'{"weight_version":{"exact_version":5},"x":' + b"[" * 5000 + b"]" * 5000 + b"}", "64 levels"),
     ],
 )
 def test_a_constraint_in_a_body_that_is_not_strict_json_is_refused_not_dropped(body: bytes, message: str) -> None:
@@ -118,7 +124,8 @@ def test_a_constraint_in_a_body_that_is_not_strict_json_is_refused_not_dropped(b
     the client's constraint silently (served from any version) and hand the engine the key."""
     with pytest.raises(ConstraintError, match=message):
         split_body_constraint(body, "application/json")
-    for untouched in (b'{"temperature":NaN}', b'{"x":1e999}'):  # no constraint: forwarded as it is
+    deep_array = b"[" * 5000 + b"]" * 5000  # (an array cannot carry weight_version)
+    for untouched in (b'{"temperature":NaN}', b'{"x":1e999}', b'{"a":1,"a":2}', deep_array):  # forwarded as is
         assert split_body_constraint(untouched, "application/json") == (untouched, VersionConstraint())
 
 
