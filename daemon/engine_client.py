@@ -16,6 +16,9 @@ import torch
 
 from patchswarm.daemon.engine import EngineView, allocate, attach
 from patchswarm.daemon.store_format import StoreError
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
+
+MAX_ANSWER_BYTES = 64 << 20  # a layout of a model with very many tensors stays well below
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -51,10 +54,13 @@ class DaemonClient:
             data = None if body is None else json.dumps(body).encode()
             conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
+            raw = resp.read(MAX_ANSWER_BYTES + 1)
         finally:
             conn.close()
+        try:  # (whatever listens on the socket path answers: read it as any outside JSON)
+            return resp.status, load_json(raw, max_bytes=MAX_ANSWER_BYTES) if raw else None
+        except UntrustedJSONError as e:
+            raise StoreError(f"the daemon at {self.socket_path} answered {method} {path} with no JSON: {e}") from None
 
     def layout(self, wait_s: float = 0.0, poll_s: float = 0.2, rank: int | None = None) -> dict[str, Any]:
         """GET /v1/layout (of rank store ``rank``: a daemon with store.ranks > 1); retries while the
