@@ -5,10 +5,12 @@ Blocking (http.client over AF_UNIX), so an engine needs no event loop to use it.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from patchswarm.daemon.store_format import StoreError
 from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 MAX_ANSWER_BYTES = 64 << 20  # a layout of a model with very many tensors stays well below
+ACK_AGAIN_S = 5.0  # a restarted daemon has forgotten the acknowledgements
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -123,3 +126,39 @@ class DaemonClient:
             view.close()
             raise
         return view, answer
+
+
+async def follow_daemon(
+    client: DaemonClient,
+    view: EngineView,
+    engine: str,
+    *,
+    served: Callable[[int | None], int | None] = lambda ready: ready,
+    every_s: float = 0.2,
+    on_register: Callable[[str], None] = lambda state: None,
+) -> None:
+    """An engine's loop beside its server, until cancelled: acknowledge the version it serves (POST
+    /v1/ack, again every ACK_AGAIN_S) and, for an engine-allocated buffer, register it again when the
+    daemon's store shows none or another one (a store re-created, a registration lost; a restarted
+    daemon re-imports the buffer by itself, so this is the fallback).  ``served``: given the version the
+    fence shows ready (None: none), the version the engine serves (default: that one); ``on_register``:
+    told the store's state after a new registration.  A daemon down, restarting or answering nonsense
+    is tried again; the engine keeps serving."""
+    loop = asyncio.get_running_loop()
+    acked, acked_at = None, 0.0
+    while True:
+        try:
+            got = view.read_version()
+            now_serving = served(None if got is None else got[0])
+            if now_serving is not None and (now_serving != acked or loop.time() - acked_at > ACK_AGAIN_S):
+                await asyncio.to_thread(client.ack, engine, now_serving)
+                acked, acked_at = now_serving, loop.time()
+            if view.handle is not None:
+                info = (await asyncio.to_thread(client.layout))["attach"]
+                buf = info.get("buffer")
+                if buf is None or buf.get("buffer_id") != view.handle["buffer_id"]:
+                    await asyncio.to_thread(client.register, view, engine)
+                    on_register(str(info.get("state")))
+        except (StoreError, OSError, KeyError, ValueError, TypeError, AttributeError):
+            pass  # (AttributeError: an answer that is JSON but not an object)
+        await asyncio.sleep(every_s)

@@ -311,33 +311,6 @@ def _source_from_file(path: Path, version: int | None) -> StaticSource:
     return StaticSource(tensors, version)
 
 
-async def _follow_daemon(client: Any, view: Any, engine: str, every_s: float = 0.5) -> None:
-    """Acknowledge each version the engine now serves (POST /v1/ack); for an engine-allocated buffer,
-    register it again when the daemon's store shows none or another one (a store re-created, a
-    registration lost; a restarted daemon re-imports the buffer by itself, so this is the fallback)."""
-    from patchswarm.daemon.store_format import StoreError
-
-    loop = asyncio.get_running_loop()
-    acked, acked_at = None, 0.0
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            got = view.read_version()
-            # Again every few seconds too: a restarted daemon has forgotten the acknowledgements.
-            if got is not None and (got[0] != acked or loop.time() - acked_at > 5.0):
-                await asyncio.to_thread(client.ack, engine, got[0])
-                acked, acked_at = got[0], loop.time()
-            if view.handle is None:
-                continue
-            info = (await asyncio.to_thread(client.layout))["attach"]
-            buf = info.get("buffer")
-            if buf is None or buf.get("buffer_id") != view.handle["buffer_id"]:
-                await asyncio.to_thread(client.register, view, engine)
-                print(f"refengine re-registered its buffer ({info.get('state')})", flush=True)
-        except (StoreError, OSError, KeyError, ValueError):
-            pass  # the daemon is down or restarting: keep serving, try again
-
-
 def _source_from_daemon(socket_path: str, device: str, engine: str, wait_s: float) -> tuple[StoreViewSource, Any]:
     """Open the daemon's store and wait (up to ``wait_s``) for a version in it."""
     import time
@@ -377,8 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refengine serving version {source.version()} at {server.url}", flush=True)
 
     async def follow() -> None:
-        assert isinstance(source, StoreViewSource)
-        await _follow_daemon(client, source.view, args.engine_name)
+        from patchswarm.daemon.engine import EngineView
+        from patchswarm.daemon.engine_client import follow_daemon
+
+        assert isinstance(source, StoreViewSource) and isinstance(source.view, EngineView) and client is not None
+
+        def registered(state: str) -> None:
+            print(f"refengine re-registered its buffer ({state})", flush=True)
+
+        await follow_daemon(client, source.view, args.engine_name, every_s=0.5, on_register=registered)
 
     async def run() -> None:
         following = client is not None and isinstance(source, StoreViewSource)
