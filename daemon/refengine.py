@@ -49,6 +49,7 @@ from patchswarm.daemon.ref_model import LMShape, greedy_next
 from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
 from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.protocol.untrusted_json import load_json
+from patchswarm.swarm.serving import read_body
 
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
@@ -165,12 +166,13 @@ class RefEngine:
 
 
 ENGINE_KEY = web.AppKey("patchswarm.refengine", RefEngine)
+MAX_BODY = 1 << 20
 
 
 def make_engine_app(source: WeightSource | RefEngine, **options: Any) -> web.Application:
     """The engine's HTTP API; ``options`` are :class:`RefEngine` keyword arguments (when given a source)."""
     engine = source if isinstance(source, RefEngine) else RefEngine(source, **options)
-    app = web.Application(client_max_size=1 << 20)
+    app = web.Application(client_max_size=MAX_BODY)
     app[ENGINE_KEY] = engine
     app.router.add_post("/generate", _generate)
     app.router.add_post("/pause_generation", _pause)
@@ -186,11 +188,12 @@ def _bad(detail: str) -> web.Response:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    # read_body, not request.read(): a body dripped in, or never finished, is cut at the body deadline (408)
+    raw = await read_body(request, MAX_BODY)
     if not raw:
         return {}
     try:
-        obj = load_json(raw, max_bytes=1 << 20)
+        obj = load_json(raw, max_bytes=MAX_BODY)
     except ValueError as e:
         raise ValueError(f"body is not JSON: {e}") from None
     if not isinstance(obj, dict):
