@@ -74,7 +74,12 @@ async def version(request: web.Request) -> web.Response:
 async def wait(request: web.Request) -> web.Response:
     s = request.app[STATUS_KEY]
     try:
-        want = int(request.query["version"])
+        if len(request.query) != len(set(request.query)):  # ?served=true&served=false: not ours to guess
+            raise ValueError("a query key given twice")
+        raw = request.query["version"]
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 19):  # (int() takes '٣', '+3', ' 3' and '1_0')
+            raise ValueError("version is not a whole number")
+        want = int(raw)
         timeout = float(request.query.get("timeout", "30"))
         served = {"true": True, "1": True, "false": False, "0": False}[request.query.get("served", "false")]
     except (KeyError, ValueError):

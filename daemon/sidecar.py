@@ -178,7 +178,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         header_constraint = constraint_from_headers(request.headers)
         body = await read_body(request, settings.max_body_bytes)
         content_type = request.content_type if "Content-Type" in request.headers else ""
-        body, body_constraint = split_body_constraint(body, content_type)
+        encoding = ",".join(request.headers.getall("Content-Encoding", ["identity"]))
+        body, body_constraint = split_body_constraint(body, content_type, encoding)
         constraint = header_constraint.merged(body_constraint)
     except ConstraintError as e:
         return _error(400, "InvalidWeightVersion", str(e))

@@ -63,10 +63,16 @@ def constraint_from_json(value: object) -> VersionConstraint:
     )
 
 
-def split_body_constraint(body: bytes, content_type: str) -> tuple[bytes, VersionConstraint]:
+def split_body_constraint(
+    body: bytes, content_type: str, content_encoding: str = "identity"
+) -> tuple[bytes, VersionConstraint]:
     """Take ``weight_version`` out of a JSON object body; other bodies are returned untouched."""
     if not body or not (is_json(content_type) or content_type == ""):
         return body, VersionConstraint()
+    if content_encoding.strip().lower() not in ("", "identity"):
+        # The sidecar does not inflate bodies (a bomb); compressed, a pin would pass unseen to an engine
+        # that inflates it, and be dropped there: served from any version.
+        raise ConstraintError("a JSON body must be sent uncompressed (Content-Encoding: identity)")
     obj = loads_json(body)
     if obj is None:
         # Not JSON this process writes back strictly: passed on untouched, unless it names a

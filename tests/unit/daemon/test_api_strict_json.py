@@ -85,3 +85,14 @@ async def test_a_non_finite_status_float_is_answered_as_null_not_a_500(api: Api,
         body = json.loads(await r.read(), parse_constant=_refuse)
     check("/v1/status", "get", 200, body)
     assert body["last_activation_pause_s"] is None and body["head_expired_since"] is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "query", ["version=3&timeout=0&served=true&served=false", "version=3&version=0&timeout=0", "version=٣&timeout=0"]
+)
+async def test_wait_refuses_a_query_it_would_have_to_guess(api: Api, query: str) -> None:
+    # the first of two values used to win (served=true&served=false waited for the engine's ack)
+    s, _, _ = api
+    async with s.get(f"http://d/v1/wait?{query}") as r:
+        assert r.status == 400

@@ -9,6 +9,7 @@ mid-generation with the engine's step hook, never with sleeps.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import random
 import socket
@@ -664,6 +665,11 @@ async def test_malformed_constraints_get_400() -> None:
             assert resp.status == 400 and "different values" in (await resp.json())["detail"]
         async with r.http.post(url, json=base, headers=[(HEADER_MIN, "1"), (HEADER_MIN, "2")]) as resp:
             assert resp.status == 400
+        # compressed, a pin in the body is unseen here (and dropped by an engine that inflates it)
+        pinned = gzip.compress(json.dumps(base | {"weight_version": {"exact_version": 9}}).encode())
+        compressed = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        async with r.http.post(url, data=pinned, headers=compressed) as resp:
+            assert resp.status == 400 and "uncompressed" in (await resp.json())["detail"]
         assert r.gate.in_flight == 0
 
 
