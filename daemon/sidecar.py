@@ -177,7 +177,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     try:
         header_constraint = constraint_from_headers(request.headers)
         body = await read_body(request, settings.max_body_bytes)
-        content_type = request.content_type if "Content-Type" in request.headers else ""
+        # An empty Content-Type is sniffed as none (FastAPI, vLLM's server, parses such a body as JSON)
+        content_type = request.content_type if request.headers.get("Content-Type", "").strip() else ""
         encoding = ",".join(request.headers.getall("Content-Encoding", ["identity"]))
         body, body_constraint = split_body_constraint(body, content_type, encoding)
         constraint = header_constraint.merged(body_constraint)
