@@ -84,6 +84,15 @@ async def test_a_gossip_frame_past_the_limit_is_refused(server: tuple[int, list[
 
 
 @pytest.mark.asyncio
+async def test_head_of_a_chunk_is_405_without_a_body_or_an_upload(server: tuple[int, list[bytes]]) -> None:
+    # (the handler, _never here, used to run and send the whole chunk after the HEAD's headers)
+    port, _ = server
+    head = f"HEAD {PREFIX}/chunks/{'ab' * 32} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    reply = await _send(port, head)
+    assert reply.startswith(b"HTTP/1.1 405") and reply.endswith(b"\r\n\r\n")
+
+
+@pytest.mark.asyncio
 async def test_bodies_in_pieces_limits_and_deadline(server: tuple[int, list[bytes]]) -> None:
     port, _ = server
     assert (await _send(port, _post("/echo", 900), b"a" * 300, b"b" * 300, b"c" * 300)).endswith(b"\r\n\r\n900")
