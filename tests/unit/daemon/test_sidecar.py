@@ -678,6 +678,22 @@ async def test_malformed_constraints_get_400() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_engines_control_routes_are_not_served_to_clients() -> None:
+    # (forwarded before: any rollout client could pause the engine for everyone, or commit a version)
+    async with rig(applied=1) as r:
+        for path in ("/pause_generation", "//pause_generation/", "/x/../pause_generation", "/%70ause_generation",
+                     "/patchswarm/v1/commit", "/update_weights_from_disk", "/collective_rpc"):  # fmt: skip
+            async with r.http.post(r.url + path, json={"mode": "in_place", "version": 1}) as resp:
+                assert resp.status == 403, path
+                assert (await resp.json())["error"] == "EngineControlRoute"
+        assert r.gate.in_flight == 0
+        async with r.http.get(r.url + "/health") as resp:
+            assert (await resp.json())["paused"] is False
+        async with r.http.post(f"{r.url}/generate", json={"prompt": [FREE, 1], "max_tokens": 1}) as resp:
+            assert resp.status == 200
+
+
+@pytest.mark.asyncio
 async def test_engine_errors_pass_through_with_versions() -> None:
     async with rig(applied=1) as r:
         async with r.http.post(f"{r.url}/generate", json={"prompt": [], "max_tokens": 1}) as resp:
