@@ -37,8 +37,10 @@ from patchswarm.daemon.rank_stores import RankStores
 from patchswarm.daemon.store_updates import diff_updates
 from patchswarm.protocol.layout_builtin import builtin_plan
 from patchswarm.protocol.served import ServedModel
+from patchswarm.protocol.untrusted_json import load_json
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
+MAX_ANSWER = 1 << 20  # a completion of 16 tokens
 CONFIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
           "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False}  # fmt: skip
 
@@ -103,7 +105,7 @@ def completions(url: str) -> list[str]:
         body = json.dumps({"prompt": p, "max_tokens": 16, "temperature": 0}).encode()
         req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
-            ans = json.loads(r.read())
+            ans = load_json(r.read(MAX_ANSWER + 1), max_bytes=MAX_ANSWER)
         out.append(ans["choices"][0]["text"])
     return out
 
@@ -153,7 +155,7 @@ def case(engine: str, tp: int, fmt: str, root: Path, ckpt: tuple[Path, Path, Any
     d1, d2, sd1, sd2 = ckpt
     m1 = ServedModel.from_tensors(dict(sorted(sd1.items())))
     m2 = ServedModel.from_tensors(dict(sorted(sd2.items())))
-    plan = builtin_plan(json.loads((d1 / "config.json").read_text()), m1.specs, tp)
+    plan = builtin_plan(load_json((d1 / "config.json").read_bytes(), max_bytes=1 << 20, allow_nan=True), m1.specs, tp)
     name = f"psw-engcheck-{os.getpid()}-{engine}-{tp}-{fmt}"
     (root / name).mkdir()
     rs = RankStores(name, tp, root / name, engine_kind=False)

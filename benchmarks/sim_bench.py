@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import random
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from patchswarm.protocol.untrusted_json import load_json
 from patchswarm.simulations.build import build_label
 from patchswarm.simulations.network import Flow, Host, Network, Region
 
@@ -252,6 +252,17 @@ def phase_breakdown(marks: dict[str, tuple[tuple[str, int, float], ...]], versio
     return "ms after publication (median/p90/max): " + ", ".join(parts)
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    """``FIELD=JSON`` from the command line, the value parsed strictly (one line, not a traceback)."""
+    field, sep, value = text.partition("=")
+    try:
+        if not sep or not field.isidentifier():
+            raise ValueError("expected FIELD=JSON")
+        return field, load_json(value, max_bytes=4096)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: {e}") from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="what", required=True)
@@ -277,9 +288,20 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--seed-rate", type=float, default=None, help="bytes/s, the seed's uplink (default: --rate)")
     w.add_argument("--latency", type=float, default=0.0005)
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--node", action="append", default=[], metavar="FIELD=JSON", help="a NodeConfig field (repeatable)")
-    w.add_argument("--member", action="append", default=[], metavar="FIELD=JSON", help="a MembershipConfig field")
-    w.add_argument("--sched", action="append", default=[], metavar="FIELD=JSON", help="a SchedulerConfig field")
+    w.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        type=_setting,
+        metavar="FIELD=JSON",
+        help="a NodeConfig field (repeatable)",
+    )
+    w.add_argument(
+        "--member", action="append", default=[], type=_setting, metavar="FIELD=JSON", help="a MembershipConfig field"
+    )
+    w.add_argument(
+        "--sched", action="append", default=[], type=_setting, metavar="FIELD=JSON", help="a SchedulerConfig field"
+    )
     w.add_argument("--quantum", type=float, default=0.0, help="network event batching, seconds (0: exact)")
     w.add_argument("--cold", action="store_true", help="publish as the nodes join (membership still spreading)")
     return p
@@ -290,12 +312,12 @@ def run(a: argparse.Namespace) -> None:
     if a.what == "network":
         network_bench(a.hosts, a.chunks, a.chunk, a.inflight, a.rate, a.latency, a.seed, a.quantum, a.check)
     elif a.hosts:
-        options: dict[str, Any] = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.node)}
+        options: dict[str, Any] = dict(a.node)
         if a.sched:
             from patchswarm.protocol.scheduler_types import SchedulerConfig
 
-            options["scheduler"] = SchedulerConfig(**{k: json.loads(v) for k, v in (o.split("=", 1) for o in a.sched)})
-        member = {k: json.loads(v) for k, v in (o.split("=", 1) for o in a.member)}
+            options["scheduler"] = SchedulerConfig(**dict(a.sched))
+        member = dict(a.member)
         if a.hosts > BOUNDED_VIEW_ABOVE and "max_members" not in member:
             # One process holds every node's view: full membership is N^2 member records (10^8 at 10,000).
             member["max_members"] = BOUNDED_VIEW

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
-import json
 import os
 import socket
 import stat
@@ -32,6 +31,7 @@ from aiohttp import web
 from patchswarm.daemon.exporter import peer_pid
 from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.status import MAX_SUBSCRIBERS, Status
+from patchswarm.protocol.untrusted_json import load_json
 from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
 
 MAX_WAIT_S = 300.0
@@ -74,7 +74,12 @@ async def version(request: web.Request) -> web.Response:
 async def wait(request: web.Request) -> web.Response:
     s = request.app[STATUS_KEY]
     try:
-        want = int(request.query["version"])
+        if len(request.query) != len(set(request.query)):  # ?served=true&served=false: not ours to guess
+            raise ValueError("a query key given twice")
+        raw = request.query["version"]
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 19):  # (int() takes '٣', '+3', ' 3' and '1_0')
+            raise ValueError("version is not a whole number")
+        want = int(raw)
         timeout = float(request.query.get("timeout", "30"))
         served = {"true": True, "1": True, "false": False, "0": False}[request.query.get("served", "false")]
     except (KeyError, ValueError):
@@ -144,13 +149,10 @@ async def layout(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    """The request's JSON body (413 past MAX_BODY_BYTES, 408 when too slow); ValueError for anything
-    else (deep nesting and bytes that are not UTF-8 included, not a 500)."""
-    data = await read_body(request, MAX_BODY_BYTES)
-    try:
-        return json.loads(data)
-    except RecursionError as e:
-        raise ValueError("JSON nested too deeply") from e
+    """The request's JSON body (413 past MAX_BODY_BYTES, 408 when too slow), parsed strictly
+    (protocol/untrusted_json.py); ValueError for anything else (NaN, a key given twice, deep nesting,
+    bytes that are not UTF-8: a 400, never a 500 or a value the last duplicate chose)."""
+    return load_json(await read_body(request, MAX_BODY_BYTES), max_bytes=MAX_BODY_BYTES)
 
 
 async def ack(request: web.Request) -> web.Response:

@@ -37,7 +37,9 @@ from rich.table import Table
 from patchswarm.daemon.board import Board
 from patchswarm.daemon.demo_llama import EOS, PRESETS, Trainer, chat_ids
 from patchswarm.daemon.demo_llama import train as train_llama
+from patchswarm.daemon.engine_http import read_json
 from patchswarm.daemon.publisher import Publisher, PublishInfo
+from patchswarm.daemon.status_cli import StatusError, fetch_status
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate
@@ -45,6 +47,7 @@ from patchswarm.protocol.trust import Certificate
 RUN = "demo-run"
 SECRET = os.urandom(32).hex().encode()
 QUESTION = "What does patchswarm ship?"  # one of the warm-up's facts (demo_llama.FACTS)
+MAX_ANSWER_BYTES = 16 << 20  # (a logits answer: a vocabulary of floats as text)
 TomlValue = str | int | float | bool | list[str]
 
 
@@ -199,12 +202,8 @@ class Demo:
         while True:
             for h in self.hosts:
                 try:
-                    async with (
-                        aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=h.socket)) as s,
-                        s.get("http://d/v1/status", timeout=aiohttp.ClientTimeout(total=2)) as r,
-                    ):
-                        h.status = await r.json()
-                except (aiohttp.ClientError, OSError, TimeoutError):
+                    h.status = await fetch_status(h.socket, timeout=2)
+                except StatusError:
                     h.status = {"state": "starting"}
                 v = h.status.get("version")
                 if v is not None and v not in h.reached:
@@ -254,7 +253,7 @@ class Demo:
                             "temperature": 0, "weight_version": pin}  # fmt: skip
                     with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
                         async with http.post(f"{side}/v1/chat/completions", json=body) as r:
-                            status, out = r.status, await r.json(content_type=None)
+                            status, out = r.status, await read_json(r, MAX_ANSWER_BYTES)
                         if status == 409 and out.get("error") == "WeightVersionUnavailable":
                             self.answers[v] = None  # host 1 went past it before it was asked
                         elif status == 200:  # else not there yet (409), or the engine still starting (502)
@@ -273,7 +272,7 @@ class Demo:
         async with http.post(f"{side}/patchswarm/v1/logits", json=body) as r:
             if r.status != 200:
                 return None, "-"
-            out = await r.json()
+            out = await read_json(r, MAX_ANSWER_BYTES)
         if out["version"] != v:
             self.errors.append(f"logits of version {v} computed on version {out['version']}")
         logits = torch.tensor(out["logits"], dtype=torch.float32)

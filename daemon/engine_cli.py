@@ -21,8 +21,6 @@ from patchswarm.daemon.user_error import UserError
 if TYPE_CHECKING:
     from patchswarm.daemon.sidecar import RunningServer
 
-ACK_AGAIN_S = 5.0
-
 
 def add_engine_parser(sub: Any) -> None:
     eng = sub.add_parser("engine", help="serve a model straight from the daemon's weight store")
@@ -80,32 +78,8 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
     return view, client
 
 
-async def _follow(engine: Any, view: Any, client: Any, name: str, every_s: float = 0.2) -> None:
-    """Record each version the fence shows ready as served, acknowledge it (and again every few seconds);
-    an engine-allocated buffer the daemon no longer shows is registered again (as daemon/refengine.py)."""
-    from patchswarm.daemon.store_format import StoreError
-
-    loop = asyncio.get_running_loop()
-    acked, acked_at = None, 0.0
-    while True:
-        try:
-            got = view.read_version()
-            if got is not None:
-                engine.note_served(got[0])
-            if engine.served is not None and (engine.served != acked or loop.time() - acked_at > ACK_AGAIN_S):
-                await asyncio.to_thread(client.ack, name, engine.served)
-                acked, acked_at = engine.served, loop.time()
-            if view.handle is not None:
-                info = (await asyncio.to_thread(client.layout))["attach"]
-                buf = info.get("buffer")
-                if buf is None or buf.get("buffer_id") != view.handle["buffer_id"]:
-                    await asyncio.to_thread(client.register, view, name)
-        except (StoreError, OSError, KeyError, ValueError, TypeError):
-            pass  # the daemon is down or restarting: keep serving, try again
-        await asyncio.sleep(every_s)
-
-
 def cmd_engine_transformers(args: argparse.Namespace) -> int:
+    from patchswarm.daemon.engine_client import follow_daemon
     from patchswarm.daemon.engine_serve import serve_until_signal
     from patchswarm.daemon.openai_api import make_openai_app
     from patchswarm.daemon.tf_engine import TfEngine
@@ -132,8 +106,13 @@ def cmd_engine_transformers(args: argparse.Namespace) -> int:
             print(f"transformers engine serving {engine.model_name} (version {engine.current_version()}) "
                   f"at {server.url}", flush=True)  # fmt: skip
 
+        def served(ready: int | None) -> int | None:
+            if ready is not None:
+                engine.note_served(ready)  # (what it serves once in-flight requests moved on)
+            return engine.served
+
         async def follow() -> None:
-            await _follow(engine, view, client, args.engine_name)
+            await follow_daemon(client, view, args.engine_name, served=served)
 
         async def run() -> None:
             await serve_until_signal(

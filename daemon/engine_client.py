@@ -5,10 +5,12 @@ Blocking (http.client over AF_UNIX), so an engine needs no event loop to use it.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,10 @@ import torch
 
 from patchswarm.daemon.engine import EngineView, allocate, attach
 from patchswarm.daemon.store_format import StoreError
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
+
+MAX_ANSWER_BYTES = 64 << 20  # a layout of a model with very many tensors stays well below
+ACK_AGAIN_S = 5.0  # a restarted daemon has forgotten the acknowledgements
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -51,10 +57,13 @@ class DaemonClient:
             data = None if body is None else json.dumps(body).encode()
             conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
+            raw = resp.read(MAX_ANSWER_BYTES + 1)
         finally:
             conn.close()
+        try:  # (whatever listens on the socket path answers: read it as any outside JSON)
+            return resp.status, load_json(raw, max_bytes=MAX_ANSWER_BYTES) if raw else None
+        except UntrustedJSONError as e:
+            raise StoreError(f"the daemon at {self.socket_path} answered {method} {path} with no JSON: {e}") from None
 
     def layout(self, wait_s: float = 0.0, poll_s: float = 0.2, rank: int | None = None) -> dict[str, Any]:
         """GET /v1/layout (of rank store ``rank``: a daemon with store.ranks > 1); retries while the
@@ -117,3 +126,39 @@ class DaemonClient:
             view.close()
             raise
         return view, answer
+
+
+async def follow_daemon(
+    client: DaemonClient,
+    view: EngineView,
+    engine: str,
+    *,
+    served: Callable[[int | None], int | None] = lambda ready: ready,
+    every_s: float = 0.2,
+    on_register: Callable[[str], None] = lambda state: None,
+) -> None:
+    """An engine's loop beside its server, until cancelled: acknowledge the version it serves (POST
+    /v1/ack, again every ACK_AGAIN_S) and, for an engine-allocated buffer, register it again when the
+    daemon's store shows none or another one (a store re-created, a registration lost; a restarted
+    daemon re-imports the buffer by itself, so this is the fallback).  ``served``: given the version the
+    fence shows ready (None: none), the version the engine serves (default: that one); ``on_register``:
+    told the store's state after a new registration.  A daemon down, restarting or answering nonsense
+    is tried again; the engine keeps serving."""
+    loop = asyncio.get_running_loop()
+    acked, acked_at = None, 0.0
+    while True:
+        try:
+            got = view.read_version()
+            now_serving = served(None if got is None else got[0])
+            if now_serving is not None and (now_serving != acked or loop.time() - acked_at > ACK_AGAIN_S):
+                await asyncio.to_thread(client.ack, engine, now_serving)
+                acked, acked_at = now_serving, loop.time()
+            if view.handle is not None:
+                info = (await asyncio.to_thread(client.layout))["attach"]
+                buf = info.get("buffer")
+                if buf is None or buf.get("buffer_id") != view.handle["buffer_id"]:
+                    await asyncio.to_thread(client.register, view, engine)
+                    on_register(str(info.get("state")))
+        except (StoreError, OSError, KeyError, ValueError, TypeError, AttributeError):
+            pass  # (AttributeError: an answer that is JSON but not an object)
+        await asyncio.sleep(every_s)

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from patchswarm.protocol.untrusted_json import load_json
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 MAX_TEXT = 300  # of an answer that is not JSON, quoted in an error line
 
@@ -38,6 +38,15 @@ def parse_answer(raw: bytes, max_bytes: int) -> Any:
         return load_json(raw, max_bytes=max_bytes)
     except ValueError:
         return " ".join(raw[:MAX_TEXT].decode("utf-8", "replace").split())
+
+
+async def read_json(resp: aiohttp.ClientResponse, max_bytes: int) -> Any:
+    """The answer parsed strictly; UntrustedJSONError (a ValueError) past ``max_bytes`` or when it is
+    not strict JSON (for a client that needs the JSON, not an error line)."""
+    raw, over = await read_answer(resp, max_bytes)
+    if over:
+        raise UntrustedJSONError(f"an answer over {max_bytes:,} bytes")
+    return load_json(raw, max_bytes=max_bytes)
 
 
 def one_line(value: object, limit: int = 200) -> str:

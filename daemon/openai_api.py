@@ -43,6 +43,7 @@ from aiohttp import web
 from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.tf_engine import FenceUnavailable, Sampling, Step, TfEngine, VersionMismatch
 from patchswarm.protocol.untrusted_json import load_json
+from patchswarm.swarm.serving import read_body
 
 MAX_BODY = 1 << 20
 MAX_PROMPT_CHARS = 512 << 10
@@ -85,7 +86,9 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()  # (client_max_size bounds it: 413 beyond)
+    # read_body, not request.read(): 413 past MAX_BODY, and a body dripped in, or never finished, is cut at
+    # the body deadline (408) instead of holding the connection
+    raw = await read_body(request, MAX_BODY)
     if not raw:
         return {}
     try:

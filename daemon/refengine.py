@@ -49,6 +49,7 @@ from patchswarm.daemon.ref_model import LMShape, greedy_next
 from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
 from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.protocol.untrusted_json import load_json
+from patchswarm.swarm.serving import read_body
 
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
@@ -165,12 +166,13 @@ class RefEngine:
 
 
 ENGINE_KEY = web.AppKey("patchswarm.refengine", RefEngine)
+MAX_BODY = 1 << 20
 
 
 def make_engine_app(source: WeightSource | RefEngine, **options: Any) -> web.Application:
     """The engine's HTTP API; ``options`` are :class:`RefEngine` keyword arguments (when given a source)."""
     engine = source if isinstance(source, RefEngine) else RefEngine(source, **options)
-    app = web.Application(client_max_size=1 << 20)
+    app = web.Application(client_max_size=MAX_BODY)
     app[ENGINE_KEY] = engine
     app.router.add_post("/generate", _generate)
     app.router.add_post("/pause_generation", _pause)
@@ -186,11 +188,12 @@ def _bad(detail: str) -> web.Response:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    # read_body, not request.read(): a body dripped in, or never finished, is cut at the body deadline (408)
+    raw = await read_body(request, MAX_BODY)
     if not raw:
         return {}
     try:
-        obj = load_json(raw, max_bytes=1 << 20)
+        obj = load_json(raw, max_bytes=MAX_BODY)
     except ValueError as e:
         raise ValueError(f"body is not JSON: {e}") from None
     if not isinstance(obj, dict):
@@ -311,33 +314,6 @@ def _source_from_file(path: Path, version: int | None) -> StaticSource:
     return StaticSource(tensors, version)
 
 
-async def _follow_daemon(client: Any, view: Any, engine: str, every_s: float = 0.5) -> None:
-    """Acknowledge each version the engine now serves (POST /v1/ack); for an engine-allocated buffer,
-    register it again when the daemon's store shows none or another one (a store re-created, a
-    registration lost; a restarted daemon re-imports the buffer by itself, so this is the fallback)."""
-    from patchswarm.daemon.store_format import StoreError
-
-    loop = asyncio.get_running_loop()
-    acked, acked_at = None, 0.0
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            got = view.read_version()
-            # Again every few seconds too: a restarted daemon has forgotten the acknowledgements.
-            if got is not None and (got[0] != acked or loop.time() - acked_at > 5.0):
-                await asyncio.to_thread(client.ack, engine, got[0])
-                acked, acked_at = got[0], loop.time()
-            if view.handle is None:
-                continue
-            info = (await asyncio.to_thread(client.layout))["attach"]
-            buf = info.get("buffer")
-            if buf is None or buf.get("buffer_id") != view.handle["buffer_id"]:
-                await asyncio.to_thread(client.register, view, engine)
-                print(f"refengine re-registered its buffer ({info.get('state')})", flush=True)
-        except (StoreError, OSError, KeyError, ValueError):
-            pass  # the daemon is down or restarting: keep serving, try again
-
-
 def _source_from_daemon(socket_path: str, device: str, engine: str, wait_s: float) -> tuple[StoreViewSource, Any]:
     """Open the daemon's store and wait (up to ``wait_s``) for a version in it."""
     import time
@@ -377,8 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refengine serving version {source.version()} at {server.url}", flush=True)
 
     async def follow() -> None:
-        assert isinstance(source, StoreViewSource)
-        await _follow_daemon(client, source.view, args.engine_name)
+        from patchswarm.daemon.engine import EngineView
+        from patchswarm.daemon.engine_client import follow_daemon
+
+        assert isinstance(source, StoreViewSource) and isinstance(source.view, EngineView) and client is not None
+
+        def registered(state: str) -> None:
+            print(f"refengine re-registered its buffer ({state})", flush=True)
+
+        await follow_daemon(client, source.view, args.engine_name, every_s=0.5, on_register=registered)
 
     async def run() -> None:
         following = client is not None and isinstance(source, StoreViewSource)

@@ -48,7 +48,7 @@ def entry_name(attach_spec: str, apply_text: str, rank: int) -> str:
 
 
 def _world(spec: str) -> int:
-    obj = json.loads(spec)  # (open_rank_store parsed it already)
+    obj = load_json(spec, max_bytes=MAX_WIRE_CHARS)  # (open_rank_store parsed it already)
     attach = obj.get("attach")
     return len(attach) if isinstance(attach, list) else int(obj.get("ranks", 1))
 

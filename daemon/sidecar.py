@@ -30,6 +30,7 @@ when the activation driver follows the protocol: ``begin_activation`` before tou
 from __future__ import annotations
 
 import logging
+import posixpath
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -72,6 +73,26 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 SHUTDOWN_GRACE_S = 10.0
 DEFAULT_MAX_BUFFERED_RESPONSE_BYTES = 16 << 20
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# The engines' control routes: the daemon drives them on the engine directly (engine.url), and a rollout
+# client must not (pause every request, commit a version, or load weights no signature checked: SGLang's
+# /update_weights_from_disk, vLLM dev mode's /collective_rpc).  Refused by name after normalizing the
+# path as the engines' routers would (percent-decoded, slashes collapsed, dot segments resolved).
+CONTROL_ROUTES = frozenset(
+    {
+        # the drivers' (daemon/engine_drivers.py, daemon/copy_drivers.py, daemon/payloads.py)
+        "/pause", "/resume", "/pause_generation", "/continue_generation", "/patchswarm/v1/commit",
+        "/collective_rpc", "/reset_prefix_cache", "/flush_cache", "/begin_weight_update", "/start_weight_update",
+        "/end_weight_update", "/finish_weight_update", "/update_weights", "/update_weights_from_tensor",
+        "/update_weight_version", "/init_weight_transfer_engine",
+        # weights, memory and process state from elsewhere in SGLang and vLLM
+        "/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_ipc",
+        "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
+        "/resume_memory_occupation", "/sleep", "/wake_up", "/load_lora_adapter", "/unload_lora_adapter",
+        "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/start_profile", "/stop_profile",
+        "/set_internal_state", "/configure_logging", "/slow_down", "/abort_request", "/scale_elastic_ep",
+        "/reset_mm_cache",
+    }
+)  # fmt: skip
 # RFC 9110 7.6.1 hop-by-hop fields, plus those the proxy recomputes itself.
 _HOP_BY_HOP = frozenset(
     h.lower()
@@ -172,13 +193,23 @@ def _refusal_response(refusal: NotReady, constraint: VersionConstraint) -> web.R
     return json_response(body, status=refusal.status, headers=headers)
 
 
+def control_route(path: str) -> bool:
+    """Whether ``path`` (as aiohttp decoded it) names one of CONTROL_ROUTES for the engine's router."""
+    clean = posixpath.normpath("/" + "/".join(p for p in path.split("/") if p))
+    return clean.rstrip("/") in CONTROL_ROUTES
+
+
 async def _proxy(request: web.Request) -> web.StreamResponse:
     settings = request.app[_SETTINGS]
+    if control_route(request.path) or control_route(request.raw_path.split("?", 1)[0]):
+        return _error(403, "EngineControlRoute", "the engine's control routes are the daemon's, not served here")
     try:
         header_constraint = constraint_from_headers(request.headers)
         body = await read_body(request, settings.max_body_bytes)
-        content_type = request.content_type if "Content-Type" in request.headers else ""
-        body, body_constraint = split_body_constraint(body, content_type)
+        # An empty Content-Type is sniffed as none (FastAPI, vLLM's server, parses such a body as JSON)
+        content_type = request.content_type if request.headers.get("Content-Type", "").strip() else ""
+        encoding = ",".join(request.headers.getall("Content-Encoding", ["identity"]))
+        body, body_constraint = split_body_constraint(body, content_type, encoding)
         constraint = header_constraint.merged(body_constraint)
     except ConstraintError as e:
         return _error(400, "InvalidWeightVersion", str(e))

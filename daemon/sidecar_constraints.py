@@ -5,13 +5,13 @@ the request is forwarded, so the engine never sees it)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from patchswarm.daemon.sidecar_gate import ConstraintError, VersionConstraint
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 HEADER_MIN = "X-Weight-Version-Min"
 HEADER_EXACT = "X-Weight-Version-Exact"
@@ -63,19 +63,33 @@ def constraint_from_json(value: object) -> VersionConstraint:
     )
 
 
-def split_body_constraint(body: bytes, content_type: str) -> tuple[bytes, VersionConstraint]:
+def split_body_constraint(
+    body: bytes, content_type: str, content_encoding: str = "identity"
+) -> tuple[bytes, VersionConstraint]:
     """Take ``weight_version`` out of a JSON object body; other bodies are returned untouched."""
     if not body or not (is_json(content_type) or content_type == ""):
         return body, VersionConstraint()
+    if content_encoding.strip().lower() not in ("", "identity"):
+        # The sidecar does not inflate bodies (a bomb); compressed, a pin would pass unseen to an engine
+        # that inflates it, and be dropped there: served from any version.
+        raise ConstraintError("a JSON body must be sent uncompressed (Content-Encoding: identity)")
     obj = loads_json(body)
     if obj is None:
         # Not JSON this process writes back strictly: passed on untouched, unless it names a
         # constraint, which must then not be dropped silently (served from any version).
-        lenient = _loads_lenient(body)
+        try:
+            lenient = _loads_lenient(body)
+        except RecursionError:
+            if not body.lstrip().startswith(b"["):
+                # Nested past what any parser here reads, it may still carry weight_version at its top:
+                # forwarded, the engine would drop the key and serve the request from any version.
+                raise ConstraintError("a JSON object body must be nested at most 64 levels deep") from None
+            lenient = None  # (an array cannot carry weight_version)
         if isinstance(lenient, dict) and BODY_KEY in lenient:
             constraint_from_json(lenient[BODY_KEY])  # (a bad constraint gets its own message)
             raise ConstraintError(
-                f"a body with {BODY_KEY} must be strict JSON (no NaN or Infinity, numbers a double holds)"
+                f"a body with {BODY_KEY} must be strict JSON (no NaN or Infinity, numbers a double holds, "
+                "no key given twice, at most 64 levels deep)"
             )
         return body, VersionConstraint()
     if not isinstance(obj, dict) or BODY_KEY not in obj:
@@ -84,32 +98,23 @@ def split_body_constraint(body: bytes, content_type: str) -> tuple[bytes, Versio
     return dumps_json(obj), constraint
 
 
-def _no_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # (1e999: a number no double holds, read as an infinity)
-        raise ValueError(f"{text} is out of a double's range")
-    return value
-
-
 def loads_json(data: bytes) -> object:
-    """The JSON value of ``data``, or None when it is not JSON this process can hold (the body is then
-    passed on untouched): ValueError covers bad UTF-8, bad JSON (a bare NaN or Infinity too: the
-    sidecar re-encodes only what it can write back as strict JSON) and integers of over 4300 digits."""
+    """The JSON value of ``data``, or None when it is not JSON this process reads strictly
+    (protocol/untrusted_json.py: bad UTF-8, a bare NaN or Infinity, a number past a double, a key
+    given twice, nesting past 64 levels, integers of over 4300 digits): the body is then passed on
+    untouched.  A lone surrogate escape is kept (``dumps_json`` writes it back as an escape)."""
     try:
-        return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
-    except (ValueError, RecursionError):
+        return load_json(data, max_bytes=len(data), allow_surrogates=True)  # (the caller bounded data)
+    except UntrustedJSONError:
         return None
 
 
 def _loads_lenient(data: bytes) -> object:
-    """``data`` as Python's json reads it (bare NaN and Infinity, 1e999 as an infinity), else None."""
+    """``data`` as Python's json reads it (bare NaN and Infinity, 1e999 as an infinity, the last of a
+    duplicate key), else None; RecursionError for nesting past Python's limit."""
     try:
         return json.loads(data)
-    except (ValueError, RecursionError):
+    except ValueError:
         return None
 
 

@@ -19,6 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 from patchswarm.swarm.client_errors import reason
 
 DEFAULT_SOCKET = "/run/patchswarm/api.sock"
@@ -31,11 +32,11 @@ class StatusError(Exception):
     pass
 
 
-async def fetch_status(socket_path: str) -> dict[str, Any]:
+async def fetch_status(socket_path: str, timeout: float = 10.0) -> dict[str, Any]:
     try:
         async with (
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket_path)) as s,
-            s.get("http://daemon/v1/status", timeout=aiohttp.ClientTimeout(total=10)) as r,
+            s.get("http://daemon/v1/status", timeout=aiohttp.ClientTimeout(total=timeout)) as r,
         ):
             body = await r.content.read(MAX_STATUS_BYTES + 1)
             status = r.status
@@ -44,8 +45,8 @@ async def fetch_status(socket_path: str) -> dict[str, Any]:
     if len(body) > MAX_STATUS_BYTES:
         raise StatusError(f"the daemon at {socket_path} sent a status over {MAX_STATUS_BYTES} bytes")
     try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
+        data = load_json(body, max_bytes=MAX_STATUS_BYTES)
+    except UntrustedJSONError:
         data = None
     if status != 200 or not isinstance(data, dict):
         raise StatusError(f"the daemon at {socket_path} did not send a status (HTTP {status})")

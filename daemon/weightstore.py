@@ -67,6 +67,7 @@ from patchswarm.daemon.store_format import (
 from patchswarm.daemon.store_updates import device_sync, scatter_checked, stage_run, stage_updates, torch_threads
 from patchswarm.protocol.layout_flat import RankChanges
 from patchswarm.protocol.served import ServedModel, bytes_digest, state_root, word_view
+from patchswarm.protocol.untrusted_json import UntrustedJSONError, load_json
 
 __all__ = ["ActivationStats", "WeightStore"]
 
@@ -97,6 +98,15 @@ def _no_fault(point: str) -> None:
 
 
 # ---------------------------------------------------------------- the store
+
+
+def _control_json(name: str, what: str, data: bytes) -> Any:
+    """A JSON blob of a store's control segment, parsed strictly: the segment is writable by every
+    process of api.group, and a garbled blob (deep nesting raised RecursionError) is a StoreError."""
+    try:
+        return load_json(data, max_bytes=len(data))  # (bounded by the segment it was read from)
+    except UntrustedJSONError as e:
+        raise StoreError(f"weight store {name!r}: its {what} is not strict JSON: {e}") from None
 
 
 class WeightStore(StoreBuffer):
@@ -167,14 +177,17 @@ class WeightStore(StoreBuffer):
             raise StoreMissingError(f"shared memory {name!r} is too small to be a weight store")
         ctl = ControlBlock(seg.mm)
         lay_hash = ctl.check()
-        found = StoreLayout.from_json(json.loads(ctl.blob(seg.mm, OFF_LAYOUT, OFF_LAYOUT + 8)))
+        found = StoreLayout.from_json(_control_json(name, "layout", ctl.blob(seg.mm, OFF_LAYOUT, OFF_LAYOUT + 8)))
         if found.layout_hash != lay_hash:
             raise StoreError(f"weight store {name!r}: its layout does not match its layout hash")
         if layout is not None and layout.specs != found.specs:
             raise StoreLayoutMismatch(f"weight store {name!r} is laid out for other tensors")
         store = cls(seg, found, shm_dir)
         if store.kind == KIND_ENGINE_BUFFER and ctl.get(OFF_HANDLE + 16):
-            store._reimport(json.loads(ctl.blob(seg.mm, OFF_HANDLE, OFF_HANDLE + 16)))
+            handle = _control_json(name, "engine buffer handle", ctl.blob(seg.mm, OFF_HANDLE, OFF_HANDLE + 16))
+            if not isinstance(handle, dict):
+                raise StoreError(f"weight store {name!r}: its engine buffer handle is not a JSON object")
+            store._reimport(handle)
         return store
 
     @classmethod

@@ -70,12 +70,21 @@ def _encodable(s: str) -> None:
         raise UntrustedJSONError(f"{s[:40]!r} holds a lone UTF-16 surrogate") from None
 
 
-def load_json(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH, allow_nan: bool = False) -> Any:
+def load_json(
+    data: bytes | str,
+    *,
+    max_bytes: int,
+    max_depth: int = MAX_DEPTH,
+    allow_nan: bool = False,
+    allow_surrogates: bool = False,
+) -> Any:
     """The document in ``data`` (UTF-8), or UntrustedJSONError: too large, not UTF-8, not strict JSON,
     a duplicate key, NaN/Infinity, a lone surrogate, or nested deeper than ``max_depth``.
 
     ``allow_nan``: for a model's config.json, which Python's ``json.dumps`` (transformers'
-    ``save_pretrained``) may write with ``Infinity`` in it; values are checked where they are used."""
+    ``save_pretrained``) may write with ``Infinity`` in it; values are checked where they are used.
+    ``allow_surrogates``: for a body passed on as it came (the sidecar's requests), whose writer escapes
+    a lone surrogate back (``json.dumps`` with ``ensure_ascii``)."""
     if len(data) > max_bytes:
         raise UntrustedJSONError(f"{len(data):,} bytes, more than the {max_bytes:,} allowed")
     try:
@@ -95,5 +104,5 @@ def load_json(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH, 
         raise UntrustedJSONError(f"nested deeper than {max_depth} levels") from None
     except ValueError as e:  # JSONDecodeError, and ints past Python's 4300-digit conversion limit
         raise UntrustedJSONError(f"not JSON ({(str(e).splitlines() or [''])[0][:_MAX_REASON]})") from None
-    _check_shape(doc, max_depth, "\\u" in text)
+    _check_shape(doc, max_depth, not allow_surrogates and "\\u" in text)
     return doc

@@ -34,6 +34,7 @@ from typing import Any
 
 from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.files import read_file, write_atomic
+from patchswarm.protocol.untrusted_json import load_json
 from patchswarm.simulations import fleet_plots
 from patchswarm.simulations.build import build_label
 from patchswarm.simulations.fleet_plots import STRATEGY_ORDER
@@ -44,6 +45,7 @@ from patchswarm.simulations.strategies import StrategyRun, central, swarm
 BYTES_PER_CHANGE = 999_901 / 742_476  # docs/benchmarks.md a), bf16, "all" row: ours B / K
 GBIT = 1.25e8  # bytes/s
 REGIONS = (("us", 0.5), ("eu", 0.3), ("asia", 0.2))  # bandwidth-study regions3: seed in us
+MAX_RESULTS_BYTES = 256 << 20
 BACKBONES = (("us", "eu", 0.040), ("us", "asia", 0.060), ("eu", "asia", 0.080))  # one-way latency, s
 
 
@@ -197,9 +199,10 @@ def merge(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _read_rows(ap: argparse.ArgumentParser, path: Path) -> list[dict[str, Any]]:
-    """A results file this module wrote: bounded, a JSON list of objects, or one clear line."""
+    """A results file this module wrote: bounded, a JSON list of objects, or one clear line (parsed
+    strictly, but for the Infinity json.dumps writes for a delivery that never happened)."""
     try:
-        rows = json.loads(read_file(path, 256 << 20))
+        rows = load_json(read_file(path, MAX_RESULTS_BYTES), max_bytes=MAX_RESULTS_BYTES, allow_nan=True)
     except (OSError, PatchswarmError, ValueError) as e:
         ap.error(f"{path}: not a readable results file ({e})")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and {"fleet", "strategy"} <= r.keys() for r in rows):

@@ -158,11 +158,17 @@ def write_all(points: Sequence[Point], doc: Mapping[str, Any], out: Path) -> lis
     return figures
 
 
+MAX_SUMMARY_BYTES = 256 << 20
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Draw one ``versus`` figure from several studies' summary.json files (e.g. a swarm sweep up to N = 300
     and a central-only sweep up to N = 10,000): ``python -m simulations.plots KEY METRIC OUT.png SUMMARY...``."""
     import argparse
-    import json
+
+    from patchswarm.protocol.errors import PatchswarmError
+    from patchswarm.protocol.files import read_file
+    from patchswarm.protocol.untrusted_json import load_json
 
     p = argparse.ArgumentParser(prog="python -m simulations.plots")
     p.add_argument("key")
@@ -170,7 +176,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("out")
     p.add_argument("summaries", nargs="+")
     args = p.parse_args(argv)
-    entries = [e for path in args.summaries for e in json.loads(Path(path).read_text())["points"]]
+    entries: list[dict[str, Any]] = []
+    for path in args.summaries:
+        try:
+            doc = load_json(read_file(Path(path), MAX_SUMMARY_BYTES), max_bytes=MAX_SUMMARY_BYTES)
+        except (OSError, PatchswarmError, ValueError) as e:
+            p.error(f"{path}: not a readable summary.json ({e})")
+        points = doc.get("points") if isinstance(doc, dict) else None
+        if not isinstance(points, list) or not all(isinstance(e, dict) for e in points):
+            p.error(f"{path}: not a study's summary.json (no list of points)")
+        entries += points
     if not versus(entries, args.key, args.metric, Path(args.out)):
         print(f"{args.key} is not numeric in every point", file=sys.stderr)
         return 1

@@ -48,7 +48,7 @@ class Outcome:
 class StrategyRun:
     strategy: str
     outcomes: tuple[Outcome, ...]  # host-major, versions in order
-    seed_egress: float  # bytes the seed/store put on the network
+    seed_egress: float  # bytes the seed/store put on the network until the last publication + run.deadline
     events: int  # network events processed (swarm: virtual-time jumps of the loop)
     wall: float  # wall seconds the simulation took
     note: str = ""
@@ -148,8 +148,20 @@ def central(s: Scenario, lay: Layout, churn: Sequence[ChurnEvent], kind: str) ->
                 st.done += math.floor(moved / s.chunk_size) * s.chunk_size
                 st.flow = None
 
+    window_egress = math.nan
+
+    def measure(now: float) -> None:
+        """The seed's egress at the end of the measured window (what the swarm's run is cut at):
+        the store goes on serving past it, for the completions, but those bytes are not the window's."""
+        nonlocal window_egress
+        moving = [f for st in state.values() if (f := st.flow) is not None and f.state == "active"]
+        for f in moving:
+            f.settle(now)
+        window_egress = net.traffic.sent.get(lay.seed.id, 0.0) + math.fsum(f.size - f.remaining for f in moving)
+
     for v in range(1, s.versions + 1):
         at(s.publication(v), functools.partial(publish, v))
+    at(s.publication(s.versions) + s.deadline, measure)
     for e in churn:
         at(e.time, functools.partial(change, e))
     events = 0
@@ -175,11 +187,7 @@ def central(s: Scenario, lay: Layout, churn: Sequence[ChurnEvent], kind: str) ->
         for p in lay.peers
         for v in range(1, s.versions + 1)
     )
-    unfinished = [f for st in state.values() if (f := st.flow) is not None and f.state == "active"]
-    for f in unfinished:
-        f.settle(net.now)
-    egress = net.traffic.sent.get(lay.seed.id, 0.0) + math.fsum(f.size - f.remaining for f in unfinished)
-    return StrategyRun(kind, outcomes, egress, events, time.perf_counter() - wall0)
+    return StrategyRun(kind, outcomes, window_egress, events, time.perf_counter() - wall0)
 
 
 _SCHEDULER_KEYS: tuple[str, ...] = ("max_inflight", "max_inflight_per_peer", "max_inflight_per_remote_peer")

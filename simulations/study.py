@@ -279,7 +279,8 @@ def render_report(
         "",
         "Times are seconds from a version's publication; *time to all* is the worst version's last host "
         "(hosts that never got it are counted under *never*); *x bound* is time to all over the Kumar-Ross "
-        "bound for the patch; *seed egress* counts every byte the seed/store sent; *wall* is the simulator's "
+        "bound for the patch; *seed egress* counts every byte the seed/store sent until the last publication "
+        "plus `run.deadline` (where the swarm's run stops); *wall* is the simulator's "
         f"own run time ({doc['build']} build).",
         "",
     ]

@@ -136,7 +136,9 @@ def add_routes(app: web.Application, handlers: Handlers, *, notsent_lowat: int =
                 del sending[path]
 
     app.router.add_post(f"{PREFIX}/gossip", gossip)
-    app.router.add_get(PREFIX + "/chunks/{hash:[0-9a-fA-F]+}", chunk)
+    # No HEAD: the chunk handler writes its body whatever the method (a HEAD got a whole chunk after its
+    # headers, which a keep-alive client reads as the next response), and nothing asks for headers only.
+    app.router.add_get(PREFIX + "/chunks/{hash:[0-9a-fA-F]+}", chunk, allow_head=False)
     app.router.add_get(PREFIX + "/board/{path:.+}", board_object)
 
 

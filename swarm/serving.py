@@ -433,6 +433,11 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     against Content-Length first), 408 when it has not all come within the server's body deadline."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    cached: bytes | None = getattr(request, "_read_bytes", None)  # (a middleware's request.read() took it)
+    if cached is not None:
+        if len(cached) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(cached))
+        return cached
     parts: list[bytes] = []
     got = 0
     try:

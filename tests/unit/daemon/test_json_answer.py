@@ -1,4 +1,4 @@
-"""Strict JSON answers (daemon/json_answer.py): never a bare NaN or Infinity."""
+"""Strict JSON answers (daemon/json_answer.py): never a bare NaN or Infinity, never a 500 for one."""
 
 from __future__ import annotations
 
@@ -31,10 +31,20 @@ def test_finite_values_round_trip_through_a_strict_parser(value: Any, compact: b
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_non_finite_values_raise_instead_of_writing_bare_constants(bad: float) -> None:
-    for value in (bad, [1.0, bad], {"logits": [bad]}):
-        with pytest.raises(ValueError, match="not JSON compliant"):
-            strict_dumps(value)
-        with pytest.raises(ValueError, match="not JSON compliant"):
-            json_response(value)
+def test_non_finite_values_are_written_as_null_never_as_bare_constants(bad: float) -> None:
+    # (allow_nan=False alone raised here, and every route holding such a float answered 500)
+    for value, expected in (
+        (bad, None),
+        ([1.0, bad], [1.0, None]),
+        ({"logits": [bad], "t": (bad, 2)}, {"logits": [None], "t": [None, 2]}),
+    ):
+        assert json.loads(strict_dumps(value), parse_constant=_refuse) == expected
+        assert json.loads(json_response(value).text, parse_constant=_refuse) == expected
     assert json_response({"a": 1.5}, status=201, compact=True).text == '{"a":1.5}'
+
+
+def test_a_circular_structure_still_raises() -> None:
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular"):
+        strict_dumps(loop)

@@ -20,6 +20,8 @@ import torch
 from patchswarm.daemon.openai_api import Admission, make_openai_app
 from patchswarm.daemon.sidecar import RunningServer, serve_app
 from patchswarm.daemon.tf_engine import StaticWeights, TfEngine
+from patchswarm.swarm.serving import ServerLimits
+from tests.support.raw_http import unfinished_body
 from tests.support.tf_checkpoints import tiny_llama_bf16, write_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -209,3 +211,16 @@ async def test_prompts_are_tokenized_off_the_event_loop(ckpt: Path) -> None:
         await server.close()
     # (a 512 K-character prompt takes most of a second to encode: on the loop, pause and commit waited)
     assert recording.threads and threading.main_thread().name not in recording.threads, recording.threads
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/patchswarm/v1/commit"])
+async def test_a_body_that_never_finishes_gets_408_at_the_body_deadline(ckpt: Path, path: str) -> None:
+    # request.read() has no deadline: the connection was held for as long as the client dripped bytes
+    engine = TfEngine(StaticWeights.from_checkpoint(ckpt), ckpt, max_tokens_limit=16)
+    engine.note_served(0)
+    server = await serve_app(make_openai_app(engine), "127.0.0.1", 0, ServerLimits(body_timeout_s=0.5))
+    try:
+        assert (await unfinished_body(server.port, path)).startswith(b"HTTP/1.1 408")
+    finally:
+        await server.close()

@@ -18,7 +18,10 @@ from patchswarm.daemon import ref_sources
 from patchswarm.daemon import trajectory as tr
 from patchswarm.daemon.ref_model import LMShape, ModelLayoutError, forward_logits, greedy_next
 from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
-from patchswarm.daemon.refengine import RefEngine, start_engine
+from patchswarm.daemon.refengine import RefEngine, make_engine_app, start_engine
+from patchswarm.daemon.sidecar import serve_app
+from patchswarm.swarm.serving import ServerLimits
+from tests.support.raw_http import unfinished_body
 from tests.support.tinylm import PRESET, greedy_reference, module_from_export, random_export
 
 T = TypeVar("T")
@@ -301,3 +304,15 @@ def test_steps_run_under_the_store_fence_and_a_changed_step_is_never_one_version
     finally:
         store.close()
         remove_segments(name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/generate", "/patchswarm/v1/commit", "/pause_generation"])
+async def test_a_body_that_never_finishes_gets_408_at_the_body_deadline(path: str) -> None:
+    # request.read() has no deadline: the connection was held for as long as the client dripped bytes
+    app = make_engine_app(StaticSource(random_export(4), version=1))
+    server = await serve_app(app, "127.0.0.1", 0, ServerLimits(body_timeout_s=0.5))
+    try:
+        assert (await unfinished_body(server.port, path)).startswith(b"HTTP/1.1 408")
+    finally:
+        await server.close()

@@ -9,6 +9,7 @@ mid-generation with the engine's step hook, never with sleeps.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import random
 import socket
@@ -110,6 +111,12 @@ def test_body_constraint_is_taken_out_of_json_bodies_only() -> None:
         (b'{"temperature":NaN,"weight_version":{"exact_version":5}}', "strict JSON"),
         (b'{"weight_version":{"min_version":2},"x":[Infinity]}', "strict JSON"),
         (b'{"weight_version":{"min_version":2},"x":-1e999}', "strict JSON"),
+        # the last duplicate used to win: the client's pin was dropped, served from any version
+        (b'{"weight_version":{"exact_version":5},"weight_version":null}', "no key given twice"),
+        (b'{"prompt":"a","prompt":"b","weight_version":{"exact_version":5}}', "no key given twice"),
+        (b'{"weight_version":{"exact_version":5},"x":' + b"[" * 100 + b"]" * 100 + b"}", "64 levels"),
+        # past Python's recursion limit even the lenient parse fails: the pin was forwarded and dropped
+        (b'{"weight_version":{"exact_version":5},"x":' + b"[" * 5000 + b"]" * 5000 + b"}", "64 levels"),
     ],
 )
 def test_a_constraint_in_a_body_that_is_not_strict_json_is_refused_not_dropped(body: bytes, message: str) -> None:
@@ -118,7 +125,8 @@ def test_a_constraint_in_a_body_that_is_not_strict_json_is_refused_not_dropped(b
     the client's constraint silently (served from any version) and hand the engine the key."""
     with pytest.raises(ConstraintError, match=message):
         split_body_constraint(body, "application/json")
-    for untouched in (b'{"temperature":NaN}', b'{"x":1e999}'):  # no constraint: forwarded as it is
+    deep_array = b"[" * 5000 + b"]" * 5000  # (an array cannot carry weight_version)
+    for untouched in (b'{"temperature":NaN}', b'{"x":1e999}', b'{"a":1,"a":2}', deep_array):  # forwarded as is
         assert split_body_constraint(untouched, "application/json") == (untouched, VersionConstraint())
 
 
@@ -657,7 +665,32 @@ async def test_malformed_constraints_get_400() -> None:
             assert resp.status == 400 and "different values" in (await resp.json())["detail"]
         async with r.http.post(url, json=base, headers=[(HEADER_MIN, "1"), (HEADER_MIN, "2")]) as resp:
             assert resp.status == 400
+        # compressed, a pin in the body is unseen here (and dropped by an engine that inflates it)
+        pinned = gzip.compress(json.dumps(base | {"weight_version": {"exact_version": 9}}).encode())
+        compressed = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        async with r.http.post(url, data=pinned, headers=compressed) as resp:
+            assert resp.status == 400 and "uncompressed" in (await resp.json())["detail"]
+        # an empty Content-Type: read as JSON by FastAPI (vLLM), so sniffed here, not passed on with the pin
+        raw = json.dumps(base | {"weight_version": {"exact_version": "x"}}).encode()
+        async with r.http.post(url, data=raw, headers={"Content-Type": ""}, skip_auto_headers=["Content-Type"]) as resp:
+            assert resp.status == 400 and (await resp.json())["error"] == "InvalidWeightVersion"
         assert r.gate.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_the_engines_control_routes_are_not_served_to_clients() -> None:
+    # (forwarded before: any rollout client could pause the engine for everyone, or commit a version)
+    async with rig(applied=1) as r:
+        for path in ("/pause_generation", "//pause_generation/", "/x/../pause_generation", "/%70ause_generation",
+                     "/patchswarm/v1/commit", "/update_weights_from_disk", "/collective_rpc"):  # fmt: skip
+            async with r.http.post(r.url + path, json={"mode": "in_place", "version": 1}) as resp:
+                assert resp.status == 403, path
+                assert (await resp.json())["error"] == "EngineControlRoute"
+        assert r.gate.in_flight == 0
+        async with r.http.get(r.url + "/health") as resp:
+            assert (await resp.json())["paused"] is False
+        async with r.http.post(f"{r.url}/generate", json={"prompt": [FREE, 1], "max_tokens": 1}) as resp:
+            assert resp.status == 200
 
 
 @pytest.mark.asyncio

@@ -27,6 +27,8 @@ from patchswarm.daemon.store_buffer import RegistrationError, check_registration
 from patchswarm.daemon.store_format import (
     ALIGN,
     CONTROL_SIZE,
+    OFF_HANDLE,
+    ControlBlock,
     JournalError,
     StoreError,
     StoreLayout,
@@ -468,3 +470,24 @@ def test_attach_buffer_refuses_a_buffer_smaller_than_claimed(name: str) -> None:
     small.unlink()
     small.close()
     store.close()
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"[" * 5000 + b"]" * 5000,  # raised RecursionError out of open(): a traceback, not a StoreError
+        b'{"buffer_id": 1, "buffer_id": 2}',  # which buffer was meant?
+        b'{"buffer_id": NaN}',
+        b"[1, 2]",  # (not an object: AttributeError in the re-import)
+    ],
+)
+def test_a_garbled_engine_handle_in_the_control_segment_is_a_store_error(name: str, blob: bytes) -> None:
+    """The control segment is writable by every process of api.group: its JSON is read strictly."""
+    store = WeightStore.create(name, StoreLayout.from_specs(SPECS), engine_buffer=True)
+    ctl = ControlBlock(store.segment.mm)
+    off = ctl.get(OFF_HANDLE)
+    store.segment.mm[off : off + len(blob)] = blob
+    ctl.set(OFF_HANDLE + 16, len(blob))
+    store.close()
+    with pytest.raises(StoreError, match="engine buffer handle"):
+        WeightStore.open(name)

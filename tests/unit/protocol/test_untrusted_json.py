@@ -68,6 +68,13 @@ def test_config_files_may_carry_infinity_as_python_writes_it() -> None:
         load_json('{"x": 1, "x": 2}', max_bytes=1 << 10, allow_nan=True)
 
 
+def test_a_body_passed_on_as_it_came_may_hold_a_lone_surrogate_but_nothing_else() -> None:
+    assert load_json('{"s": "\\ud800"}', max_bytes=1 << 10, allow_surrogates=True) == {"s": "\ud800"}
+    for other in ('{"x": 1, "x": 2}', '{"x": NaN}', "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)):
+        with pytest.raises(UntrustedJSONError):
+            load_json(other, max_bytes=1 << 10, allow_surrogates=True)
+
+
 def test_a_plan_file_with_rules_given_twice_is_refused() -> None:
     # json.loads kept the last "rules" and the first was silently dropped
     rules = '[{"match": "a", "rule": "ignore"}]'

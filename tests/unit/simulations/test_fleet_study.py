@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from patchswarm.simulations import plots
 from patchswarm.simulations.fleet_plots import largest_fleet
 from patchswarm.simulations.fleet_study import Fleet, extrapolate, main, merge, row, run_strategy
 from patchswarm.simulations.scenario import ChurnEvent, layout
@@ -85,6 +86,22 @@ def test_a_saturated_central_seed_falls_behind_as_a_grid_of_requests_sees_it() -
     for s, _k in seen.items():
         assert st.fraction_at_most(s) == pytest.approx(sum(v for x, v in seen.items() if x <= s) / steps, abs=2e-3)
     assert st.max == max(seen)
+
+
+def test_a_saturated_central_seed_counts_only_the_bytes_it_sent_inside_the_window() -> None:
+    # The swarm stops at the last publication + deadline (here T); the central store goes on serving
+    # until every host holds every version, and used to count all of it: 8 versions x 10 hosts x 100 MB.
+    n, patch, t, versions, u = 10, 100 * 10**6, 0.5, 8, 10 * GBIT
+    fleet = Fleet(hosts=n, interval=t, versions=versions, patch_bytes=patch, life=math.inf, single_region=True)
+    run, churn, _ = run_strategy(fleet, "central")
+    c = 2 * L + n * patch / u  # one round: request and reply latency, then N F at the seed's uplink
+    end = (versions - 1) * t + t  # 4.0 s
+    rounds = 4  # done by 3.204 s; the fifth sends from 3.205 s at the full uplink until 4.005 s
+    assert rounds * c + 2 * L < end < (rounds + 1) * c
+    expected = rounds * n * patch + (end - (rounds * c + 2 * L)) * u  # 4.99375e9 bytes
+    assert run.seed_egress == pytest.approx(expected, rel=1e-9)
+    assert row(fleet, "central", run, churn)["seed_egress_bytes"] == pytest.approx(expected, rel=1e-9)
+    assert math.fsum(o.from_seed for o in run.outcomes) == versions * n * patch  # (all delivered, later)
 
 
 def test_same_seed_same_numbers_with_churn() -> None:
@@ -171,3 +188,23 @@ def test_merging_results_prefers_real_runs_then_larger_sources() -> None:
         "d",
         "c",
     ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"fleet": {}, "strategy": "central", "strategy": "swarm", "extrapolated_from": null}]',  # last won
+        "[" * 5000 + "]" * 5000,  # RecursionError: a traceback past the one-line error
+        '[{"fleet": {}, "strategy": "\\udc00", "extrapolated_from": null}]',  # a str no file can hold
+    ],
+)
+def test_results_and_summary_files_are_read_strictly(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "results.json"
+    f.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["plot", str(f)])
+    assert e.value.code == 2
+    f.write_text('{"points": ' + text + "}")
+    with pytest.raises(SystemExit) as e:
+        plots.main(["x", "time_to_all_s", str(tmp_path / "out.png"), str(f)])
+    assert e.value.code == 2

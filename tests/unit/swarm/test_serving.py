@@ -11,6 +11,7 @@ import contextlib
 import logging
 import resource
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -35,9 +36,16 @@ async def server() -> AsyncIterator[tuple[int, list[bytes]]]:
     async def echo(request: web.Request) -> web.Response:
         return web.Response(text=str(len(await read_body(request, 1000))))
 
-    app = web.Application()
+    @web.middleware
+    async def peek(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/peek":
+            await request.read()  # (a middleware may read the body first: aiohttp caches it)
+        return await handler(request)
+
+    app = web.Application(middlewares=[peek])
     add_routes(app, Handlers(got.append, _never, _never))
     app.router.add_post("/echo", echo)
+    app.router.add_post("/peek", echo)
     runner, port = await serve_tcp(app, "127.0.0.1", 0, LIMITS)
     try:
         yield port, got
@@ -84,12 +92,22 @@ async def test_a_gossip_frame_past_the_limit_is_refused(server: tuple[int, list[
 
 
 @pytest.mark.asyncio
+async def test_head_of_a_chunk_is_405_without_a_body_or_an_upload(server: tuple[int, list[bytes]]) -> None:
+    # (the handler, _never here, used to run and send the whole chunk after the HEAD's headers)
+    port, _ = server
+    head = f"HEAD {PREFIX}/chunks/{'ab' * 32} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    reply = await _send(port, head)
+    assert reply.startswith(b"HTTP/1.1 405") and reply.endswith(b"\r\n\r\n")
+
+
+@pytest.mark.asyncio
 async def test_bodies_in_pieces_limits_and_deadline(server: tuple[int, list[bytes]]) -> None:
     port, _ = server
     assert (await _send(port, _post("/echo", 900), b"a" * 300, b"b" * 300, b"c" * 300)).endswith(b"\r\n\r\n900")
     assert (await _send(port, _post("/echo", 1001))).startswith(b"HTTP/1.1 413")
     slow = await _send(port, _post("/echo", 900), b"a" * 10)  # the rest never comes
     assert slow.startswith(b"HTTP/1.1 408")
+    assert (await _send(port, _post("/peek", 900), b"a" * 900)).endswith(b"\r\n\r\n900")  # read once, kept
 
 
 @pytest.mark.asyncio
