@@ -263,3 +263,21 @@ def test_a_decoder_written_from_the_doc_decodes_the_committed_vector() -> None:
         reader.pos += k  # the sign bits (section 2, SPARSE_ULP)
     assert 8 * len(streams["bits"]) - reader.pos < 8
     assert reader.field(8 * len(streams["bits"]) - reader.pos) == 0
+
+
+@pytest.mark.parametrize("n", [context_coding.CTX_BLOCK, context_coding.CTX_BLOCK + 1])
+def test_blocks_of_exactly_b_and_b_plus_one_elements_at_the_real_block_size(n: int) -> None:
+    """B = 2**20 itself: changes at the last element of the first block and the first of the next
+    decode through both passes (two groups: the torch pass sorts); a lone last element claiming two
+    changes is refused."""
+    spec = TensorSpec("w", "BF16", (n,))
+    base = _base("BF16", [100 + (i & 1) for i in range(n)])
+    block = context_coding.CTX_BLOCK
+    pos = np.array([0, block - 1, *([block] if n > block else [])])
+    raw = _encoded(spec, base, pos, np.array([101], dtype=np.int64), block)
+    got = _both(raw, spec, pos.size, base, block)
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_array_equal(got, pos)
+    if n > block:  # G = 1: block 0 has no change (count 0), block 1 (one element) claims 2
+        w = doc.BitWriter().field(0, 4).gamma([1]).gamma([3])
+        _refused(w, "BF16", [100] * n, 2, "more changes than elements", block)
