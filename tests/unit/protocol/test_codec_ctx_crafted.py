@@ -28,22 +28,25 @@ from tests.support import format2_doc as doc
 from tests.support.format2 import ctx_sizes, decode_positions
 from tests.support.strategies import FLOAT_DTYPES, random_words
 
+TORCH_DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 VECTORS = Path(__file__).resolve().parents[2] / "vectors" / "_codec"
 
 
 def _both(raw: bytes, spec: TensorSpec, k: int, base: np.ndarray, block: int) -> str | np.ndarray:
-    """What the numpy pass decodes from ``raw``, checked to be what the torch pass (on CPU) decodes."""
+    """What the numpy pass decodes from ``raw``, checked to be what the torch pass decodes (on CPU, and
+    on CUDA where there is one)."""
     with ctx_sizes(block, 1 << 23, on_cpu=True):
         want = decode_positions(raw, spec, k, base, None)
-        got = decode_positions(raw, spec, k, base, "cpu")
+        gots = [decode_positions(raw, spec, k, base, d) for d in TORCH_DEVICES]
     if isinstance(want, str):
-        assert got == want
+        assert all(g == want for g in gots)
         name, _, message = want.partition(": ")
         assert issubclass(getattr(errors, name), errors.FormatError), want
         assert message and "\n" not in message
         return want
-    assert isinstance(got, np.ndarray)
-    np.testing.assert_array_equal(got, want)
+    for g in gots:
+        assert isinstance(g, np.ndarray)
+        np.testing.assert_array_equal(g, want)
     return want
 
 
