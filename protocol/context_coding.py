@@ -372,11 +372,12 @@ def field_bits(pieces: list[Piece]) -> int:
 # ---------------------------------------------------------------- decoding
 
 
-def _read_gamma(reader: StreamReader, count: int, most: int) -> np.ndarray:
-    """``count`` Elias-gamma codes (see :func:`_gamma`), each refused unless its length is below ``most``."""
+def _read_gamma(reader: StreamReader, count: int, most: int, refusal: str) -> np.ndarray:
+    """``count`` Elias-gamma codes (see :func:`_gamma`), refused with ``refusal`` unless each length
+    is below ``most``; a stream that ends early keeps the reader's own error."""
     lengths = reader.read_unary("bits", count)
     if int(lengths.max()) >= most:
-        raise FormatError("an Elias-gamma code is longer than its field allows")
+        raise FormatError(refusal)
     low = reader.read_bits("bits", int(lengths.sum())).astype(np.int64)
     out = np.empty(count, dtype=np.int64)
     o = 0
@@ -407,10 +408,8 @@ def decode_ctx(
     g_count = int(reader.read_fields("bits", 1, GROUP_BITS)[0]) + 1
     thresholds = np.zeros(0, dtype=np.int64)
     if g_count > 1:
-        try:
-            thresholds = np.cumsum(_read_gamma(reader, g_count - 1, e + 1))
-        except FormatError as exc:
-            raise FormatError(f"{spec.name}: context thresholds: {exc}") from None
+        refusal = f"{spec.name}: a context threshold step is longer than the exponent field allows"
+        thresholds = np.cumsum(_read_gamma(reader, g_count - 1, e + 1, refusal))
         if thresholds[-1] >= 1 << e:
             raise FormatError(f"{spec.name}: a context threshold exceeds the exponent field")
     block = CTX_BLOCK
@@ -421,10 +420,8 @@ def decode_ctx(
         sizes = cpass.sizes(b)
         counts = np.zeros(g_count, dtype=np.int64)
         nonempty = sizes > 0
-        try:
-            counts[nonempty] = _read_gamma(reader, int(nonempty.sum()), (nb + 1).bit_length()) - 1
-        except FormatError:
-            raise FormatError(f"{spec.name}: a context count exceeds its block") from None
+        refusal = f"{spec.name}: a context count exceeds its block"
+        counts[nonempty] = _read_gamma(reader, int(nonempty.sum()), (nb + 1).bit_length(), refusal) - 1
         if np.any(counts > sizes):
             raise FormatError(f"{spec.name}: more changes than elements in a context group")
         kb = int(counts.sum())

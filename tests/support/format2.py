@@ -1,16 +1,21 @@
 """Format-2 (SPARSE_CTX) test material: magnitude-skewed steps, which make base contexts pay, and
-payloads with bits of their decompressed ``bits`` stream flipped."""
+payloads with bits of their decompressed ``bits`` stream flipped; a position decoder run through either pass."""
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgpack
 import numpy as np
+import torch
 import zstandard
 
-from patchswarm.protocol import context_coding
+from patchswarm.protocol import context_coding, context_pass_torch
+from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.served import TensorSpec
+from patchswarm.protocol.streams import StreamReader
 from tests.support.strategies import random_words
 
 
@@ -47,3 +52,31 @@ def with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
     table[i][2] = len(comps[i])
     hz = zstandard.compress(msgpack.packb([records, table]))
     return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
+
+
+@contextmanager
+def ctx_sizes(block: int, batch: int, on_cpu: bool = False) -> Iterator[None]:
+    """Small blocks and batches (several of each in a small tensor); ``on_cpu``: CPU bases take the torch pass."""
+    saved = context_coding.CTX_BLOCK, context_pass_torch.BATCH_ELEMENTS, context_pass_torch.ON_CPU
+    context_coding.CTX_BLOCK, context_pass_torch.BATCH_ELEMENTS, context_pass_torch.ON_CPU = block, batch, on_cpu
+    try:
+        yield
+    finally:
+        context_coding.CTX_BLOCK, context_pass_torch.BATCH_ELEMENTS, context_pass_torch.ON_CPU = saved
+
+
+def decode_positions(raw: bytes, spec: TensorSpec, k: int, base: np.ndarray, device: str | None) -> str | np.ndarray:
+    """The positions one pass decodes from the bit stream ``raw`` (numpy's with ``device`` None), or its error."""
+    reader = StreamReader([("bits", len(raw), memoryview(zstandard.compress(raw)))])
+    try:
+        if device is None:
+            got = context_coding.read_ctx_positions(reader, spec, k, base)
+        else:
+            words = torch.from_numpy(base).to(device)
+            pos = context_pass_torch.read_ctx_positions_torch(reader, spec, k, words)
+            assert pos.device == words.device and pos.dtype == torch.int64
+            got = pos.cpu().numpy()
+        reader.finish()
+    except PatchswarmError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return got
