@@ -72,12 +72,11 @@ from patchswarm.daemon.sharded_publish import _Rank
 from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from patchswarm.protocol.codec import DEFAULT_FORMAT
 from patchswarm.protocol.errors import PublisherBehindError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
-from patchswarm.protocol.patch_format import PAYLOAD_FORMATS
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT, PAYLOAD_FORMATS
 from patchswarm.protocol.served import ServedModel
 from patchswarm.swarm.puller import Puller
 
