@@ -94,24 +94,26 @@ class CatchUpPlanner:
 
     def __init__(self, payload_formats: Collection[int] = PAYLOAD_FORMATS) -> None:
         self.payload_formats = tuple(sorted(set(payload_formats)))
-        self.unreadable: dict[bytes, str] = {}  # manifest id -> why this host cannot take that version
+        # manifest id -> (its version, why this host cannot take it)
+        self.unreadable: dict[bytes, tuple[int, str]] = {}
 
     def readable(self, entry: CatalogEntry, manifest: Manifest) -> str | None:
         """None if the host can take ``manifest`` (of ``entry``); else the one-line reason, remembered."""
         why = manifest.unmet_need(self.payload_formats)
         if why is not None:
-            self.unreadable[entry.manifest_id] = why
+            self.unreadable[entry.manifest_id] = (entry.version, why)
         return why
 
     def plan(self, catalog: Collection[CatalogEntry], have: int | None, want: int) -> list[CatalogEntry]:
         """:func:`plan` without the unreadable versions (forgotten once the catalog no longer lists them)."""
         named = {e.manifest_id for e in catalog}
-        self.unreadable = {mid: why for mid, why in self.unreadable.items() if mid in named}
+        self.unreadable = {mid: got for mid, got in self.unreadable.items() if mid in named}
         try:
             return plan(catalog, have, want, skip=self.unreadable)
         except NoPathError as e:
-            if not self.unreadable:
+            # The versions in the way: the newest unreadable ones past what the host holds.
+            why = [w for v, w in sorted(self.unreadable.values(), reverse=True) if have is None or v > have]
+            if not why:
                 raise
-            why = list(self.unreadable.values())
             more = f"; and {len(why) - 2} more" if len(why) > 2 else ""
             raise NoPathError(f"{e} that this build reads ({'; '.join(why[:2])}{more})") from None
