@@ -280,8 +280,8 @@ def payload_format(text: str) -> int:
 
 PAYLOAD_FORMAT_HELP = (
     "2 (default): float positions coded under base-value contexts where that is smaller (about 0.75x the "
-    "bytes, slower to apply; docs/format.md section 2a); 1: for fleets with hosts of builds before format 2, "
-    "which plan around format-2 patches (via anchors) and so fall behind"
+    "bytes, slower to apply; docs/format.md section 2a); 1: every build reads it, for fleets that still "
+    "have hosts of builds before manifest format 2 (they refuse format-2 patches and stay where they are)"
 )
 
 

@@ -7,8 +7,9 @@ served version, encode, sign and write to the board, then move the head.
         ...
         info = pub.publish(model)        # version, changed fraction, patch bytes, seconds
 
-``payload_format=2`` lets patches code float positions under base-value contexts (docs/format.md
-section 2a; hosts must read format 2: docs/board.md, "Payload format"); 1, the default, every build reads.
+``payload_format`` 2, the default, lets patches code float positions under base-value contexts where
+that is smaller (docs/format.md section 2a; their manifests say so, section 4); 1 every build reads,
+for fleets with hosts of builds before manifest format 2 (docs/board.md, "Payload format").
 
 ``board`` is a directory or an object store URL (``s3://bucket/prefix``, ``gs://``, ``az://``;
 daemon/board_store.py), credentials from the provider's environment.  Two publishers of one run
