@@ -10,6 +10,7 @@ from patchswarm.daemon import cli_args
 from patchswarm.daemon.cli_console import err_console, say
 from patchswarm.daemon.patch_cli import write_model
 from patchswarm.daemon.user_error import UserError
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT
 
 if TYPE_CHECKING:
     from patchswarm.daemon.publisher import Publisher
@@ -34,7 +35,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     assert isinstance(info, PublishInfo)
     say(
         f"published version {info.version} of run {args.run_id!r} (served {_format_label(pub.format)}"
-        + (f", payload format {pub.payload_format}" if pub.payload_format != 1 else "")
+        + (f", payload format {pub.payload_format}" if pub.payload_format != DEFAULT_FORMAT else "")
         + "): "
         f"{100 * info.changed_fraction:.3f}% changed, "
         f"patch {info.patch_bytes:,} bytes" + (f", anchor {info.anchor_bytes:,} bytes" if info.anchor_bytes else "")

@@ -26,6 +26,7 @@ from patchswarm.daemon.simulate_cli import add_simulate_parser
 from patchswarm.daemon.swarm_cli import add_seed_args, add_swarm_args, add_tls_args, cmd_node
 from patchswarm.daemon.trust_cli import cmd_certify, cmd_keygen, cmd_revoke, cmd_rotate_root
 from patchswarm.daemon.user_error import UserError
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT
 
 # Everything heavy (torch, numpy, aiohttp, rich) loads inside the command that needs it, so that
 # ``--help``, ``--version`` and a usage error answer at once.  The commands live in one module a
@@ -133,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp8-e4m3 scales: NxN blocks (default 128) or one per tensor",
     )
     pb.add_argument(
-        "--payload-format", type=cli_args.payload_format, default=1, metavar="1|2", help=cli_args.PAYLOAD_FORMAT_HELP
+        "--payload-format",
+        type=cli_args.payload_format,
+        default=DEFAULT_FORMAT,
+        metavar="1|2",
+        help=cli_args.PAYLOAD_FORMAT_HELP,
     )
     add_head_ttl_arg(pb)
     pb.set_defaults(func=cmd_publish)
@@ -214,7 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--chunk-size", type=cli_args.chunk_size, default=1 << 20, metavar="BYTES")
     d.add_argument("--level", type=cli_args.zstd_level, default=3, help="zstd level (default 3)")
     d.add_argument(
-        "--payload-format", type=cli_args.payload_format, default=1, metavar="1|2", help=cli_args.PAYLOAD_FORMAT_HELP
+        "--payload-format",
+        type=cli_args.payload_format,
+        default=DEFAULT_FORMAT,
+        metavar="1|2",
+        help=cli_args.PAYLOAD_FORMAT_HELP,
     )
     d.set_defaults(func=cmd_diff, check=_check_diff)
 

@@ -270,8 +270,8 @@ def served_format(text: str) -> str:
 
 
 def payload_format(text: str) -> int:
-    """A patch payload format this build writes (protocol/patch_format.py PAYLOAD_FORMATS: 1 or 2)."""
-    from patchswarm.protocol.patch_format import PAYLOAD_FORMATS
+    """A patch payload format this build writes (protocol/payload_formats.py PAYLOAD_FORMATS: 1 or 2)."""
+    from patchswarm.protocol.payload_formats import PAYLOAD_FORMATS
 
     if text.strip() not in {str(f) for f in PAYLOAD_FORMATS}:
         raise argparse.ArgumentTypeError(f"expected {' or '.join(map(str, PAYLOAD_FORMATS))}, got {text!r}")
@@ -279,8 +279,9 @@ def payload_format(text: str) -> int:
 
 
 PAYLOAD_FORMAT_HELP = (
-    "2: float positions coded under base-value contexts where smaller (about 0.75x the bytes, slower to "
-    "apply; hosts need a build that reads format 2, docs/format.md section 2a); 1 (default): every build reads it"
+    "2 (default): float positions coded under base-value contexts where that is smaller (about 0.75x the "
+    "bytes, slower to apply; docs/format.md section 2a); 1: every build reads it, for fleets that still "
+    "have hosts of builds before manifest format 2 (they refuse format-2 patches and stay where they are)"
 )
 
 

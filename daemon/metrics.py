@@ -67,6 +67,11 @@ class DaemonMetrics:
             "Board objects from peers or mirrors that were not the ones asked for (wrong manifest hash)",
             registry=r,
         )
+        self.versions_unreadable = Counter(
+            "patchswarm_versions_unreadable",
+            "Versions skipped before any chunk was fetched: their manifest needs what this build cannot read",
+            registry=r,
+        )
         self.run_halted = Gauge(
             "patchswarm_run_halted",
             "1 when equivocation by the run's signer halted it (proof kept on disk)",
@@ -109,6 +114,7 @@ class DaemonMetrics:
         self._applied: int | None = None
         self._refused_seen: dict[str, int] = {}
         self._objects_seen = 0
+        self._unreadable_seen = 0
         self._stale_since: float | None = None
 
     def sync(
@@ -168,6 +174,9 @@ class DaemonMetrics:
         if refused_objects > self._objects_seen:
             self.objects_refused.inc(refused_objects - self._objects_seen)
             self._objects_seen = refused_objects
+        if stats.unreadable > self._unreadable_seen:
+            self.versions_unreadable.inc(stats.unreadable - self._unreadable_seen)
+            self._unreadable_seen = stats.unreadable
         self.run_halted.set(1 if swarm.puller.tracker.halted else 0)
         # A host that only ever saw expired heads (started after the board froze) still exports how long ago.
         expires_ms = max(stats.head_expires_ms or 0, stats.frozen_since_ms or 0) or None

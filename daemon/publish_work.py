@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from patchswarm.daemon.served_format import ServedFormat, check_fp16
-from patchswarm.protocol.codec import DEFAULT_FORMAT, TensorDelta, diff_tensor
+from patchswarm.protocol.codec import TensorDelta, diff_tensor
 from patchswarm.protocol.diffscan import Changes
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, word_view
 
 

@@ -7,8 +7,9 @@ served version, encode, sign and write to the board, then move the head.
         ...
         info = pub.publish(model)        # version, changed fraction, patch bytes, seconds
 
-``payload_format=2`` lets patches code float positions under base-value contexts (docs/format.md
-section 2a; hosts must read format 2: docs/board.md, "Payload format"); 1, the default, every build reads.
+``payload_format`` 2, the default, lets patches code float positions under base-value contexts where
+that is smaller (docs/format.md section 2a; their manifests say so, section 4); 1 every build reads,
+for fleets with hosts of builds before manifest format 2 (docs/board.md, "Payload format").
 
 ``board`` is a directory or an object store URL (``s3://bucket/prefix``, ``gs://``, ``az://``;
 daemon/board_store.py), credentials from the provider's environment.  Two publishers of one run
@@ -72,12 +73,11 @@ from patchswarm.daemon.sharded_publish import _Rank
 from patchswarm.protocol.board_names import head_rel
 from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from patchswarm.protocol.codec import DEFAULT_FORMAT
 from patchswarm.protocol.errors import PublisherBehindError
 from patchswarm.protocol.head import Head
 from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
-from patchswarm.protocol.patch_format import PAYLOAD_FORMATS
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT, PAYLOAD_FORMATS
 from patchswarm.protocol.served import ServedModel
 from patchswarm.swarm.puller import Puller
 

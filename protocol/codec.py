@@ -46,7 +46,6 @@ import torch
 from patchswarm.protocol.diffscan import Changes, scan
 from patchswarm.protocol.errors import FormatError
 from patchswarm.protocol.patch_format import (
-    PAYLOAD_FORMATS,
     EncodedPatch,
     Encoding,
     TensorStat,
@@ -55,6 +54,7 @@ from patchswarm.protocol.patch_format import (
     pack_payload,
     read_header,
 )
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT, PAYLOAD_FORMATS
 from patchswarm.protocol.position_coding import _read_positions
 from patchswarm.protocol.served import ServedModel, TensorSpec, word_view
 from patchswarm.protocol.streams import Fields, Piece, StreamReader, StreamWriter, compressed_size
@@ -74,10 +74,6 @@ from patchswarm.protocol.value_coding import (
 
 # Tensors with at least this fraction changed also try the dense encodings and keep the smallest.
 DENSE_PROBE = 0.05
-# The payload format a publisher writes unless told otherwise (docs/benchmarks.md: format 2 is
-# smaller, but its decoder reads every base element of a changed float tensor, format 1 only the
-# changed ones).
-DEFAULT_FORMAT = 1
 
 
 Progress = Callable[[int], None]  # called with the byte size of each tensor done

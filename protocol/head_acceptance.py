@@ -35,6 +35,7 @@ class PullStats:
     head_created_ms: int | None = None  # of the newest head seen, accepted or refused as expired (its age)
     frozen_since_ms: int | None = None  # expiry of the head this host last found expired; None once a fresh one came
     marks_dropped: int = 0  # high-water marks forgotten because their signer was revoked
+    unreadable: int = 0  # versions skipped unfetched: their manifest needs what this build cannot read
 
 
 class HeadAcceptance:

@@ -1,8 +1,9 @@
 """Version manifests: canonical msgpack bytes, Ed25519-signed, verified before any field is trusted.
 
 A manifest describes one published version exactly: which run and version it is, whether it
-is a patch (with its base) or a full anchor, the target's layout and per-tensor digests, and
-the size and hash of every chunk of its payload.  See docs/format.md for the byte layout.
+is a patch (with its base) or a full anchor, what a host must be able to do to take it (``needs``:
+its payload format), the target's layout and per-tensor digests, and the size and hash of every
+chunk of its payload.  See docs/format.md for the byte layout.
 """
 
 from __future__ import annotations
@@ -29,11 +30,23 @@ from patchswarm.protocol.served import TensorSpec, layout_hash, state_root
 from patchswarm.protocol.signed import Envelope
 from patchswarm.protocol.streams import MAX_EXPANSION
 
-FORMAT_VERSION = 1
+# Manifest format 2 is format 1 plus ``needs``, written exactly when ``needs`` is not empty: builds
+# before it refuse such a manifest with one line ("manifest format 2 (this build reads 1)"), having
+# fetched nothing of the version, and every manifest that needs nothing stays byte-identical to format 1.
+FORMAT_VERSION = 2  # the newest this build reads
+MANIFEST_FORMATS = (1, 2)
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_NUMEL = 1 << 48
 MAX_NAME = 1024
 MAX_RANK = 16
+# ``needs``: what a host must bring to take a version.  Each entry is absent at its default (a
+# format-1 manifest has no ``needs``: payload format 1, nothing else), so there is one spelling per
+# manifest.  A key this build does not know is kept (it is signed) and makes the version unreadable
+# here (``unmet_need``): a later need, say a history of earlier patches, sends a host of this build
+# around the version instead of failing its manifest.
+NEED_PAYLOAD_FORMAT = "payload_format"
+MAX_NEEDS = 16
+MAX_NEED_NAME = 64
 
 
 class Kind(StrEnum):
@@ -60,16 +73,32 @@ class Manifest:
     expires_ms: int
     prev_manifest: bytes | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    needs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def payload_format(self) -> int:
+        """The payload format the payload declares (docs/format.md section 2a); 1 when ``needs`` omits it."""
+        return self.needs.get(NEED_PAYLOAD_FORMAT, 1)
+
+    def unmet_need(self, payload_formats: tuple[int, ...]) -> str | None:
+        """Why a host reading ``payload_formats`` cannot take this version (one line), or None if it can."""
+        unknown = sorted(k for k in self.needs if k != NEED_PAYLOAD_FORMAT)
+        if unknown:
+            return f"version {self.version} needs {unknown[0]!r}, which this build does not know"
+        if self.payload_format not in payload_formats:
+            have = ", ".join(map(str, payload_formats))
+            return f"version {self.version}: patch payload format {self.payload_format} (this build reads {have})"
+        return None
 
     # ------------------------------------------------------------ canonical bytes
 
     def to_bytes(self) -> bytes:
         base = None if self.base_version is None else {"root": self.base_root, "version": self.base_version}
-        body = {
+        body: dict[str, Any] = {
             "base": base,
             "created_ms": self.created_ms,
             "expires_ms": self.expires_ms,
-            "format": FORMAT_VERSION,
+            "format": 2 if self.needs else 1,
             "kind": str(self.kind),
             "payload": {
                 "chunk_size": self.chunk_size,
@@ -87,6 +116,9 @@ class Manifest:
             },
             "version": self.version,
         }
+        if self.needs:  # (absent when empty: a manifest that needs nothing is format 1, as before needs)
+            body["needs"] = dict(sorted(self.needs.items()))
+            body = dict(sorted(body.items()))
         packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed
 
@@ -115,8 +147,9 @@ class Manifest:
     def _from_obj(cls, obj: Any) -> Manifest:
         d = as_map(obj, "manifest")
         fmt = d["format"]
-        if fmt != FORMAT_VERSION:
-            raise UnsupportedFormatError(f"manifest format {fmt!r} (this build reads {FORMAT_VERSION})")
+        if fmt not in MANIFEST_FORMATS or type(fmt) is not int:
+            have = ", ".join(map(str, MANIFEST_FORMATS))
+            raise UnsupportedFormatError(f"manifest format {fmt!r} (this build reads {have})")
         base = d["base"]
         if base is not None:
             base = as_map(base, "base")
@@ -140,6 +173,14 @@ class Manifest:
         metadata = as_map(target["metadata"], "metadata")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise FormatError("metadata must map strings to strings")
+        needs = as_map(d["needs"], "needs") if fmt >= 2 else {}
+        if fmt >= 2 and not needs:
+            raise FormatError("manifest format 2 lists no needs (a manifest that needs nothing is format 1)")
+        if len(needs) > MAX_NEEDS:
+            raise LimitExceededError(f"manifest lists {len(needs)} needs (at most {MAX_NEEDS})")
+        for k, v in needs.items():
+            if not (isinstance(k, str) and 0 < len(k) <= MAX_NEED_NAME and is_uint(v)):
+                raise FormatError(f"needs must map names of 1 to {MAX_NEED_NAME} characters to non-negative ints")
         chunks = []
         for c in as_list(payload["chunks"], "chunks"):
             if not (isinstance(c, list) and len(c) == 2 and is_uint(c[0])):
@@ -163,6 +204,7 @@ class Manifest:
             expires_ms=as_uint(d["expires_ms"], "expires_ms"),
             prev_manifest=None if d["prev"] is None else as_digest(d["prev"], "prev"),
             metadata=dict(metadata),
+            needs=dict(needs),
         )
 
     # ------------------------------------------------------------ consistency
@@ -198,6 +240,9 @@ class Manifest:
             raise LimitExceededError(f"an anchor of {self.nbytes} bytes cannot fit a {self.payload_size}-byte payload")
         if self.expires_ms < self.created_ms:
             raise FormatError("manifest expires before it was created")
+        if NEED_PAYLOAD_FORMAT in self.needs and self.payload_format < 2:
+            # (1 is the default, spelled by leaving it out: one manifest, one byte string)
+            raise FormatError(f"needs payload_format {self.payload_format}: only formats above 1 are written")
 
     def raw_bound(self) -> int:
         """Upper bound of decoded stream bytes for this layout (see patch_format.raw_bound)."""

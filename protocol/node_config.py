@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from patchswarm.protocol.membership_config import MembershipConfig
+from patchswarm.protocol.payload_formats import PAYLOAD_FORMATS
 from patchswarm.protocol.scheduler_types import SchedulerConfig
 
 
@@ -91,6 +92,10 @@ class NodeConfig:
     # joined, trees planted at once took 2.8x the bound).  A node that may not plant uses the usual rules.
     tree_settle: float = 1.0
     cache_bytes: int = 1 << 30
+    # The patch payload formats this node takes: every one its build reads.  Fewer only to act as an
+    # older build would (tests, a fleet rehearsing an upgrade): a version needing another is planned
+    # around from its manifest, none of its chunks fetched (protocol/catalog.py CatchUpPlanner).
+    payload_formats: tuple[int, ...] = PAYLOAD_FORMATS
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

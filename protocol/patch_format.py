@@ -17,13 +17,12 @@ import zstandard
 from patchswarm.protocol.context_coding import MANTISSA, ctx_bound_bits, exponent_field
 from patchswarm.protocol.docfields import read_prefix
 from patchswarm.protocol.errors import FormatError, LimitExceededError, TruncatedError
+from patchswarm.protocol.payload_formats import PAYLOAD_FORMATS
 from patchswarm.protocol.position_coding import rice_bits
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import MAX_EXPANSION, MAX_WINDOW, check_frame
 
 PAYLOAD_MAGIC = b"PSWP"
-PAYLOAD_FORMAT = 2  # the newest this build writes; it reads every format in PAYLOAD_FORMATS
-PAYLOAD_FORMATS = (1, 2)
 _PREFIX = struct.Struct("<4sB3xI")  # magic, format, reserved, compressed header length
 
 
@@ -116,6 +115,12 @@ def raw_bound(spec: TensorSpec, enc: Encoding, k: int) -> int:
     if enc == Encoding.SPARSE_ULP:
         return (bits + k + 7) // 8 + 1 + (k + 7) // 8 + 1 + k + k * w
     return (bits + 7) // 8 + 1 + k * w
+
+
+def declared_format(payload: bytes | memoryview) -> int:
+    """The payload format a payload's prefix declares (magic and format checked; nothing else read)."""
+    read_prefix(_PREFIX, memoryview(payload), PAYLOAD_MAGIC, PAYLOAD_FORMATS, "patch payload")
+    return payload[4]
 
 
 def read_header(payload: bytes | memoryview, specs: list[TensorSpec]) -> PatchHeader:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from patchswarm.protocol.chunks import DEFAULT_CHUNK_SIZE, split, verify_payload
-from patchswarm.protocol.codec import DEFAULT_FORMAT, Progress, apply_update, encode_patch, iter_updates
+from patchswarm.protocol.codec import Progress, apply_update, encode_patch, iter_updates
 from patchswarm.protocol.docfields import read_prefix
 from patchswarm.protocol.errors import (
     BaseMismatchError,
@@ -27,8 +27,9 @@ from patchswarm.protocol.errors import (
 )
 from patchswarm.protocol.files import open_regular, write_atomic
 from patchswarm.protocol.keys import KeyPolicy, SigningKey
-from patchswarm.protocol.manifest import MAX_MANIFEST_BYTES, Kind, Manifest, SignedManifest
-from patchswarm.protocol.patch_format import EncodedPatch, anchor_header
+from patchswarm.protocol.manifest import MAX_MANIFEST_BYTES, NEED_PAYLOAD_FORMAT, Kind, Manifest, SignedManifest
+from patchswarm.protocol.patch_format import EncodedPatch, anchor_header, declared_format
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT
 from patchswarm.protocol.served import ServedModel, TensorSpec, bytes_digest, layout_hash, state_root
 
 FILE_MAGIC = b"PSWPATCH"
@@ -115,6 +116,7 @@ def sign_version(
     """
     if (base_version is None) != (base_root is None):
         raise ValueError("give both base_version and base_root (patch), or neither (anchor)")
+    fmt = declared_format(encoded.payload)
     manifest = Manifest(
         run_id=run_id,
         version=version,
@@ -133,6 +135,7 @@ def sign_version(
         expires_ms=now_ms + ttl_ms,
         prev_manifest=prev_manifest,
         metadata=dict(metadata or {}),
+        needs={NEED_PAYLOAD_FORMAT: fmt} if fmt > 1 else {},  # (a host that cannot read it skips it unfetched)
     )
     manifest.check()
     return Version(SignedManifest.sign(manifest, key), manifest, encoded.payload, encoded)
@@ -265,6 +268,12 @@ def apply_version(
     considered garbage (callers apply to a staging copy, or journal first).
     """
     specs = list(manifest.specs)
+    fmt = declared_format(payload)
+    if fmt != manifest.payload_format:
+        # The manifest is what a host decides to download by (docs/format.md section 4): it must be exact.
+        raise FormatError(
+            f"payload of version {manifest.version} declares format {fmt}; its manifest says {manifest.payload_format}"
+        )
     if manifest.kind == Kind.ANCHOR:
         anchor_header(payload, specs)  # its size backed by the payload before it is allocated
         if into is not None and into.specs != specs:

@@ -27,7 +27,7 @@ from typing import Any
 
 from patchswarm.protocol.announce import AnnouncePolicy
 from patchswarm.protocol.board_names import HEAD_TAG, head_rel, manifest_rel
-from patchswarm.protocol.catalog import CatalogEntry, plan
+from patchswarm.protocol.catalog import CatalogEntry
 from patchswarm.protocol.chunks import verify_chunk
 from patchswarm.protocol.download import Downloads, retry_delay
 from patchswarm.protocol.errors import PatchswarmError
@@ -122,7 +122,9 @@ class SwarmNode:
             config, self.info, self.peers, self.live, self.membership, self.seeding, self.partial, rng
         )
         self.source = SwarmSource(self, config.seed_urls)
-        self.puller = Puller(self.source, policy, config.run_id, clock=self._wall)
+        self.puller = Puller(
+            self.source, policy, config.run_id, clock=self._wall, payload_formats=config.payload_formats
+        )
         self._wake = asyncio.Event()
         self._announce_dirty = False
         self._announce_wake = asyncio.Event()  # set with _announce_dirty: wakes an idle announce loop
@@ -534,12 +536,16 @@ class SwarmNode:
         return retry_delay(self.config, self.failures, self.rng)
 
     async def _catch_up(self, head: Head) -> None:
-        steps = plan(head.catalog, self.held.version if self.held else None, head.version)
-        for entry in steps:
+        steps = self.puller.plan(head, self.held)
+        while steps:
+            entry = steps.pop(0)
             self.phase = "fetching"
             manifest, signed = await self.puller.fetch_signed_manifest(entry)
             log.debug("%s: manifest of version %d fetched", self.info.node_id, entry.version)
             self.marks.append(("manifest", entry.version, self.clock.now()))
+            if not self.puller.readable(entry, manifest):  # (said and counted there) nothing of it fetched
+                steps = self.puller.plan(head, self.held)
+                continue
             rel = manifest_rel(entry.manifest_id)
             self.objects[rel] = signed  # the bytes that verified, and only those, are served
             self.source.forget(rel)

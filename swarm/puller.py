@@ -3,15 +3,17 @@
 ``Puller`` refreshes the trust root (root documents N+1, N+2, ... until one is missing), fetches
 the head and has protocol/head_acceptance.py's ``HeadAcceptance`` verify it (signature, certified
 key, expiry, no rewind), plans the fewest-bytes path through the head's catalog, and for each step
-fetches and verifies the manifest, then every chunk, then applies and checks base and target
-digests.  The swarm node and the rollout daemon reuse it.
+fetches and verifies the manifest, then (if this build can read what it declares; else it plans
+around that version) every chunk, then applies and checks base and target digests.  The swarm node
+and the rollout daemon reuse it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import blake3
 
@@ -24,7 +26,7 @@ from patchswarm.protocol.board_names import (
     manifest_rel,
     root_rel,
 )
-from patchswarm.protocol.catalog import CatalogEntry, plan
+from patchswarm.protocol.catalog import CatalogEntry, CatchUpPlanner
 from patchswarm.protocol.chunks import verify_chunk
 from patchswarm.protocol.errors import ChunkError, FormatError, MissingError, PatchswarmError, UntrustedKeyError
 from patchswarm.protocol.head import Head, HeadTracker
@@ -33,10 +35,13 @@ from patchswarm.protocol.held import Held
 from patchswarm.protocol.keys import KeyPolicy
 from patchswarm.protocol.manifest import Manifest, SignedManifest
 from patchswarm.protocol.patchfile import apply_version
+from patchswarm.protocol.payload_formats import PAYLOAD_FORMATS
 from patchswarm.protocol.served import ServedModel, state_root
 from patchswarm.protocol.signed import MAX_ENVELOPE_BYTES
 from patchswarm.protocol.trust import TrustState
 from patchswarm.swarm.board_sources import BoardSource
+
+log = logging.getLogger("patchswarm.pull")
 
 
 class Puller:
@@ -50,13 +55,17 @@ class Puller:
         tracker: HeadTracker | None = None,
         concurrency: int = 8,
         allow_expired: bool = False,
+        payload_formats: Collection[int] = PAYLOAD_FORMATS,
     ) -> None:
         """``allow_expired``: only for the run's own signer resuming it (daemon/publisher.py): an
-        expired head or manifest is still the run's latest word to it.  Never for a host."""
+        expired head or manifest is still the run's latest word to it.  Never for a host.
+        ``payload_formats``: the patch payload formats this host takes (protocol/catalog.py
+        ``CatchUpPlanner``); a version needing another is planned around, none of it fetched."""
         self.source = source
         self.clock = clock
         self.concurrency = concurrency
         self.acceptance = HeadAcceptance(trust, run_id, tracker=tracker, allow_expired=allow_expired)
+        self.planner = CatchUpPlanner(payload_formats)
 
     @property
     def trust(self) -> KeyPolicy:
@@ -151,6 +160,20 @@ class Puller:
         self.stats.bytes_fetched += len(data)
         return m, data
 
+    def plan(self, head: Head, held: Held | None) -> list[CatalogEntry]:
+        """The steps from ``held`` to ``head``'s version, through versions this host can read only."""
+        return self.planner.plan(head.catalog, held.version if held else None, head.version)
+
+    def readable(self, entry: CatalogEntry, manifest: Manifest) -> bool:
+        """Whether this host can take a verified manifest; if not, it is counted and said in one line,
+        and the next :meth:`plan` goes around it (nothing of its payload is fetched)."""
+        why = self.planner.readable(entry, manifest)
+        if why is None:
+            return True
+        self.stats.unreadable += 1
+        log.warning("skipping %s; planning around it", why, extra={"version": manifest.version})
+        return False
+
     async def fetch_payload(self, manifest: Manifest) -> bytes:
         sem = asyncio.Semaphore(self.concurrency)
 
@@ -184,19 +207,24 @@ class Puller:
         step leaves it unusable, which suits a caller that only writes the final result).
         """
         head = head or await self.fetch_head()
-        steps = plan(head.catalog, held.version if held else None, head.version)
-        self.stats.steps = steps
+        steps = self.plan(head, held)
+        self.stats.steps = []  # the steps taken, as they are
         cur = held
-        if held is not None and steps and steps[0].base_version is not None and not in_place:
-            cur = Held(held.version, held.model.clone(), list(held.digests))
-        for entry in steps:
+        while steps:
+            entry = steps.pop(0)
             m = await self.fetch_manifest(entry)
+            if not self.readable(entry, m):
+                steps = self.plan(head, cur)
+                continue
+            if cur is held and held is not None and entry.base_version is not None and not in_place:
+                cur = Held(held.version, held.model.clone(), list(held.digests))
             payload = await self.fetch_payload(m)
             base = None if cur is None or entry.base_version is None else cur
             model, digests = apply_version(
                 base.model if base else None, m, payload, base_digests=base.digests if base else None
             )
             cur = Held(m.version, model, digests)
+            self.stats.steps.append(entry)
         if cur is None:
             raise MissingError("nothing to pull: the head's catalog is empty")
         return cur

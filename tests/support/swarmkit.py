@@ -18,6 +18,7 @@ from patchswarm.protocol.board_names import HEAD_TAG, head_rel
 from patchswarm.protocol.keys import SigningKey
 from patchswarm.protocol.membership_config import MembershipConfig
 from patchswarm.protocol.node_config import NodeConfig
+from patchswarm.protocol.payload_formats import DEFAULT_FORMAT
 from patchswarm.protocol.served import ServedModel
 from patchswarm.protocol.trust import Certificate, TrustState
 from patchswarm.swarm.server import RunningNode, start_http_node
@@ -42,7 +43,7 @@ class Swarm:
     pub: Publisher | None = None
     gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
     tls_for: Callable[[str], TlsReloader] | None = None  # a node's TLS contexts, by name (tests/support/tlskit.py)
-    payload_format: int = 1  # of the trainer's patches (docs/format.md section 2a)
+    payload_format: int = DEFAULT_FORMAT  # of the trainer's patches (docs/format.md section 2a)
 
     def __post_init__(self) -> None:
         now = int(time.time() * 1000)

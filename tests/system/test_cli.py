@@ -46,7 +46,9 @@ def test_inspect_json(work: Path) -> None:
     info = json.loads(r.stdout)
     assert info["version"] == 1 and info["kind"] == "patch" and info["chunk_count"] >= 1
     assert 0 < info["changed"] < info["elements"]
-    assert {t["encoding"] for t in info["tensors"]} <= {"SAME", "SPARSE_ULP", "SPARSE_RAW", "XOR", "FULL"}
+    encodings = {t["encoding"] for t in info["tensors"]}
+    assert encodings <= {"SAME", "SPARSE_ULP", "SPARSE_RAW", "XOR", "FULL", "SPARSE_CTX"}
+    assert info["payload_format"] == (2 if "SPARSE_CTX" in encodings else 1)  # (diff's default allows 2)
 
 
 def test_diff_in_payload_format_2_applies_exactly(work: Path) -> None:

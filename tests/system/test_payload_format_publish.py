@@ -33,7 +33,7 @@ async def same_bytes(d: Daemon, sw: Swarm, v: int) -> None:
 
 @pytest.mark.asyncio
 async def test_format_2_versions_reach_a_following_and_a_late_daemon_bitwise(tmp_path: Path) -> None:
-    sw = Swarm(tmp_path, payload_format=2)
+    sw = Swarm(tmp_path)  # the trainer at the default payload format (2)
     sw.publish()
     await sw.start_seed()
     d1 = make_daemon(sw, "d1", tmp_path)
@@ -66,18 +66,23 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def test_publish_option_writes_format_2_and_refuses_a_bad_value_in_one_line(tmp_path: Path) -> None:
+def test_publish_writes_format_2_by_default_1_when_asked_and_refuses_a_bad_value_in_one_line(tmp_path: Path) -> None:
     assert cli("keygen", "-o", "key", cwd=tmp_path).returncode == 0
     g = torch.Generator().manual_seed(1)
     w = torch.randn(128, 128, generator=g) * 0.02
     common = ["--board", "board", "--key", "key", "--run-id", "r"]
-    for _ in range(2):
+    # The default is format 2 (where smaller); 1 is still there for fleets with older hosts, and named.
+    for option, label in (
+        ([], "(served bf16)"),
+        ([], "(served bf16)"),
+        (["--payload-format", "1"], "(served bf16, payload format 1)"),
+    ):
         (tmp_path / "ck").mkdir(exist_ok=True)
         save_file({"model.layers.0.mlp.up_proj.weight": w.clone()}, str(tmp_path / "ck" / "model.safetensors"))
-        r = cli("publish", "ck", *common, "--payload-format", "2", cwd=tmp_path)
-        assert r.returncode == 0 and "(served bf16, payload format 2)" in r.stdout, (r.stdout, r.stderr)
+        r = cli("publish", "ck", *common, *option, cwd=tmp_path)
+        assert r.returncode == 0 and label in r.stdout, (r.stdout, r.stderr)
         w += torch.randn(w.shape, generator=g) * 2e-5
-    assert board_patches(Board(tmp_path / "board"), "r") == {2: (2, ["SPARSE_CTX"])}
+    assert board_patches(Board(tmp_path / "board"), "r") == {2: (2, ["SPARSE_CTX"]), 3: (1, ["SPARSE_ULP"])}
     for bad in ("3", "0", "two", "1.5"):
         r = cli("publish", "ck", *common, "--payload-format", bad, cwd=tmp_path)
         err = r.stderr.strip()

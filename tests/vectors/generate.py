@@ -224,16 +224,17 @@ def manifest_cases() -> None:
     reordered = msgpack.packb(dict(reversed(list(msgpack.unpackb(body, raw=False).items()))), use_bin_type=True)
     c("non-canonical", "FormatError", "not canonical", "same fields, other key order", env(MANIFEST_TAG, reordered))
 
-    def fmt2(o: dict[str, Any]) -> None:
-        o["format"] = 2
+    def fmt3(o: dict[str, Any]) -> None:
+        o["format"] = 3
 
     c(
         "unsupported-format",
         "UnsupportedFormatError",
-        "manifest format 2",
+        "manifest format 3",
         "format version from the future",
-        env(MANIFEST_TAG, body_edit(body, fmt2)),
+        env(MANIFEST_TAG, body_edit(body, fmt3)),
     )
+    needs_cases()
 
     def drop_prev(o: dict[str, Any]) -> None:
         del o["prev"]
@@ -321,6 +322,71 @@ def manifest_cases() -> None:
         "expires before it was created",
         "expires_ms < created_ms",
         signed(dataclasses.replace(m, expires_ms=m.created_ms - 1)),
+    )
+
+
+def needs_cases() -> None:
+    """Manifest format 2: format 1 plus ``needs`` (docs/format.md section 4)."""
+    patch = ft.versions()[0]
+    body = patch.signed.body
+    c = lambda name, err, msg, desc, data, **kw: case("manifest", name, err, msg, desc, {"input.bin": data}, **kw)  # noqa: E731
+
+    def needs(value: Any, fmt: int = 2) -> bytes:
+        def edit(o: dict[str, Any]) -> None:
+            o["format"] = fmt
+            o["needs"] = value
+
+        obj = msgpack.unpackb(body_edit(body, edit), raw=False)
+        return env(MANIFEST_TAG, msgpack.packb(dict(sorted(obj.items())), use_bin_type=True))
+
+    c(
+        "needs-payload-format-2",
+        "none",
+        "",
+        "manifest format 2 declaring payload format 2 (accepted: whether a host can take it is its planner's call)",
+        needs({"payload_format": 2}),
+    )
+    c(
+        "needs-unknown",
+        "none",
+        "",
+        "a need this build does not know (accepted: its planner goes around the version)",
+        needs({"history": 3}),
+    )
+    c(
+        "needs-default-spelled",
+        "FormatError",
+        "only formats above 1 are written",
+        "payload format 1 written out (the default is spelled by its absence)",
+        needs({"payload_format": 1}),
+    )
+    c(
+        "needs-empty",
+        "FormatError",
+        "lists no needs",
+        "manifest format 2 with an empty needs map",
+        needs({}),
+    )
+    c(
+        "needs-in-format-1",
+        "FormatError",
+        "not canonical",
+        "a needs map in a format-1 manifest",
+        needs({"payload_format": 2}, fmt=1),
+    )
+    c(
+        "needs-wrong-type",
+        "FormatError",
+        "needs must map names",
+        "payload format given as a string",
+        needs({"payload_format": "2"}),
+    )
+    c(
+        "needs-too-many",
+        "LimitExceededError",
+        "needs (at most 16)",
+        "17 needs",
+        needs({f"n{i:02}": 1 for i in range(17)}),
     )
 
 
@@ -475,6 +541,13 @@ def patchfile_cases() -> None:
         "reserved bytes are not zero",
         "reserved byte 5 of the payload set",
         resigned_file(payload[:5] + b"\x01" + payload[6:]),
+    )
+    c(
+        "manifest-says-other-payload-format",
+        "FormatError",
+        "declares format 1; its manifest says 2",
+        "a format-1 payload whose re-signed manifest declares payload format 2 (hosts decide by the manifest)",
+        resigned_file(payload, needs={"payload_format": 2}),
     )
     planes = stream_data(ft.payload_parts(bytes(anchor.payload))[2][0])
     changed = bytes([planes[0] ^ 1]) + planes[1:]

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patchswarm.protocol.catalog import CatalogEntry, plan
-from patchswarm.protocol.manifest import Kind
+from patchswarm.protocol.catalog import CatalogEntry, CatchUpPlanner, plan
+from patchswarm.protocol.errors import NoPathError
+from patchswarm.protocol.manifest import Kind, Manifest
+from tests.support import fuzz_targets as ft
 
 
 def entries(sizes: list[int], anchors: dict[int, int]) -> list[CatalogEntry]:
@@ -68,3 +72,39 @@ def test_plan_is_byte_minimal(sizes: list[int], anchor_sizes: dict[int, int], ha
         assert e.kind == Kind.ANCHOR or e.base_version == cur
         cur = e.version
     assert cur == want or (have == want and path == [])
+
+
+# ---------------------------------------------------------------- versions a host cannot read
+
+
+def test_skipped_entries_are_planned_around() -> None:
+    cat = entries([100] * 8, {0: 1000, 4: 1000})
+    assert [e.version for e in plan(cat, 1, 8)] == list(range(2, 9))
+    skip = {cat[2].manifest_id}  # the patch 2 -> 3
+    path = plan(cat, 1, 8, skip=skip)
+    assert (path[0].version, path[0].kind) == (4, Kind.ANCHOR) and [e.version for e in path[1:]] == [5, 6, 7, 8]
+    with pytest.raises(NoPathError):
+        plan(cat, 1, 3, skip=skip)
+
+
+def _manifest(version: int, fmt: int) -> Manifest:
+    m = ft.versions()[0].manifest
+    return dataclasses.replace(m, version=version, needs={"payload_format": fmt} if fmt > 1 else {})
+
+
+def test_planner_learns_unreadable_versions_from_their_manifests() -> None:
+    cat = entries([100] * 8, {0: 1000, 4: 1000})
+    planner = CatchUpPlanner((1,))
+    first = planner.plan(cat, 1, 8)[0]
+    assert first.version == 2
+    assert planner.readable(first, _manifest(2, 1)) is None
+    third = cat[2]
+    assert planner.readable(third, _manifest(3, 2)) == "version 3: patch payload format 2 (this build reads 1)"
+    assert planner.plan(cat, 1, 8)[0].kind == Kind.ANCHOR  # around it, via the anchor of version 4
+    assert third not in planner.plan(cat, None, 8)
+    with pytest.raises(NoPathError, match=r"reaches version 3 from 2 that this build reads \(version 3: patch payload"):
+        planner.plan(cat, 2, 3)
+    # Once the catalog no longer lists it (retention), it is forgotten.
+    planner.plan([e for e in cat if e != third], 4, 8)
+    assert planner.unreadable == {}
+    assert CatchUpPlanner((1, 2)).readable(third, _manifest(3, 2)) is None

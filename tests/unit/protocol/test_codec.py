@@ -143,7 +143,8 @@ def test_ulp_escapes_and_sign_crossings() -> None:
     yw[7::8] = 0x7F800000  # -2.5 -> +inf (escape)
     target = ServedModel.from_tensors(t)
     patch = _round_trip(base, target)
-    assert [t.encoding for t in patch.tensors] == [Encoding.SPARSE_ULP] * 2
+    # (SPARSE_CTX, where the default format 2 finds contexts pay, codes values exactly as SPARSE_ULP)
+    assert all(t.encoding in (Encoding.SPARSE_ULP, Encoding.SPARSE_CTX) for t in patch.tensors)
 
 
 def test_adam_like_step_is_sparse_ulp_and_small() -> None:
@@ -154,7 +155,7 @@ def test_adam_like_step_is_sparse_ulp_and_small() -> None:
     target = ServedModel.from_tensors({"w": step.bfloat16()})
     patch = _round_trip(base, target)
     assert 0 < patch.changed < patch.numel
-    assert patch.tensors[0].encoding == Encoding.SPARSE_ULP
+    assert patch.tensors[0].encoding in (Encoding.SPARSE_ULP, Encoding.SPARSE_CTX)
     assert len(patch.payload) < target.nbytes / 4
 
 

@@ -106,3 +106,76 @@ def test_patch_file_checks(version) -> None:  # type: ignore[no-untyped-def]
     flipped[-10] ^= 0x40
     with pytest.raises(ChunkError):
         open_file(bytes(flipped), TRUST)
+
+
+# ---------------------------------------------------------------- needs (manifest format 2)
+
+
+@pytest.fixture(scope="module")
+def format2():  # type: ignore[no-untyped-def]
+    base, target = adam_like_pair(seed=11)
+    return build_version(
+        base, target, run_id="run-a", version=5, base_version=4, now_ms=1_000, key=KEY, payload_format=2
+    )
+
+
+def test_a_format_2_payload_is_declared_in_a_format_2_manifest_and_round_trips(format2) -> None:  # type: ignore[no-untyped-def]
+    m = format2.manifest
+    assert format2.payload[4] == 2 and m.needs == {"payload_format": 2} and m.payload_format == 2
+    obj = msgpack.unpackb(m.to_bytes(), raw=False)
+    assert obj["format"] == 2 and obj["needs"] == {"payload_format": 2}
+    assert list(obj) == sorted(obj)  # canonical: keys in byte order, "needs" between "kind" and "payload"
+    assert Manifest.from_bytes(m.to_bytes()) == m
+    assert SignedManifest.from_bytes(format2.signed.to_bytes()).verify(TRUST, now_ms=2_000) == m
+
+
+def test_the_needs_field_is_covered_by_the_signature(format2) -> None:  # type: ignore[no-untyped-def]
+    e = format2.signed.envelope
+    obj = msgpack.unpackb(e.body, raw=False)
+    obj["needs"] = {"payload_format": 3}  # a relay rewriting what hosts decide their download by
+    forged = SignedManifest(dataclasses.replace(e, body=msgpack.packb(obj, use_bin_type=True)))
+    assert forged.verify(None).payload_format == 3  # it parses: only the signature stands in the way
+    with pytest.raises(SignatureError):
+        forged.verify(TRUST)
+    obj["needs"] = {}
+    obj["format"] = 1
+    del obj["needs"]
+    dropped = SignedManifest(dataclasses.replace(e, body=msgpack.packb(obj, use_bin_type=True)))
+    assert dropped.verify(None).payload_format == 1
+    with pytest.raises(SignatureError):
+        dropped.verify(TRUST)
+
+
+def test_a_manifest_without_needs_is_format_1_byte_for_byte() -> None:
+    base, target = adam_like_pair(seed=11)
+    v1 = build_version(base, target, run_id="run-a", version=5, base_version=4, now_ms=1_000, payload_format=1)
+    m = v1.manifest
+    assert v1.payload[4] == 1 and m.needs == {} and m.payload_format == 1
+    obj = msgpack.unpackb(m.to_bytes(), raw=False)
+    assert obj["format"] == 1 and "needs" not in obj  # what builds before manifest format 2 read
+    assert m.unmet_need((1,)) is None
+
+
+def test_unmet_needs_say_why_in_one_line(format2) -> None:  # type: ignore[no-untyped-def]
+    m = format2.manifest
+    assert m.unmet_need((1, 2)) is None
+    assert m.unmet_need((1,)) == "version 5: patch payload format 2 (this build reads 1)"
+    later = dataclasses.replace(m, needs={"history": 2, "payload_format": 2})
+    assert Manifest.from_bytes(later.to_bytes()) == later  # a need this build does not know still parses
+    assert later.unmet_need((1, 2)) == "version 5 needs 'history', which this build does not know"
+
+
+def test_a_payload_its_manifest_misdeclares_is_refused_before_decoding(format2) -> None:  # type: ignore[no-untyped-def]
+    from patchswarm.protocol.patchfile import apply_version
+
+    base, _ = adam_like_pair(seed=11)
+    low = dataclasses.replace(format2.manifest, needs={})
+    before = base.clone()
+    with pytest.raises(FormatError, match="declares format 2; its manifest says 1"):
+        apply_version(base, low, format2.payload)
+    assert base.bitwise_equal(before)
+    anchor = build_version(None, base, run_id="run-a", version=4, now_ms=1_000)
+    assert anchor.payload[4] == 1  # FULL records: format 1 whatever the publisher allows
+    high = dataclasses.replace(anchor.manifest, needs={"payload_format": 2})
+    with pytest.raises(FormatError, match="declares format 1; its manifest says 2"):
+        apply_version(None, high, anchor.payload)
