@@ -34,7 +34,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from patchswarm.protocol.errors import FormatError
+from patchswarm.protocol.errors import FormatError, LimitExceededError
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import Fields, Piece, StreamReader, unary_bits
 
@@ -375,7 +375,10 @@ def field_bits(pieces: list[Piece]) -> int:
 def _read_gamma(reader: StreamReader, count: int, most: int, refusal: str) -> np.ndarray:
     """``count`` Elias-gamma codes (see :func:`_gamma`), refused with ``refusal`` unless each length
     is below ``most``; a stream that ends early keeps the reader's own error."""
-    lengths = reader.read_unary("bits", count)
+    try:
+        lengths = reader.read_unary("bits", count, count * (most - 1))
+    except LimitExceededError:
+        raise FormatError(refusal) from None
     if int(lengths.max()) >= most:
         raise FormatError(refusal)
     low = reader.read_bits("bits", int(lengths.sum())).astype(np.int64)
@@ -432,7 +435,11 @@ def decode_ctx(
         offset = np.cumsum(sizes) - sizes  # members of the groups before each
         present = np.flatnonzero(counts).tolist()
         coded = [min(int(counts[g]), int(sizes[g] - counts[g])) for g in present]
-        q_all = reader.read_unary("bits", sum(coded))
+        # Each group's quotients add up to at most its size (gaps between its members' ranks).
+        try:
+            q_all = reader.read_unary("bits", sum(coded), int(sizes[present].sum()))
+        except LimitExceededError:
+            raise FormatError(f"{spec.name}: change ranks fall outside their context group") from None
         parts: list[np.ndarray] = []
         o = 0
         for g, c in zip(present, coded, strict=True):

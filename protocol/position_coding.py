@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from patchswarm.protocol.errors import FormatError
+from patchswarm.protocol.errors import FormatError, LimitExceededError
 from patchswarm.protocol.served import TensorSpec
 from patchswarm.protocol.streams import Fields, Piece, StreamReader, unary_bits
 
@@ -40,8 +40,11 @@ def _read_positions(reader: StreamReader, spec: TensorSpec, k: int) -> np.ndarra
     if not 0 < k <= n:
         raise FormatError(f"{spec.name}: change count {k} impossible for {n} elements")
     r = rice_bits(n, k)
-    q = reader.read_unary("bits", k)
     # Legitimate quotients sum to at most (n-k) >> r: checked before shifting, so nothing overflows.
+    try:
+        q = reader.read_unary("bits", k, (n - k) >> r)
+    except LimitExceededError:
+        raise FormatError(f"{spec.name}: change positions fall outside the tensor") from None
     if int(q.sum()) > (n - k) >> r:
         raise FormatError(f"{spec.name}: change positions fall outside the tensor")
     pos = q  # in place, one pass each: pos = cumsum(gaps + 1) - 1, gaps = q << r | remainder >= 0

@@ -282,6 +282,12 @@ class _Stream:
         self.pos = 0
 
 
+# Bits a run of ones may go past a unary read's bound before it is refused unread: a short stream
+# that ends inside the codes is still refused as truncated (the committed vectors), a long one after
+# 64 KiB more at most.
+_UNARY_SLACK = 1 << 19
+
+
 class StreamReader:
     """Reads exact byte counts from the streams of a patch, never decompressing past a stream's
     declared raw length (the declared lengths are themselves bounded by the caller)."""
@@ -368,8 +374,11 @@ class StreamReader:
         s.pos += count * width
         return out
 
-    def read_unary(self, name: str, count: int) -> np.ndarray:
-        """``count`` unary codes (inverse of :func:`unary_bits`), as int64."""
+    def read_unary(self, name: str, count: int, most: int | None = None) -> np.ndarray:
+        """``count`` unary codes (inverse of :func:`unary_bits`), as int64.  ``most``: what the codes
+        may add up to; a longer run of ones is refused (LimitExceededError) as soon as it is read that
+        far, so a corrupt record never makes the reader buffer its whole stream (which only the whole
+        payload's size bounds)."""
         if count == 0:
             return np.empty(0, dtype=np.int64)
         s = self._get(name)
@@ -380,17 +389,25 @@ class StreamReader:
         found, nbits = zeros[0].size, bits.size
         while found < count:  # the parts are joined once at the end: no copy per read
             left = s.raw_len - s.done
-            if left == 0:
+            if left == 0:  # (first: a stream that ends inside the codes is refused as truncated)
                 raise TruncatedError(f"stream {name!r} ends inside a unary code")
+            ones = nbits - found  # every one read so far belongs to the codes
+            if most is not None and ones > most + _UNARY_SLACK:
+                raise LimitExceededError(f"stream {name!r}: unary codes add up to more than their field allows")
             # Rice quotients average 1.5 to 2 bits with their zero: read for 3 bits a code, so one or two
             # reads do; what is read ahead stays for the next read.
-            new = np.frombuffer(self.read(name, min(left, max(64, (count - found) * 3 // 8 + 8))), dtype=np.uint8)
+            want = max(64, (count - found) * 3 // 8 + 8)
+            if most is not None:  # never further than the bound allows
+                want = min(want, (count - found + most + _UNARY_SLACK - ones) // 8 + 8)
+            new = np.frombuffer(self.read(name, min(left, want)), dtype=np.uint8)
             bufs.append(new)
             z = np.flatnonzero(np.unpackbits(new, bitorder="little") == 0)
             z += nbits
             zeros.append(z)
             found, nbits = found + z.size, nbits + new.size * 8
         ends = (np.concatenate(zeros) if len(zeros) > 1 else zeros[0])[:count]
+        if most is not None and int(ends[-1]) + 1 - count > most:
+            raise LimitExceededError(f"stream {name!r}: unary codes add up to more than their field allows")
         used = lead + int(ends[-1]) + 1
         buf = np.concatenate(bufs) if len(bufs) > 1 else bufs[0]
         s.buf, s.pos = buf[used >> 3 :], used & 7

@@ -393,3 +393,23 @@ def test_bit_reads_past_the_end() -> None:
     r = _bit_stream([1] * 16)
     with pytest.raises(FormatError):
         r.read_fields("b", 1, MAX_FIELD_BITS + 1)
+
+
+def _raw_stream(data: bytes) -> StreamReader:
+    return StreamReader([("b", len(data), memoryview(zstandard.compress(data)))])
+
+
+@given(most=st.integers(0, 300), count=st.integers(1, 4))
+def test_unary_codes_past_their_bound_are_refused_before_the_stream_is_read(most: int, count: int) -> None:
+    """A run of ones longer than the codes may add up to is refused soon after (64 KiB), not after the
+    reader buffered a stream that only the whole payload's size bounds (here 1 MiB of ones)."""
+    ones = b"\xff" * (1 << 20) + b"\x00"
+    r = _raw_stream(ones)
+    with pytest.raises(LimitExceededError):
+        r.read_unary("b", count, most)
+    assert r._get("b").done < 1 << 17  # the bound plus 64 KiB of slack, not the 1 MiB
+    # Codes that add up to exactly the bound are read, and one more one is refused.
+    bits = [1] * most + [0] * count
+    assert _bit_stream(bits).read_unary("b", count, most).sum() == most
+    with pytest.raises(LimitExceededError):
+        _bit_stream([1] * (most + 1) + [0] * count).read_unary("b", count, most)
