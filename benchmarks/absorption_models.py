@@ -47,9 +47,22 @@ PRESETS: dict[str, ModelPreset] = {
     # ~1-2M parameters: the docs run (24 runs of 50 steps in ~30 min on 2 shared cores).
     "small": ModelPreset(160, 4, 4, 2, 448, 8, 112, 2, vocab=256, seq_len=26, batch=16, warmup_steps=300),
     # >= 10M parameters per model (llama 10.2M; qwen3moe 20.9M total, 6.7M active with top-2 of 8
-    # experts): the tens-of-millions run that fits ~1 h on one shared core (the RL regime).
+    # experts): the tens-of-millions run that fits a session on one shared core.
     "mid": ModelPreset(
-        384, 4, 6, 2, 1792, 8, 512, 2, vocab=512, seq_len=26, batch=16, warmup_steps=600, warmup_decay=True
+        384,
+        4,
+        6,
+        2,
+        1792,
+        8,
+        512,
+        2,
+        vocab=512,
+        seq_len=26,
+        batch=16,
+        warmup_steps=600,
+        warmup_lr=3e-4,
+        warmup_decay=True,
     ),
     # tens of millions of parameters, as issue 36 asks (hours on a CPU).
     "paper": ModelPreset(512, 8, 8, 4, 1536, 16, 384, 4, vocab=4096, seq_len=66, batch=32, warmup_steps=1000),
