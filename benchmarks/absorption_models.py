@@ -9,6 +9,7 @@ the tests (< 1M parameters, seconds), ``small`` (a few M: the docs run on 2 shar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class ModelPreset:
     batch: int
     warmup_steps: int
     warmup_lr: float = 1e-3
+    warmup_decay: bool = False  # cosine decay of the warm-up lr to a tenth after its linear ramp
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -44,6 +46,24 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(64, 2, 4, 2, 128, 4, 32, 2, vocab=64, seq_len=18, batch=16, warmup_steps=30),
     # ~1-2M parameters: the docs run (24 runs of 50 steps in ~30 min on 2 shared cores).
     "small": ModelPreset(160, 4, 4, 2, 448, 8, 112, 2, vocab=256, seq_len=26, batch=16, warmup_steps=300),
+    # >= 10M parameters per model (llama 10.2M; qwen3moe 20.9M total, 6.7M active with top-2 of 8
+    # experts): the tens-of-millions run that fits a session on one shared core.
+    "mid": ModelPreset(
+        384,
+        4,
+        6,
+        2,
+        1792,
+        8,
+        512,
+        2,
+        vocab=512,
+        seq_len=26,
+        batch=16,
+        warmup_steps=600,
+        warmup_lr=3e-4,
+        warmup_decay=True,
+    ),
     # tens of millions of parameters, as issue 36 asks (hours on a CPU).
     "paper": ModelPreset(512, 8, 8, 4, 1536, 16, 384, 4, vocab=4096, seq_len=66, batch=32, warmup_steps=1000),
 }
@@ -93,6 +113,12 @@ def build(arch: str, p: ModelPreset, seed: int) -> nn.Module:
 
 def param_count(model: nn.Module) -> int:
     return sum(x.numel() for x in model.parameters())
+
+
+def active_count(model: nn.Module, p: ModelPreset) -> int:
+    """Parameters a token passes through: of the routed experts only ``top_k`` of ``experts``."""
+    experts = sum(x.numel() for n, x in model.named_parameters() if ".experts." in n)
+    return param_count(model) - experts + experts * p.top_k // p.experts
 
 
 def logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
@@ -162,15 +188,24 @@ def batches(p: ModelPreset, seed: int) -> Iterator[Batch]:
         yield make_batch(tp, g)
 
 
+def warmup_lr(p: ModelPreset, i: int) -> float:
+    ramp = max(1, p.warmup_steps // 10)
+    if i < ramp or not p.warmup_decay:
+        return p.warmup_lr * min(1.0, (i + 1) / ramp)
+    done = (i - ramp) / max(1, p.warmup_steps - ramp)
+    return p.warmup_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+
+
 def warm_up(model: nn.Module, p: ModelPreset, seed: int, log: Callable[[str], None] | None = None) -> list[float]:
-    """AdamW at ``p.warmup_lr`` (linear warm-up over the first tenth) on next-token cross-entropy of
-    fresh task batches, so that the weights are those of a model in training; returns the losses."""
+    """AdamW at ``p.warmup_lr`` (linear warm-up over the first tenth, then with ``p.warmup_decay`` a
+    cosine decay to a tenth) on next-token cross-entropy of fresh task batches, so that the weights
+    are those of a model in training; returns the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=p.warmup_lr, weight_decay=0.01, foreach=False)
     data = batches(p, seed)
     losses: list[float] = []
     for i in range(p.warmup_steps):
         for group in opt.param_groups:
-            group["lr"] = p.warmup_lr * min(1.0, (i + 1) / max(1, p.warmup_steps // 10))
+            group["lr"] = warmup_lr(p, i)
         loss = next_token_loss(model, *next(data))
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]

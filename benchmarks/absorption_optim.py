@@ -127,20 +127,47 @@ class Optim:
         else:
             raise ValueError(f"unknown optimizer {name!r} (one of {', '.join(OPTIMIZERS)})")
         self.params = [p for _, p in params]
+        self.lr = lr
+        self.lrs: list[float] = []  # the lr of every step taken
 
     def set_lr(self, lr: float) -> None:
+        self.lr = lr
         for part in self.parts:
             for group in part.param_groups:
                 group["lr"] = lr
 
-    def step(self, loss: torch.Tensor) -> float:
-        """One step; returns its update RMS over all parameters, sqrt(sum dw^2 / n)."""
+    def step(self, loss: torch.Tensor, target_rms: float | None = None) -> float:
+        """One step; returns its update RMS over all parameters, sqrt(sum dw^2 / n), and appends the
+        learning rate the step was taken at to ``self.lrs``.
+
+        With ``target_rms`` the step's learning rate is chosen so that its update RMS is
+        ``target_rms``: every optimizer here moves the weights linearly in the lr from a given state
+        (weight decay included; test_an_update_scales_linearly_with_the_learning_rate) and none keeps
+        lr-dependent state, so the update taken at ``lr`` and scaled by ``k`` is the step at ``lr * k``
+        (to within one FP32 rounding of each weight: far below the bf16/fp8/int4 grids measured).
+        The next step starts from the lr found, so ``k`` stays near 1 and the rounding small.  The
+        lr used is thus known only after the step (an oracle schedule); it costs no extra pass."""
         before = [p.detach().clone() for p in self.params]
         for part in self.parts:
             part.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         for part in self.parts:
             part.step()
+        rms = self._rms(before)
+        # A step that moved nothing (a zero gradient, e.g. an RL batch of equal rewards, and no
+        # momentum) has no lr that matches: it keeps its lr, and the reported ratio shows it.
+        if target_rms is not None and rms > 0:
+            k = target_rms / rms
+            with torch.no_grad():
+                for p, b in zip(self.params, before, strict=True):
+                    p.copy_(b.add(p - b, alpha=k))
+            self.lrs.append(self.lr * k)
+            self.set_lr(self.lr * k)
+            return self._rms(before)
+        self.lrs.append(self.lr)
+        return rms
+
+    def _rms(self, before: list[torch.Tensor]) -> float:
         sq = sum(float((p.detach() - b).double().pow(2).sum()) for p, b in zip(self.params, before, strict=True))
         n = sum(p.numel() for p in self.params)
         return math.sqrt(sq / n)
@@ -154,22 +181,16 @@ def run(
     g_sample: torch.Generator,
     steps: int,
     losses: list[float] | None = None,
+    targets: list[float] | None = None,
 ) -> list[float]:
-    """``steps`` regime steps; the update RMS of each (and their losses appended to ``losses``)."""
+    """``steps`` regime steps; the update RMS of each (and their losses appended to ``losses``).
+    With ``targets``: step i's lr is matched to update RMS ``targets[i]`` (Optim.step)."""
+    if targets is not None and len(targets) < steps:
+        raise ValueError(f"{len(targets)} target update RMS for {steps} steps")
     out: list[float] = []
-    for _ in range(steps):
+    for i in range(steps):
         loss = regime_loss(regime, model, next(data), g_sample)
         if losses is not None:
             losses.append(loss.item())
-        out.append(opt.step(loss))
+        out.append(opt.step(loss, None if targets is None else targets[i]))
     return out
-
-
-def calibrated_lr(provisional_lr: float, rms: list[float], target_rms: float) -> float:
-    """Every optimizer here scales its update linearly with the learning rate (AdamW, Adafactor with
-    a fixed lr and update clipping at RMS 1, SGD, Muon), so the lr that gives ``target_rms`` from
-    the same state is the provisional one scaled by the ratio of the RMS."""
-    mean = sum(rms) / len(rms)
-    if not mean > 0:
-        raise ValueError("the calibration steps did not move the weights")
-    return provisional_lr * target_rms / mean

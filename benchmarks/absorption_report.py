@@ -31,27 +31,36 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     for arch, m in result["models"].items():
-        lines.append(
-            f"- {arch}: {m['parameters']:,} parameters, warm-up loss {m['warmup_loss_first']:.3f} -> "
-            f"{m['warmup_loss_last']:.3f}"
-        )
+        line = f"- {arch}: {m['parameters']:,} parameters"
+        if "active_parameters" in m:
+            line += f" ({m['active_parameters']:,} active per token)"
+        last = m.get("warmup_loss_tail", m["warmup_loss_last"])
+        line += f", warm-up loss {m['warmup_loss_first']:.3f} -> {last:.3f}"
+        if "answer_loss_init" in m:
+            line += f", held-out answer-token loss {m['answer_loss_init']:.3f} -> {m['answer_loss_warm']:.3f}"
+        lines.append(line)
     lines += [
         "",
+        "lr: the mean over the measured steps of the lr schedule that matches each step's update RMS to "
+        "AdamW's at that step; RMS / AdamW's: the achieved ratio over the measured steps. "
         "Changed: mean fraction of served values changed per step. Patch: mean chain patch per step as a "
         "fraction of the full served model (codec bytes for bf16/fp8, the bound for int4). "
         "Codec/bound: codec bytes over the memoryless bound. Union@N: positions changed at least once "
         f"in v0..v{steps}. Anchor@t: first step whose summed chain patches exceed one full anchor "
         f"(>{steps}: not within the run).",
         "",
-        "| arch | regime | optimizer | lr | update RMS | bf16 changed | fp8 changed | int4 changed "
+        "| arch | regime | optimizer | lr | update RMS | RMS / AdamW's (mean, range) "
+        "| bf16 changed | fp8 changed | int4 changed "
         "| bf16 patch | fp8 patch | int4 patch (bound) | bf16 codec/bound | fp8 codec/bound "
         f"| bf16 union@{steps} | fp8 union@{steps} | int4 union@{steps} "
         "| bf16 anchor@t | fp8 anchor@t | int4 anchor@t |",
-        "|---" * 19 + "|",
+        "|---" * 20 + "|",
     ]
     for r in result["runs"]:
         f = r["formats"]
+        q = r["rms_ratio"]
         cells = [r["arch"], LABEL[r["regime"]], r["optimizer"], f"{r['lr']:.3g}", f"{_mean(r['step_rms']):.3g}"]
+        cells.append(f"{q['mean']:.4f} ({q['min']:.4f}-{q['max']:.4f})")
         cells += [_pct(_mean(f[k]["changed"])) for k in FORMATS]
         for k in FORMATS:
             sizes = f[k]["patch"] or f[k]["bound"]
@@ -95,6 +104,8 @@ def plots(result: dict[str, Any], out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     regimes = list(result["config"]["regimes"])
+    preset = result["config"]["preset"]
+    tag = "" if preset == "small" else f"{preset}-"  # the docs' small-preset figures keep their names
     written: list[Path] = []
     for arch in result["models"]:
         runs = [r for r in result["runs"] if r["arch"] == arch]
@@ -121,7 +132,7 @@ def plots(result: dict[str, Any], out: Path) -> list[Path]:
             axes[0][0].legend(fontsize=8)
             fig.suptitle(f"{arch}: {title}")
             fig.tight_layout()
-            path = out / f"absorption-{arch}-{fname}.png"
+            path = out / f"absorption-{tag}{arch}-{fname}.png"
             fig.savefig(path, dpi=90)
             plt.close(fig)
             written.append(path)

@@ -7,15 +7,16 @@ For each architecture (Llama, Qwen3-MoE; benchmarks/absorption_models.py), regim
 pre-training-like) and optimizer (AdamW, Adafactor, SGD+momentum, Muon; absorption_optim.py):
 
 1. Warm-up (once per architecture): AdamW at 1e-3 on next-token cross-entropy of synthetic tasks.
-2. Calibration: from the warm-up weights, a fresh optimizer at a provisional lr takes ``--state-steps``
-   regime steps; the lr is scaled so that the mean update RMS of the second half of them equals
-   AdamW's at the regime's lr (AdamW itself: its lr as is); repeated from the same state (up to 4
-   rounds) until within 1%.  The same batches and samples in every round and for every optimizer.
-3. Measured run: again from the warm-up weights, a fresh optimizer at the calibrated lr takes the
-   ``--state-steps`` steps (its state warms up: moments, momentum, factored second moments), then
-   version 0 is exported, then ``--steps`` measured steps, each exported in every format
-   (absorption_formats.py) and compared with the previous version (a chain patch) and with version 0
-   (a catch-up patch).
+2. Learning rates matched by update RMS, step by step: AdamW runs first at the regime's lr and its
+   update RMS at every step is recorded; every other optimizer then takes each step at the lr that
+   gives AdamW's update RMS at that step (an lr schedule; absorption_optim.Optim.step), so the
+   optimizers move the weights equally far at every step, which is what a changed fraction per step
+   depends on most.  The same batches for every optimizer (RL samples follow each model).  The
+   achieved ratio to AdamW's RMS (mean, min, max over the measured steps) is reported per run.
+3. Run: from the warm-up weights, a fresh optimizer takes ``--state-steps`` steps (its state warms
+   up: moments, momentum, factored second moments), then version 0 is exported, then ``--steps``
+   measured steps, each exported in every format (absorption_formats.py) and compared with the
+   previous version (a chain patch) and with version 0 (a catch-up patch).
 
 Outputs: ``OUT/absorption.json`` (every number, the config, seed, versions, threads),
 ``OUT/absorption.md`` (tables) and, with ``--plots DIR``, PNG figures.
@@ -24,6 +25,8 @@ Outputs: ``OUT/absorption.json`` (every number, the config, seed, versions, thre
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import platform
 import sys
@@ -35,9 +38,20 @@ from typing import Any
 import torch
 
 from benchmarks.absorption_formats import FORMATS, Exporter, changed_masks, pair_cost
-from benchmarks.absorption_models import ARCHS, PRESETS, batches, build, canonical, param_count, warm_up
-from benchmarks.absorption_optim import OPTIMIZERS, REGIMES, Optim, calibrated_lr, run
+from benchmarks.absorption_models import (
+    ARCHS,
+    PRESETS,
+    active_count,
+    answer_loss,
+    batches,
+    build,
+    canonical,
+    param_count,
+    warm_up,
+)
+from benchmarks.absorption_optim import OPTIMIZERS, REGIMES, Optim, run
 from patchswarm.daemon.trajectory import deterministic
+from patchswarm.protocol.files import write_atomic
 
 SGD_GUESS = 1000.0  # SGD's provisional lr, times AdamW's: plain gradients are ~1e-3 of Adam's unit steps
 
@@ -68,7 +82,7 @@ def one_run(
     opt_name: str,
     warm: dict[str, torch.Tensor],
     args: argparse.Namespace,
-    ref_rms: float | None,
+    ref_rms: list[float] | None,
 ) -> dict[str, Any]:
     p = PRESETS[args.preset]
     reg = REGIMES[regime]
@@ -79,25 +93,14 @@ def one_run(
         model.load_state_dict(warm)
         return model, Optim(opt_name, model, lr), batches(p, data_seed), torch.Generator().manual_seed(data_seed + 7)
 
-    half = max(1, args.state_steps // 2)
-    lr = reg.adamw_lr * (SGD_GUESS if opt_name == "sgd" else 1.0)
-    rounds: list[dict[str, float]] = []
-    for _ in range(4):
-        model, opt, data, gs = fresh(lr)
-        rms = run(regime, model, opt, data, gs, args.state_steps)
-        mean = sum(rms[-half:]) / half
-        rounds.append({"lr": lr, "rms": mean})
-        if opt_name == "adamw":
-            ref_rms = mean
-            break
-        assert ref_rms is not None
-        if abs(mean / ref_rms - 1) < 0.01:
-            break
-        lr = calibrated_lr(lr, rms[-half:], ref_rms)
-    assert ref_rms is not None
-
-    model, opt, data, gs = fresh(lr)
-    warm_rms = run(regime, model, opt, data, gs, args.state_steps)
+    # AdamW steps at the regime's lr; every other optimizer at the lr schedule whose update RMS is
+    # AdamW's at the same step (absorption_optim.Optim.step), over the state steps and the measured ones.
+    total = args.state_steps + args.steps
+    targets = None if opt_name == "adamw" else ref_rms
+    if targets is not None and len(targets) != total:
+        raise ValueError(f"AdamW's reference has {len(targets)} steps, not {total}")
+    model, opt, data, gs = fresh(reg.adamw_lr * (SGD_GUESS if opt_name == "sgd" else 1.0))
+    warm_rms = run(regime, model, opt, data, gs, args.state_steps, targets=targets)
     exporter = Exporter()
     v0 = exporter.export(canonical(model))
     anchor = exporter.anchor_bytes(v0)
@@ -115,7 +118,9 @@ def one_run(
     losses: list[float] = []
     prev = v0
     for t in range(1, args.steps + 1):
-        step_rms += run(regime, model, opt, data, gs, 1, losses)
+        step_rms += run(
+            regime, model, opt, data, gs, 1, losses, None if targets is None else targets[len(warm_rms) + t - 1 :]
+        )
         cur = exporter.export(canonical(model))
         if dump is not None:
             _dump(dump, t, model, cur)
@@ -154,13 +159,16 @@ def one_run(
             **s,
             "crossover": crossovers(chain, catchup, anchor[f]),
         }
+    reference = warm_rms + step_rms if targets is None else targets
+    ratio = [r / ref for r, ref in zip(step_rms, reference[args.state_steps :], strict=True)]
     return {
         "arch": arch,
         "regime": regime,
         "optimizer": opt_name,
-        "lr": lr,
-        "calibration": rounds,
-        "reference_rms": ref_rms,
+        "lr": _mean(opt.lrs[args.state_steps :]),
+        "lr_schedule": opt.lrs,
+        "reference_rms": reference,
+        "rms_ratio": {"mean": _mean(ratio), "min": min(ratio), "max": max(ratio)},
         "state_rms": warm_rms,
         "step_rms": step_rms,
         "losses": losses,
@@ -201,17 +209,15 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     with deterministic(args.threads):
         for arch in args.archs:
             t0 = time.perf_counter()
-            model = build(arch, p, args.seed)
-            losses = warm_up(model, p, args.seed * 1000 + 1, log if args.verbose else None)
-            warm = {k: v.clone() for k, v in model.state_dict().items()}
-            out["models"][arch] = {
-                "parameters": param_count(model),
-                "warmup_loss_first": losses[0] if losses else None,
-                "warmup_loss_last": losses[-1] if losses else None,
-            }
-            log(f"{arch}: {param_count(model):,} parameters, warm-up loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            warm, out["models"][arch] = warmed(arch, args)
+            m = out["models"][arch]
+            log(
+                f"{arch}: {m['parameters']:,} parameters ({m['active_parameters']:,} active), warm-up loss "
+                f"{m['warmup_loss_first']:.3f} -> {m['warmup_loss_tail']:.3f}, answer-token loss "
+                f"{m['answer_loss_init']:.3f} -> {m['answer_loss_warm']:.3f}"
+            )
             for regime in args.regimes:
-                ref: float | None = None
+                ref: list[float] | None = None
                 for opt_name in ["adamw", *[o for o in args.optimizers if o != "adamw"]]:
                     t1 = time.perf_counter()
                     r = one_run(arch, regime, opt_name, warm, args, ref)
@@ -225,6 +231,49 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
                     )
             log(f"{arch} done in {time.perf_counter() - t0:.0f} s")
     return out
+
+
+def warmed(arch: str, args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The warm-up weights of ``arch`` and what the warm-up reached; with ``--warm-cache`` read from
+    (or written to) a file named for the preset's fields and the seed, so that runs of other regimes
+    share one warm-up (deterministic: a cached warm-up equals a recomputed one)."""
+    p = PRESETS[args.preset]
+    model = build(arch, p, args.seed)
+    path = None
+    if args.warm_cache is not None:
+        key = hashlib.sha256(json.dumps([arch, asdict(p), args.seed, args.threads]).encode()).hexdigest()[:12]
+        path = args.warm_cache / f"warm-{args.preset}-{arch}-{key}.pt"
+        if path.exists():
+            saved = torch.load(path, weights_only=True)
+            shapes = {k: v.shape for k, v in model.state_dict().items()}
+            if not isinstance(saved, dict) or {k: v.shape for k, v in saved.get("state", {}).items()} != shapes:
+                raise SystemExit(f"{path}: not a warm-up of this model; delete it to recompute")
+            return saved["state"], saved["info"]
+    probe = next(batches(p, args.seed * 1000 + 2))  # held out: the answer-token loss before and after
+    answer_init = _answer_loss(model, probe)
+    losses = warm_up(model, p, args.seed * 1000 + 1, log if args.verbose else None)
+    tail = losses[-max(1, len(losses) // 10) :]
+    info = {
+        "parameters": param_count(model),
+        "active_parameters": active_count(model, p),
+        "warmup_loss_first": losses[0],
+        "warmup_loss_last": losses[-1],
+        "warmup_loss_tail": sum(tail) / len(tail),  # mean over the last tenth: one batch is noisy
+        "answer_loss_init": answer_init,
+        "answer_loss_warm": _answer_loss(model, probe),
+    }
+    warm = {k: v.clone() for k, v in model.state_dict().items()}
+    if path is not None:
+        buf = io.BytesIO()
+        torch.save({"state": warm, "info": info}, buf)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, buf.getvalue())
+    return warm, info
+
+
+def _answer_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    with torch.no_grad():
+        return float(answer_loss(model, *batch))
 
 
 def _tf_version() -> str:
@@ -255,25 +304,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
     ap.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     ap.add_argument("--steps", type=int, default=50, help="measured steps per run (versions 1..N)")
-    ap.add_argument("--state-steps", type=int, default=8, help="optimizer-state warm-up (and calibration) steps")
+    ap.add_argument("--state-steps", type=int, default=8, help="optimizer-state warm-up steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (fixed: results depend on it)")
     ap.add_argument("--out", type=Path, required=True, help="directory for absorption.json and absorption.md")
     ap.add_argument("--plots", type=Path, default=None, help="directory for the PNG figures")
+    ap.add_argument("--warm-cache", type=Path, default=None, help="directory to keep warm-up weights in, per model")
     ap.add_argument("--dump", type=Path, default=None, help="also write every version's files here (tests)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     for name in ("steps", "state_steps", "threads"):
         if not 1 <= getattr(args, name) <= 100_000:
             ap.error(f"--{name.replace('_', '-')} must be between 1 and 100000")
-    if args.state_steps < 2:
-        ap.error("--state-steps must be at least 2 (calibration uses the second half)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.absorption_report import markdown, plots
-    from patchswarm.protocol.files import write_atomic
 
     args = parse_args(argv)
     t0 = time.perf_counter()

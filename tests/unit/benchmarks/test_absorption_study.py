@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.absorption_models import PRESETS, batches, build, next_token_loss
 from benchmarks.absorption_optim import OPTIMIZERS, Optim
-from benchmarks.absorption_study import main
+from benchmarks.absorption_study import SGD_GUESS, main
 from patchswarm.daemon.trajectory import deterministic
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import typed_view
@@ -56,6 +56,19 @@ def test_the_same_seed_gives_the_same_numbers_and_another_seed_others(
     assert (qwen[0] / "absorption.md").read_text().count("| qwen3moe |") == len(OPTIMIZERS) * (1 + 3)
 
 
+def test_a_cached_warm_up_gives_the_same_numbers(qwen: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    _, first = qwen
+    subset = ["--archs", "qwen3moe", "--optimizers", "adamw", "muon", "--warm-cache", str(tmp_path / "warm")]
+    written = study(tmp_path / "a", *subset)
+    (cache,) = (tmp_path / "warm").glob("warm-tiny-qwen3moe-*.pt")
+    read = study(tmp_path / "b", *subset)
+    expected = [r for r in first["runs"] if r["optimizer"] in ("adamw", "muon")]
+    assert written["runs"] == read["runs"] == expected and written["models"] == read["models"] == first["models"]
+    torch.save({"state": {"model.embed_tokens.weight": torch.zeros(3)}, "info": {}}, cache)
+    with pytest.raises(SystemExit, match="not a warm-up of this model"):
+        study(tmp_path / "c", *subset)
+
+
 def fp32_versions(dump: Path) -> list[dict[str, np.ndarray]]:
     out = []
     for path in sorted((dump / "fp32").glob("v*.safetensors")):
@@ -74,21 +87,55 @@ def test_the_update_rms_the_study_reports_is_that_of_the_weights_written(qwen: t
             assert math.sqrt(sq / n) == pytest.approx(rms, rel=1e-4)
 
 
-def test_calibrated_learning_rates_match_adamw_update_rms(qwen: tuple[Path, dict[str, Any]]) -> None:
-    """The measured run replays the last calibration round (same state, lr, batches, samples,
-    deterministic kernels), so its first state steps reproduce that round's RMS exactly; the loop
-    accepts a round within 1% of AdamW's, and the update is linear in the lr (next test), so it
-    gets there in a few rounds."""
+MATCH_TOLERANCE = 5e-3  # the stated tolerance of the per-step lr match (docs/research.md)
+
+
+def test_every_optimizer_follows_adamw_update_rms_step_by_step(qwen: tuple[Path, dict[str, Any]]) -> None:
+    """Every step of every optimizer, the state steps and the measured ones, has AdamW's update RMS
+    at that step to within the tolerance; a step is left unmatched only where it moved nothing (a
+    zero gradient without momentum: Adafactor on an RL batch of equal rewards), and the reported
+    ratio then shows it."""
     _, result = qwen
-    half = result["config"]["state_steps"] // 2
+    state = result["config"]["state_steps"]
+    adamw = {r["regime"]: r for r in result["runs"] if r["optimizer"] == "adamw"}
     for r in result["runs"]:
-        replay = sum(r["state_rms"][-half:]) / half
-        assert replay == pytest.approx(r["calibration"][-1]["rms"], rel=1e-5)
-        assert abs(replay / r["reference_rms"] - 1) < 0.01 + 1e-5, (r["regime"], r["optimizer"])
+        ref = adamw[r["regime"]]
+        assert r["reference_rms"] == ref["state_rms"] + ref["step_rms"]
+        assert len(r["lr_schedule"]) == state + result["config"]["steps"]
+        ratios = [a / b for a, b in zip(r["state_rms"] + r["step_rms"], r["reference_rms"], strict=True)]
+        for t, q in enumerate(ratios):
+            assert abs(q - 1) < MATCH_TOLERANCE or (q == 0 and r["optimizer"] == "adafactor"), (r["optimizer"], t, q)
+        measured = ratios[state:]
+        assert r["rms_ratio"]["min"] == pytest.approx(min(measured), rel=1e-5)
+        assert r["rms_ratio"]["max"] == pytest.approx(max(measured), rel=1e-5)
+        assert r["rms_ratio"]["mean"] == pytest.approx(sum(measured) / len(measured), rel=1e-5)
         if r["optimizer"] == "adamw":
-            assert r["lr"] == {"sft": 1e-5, "rl": 1e-6}[r["regime"]]
+            assert set(r["lr_schedule"]) == {{"sft": 1e-5, "rl": 1e-6}[r["regime"]]}
+            assert r["rms_ratio"] == {"mean": 1.0, "min": 1.0, "max": 1.0}
         else:
-            assert len(r["calibration"]) <= 3
+            assert len(set(r["lr_schedule"])) > 1  # a schedule: the lr follows AdamW's RMS
+    assert any(r["optimizer"] != "adamw" and r["rms_ratio"]["min"] > 1 - MATCH_TOLERANCE for r in result["runs"])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_matched_step_is_the_step_at_the_lr_it_reports(name: str) -> None:
+    """Optim.step with a target RMS rescales the update it took; the weights are those of a plain
+    step at the lr it records, to within FP32 rounding, and the update RMS is the target."""
+    p = PRESETS["tiny"]
+    with deterministic(1):
+        batch = next(batches(p, 3))
+        a = build("qwen3moe", p, 0)
+        lr = 1e-4 * (SGD_GUESS if name == "sgd" else 1.0)  # as the study starts it: k not far from 1
+        matched = Optim(name, a, lr)
+        rms = matched.step(next_token_loss(a, *batch), target_rms=3e-5)
+        b = build("qwen3moe", p, 0)
+        plain = Optim(name, b, matched.lrs[-1])
+        plain.step(next_token_loss(b, *batch))
+    assert rms == pytest.approx(3e-5, rel=1e-4)
+    assert matched.lrs[-1] != pytest.approx(lr, rel=0.05)  # the target needed another lr
+    assert matched.lr == matched.lrs[-1]  # the next step starts from it
+    for (n, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=5e-7, atol=1e-9, msg=n)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
