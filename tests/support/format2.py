@@ -19,6 +19,30 @@ from patchswarm.protocol.streams import StreamReader
 from tests.support.strategies import random_words
 
 
+def ctx_case(
+    rng: np.random.Generator, spec: TensorSpec, rate: float, groups: int, *, few_exponents: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random base words, changed positions at ``rate`` and thresholds (:func:`case_thresholds`).
+    ``few_exponents``: the base repeats a few words (big groups, long runs, empty groups)."""
+    base = random_words(rng, spec.dt.width, spec.numel)
+    if few_exponents:
+        base = base[rng.integers(0, min(spec.numel, 4), spec.numel)]
+    return (base, *case_thresholds(rng, spec, base, np.flatnonzero(rng.random(spec.numel) < rate), groups))
+
+
+def case_thresholds(
+    rng: np.random.Generator, spec: TensorSpec, base: np.ndarray, pos: np.ndarray, groups: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``pos`` (the last element when empty: a record has a change) and up to ``groups`` distinct
+    non-zero exponents of changed elements, ascending, as an encoder may write them."""
+    if pos.size == 0:
+        pos = np.array([spec.numel - 1])
+    m, e = context_coding.exponent_field(spec)
+    ex = np.unique((base[pos].astype(np.int64) >> m) & ((1 << e) - 1))
+    ex = ex[ex > 0]
+    return pos, np.sort(rng.choice(ex, min(ex.size, groups), replace=False)).astype(np.int64) if ex.size else ex
+
+
 def magnitude_skewed(rng: np.random.Generator, spec: TensorSpec, rate: float) -> tuple[np.ndarray, np.ndarray]:
     """Base words of a normal-ish tensor and a target whose one-step changes favour small magnitudes."""
     base = random_words(rng, spec.dt.width, spec.numel)

@@ -24,7 +24,7 @@ from patchswarm.protocol.patchfile import apply_version, build_version
 from patchswarm.protocol.safetensors_io import load_safetensors
 from patchswarm.protocol.served import ServedModel, TensorSpec
 from patchswarm.protocol.streams import Fields, Piece, StreamReader, StreamWriter, unary_bits
-from tests.support.format2 import magnitude_skewed, with_bits_flipped
+from tests.support.format2 import ctx_case, magnitude_skewed, with_bits_flipped
 from tests.support.helpers import adam_like_pair
 from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases, random_words
 
@@ -187,14 +187,8 @@ def test_context_bits_stay_within_the_declared_bound(
     for any thresholds and densities (dense groups code their unchanged elements)."""
     rng = np.random.default_rng(seed)
     spec = TensorSpec("w", dtype, (numel,))
-    base = random_words(rng, spec.dt.width, numel)
-    pos = np.flatnonzero(rng.random(numel) < rate)
-    if pos.size == 0:
-        pos = np.array([numel - 1])
-    m, e = context_coding.exponent_field(spec)
-    ex = np.unique((base[pos].astype(np.int64) >> m) & ((1 << e) - 1))
-    ex = ex[ex > 0]
-    th = np.sort(rng.choice(ex, min(ex.size, groups), replace=False)).astype(np.int64) if ex.size else ex
+    base, pos, th = ctx_case(rng, spec, rate, groups)
+    e = context_coding.exponent_field(spec)[1]
     fields = ctx_fields(spec, base, pos, th)
     assert fields is not None
     assert context_coding.field_bits(fields) <= context_coding.ctx_bound_bits(numel, pos.size, e)

@@ -20,9 +20,16 @@ from patchswarm.protocol.errors import PatchswarmError
 from patchswarm.protocol.patch_format import Encoding, read_header
 from patchswarm.protocol.served import ServedModel, TensorSpec
 from patchswarm.protocol.streams import Piece, StreamWriter
-from tests.support.format2 import ctx_sizes, decode_positions, magnitude_skewed, with_bits_flipped
+from tests.support.format2 import (
+    case_thresholds,
+    ctx_case,
+    ctx_sizes,
+    decode_positions,
+    magnitude_skewed,
+    with_bits_flipped,
+)
 from tests.support.helpers import adam_like_pair
-from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases, random_words
+from tests.support.strategies import FLOAT_DTYPES, model_from_words, patch_cases
 
 DEVICES = [
     "cpu",
@@ -63,16 +70,7 @@ def test_torch_pass_decodes_what_the_numpy_pass_decodes(
     both give the same positions or the same error (the passes differ only in where they compute)."""
     rng = np.random.default_rng(seed)
     spec = TensorSpec("w", dtype, (numel,))
-    base = random_words(rng, spec.dt.width, numel)
-    if few_exponents:  # big groups, long runs of one group, empty groups in some blocks
-        base = base[rng.integers(0, min(numel, 4), numel)]
-    pos = np.flatnonzero(rng.random(numel) < rate)
-    if pos.size == 0:
-        pos = np.array([numel - 1])
-    m, e = context_coding.exponent_field(spec)
-    ex = np.unique((base[pos].astype(np.int64) >> m) & ((1 << e) - 1))
-    ex = ex[ex > 0]
-    th = np.sort(rng.choice(ex, min(ex.size, groups), replace=False)).astype(np.int64) if ex.size else ex
+    base, pos, th = ctx_case(rng, spec, rate, groups, few_exponents=few_exponents)
     with ctx_sizes(block, batch):
         fields = context_coding.ctx_fields(spec, base, pos, th)
         assert fields is not None
@@ -135,18 +133,10 @@ def test_torch_pass_encodes_what_the_numpy_pass_encodes(
     spec = TensorSpec("w", dtype, (numel,))
     if skewed:  # changes favouring small magnitudes: the encoder picks contexts
         base, new = magnitude_skewed(rng, spec, 0.01 + rate / 2)
-        pos = np.flatnonzero(base != new)
+        pos, th = case_thresholds(rng, spec, base, np.flatnonzero(base != new), groups)
     else:
-        base = random_words(rng, spec.dt.width, numel)
-        if few_exponents:
-            base = base[rng.integers(0, min(numel, 4), numel)]
-        pos = np.flatnonzero(rng.random(numel) < rate)
-    if pos.size == 0:
-        pos = np.array([numel - 1])
+        base, pos, th = ctx_case(rng, spec, rate, groups, few_exponents=few_exponents)
     m, e = context_coding.exponent_field(spec)
-    ex = np.unique((base[pos].astype(np.int64) >> m) & ((1 << e) - 1))
-    ex = ex[ex > 0]
-    th = np.sort(rng.choice(ex, min(ex.size, groups), replace=False)).astype(np.int64) if ex.size else ex
     words = torch.from_numpy(base).to(device)
     with ctx_sizes(block, batch):
         given_np = context_coding.ctx_fields(spec, base, pos, th)
