@@ -155,13 +155,18 @@ class Flow:
         self.epoch = 0  # the re-sharing that last marked it ...
         self.mark = 0  # ... and how: _RISING or _FROZEN
 
+    def remaining_at(self, now: float) -> float:
+        """The bytes left at ``now`` at the current rate (nothing is accounted: see :meth:`settle`)."""
+        if now <= self.last:
+            return self.remaining
+        if self.rate == INF:
+            return 0.0
+        return max(0.0, self.remaining - self.rate * (now - self.last))
+
     def settle(self, now: float) -> None:
         """Account the bytes moved at the current rate up to ``now``."""
         if now > self.last:
-            if self.rate == INF:
-                self.remaining = 0.0
-            else:
-                self.remaining = max(0.0, self.remaining - self.rate * (now - self.last))
+            self.remaining = self.remaining_at(now)
             self.last = now
 
     def finish_time(self) -> float:

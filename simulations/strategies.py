@@ -152,12 +152,12 @@ def central(s: Scenario, lay: Layout, churn: Sequence[ChurnEvent], kind: str) ->
 
     def measure(now: float) -> None:
         """The seed's egress at the end of the measured window (what the swarm's run is cut at):
-        the store goes on serving past it, for the completions, but those bytes are not the window's."""
+        the store goes on serving past it, for the completions, but those bytes are not the window's.
+        Read without settling the flows: a settle here would split their float arithmetic in two and
+        move later completions by an ulp."""
         nonlocal window_egress
         moving = [f for st in state.values() if (f := st.flow) is not None and f.state == "active"]
-        for f in moving:
-            f.settle(now)
-        window_egress = net.traffic.sent.get(lay.seed.id, 0.0) + math.fsum(f.size - f.remaining for f in moving)
+        window_egress = net.traffic.sent.get(lay.seed.id, 0.0) + math.fsum(f.size - f.remaining_at(now) for f in moving)
 
     for v in range(1, s.versions + 1):
         at(s.publication(v), functools.partial(publish, v))
