@@ -38,17 +38,22 @@ DEVICES = [
     ),
 ]
 
+# A record's shape, blocks, batches, density and thresholds: what both passes' tests draw.
+CASES = {
+    "dtype": st.sampled_from(FLOAT_DTYPES),
+    "numel": st.integers(1, 3000),
+    "block": st.sampled_from([8, 64, 1000, 1 << 20]),
+    "batch": st.sampled_from([1, 100, 1 << 23]),
+    "rate": st.floats(0.0, 1.0),
+    "groups": st.integers(0, 15),
+    "few_exponents": st.booleans(),
+}
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=200, deadline=None)
 @given(
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    numel=st.integers(1, 3000),
-    block=st.sampled_from([8, 64, 1000, 1 << 20]),
-    batch=st.sampled_from([1, 100, 1 << 23]),
-    rate=st.floats(0.0, 1.0),
-    groups=st.integers(0, 15),
-    few_exponents=st.booleans(),
+    **CASES,
     flips=st.lists(st.integers(0, 1 << 14), max_size=3),
     lie=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
@@ -105,13 +110,7 @@ def _stream(fields: list[Piece] | None) -> object:
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=150, deadline=None)
 @given(
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    numel=st.integers(1, 3000),
-    block=st.sampled_from([8, 64, 1000, 1 << 20]),
-    batch=st.sampled_from([1, 100, 1 << 23]),
-    rate=st.floats(0.0, 1.0),
-    groups=st.integers(0, 15),
-    few_exponents=st.booleans(),
+    **CASES,
     skewed=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
