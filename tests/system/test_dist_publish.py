@@ -8,7 +8,10 @@ and each version's manifest id as the ranks saw it.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
+import sys
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -111,8 +114,17 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("dist")
     SigningKey.generate().save(tmp / "key")
     torch.save({"t0": time.time()}, tmp / "job.pt")
-    mp.spawn(_rank_main, args=(str(tmp),), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
+    try:
+        mp.spawn(_rank_main, args=(str(tmp),), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
+    except mp.ProcessExitedException as e:  # type: ignore[attr-defined]
+        # A rank killed by a signal leaves no Python traceback; its fault handler's stacks say where.
+        stacks = {r: _tail(tmp / f"rank{r}.fault") for r in range(WORLD)}
+        pytest.fail(f"{e}; each rank's fault handler output: {stacks}")
     return tmp
+
+
+def _tail(path: Path, most: int = 6000) -> str:
+    return path.read_text(errors="replace")[-most:] if path.exists() else "(none)"
 
 
 def results(tmp: Path, scenario: str) -> list[Any]:
@@ -162,6 +174,8 @@ def _publisher(root: Path, key: SigningKey, t0: float, fmt: Mapping[str, Any]) -
 
 def _rank_main(rank: int, root: str) -> None:
     tmp = Path(root)
+    fault = (tmp / f"rank{rank}.fault").open("w")
+    faulthandler.enable(fault, all_threads=True)
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
     )
@@ -196,6 +210,11 @@ def _rank_main(rank: int, root: str) -> None:
             (where / f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+    # Every result is in its file.  Leave without the interpreter's teardown of torch's and gloo's
+    # threads: that teardown is not what these tests check, and it once aborted a rank on a CI host.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _part(scenario: str, w: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
