@@ -18,7 +18,10 @@ deadline on a response the client never reads, and it logs a traceback for every
 - a response the client stops reading (the socket's send buffer stays full for ``send_timeout_s``)
   aborts the connection, which cancels its handler;
 - a client that goes away cancels its handler, so abandoned long polls leave nothing behind;
-- a malformed request gets its 400 and one log line (rate-limited), never a traceback.
+- a malformed request gets its 400 and one log line (rate-limited), never a traceback;
+- a request that is not HTTP/1.x gets a 400 before the application sees it: aiohttp's parser takes a
+  request line without a version (``GET /``) as HTTP/0.9, and ``HTTP/0.9`` or ``HTTP/2.0`` as written,
+  and would answer them (:func:`_http1_only`).
 
 Handlers read request bodies with :func:`read_body`: in a loop until complete, within a size limit
 (413) and ``body_timeout_s`` (408), never assuming a body arrives in one piece.
@@ -43,6 +46,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http import HttpVersion10
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -168,8 +172,8 @@ class _GuardedServer(web.Server):
             logger=_AIOHTTP_QUIET,  # every line goes through _GuardedHandler's rate-limited ones
         )
         super().__init__(
-            inner.request_handler,
-            request_factory=inner.request_factory,
+            _refusing_other_versions(inner.request_handler),
+            request_factory=_http1_only(inner.request_factory),
             handler_cancellation=True,  # a client gone: its handler ends (no abandoned long polls pile up)
             loop=inner._loop,
             **kwargs,
@@ -188,6 +192,44 @@ class _GuardedServer(web.Server):
         for task in list(self.handshakes):
             task.cancel()
         await super().shutdown(timeout)
+
+
+# The request mapping's key marking a request that came as another HTTP than 1.x (its version as sent).
+_NOT_HTTP1 = web.RequestKey("patchswarm.not_http1", str)
+
+
+def _http1_only(factory: Any) -> Any:
+    """``factory`` (aiohttp's request factory), but a request whose version is not 1.x is made as an
+    HTTP/1.0 one that closes, marked with the version it came with: its refusal's status line and
+    headers are then ones an HTTP/1 client reads (an HTTP/0.9 answer has neither)."""
+
+    def make(message: Any, *args: Any) -> web.BaseRequest:
+        version = message.version
+        if version.major == 1:
+            request: web.BaseRequest = factory(message, *args)
+            return request
+        request = factory(message._replace(version=HttpVersion10, should_close=True), *args)
+        request[_NOT_HTTP1] = f"HTTP/{version.major}.{version.minor}"
+        return request
+
+    return make
+
+
+def _refusing_other_versions(handler: Any) -> Any:
+    """``handler`` (the application's), but a request marked by :func:`_http1_only` gets its one-line
+    400 instead, before any route, middleware or body read."""
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        version = request.get(_NOT_HTTP1)
+        if version is None:
+            response: web.StreamResponse = await handler(request)
+            return response
+        why = f"{version} (a request line without a version)" if version == "HTTP/0.9" else version
+        refusal = web.Response(status=400, text=f"{why} is not served: send HTTP/1.0 or HTTP/1.1\n")
+        refusal.force_close()  # (what follows on the connection was not framed as HTTP/1 either)
+        return refusal
+
+    return handle
 
 
 class _GuardedHandler(web.RequestHandler):
