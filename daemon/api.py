@@ -30,9 +30,9 @@ from aiohttp import web
 
 from patchswarm.daemon.exporter import peer_pid
 from patchswarm.daemon.json_answer import json_response, strict_dumps
+from patchswarm.daemon.json_body import json_object
 from patchswarm.daemon.status import MAX_SUBSCRIBERS, Status
-from patchswarm.protocol.untrusted_json import load_json
-from patchswarm.swarm.serving import HardenedRunner, ServerLimits, read_body
+from patchswarm.swarm.serving import HardenedRunner, ServerLimits
 
 MAX_WAIT_S = 300.0
 MAX_BODY_BYTES = 1 << 16
@@ -148,17 +148,10 @@ async def layout(request: web.Request) -> web.Response:
     return _json(info)
 
 
-async def _json_body(request: web.Request) -> Any:
-    """The request's JSON body (413 past MAX_BODY_BYTES, 408 when too slow), parsed strictly
-    (protocol/untrusted_json.py); ValueError for anything else (NaN, a key given twice, deep nesting,
-    bytes that are not UTF-8: a 400, never a 500 or a value the last duplicate chose)."""
-    return load_json(await read_body(request, MAX_BODY_BYTES), max_bytes=MAX_BODY_BYTES)
-
-
 async def ack(request: web.Request) -> web.Response:
     s = request.app[STATUS_KEY]
     try:
-        body = await _json_body(request)
+        body = await json_object(request, MAX_BODY_BYTES)
         engine, ver = body["engine"], body["version"]
     except (ValueError, KeyError, TypeError):
         return _bad('body must be {"engine": <name>, "version": <int>}')
@@ -176,7 +169,7 @@ async def store_registration(request: web.Request) -> web.Response:
     if registrar is None:
         return _json({"error": "NotEngineStore", "message": "this daemon does not take engine buffers"}, 409)
     try:
-        body = await _json_body(request)
+        body = await json_object(request, MAX_BODY_BYTES)
     except ValueError:
         return _bad("body must be JSON: {engine, layout_hash, buffer}")
     # The kernel's word on who registers (SO_PEERCRED), not the body's: the buffer is that process's memory.

@@ -41,9 +41,8 @@ import torch
 from aiohttp import web
 
 from patchswarm.daemon.json_answer import json_response, strict_dumps
+from patchswarm.daemon.json_body import json_object
 from patchswarm.daemon.tf_engine import FenceUnavailable, Sampling, Step, TfEngine, VersionMismatch
-from patchswarm.protocol.untrusted_json import load_json
-from patchswarm.swarm.serving import read_body
 
 MAX_BODY = 1 << 20
 MAX_PROMPT_CHARS = 512 << 10
@@ -86,17 +85,7 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    # read_body, not request.read(): 413 past MAX_BODY, and a body dripped in, or never finished, is cut at
-    # the body deadline (408) instead of holding the connection
-    raw = await read_body(request, MAX_BODY)
-    if not raw:
-        return {}
-    try:
-        obj = load_json(raw, max_bytes=MAX_BODY)
-    except ValueError as e:
-        raise BadRequest(f"body: {e}") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("body must be a JSON object")
+    obj = await json_object(request, MAX_BODY)  # (413, 408, or a BodyError: a 400 like BadRequest)
     if "weight_version" in obj:
         raise BadRequest("weight_version reached the engine: send version constraints through the sidecar")
     return obj

@@ -45,11 +45,10 @@ from aiohttp import web
 
 from patchswarm.daemon.engine_serve import serve_until_signal
 from patchswarm.daemon.json_answer import json_response, strict_dumps
+from patchswarm.daemon.json_body import json_object
 from patchswarm.daemon.ref_model import LMShape, greedy_next
 from patchswarm.daemon.ref_sources import NO_VERSION, StaticSource, StoreViewSource, WeightSource
 from patchswarm.daemon.sidecar import RunningServer, serve_app
-from patchswarm.protocol.untrusted_json import load_json
-from patchswarm.swarm.serving import read_body
 
 DEFAULT_MAX_TOKENS_LIMIT = 1024
 MAX_PROMPT_TOKENS = 4096
@@ -187,24 +186,10 @@ def _bad(detail: str) -> web.Response:
     return json_response({"error": "BadRequest", "detail": detail}, status=400)
 
 
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    # read_body, not request.read(): a body dripped in, or never finished, is cut at the body deadline (408)
-    raw = await read_body(request, MAX_BODY)
-    if not raw:
-        return {}
-    try:
-        obj = load_json(raw, max_bytes=MAX_BODY)
-    except ValueError as e:
-        raise ValueError(f"body is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError("body must be a JSON object")
-    return obj
-
-
 async def _generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     try:
-        body = await _json_object(request)
+        body = await json_object(request, MAX_BODY)
         unknown = sorted(set(body) - {"prompt", "max_tokens", "stream"})
         if unknown:
             raise ValueError(f"unknown keys {unknown}")
@@ -249,7 +234,7 @@ async def _generate_stream(
 
 async def _pause(request: web.Request) -> web.Response:
     try:
-        body = await _json_object(request)
+        body = await json_object(request, MAX_BODY)
     except ValueError as e:
         return _bad(str(e))
     mode = body.get("mode", "in_place")
@@ -266,7 +251,7 @@ async def _continue(request: web.Request) -> web.Response:
 
 async def _commit(request: web.Request) -> web.Response:
     try:
-        body = await _json_object(request)
+        body = await json_object(request, MAX_BODY)
         unknown = sorted(set(body) - {"version", "flush_cache"})
         if unknown:
             raise ValueError(f"unknown keys {unknown}")
