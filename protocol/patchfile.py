@@ -265,7 +265,10 @@ def apply_version(
     (or into ``into``'s buffers, e.g. a weight store's, when given: an anchor writes every byte).
 
     Returns the model and its per-tensor digests.  On any error the model passed in must be
-    considered garbage (callers apply to a staging copy, or journal first).
+    considered garbage: a payload may be refused at its end, after every record was written
+    (docs/format.md section 6).  So callers apply to a copy they discard on failure (swarm/staging.py,
+    swarm/puller.py), or to a model they write out only on success (``patchswarm apply``, ``pull``),
+    and the daemon decodes patches without writing (protocol/sparse_apply.py).
     """
     specs = list(manifest.specs)
     fmt = declared_format(payload)

@@ -78,6 +78,25 @@ def with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
     return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
 
 
+def with_stream_tail(payload: bytes, name: str, tail: bytes, *, declared: bool = True) -> bytes:
+    """The payload with ``tail`` appended to its decompressed stream ``name`` (recompressed; its raw size
+    redeclared, or with ``declared`` False kept, the frame without a content size): every record
+    decodes as before, and the payload is refused only at its end (the reader's last check, that each
+    stream is consumed exactly), after every record was decoded."""
+    _, _, hlen = struct.unpack_from("<4sB3xI", payload)
+    records, table = msgpack.unpackb(zstandard.decompress(payload[12 : 12 + hlen]))
+    comps, off = [], 12 + hlen
+    for _, _, comp_len in table:
+        comps.append(payload[off : off + comp_len])
+        off += comp_len
+    i = [n for n, _, _ in table].index(name)
+    raw = zstandard.ZstdDecompressor().decompress(comps[i], max_output_size=table[i][1]) + tail
+    comps[i] = zstandard.ZstdCompressor(write_content_size=declared).compress(raw)
+    table[i][1], table[i][2] = len(raw) - (0 if declared else len(tail)), len(comps[i])
+    hz = zstandard.compress(msgpack.packb([records, table]))
+    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
+
+
 @contextmanager
 def ctx_sizes(block: int, batch: int, on_cpu: bool = False) -> Iterator[None]:
     """Small blocks and batches (several of each in a small tensor); ``on_cpu``: CPU bases take the torch pass."""
