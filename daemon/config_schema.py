@@ -22,6 +22,7 @@ from patchswarm.daemon.config_values import (
     parse_plan,
     parse_positive_duration,
     parse_rate,
+    parse_routes,
     parse_run_id,
     parse_size,
     parse_str,
@@ -233,6 +234,15 @@ SCHEMA: list[Key] = [
     Key("sidecar", "enabled", parse_bool, False, "Run the version-aware reverse proxy in front of the engine."),
     Key("sidecar", "listen", parse_listen, "127.0.0.1:8081", "Where the sidecar listens."),
     Key("sidecar", "upstream", parse_url, "http://127.0.0.1:8080", "The engine's HTTP API."),
+    Key(
+        "sidecar",
+        "allow_routes",
+        parse_routes,
+        [],
+        "Engine routes the sidecar forwards besides its allow list of inference and metadata routes "
+        "(docs/sidecar.md): exact paths like '/v1/messages', or '/p/*' for every path below /p. Any other "
+        "path is answered 404 without reaching the engine; a control route here stops the daemon at start-up.",
+    ),
     Key(
         "sidecar",
         "commit_mode",

@@ -246,6 +246,17 @@ def parse_devices(v: Any) -> list[str]:
     return [parse_device(x) for x in v]
 
 
+def parse_routes(v: Any) -> list[str]:
+    """Paths the sidecar forwards besides its allow list (daemon/sidecar_routes.py checks each)."""
+    from patchswarm.daemon.sidecar_routes import check_routes
+
+    if isinstance(v, str):
+        v = [x.strip() for x in v.split(",") if x.strip()]
+    if not isinstance(v, list):
+        raise ValueError("expected a list of paths like '/v1/messages'")
+    return list(check_routes(v))
+
+
 def parse_plan(v: Any) -> str:
     """none, auto, a built-in family name, or a plan file's path (a value with a /; read at start-up)."""
     from patchswarm.protocol.layout_builtin import DENSE, MOE

@@ -331,6 +331,7 @@ class RolloutDaemon(ApiAnswers):
                 port=port,
                 limits=limits,
                 ssl_context=tls.server_context() if tls is not None else None,
+                allow_routes=self.cfg["sidecar.allow_routes"],
             )
         self._servers.append(server)
         await self._hold_if_behind()

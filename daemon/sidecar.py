@@ -1,8 +1,10 @@
 """A version-aware reverse proxy in front of an inference engine's HTTP API.
 
-The sidecar sits between rollout clients and the engine on a rollout host.  Every request that
-can run a generation (any method but GET/HEAD/OPTIONS, or any request carrying a constraint) goes
-through a :class:`VersionGate`:
+The sidecar sits between rollout clients and the engine on a rollout host.  It fails closed: only
+the inference and metadata routes of its allow list (daemon/sidecar_routes.py, plus the operator's
+``sidecar.allow_routes``) reach the engine; the engine's control routes get 403, other paths 404.
+Every request that can run a generation (any method but GET/HEAD/OPTIONS, or any request carrying
+a constraint) goes through a :class:`VersionGate`:
 
 - a request may carry ``weight_version: {min_version, exact_version}`` in its JSON body, or the
   headers ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``; the body key is removed before the
@@ -30,15 +32,15 @@ when the activation driver follows the protocol: ``begin_activation`` before tou
 from __future__ import annotations
 
 import logging
-import posixpath
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from patchswarm.daemon.json_answer import json_response, strict_dumps
 from patchswarm.daemon.sidecar_constraints import (
@@ -57,6 +59,8 @@ from patchswarm.daemon.sidecar_gate import ActivationError as ActivationError
 from patchswarm.daemon.sidecar_gate import CommitMode as CommitMode
 from patchswarm.daemon.sidecar_gate import ConstraintError, NotReady, Ticket, VersionConstraint, VersionGate
 from patchswarm.daemon.sidecar_gate import DrainTimeoutError as DrainTimeoutError
+from patchswarm.daemon.sidecar_routes import CONTROL_ROUTES as CONTROL_ROUTES
+from patchswarm.daemon.sidecar_routes import OPTION, RoutePolicy, control_route, normalize
 from patchswarm.swarm.client_errors import describe
 from patchswarm.swarm.serving import ServerLimits, read_body, serve_tcp
 
@@ -73,26 +77,6 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 SHUTDOWN_GRACE_S = 10.0
 DEFAULT_MAX_BUFFERED_RESPONSE_BYTES = 16 << 20
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-# The engines' control routes: the daemon drives them on the engine directly (engine.url), and a rollout
-# client must not (pause every request, commit a version, or load weights no signature checked: SGLang's
-# /update_weights_from_disk, vLLM dev mode's /collective_rpc).  Refused by name after normalizing the
-# path as the engines' routers would (percent-decoded, slashes collapsed, dot segments resolved).
-CONTROL_ROUTES = frozenset(
-    {
-        # the drivers' (daemon/engine_drivers.py, daemon/copy_drivers.py, daemon/payloads.py)
-        "/pause", "/resume", "/pause_generation", "/continue_generation", "/patchswarm/v1/commit",
-        "/collective_rpc", "/reset_prefix_cache", "/flush_cache", "/begin_weight_update", "/start_weight_update",
-        "/end_weight_update", "/finish_weight_update", "/update_weights", "/update_weights_from_tensor",
-        "/update_weight_version", "/init_weight_transfer_engine",
-        # weights, memory and process state from elsewhere in SGLang and vLLM
-        "/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_ipc",
-        "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
-        "/resume_memory_occupation", "/sleep", "/wake_up", "/load_lora_adapter", "/unload_lora_adapter",
-        "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/start_profile", "/stop_profile",
-        "/set_internal_state", "/configure_logging", "/slow_down", "/abort_request", "/scale_elastic_ep",
-        "/reset_mm_cache",
-    }
-)  # fmt: skip
 # RFC 9110 7.6.1 hop-by-hop fields, plus those the proxy recomputes itself.
 _HOP_BY_HOP = frozenset(
     h.lower()
@@ -116,6 +100,7 @@ class _Settings:
     max_body_bytes: int
     max_buffered_response_bytes: int
     sse_version_event: bool
+    routes: RoutePolicy
 
 
 _SETTINGS = web.AppKey("patchswarm.sidecar.settings", _Settings)
@@ -144,19 +129,23 @@ def make_sidecar_app(
     read_timeout_s: float | None = 600.0,
     max_connections: int = 1024,
     sse_version_event: bool = True,
+    allow_routes: Iterable[str] = (),
 ) -> web.Application:
     """The proxy as an aiohttp application (serve it with :func:`start_sidecar` or any runner).
 
     ``max_body_bytes`` bounds request bodies (413 beyond).  Responses with a ``Content-Length`` up
     to ``max_buffered_response_bytes`` are buffered (so they get the end version in headers and
     JSON body); every other response streams through chunk by chunk.  ``read_timeout_s`` bounds
-    the wait for each read from the engine (not the whole response).
+    the wait for each read from the engine (not the whole response).  Only the allow list's routes
+    are forwarded (daemon/sidecar_routes.py), plus ``allow_routes`` (exact paths, or ``P/*`` for the
+    paths below ``P``; a control route among them: ValueError).
     """
     upstream = upstream_url.rstrip("/")
     if not upstream.startswith(("http://", "https://")):
         raise ValueError(f"upstream must be an http(s) URL, got {upstream_url!r}")
+    routes = RoutePolicy.with_routes(allow_routes)
     app = web.Application(client_max_size=max_body_bytes)
-    app[_SETTINGS] = _Settings(upstream, gate, max_body_bytes, max_buffered_response_bytes, sse_version_event)
+    app[_SETTINGS] = _Settings(upstream, gate, max_body_bytes, max_buffered_response_bytes, sse_version_event, routes)
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
@@ -193,16 +182,34 @@ def _refusal_response(refusal: NotReady, constraint: VersionConstraint) -> web.R
     return json_response(body, status=refusal.status, headers=headers)
 
 
-def control_route(path: str) -> bool:
-    """Whether ``path`` (as aiohttp decoded it) names one of CONTROL_ROUTES for the engine's router."""
-    clean = posixpath.normpath("/" + "/".join(p for p in path.split("/") if p))
-    return clean.rstrip("/") in CONTROL_ROUTES
+def _allowed_target(request: web.Request, upstream: str, routes: RoutePolicy) -> URL | web.Response:
+    """The engine URL for ``request``, or its refusal: 403 for a control route, 404 for a path not on
+    the allow list (daemon/sidecar_routes.py).
+
+    Every form of the path must pass: as the client sent it (decoded and raw) and as it goes to the
+    engine (the URL the sidecar requests, which yarl decodes where unreserved and dot-resolves), so no
+    decoding step between the client and the engine's router turns an allowed path into another."""
+    try:
+        target = URL(upstream + str(request.rel_url))
+    except ValueError:
+        target = None
+    paths = [request.path, request.rel_url.raw_path]  # (the raw path less its query and fragment)
+    paths += [target.path, target.raw_path] if target is not None else []
+    if any(control_route(p) for p in paths):
+        return _error(403, "EngineControlRoute", "the engine's control routes are the daemon's, not served here")
+    refused = [p for p in paths if not routes.allows(p)]
+    if target is None or refused:
+        shown = normalize(refused[0] if refused else request.path)[:200] or "/"
+        detail = f"route {shown} is not served by the sidecar (add routes with the {OPTION} setting)"
+        return _error(404, "RouteNotServed", detail)
+    return target
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
     settings = request.app[_SETTINGS]
-    if control_route(request.path) or control_route(request.raw_path.split("?", 1)[0]):
-        return _error(403, "EngineControlRoute", "the engine's control routes are the daemon's, not served here")
+    target = _allowed_target(request, settings.upstream, settings.routes)
+    if isinstance(target, web.Response):
+        return target
     try:
         header_constraint = constraint_from_headers(request.headers)
         body = await read_body(request, settings.max_body_bytes)
@@ -216,13 +223,13 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     except web.HTTPRequestEntityTooLarge:
         return _error(413, "RequestTooLarge", f"request body larger than {settings.max_body_bytes} bytes")
     if request.method in _SAFE_METHODS and constraint.unconstrained:
-        return await _forward(request, body, None)
+        return await _forward(request, target, body, None)
     outcome = await settings.gate.admit(constraint)
     if isinstance(outcome, NotReady):
         return _refusal_response(outcome, constraint)
     lease = _Lease(settings.gate, outcome)
     try:
-        return await _forward(request, body, lease)
+        return await _forward(request, target, body, lease)
     finally:
         lease.finish()
 
@@ -243,10 +250,9 @@ def _response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
-async def _forward(request: web.Request, body: bytes, lease: _Lease | None) -> web.StreamResponse:
+async def _forward(request: web.Request, url: URL, body: bytes, lease: _Lease | None) -> web.StreamResponse:
     settings = request.app[_SETTINGS]
     session = request.app[_SESSION]
-    url = settings.upstream + str(request.rel_url)
     try:
         upstream = await session.request(
             request.method, url, headers=_forward_headers(request.headers), data=body or None, allow_redirects=False

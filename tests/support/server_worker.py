@@ -3,7 +3,8 @@
 Usage: python -m tests.support.server_worker MODE ADDRESS
   api SOCKET      the unix-socket API (daemon/api.py) over a fixed Status, served by serve_unix
   sidecar PORT    the sidecar (daemon/sidecar.py) on 127.0.0.1:PORT in front of a small engine in this
-                  process: GET/POST /generate answers JSON, GET /big streams BIG_BYTES
+                  process: GET/POST /generate answers JSON, GET /big (added to the sidecar's
+                  allow list, as sidecar.allow_routes does) streams BIG_BYTES
 
 Both print {"event": "listening"} once they answer and serve until SIGTERM.  The server limits come
 from the PATCHSWARM_HTTP_* variables, as in the daemon.
@@ -62,7 +63,9 @@ async def main(mode: str, address: str) -> None:
         await runner.cleanup()
     elif mode == "sidecar":
         engine, port = await _engine()
-        server = await start_sidecar(f"http://127.0.0.1:{port}", VersionGate(3), port=int(address))
+        server = await start_sidecar(
+            f"http://127.0.0.1:{port}", VersionGate(3), port=int(address), allow_routes=["/big"]
+        )
         print(json.dumps({"event": "listening", "url": server.url}), flush=True)
         await stop.wait()
         await server.close()

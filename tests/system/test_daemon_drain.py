@@ -72,6 +72,7 @@ def sidecar_daemon(sw: Swarm, tmp_path: Path, engine_port: int, drain_timeout: s
     extra = (
         f'[sidecar]\nenabled = true\nlisten = "127.0.0.1:{port}"\n'
         f'upstream = "http://127.0.0.1:{engine_port}"\ndrain_timeout = "{drain_timeout}"\n'
+        'allow_routes = ["/stream"]\n'  # the fake engine's route, forwarded only as an operator's route
     )
     return make_daemon(sw, "d1", tmp_path, extra=extra), f"http://127.0.0.1:{port}"
 
@@ -107,6 +108,8 @@ async def test_a_request_that_never_ends_puts_off_the_activation_not_everyone(tm
             await d.wait_version(1)
             view = attach((await d.get("/v1/layout"))["attach"])
             long = await start_long_request(http, sidecar)
+            async with http.post(f"{sidecar}/other", json={}) as r:  # the engine answers any path; the sidecar not
+                assert r.status == 404 and (await r.json())["error"] == "RouteNotServed"
             v2 = sw.publish()
 
             async def timed_out() -> dict[str, Any] | None:

@@ -762,22 +762,23 @@ async def test_large_responses_stream_without_end_header() -> None:
 async def test_engine_json_the_sidecar_cannot_write_back_strictly_passes_untouched() -> None:
     """A bare NaN or a number past a double's range in an engine's answer: the sidecar never re-encodes
     it (its versions go in the headers only); strict JSON gets its weight_version as always."""
-    raw = {"/nan": b'{"x": NaN}', "/big": b'{"x": 1e999}', "/ok": b'{"x": 1.5}'}
+    nan, big, ok = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+    raw = {nan: b'{"x": NaN}', big: b'{"x": 1e999}', ok: b'{"x": 1.5}'}
 
     async def answer(request: web.Request) -> web.Response:
         return web.Response(body=raw[request.path], content_type="application/json")
 
     app = web.Application()
-    app.router.add_post("/{name}", answer)
+    app.router.add_post("/{tail:.*}", answer)
     engine = await serve_app(app, "127.0.0.1", 0)
     sidecar = await start_sidecar(engine.url, VersionGate(applied=3))
     try:
         async with aiohttp.ClientSession() as http:
-            for path in ("/nan", "/big"):
+            for path in (nan, big):
                 async with http.post(sidecar.url + path, json={}) as resp:
                     assert resp.status == 200 and (resp.headers[HEADER_START], resp.headers[HEADER_END]) == ("3", "3")
                     assert await resp.read() == raw[path]
-            async with http.post(sidecar.url + "/ok", json={}) as resp:
+            async with http.post(sidecar.url + ok, json={}) as resp:
                 assert json.loads(await resp.read()) == {"x": 1.5, "weight_version": {"start": 3, "end": 3}}
     finally:
         await sidecar.close()
