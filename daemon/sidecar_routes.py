@@ -37,6 +37,22 @@ CONTROL_ROUTES = frozenset(
         "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/start_profile", "/stop_profile",
         "/set_internal_state", "/configure_logging", "/slow_down", "/abort_request", "/scale_elastic_ep",
         "/reset_mm_cache",
+        # SGLang's (python/sglang/srt/entrypoints/http_server.py): weights sent to an address the caller
+        # names, cache storage cleared, the collector frozen, expert-distribution recording
+        "/send_weights_to_remote_instance", "/init_weights_send_group_for_remote_instance",
+        "/clear_hicache_storage_backend", "/freeze_gc", "/start_expert_distribution_record",
+        "/stop_expert_distribution_record", "/dump_expert_distribution_record",
+    }
+)  # fmt: skip
+# The words of a control action.  An operator's route naming one is refused at start-up even when no name
+# above matches it: the engines add control routes each release (a list of names is always one behind),
+# and every one so far names what it does with one of these (each of CONTROL_ROUTES does; a test checks).
+# Metadata and inference routes (get_server_info, get_weights_by_name, sessions, files) name none.
+CONTROL_WORDS = frozenset(
+    {
+        "update", "init", "destroy", "send", "release", "resume", "pause", "continue", "sleep", "wake",
+        "unload", "flush", "clear", "reset", "freeze", "abort", "slow", "scale", "configure", "profile",
+        "record", "rpc", "commit", "lora", "occupation", "internal",
     }
 )  # fmt: skip
 
@@ -98,7 +114,16 @@ def check_route(route: str) -> str:
     below = sorted(c for c in CONTROL_ROUTES if c == base or (route.endswith("/*") and c.startswith(base + "/")))
     if below:
         raise ValueError(f"route {shown} would serve the engine control route {below[0]} (the daemon's alone)")
+    words = sorted(set(route_words(base)) & CONTROL_WORDS)
+    if words:
+        raise ValueError(f"route {shown} names the engine control action {words[0]!r} (the daemon's alone)")
     return route
+
+
+def route_words(path: str) -> list[str]:
+    """The words of ``path``, lowercased: its runs of letters and digits (``/v1/update_lora`` -> v1,
+    update, lora)."""
+    return re.findall(r"[a-z0-9]+", path.lower())
 
 
 def check_routes(routes: Iterable[str]) -> tuple[str, ...]:

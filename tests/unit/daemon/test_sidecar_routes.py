@@ -31,10 +31,12 @@ from patchswarm.daemon.sidecar import RunningServer, make_sidecar_app, serve_app
 from patchswarm.daemon.sidecar_gate import VersionGate
 from patchswarm.daemon.sidecar_routes import (
     CONTROL_ROUTES,
+    CONTROL_WORDS,
     DEFAULT_PREFIXES,
     DEFAULT_ROUTES,
     MAX_EXTRA_ROUTES,
     normalize,
+    route_words,
 )
 
 EXTRA = ["/v1/messages", "/custom/*"]  # the operator's routes in these tests
@@ -291,3 +293,36 @@ def test_the_engine_never_sees_a_path_off_the_list(served: Served, target: str, 
         assert reached == [] and status in (400, 403, 404), (target, status, body)
     if status == 404 and isinstance(body, dict) and body.get("error") == "RouteNotServed":
         assert reached == []
+
+
+# SGLang's control routes that CONTROL_ROUTES did not name (sgl-project/sglang,
+# python/sglang/srt/entrypoints/http_server.py): weights sent to an address the caller names, cache storage
+# cleared, the garbage collector frozen, expert-distribution recording.  Each release adds more, so the
+# check is by what a route does (its words), not by a list of names.
+UNLISTED_CONTROL = [
+    "/send_weights_to_remote_instance", "/init_weights_send_group_for_remote_instance",
+    "/clear_hicache_storage_backend", "/freeze_gc", "/start_expert_distribution_record",
+    "/stop_expert_distribution_record", "/dump_expert_distribution_record", "/update_weights_from_disk_v2",
+    "/v1/update_lora", "/engine/resume", "/reset_encoder_cache", "/sglang/flush_cache/*",
+]  # fmt: skip
+# Routes the docs say an operator may add (docs/sidecar.md): metadata, state, and inference routes.
+ADDABLE = [
+    "/metrics", "/get_server_info", "/server_info", "/get_weights_by_name", "/get_weight_version", "/open_session",
+    "/close_session", "/v1/files/*", "/v1/batches/*", "/invocations", "/load", "/get_load", "/v1/messages",
+    "/v1/classify", "/v1/tokenize", "/v1/detokenize", "/parse_function_call", "/is_sleeping", "/vertex_generate",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("route", UNLISTED_CONTROL)
+def test_an_operator_route_that_names_a_control_action_is_refused(route: str) -> None:
+    with pytest.raises(ValueError, match=r"control"):
+        make_sidecar_app("http://127.0.0.1:1", VersionGate(1), allow_routes=[route])
+
+
+def test_the_routes_an_operator_may_add_are_taken() -> None:
+    make_sidecar_app("http://127.0.0.1:1", VersionGate(1), allow_routes=ADDABLE)
+
+
+def test_every_listed_control_route_names_a_control_word_and_no_default_route_does() -> None:
+    assert all(set(route_words(r)) & CONTROL_WORDS for r in CONTROL_ROUTES)
+    assert not any(set(route_words(r)) & CONTROL_WORDS for r in DEFAULT_ROUTES | DEFAULT_PREFIXES)
