@@ -68,9 +68,10 @@ CONTROL_WORDS = frozenset(
 DEFAULT_ROUTES = frozenset(
     {
         "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models",
-        "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/pooling", "/classify", "/encode",
-        "/v1/audio/transcriptions", "/v1/audio/translations", "/tokenize", "/detokenize", "/generate",
-        "/health", "/health_generate", "/ping", "/version", "/get_model_info", "/model_info",
+        "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/pooling", "/classify", "/v1/classify",
+        "/encode", "/v1/audio/transcriptions", "/v1/audio/translations", "/tokenize", "/detokenize",
+        "/v1/tokenize", "/v1/detokenize", "/generate", "/health", "/health_generate", "/ping", "/version",
+        "/get_model_info", "/model_info", "/get_weight_version",
         "/patchswarm/v1/logits", "/patchswarm/v1/version",
     }
 )  # fmt: skip
