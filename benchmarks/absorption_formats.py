@@ -30,6 +30,9 @@ from patchswarm.protocol.codec import encode_patch
 from patchswarm.protocol.diffscan import scan
 from patchswarm.protocol.served import ServedModel, word_view
 
+# Pinned, not the codec's default: every run of the study reports the same payload format's bytes.
+PAYLOAD_FORMAT = 2
+
 FORMATS = ("bf16", "fp8", "int4")
 FP8_MAX = 448.0
 INT4_GROUP = 128
@@ -111,8 +114,8 @@ class Exporter:
     def anchor_bytes(self, v: Version) -> dict[str, int]:
         """A full version: the codec's anchor for bf16 and fp8, the packed size for int4."""
         return {
-            "bf16": len(encode_patch(None, v.bf16).payload),
-            "fp8": len(encode_patch(None, v.fp8).payload),
+            "bf16": len(encode_patch(None, v.bf16, payload_format=PAYLOAD_FORMAT).payload),
+            "fp8": len(encode_patch(None, v.fp8, payload_format=PAYLOAD_FORMAT).payload),
             "int4": self.int4_full_bytes(v),
         }
 
@@ -145,7 +148,7 @@ def served_cost(a: ServedModel, b: ServedModel, *, codec: bool = True) -> PairCo
         changed=sum(k for _, k in sizes),
         numel=sum(n for n, _ in sizes),
         bound=total,
-        codec=len(encode_patch(a, b).payload) if codec else None,
+        codec=len(encode_patch(a, b, payload_format=PAYLOAD_FORMAT).payload) if codec else None,
     )
 
 

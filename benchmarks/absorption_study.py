@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.absorption_formats import FORMATS, Exporter, changed_masks, pair_cost
+from benchmarks.absorption_formats import FORMATS, PAYLOAD_FORMAT, Exporter, changed_masks, pair_cost
 from benchmarks.absorption_models import (
     ARCHS,
     PRESETS,
@@ -201,6 +201,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             "state_steps": args.state_steps,
             "seed": args.seed,
             "threads": args.threads,
+            "payload_format": PAYLOAD_FORMAT,
         },
         "versions": {"torch": torch.__version__, "python": platform.python_version(), "transformers": _tf_version()},
         "models": {},
