@@ -172,11 +172,15 @@ def step_table(runs: list[Run]) -> list[str]:
     return lines
 
 
-def chains_table(runs: list[Run]) -> list[str]:
+def _one_length(runs: list[Run]) -> int:
     steps = {_steps(r) for r in runs}
     if len(steps) != 1:
-        raise TableError(f"runs of different lengths in one chains table: {sorted(steps)} steps")
-    n = steps.pop()
+        raise TableError(f"runs of different lengths in one table: {sorted(steps)} steps")
+    return steps.pop()
+
+
+def chains_table(runs: list[Run]) -> list[str]:
+    n = _one_length(runs)
     lines = _header(
         [
             "arch",
@@ -209,6 +213,7 @@ def _arrow(small: str | None, mid: str) -> str:
 
 def size_table(runs: list[Run], smaller: dict[tuple[str, str, str], Run]) -> list[str]:
     """Each cell: the smaller preset's number -> the larger's, for the same architecture, regime, optimizer."""
+    n = _one_length(runs + list(smaller.values()))
     lines = _header(
         [
             "arch",
@@ -219,7 +224,7 @@ def size_table(runs: list[Run], smaller: dict[tuple[str, str, str], Run]) -> lis
             "bf16 patch",
             "fp8 patch",
             "int4 bound",
-            "union@50 bf16 / fp8 / int4",
+            f"union@{n} bf16 / fp8 / int4",
         ]
     )
     cols: list[Callable[[dict[str, Any]], str]] = [
