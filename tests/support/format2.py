@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -59,23 +60,34 @@ def magnitude_skewed(rng: np.random.Generator, spec: TensorSpec, rate: float) ->
     return base, new
 
 
-def with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
-    """The payload with bits of its decompressed ``bits`` stream flipped (recompressed, sizes redeclared):
-    reaches the context decoder's own checks, past zstd and the container's."""
+def _split(payload: bytes) -> tuple[Any, Any, list[bytes]]:
+    """A payload's records, its stream table and its compressed streams (docs/format.md section 2)."""
     _, _, hlen = struct.unpack_from("<4sB3xI", payload)
     records, table = msgpack.unpackb(zstandard.decompress(payload[12 : 12 + hlen]))
     comps, off = [], 12 + hlen
     for _, _, comp_len in table:
         comps.append(payload[off : off + comp_len])
         off += comp_len
+    return records, table, comps
+
+
+def _join(payload: bytes, records: Any, table: Any, comps: list[bytes]) -> bytes:
+    """The payload rebuilt around new streams (its first 8 bytes kept, the header's size redeclared)."""
+    hz = zstandard.compress(msgpack.packb([records, table]))
+    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
+
+
+def with_bits_flipped(payload: bytes, flips: list[int]) -> bytes:
+    """The payload with bits of its decompressed ``bits`` stream flipped (recompressed, sizes redeclared):
+    reaches the context decoder's own checks, past zstd and the container's."""
+    records, table, comps = _split(payload)
     i = [name for name, _, _ in table].index("bits")
     raw = bytearray(zstandard.ZstdDecompressor().decompress(comps[i], max_output_size=1 << 20))
     for f in {f % (8 * len(raw)) for f in flips}:  # distinct bits: two flips of one bit would cancel
         raw[f >> 3] ^= 1 << (f & 7)
     comps[i] = zstandard.compress(bytes(raw))
     table[i][2] = len(comps[i])
-    hz = zstandard.compress(msgpack.packb([records, table]))
-    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
+    return _join(payload, records, table, comps)
 
 
 def with_stream_tail(payload: bytes, name: str, tail: bytes, *, declared: bool = True) -> bytes:
@@ -83,18 +95,12 @@ def with_stream_tail(payload: bytes, name: str, tail: bytes, *, declared: bool =
     redeclared, or with ``declared`` False kept, the frame without a content size): every record
     decodes as before, and the payload is refused only at its end (the reader's last check, that each
     stream is consumed exactly), after every record was decoded."""
-    _, _, hlen = struct.unpack_from("<4sB3xI", payload)
-    records, table = msgpack.unpackb(zstandard.decompress(payload[12 : 12 + hlen]))
-    comps, off = [], 12 + hlen
-    for _, _, comp_len in table:
-        comps.append(payload[off : off + comp_len])
-        off += comp_len
+    records, table, comps = _split(payload)
     i = [n for n, _, _ in table].index(name)
     raw = zstandard.ZstdDecompressor().decompress(comps[i], max_output_size=table[i][1]) + tail
     comps[i] = zstandard.ZstdCompressor(write_content_size=declared).compress(raw)
     table[i][1], table[i][2] = len(raw) - (0 if declared else len(tail)), len(comps[i])
-    hz = zstandard.compress(msgpack.packb([records, table]))
-    return payload[:8] + struct.pack("<I", len(hz)) + hz + b"".join(comps)
+    return _join(payload, records, table, comps)
 
 
 @contextmanager

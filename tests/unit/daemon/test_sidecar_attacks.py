@@ -8,41 +8,25 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from patchswarm.daemon.sidecar import RunningServer, serve_app, start_sidecar
 from patchswarm.daemon.sidecar_gate import VersionGate
-
-
-@dataclass
-class Engine:
-    """A catch-all engine recording (path, headers, body) of every request it gets."""
-
-    seen: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.seen.append((request.path, dict(request.headers), await request.read()))
-        return web.json_response({"engine_saw": request.path})
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        return app
+from tests.support.recording_engine import RecordingEngine
 
 
 @dataclass
 class Rig:
-    engine: Engine
+    engine: RecordingEngine
     sidecar: RunningServer
 
 
 @asynccontextmanager
 async def rig(applied: int = 1) -> AsyncIterator[Rig]:
-    engine = Engine()
+    engine = RecordingEngine()
     upstream = await serve_app(engine.app())
     sidecar = await start_sidecar(upstream.url, VersionGate(applied=applied))
     try:
@@ -103,8 +87,8 @@ PINNED = json.dumps({"weight_version": {"exact_version": 7}, "prompt": "hi"}).en
 async def test_a_pin_never_reaches_an_engine_that_reads_the_body_as_json(headers: list[str]) -> None:
     async with rig(applied=1) as r:
         status, body = await asyncio.to_thread(exchange, r.sidecar.port, post("/v1/completions", PINNED, headers))
-        for _, got_headers, got_body in r.engine.seen:
-            assert not (engine_reads_as_json(got_headers) and b"weight_version" in got_body), (got_headers, got_body)
+        for seen in r.engine.seen:
+            assert not (engine_reads_as_json(seen.headers) and b"weight_version" in seen.body), seen
         if not r.engine.seen:  # refused: the pin (version 7; the engine serves 1) was read and honoured
             duplicate = len({h.split(":")[0].lower() for h in headers}) < len(headers)
             assert (status == 409 and body["error"] == "WeightVersionNotReady") or (duplicate and status == 400), status

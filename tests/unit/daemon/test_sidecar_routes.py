@@ -15,13 +15,12 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,37 +37,21 @@ from patchswarm.daemon.sidecar_routes import (
     normalize,
     route_words,
 )
+from tests.support.recording_engine import RecordingEngine
 
 EXTRA = ["/v1/messages", "/custom/*"]  # the operator's routes in these tests
 
 
 @dataclass
-class Engine:
-    """A catch-all engine: answers every path 200 and records (method, path, raw_path) of each."""
-
-    seen: list[tuple[str, str, str]] = field(default_factory=list)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        await request.read()
-        self.seen.append((request.method, request.path, request.raw_path))
-        return web.json_response({"engine_saw": request.path})
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        return app
-
-
-@dataclass
 class Rig:
-    engine: Engine
+    engine: RecordingEngine
     sidecar: RunningServer
     gate: VersionGate
 
 
 @asynccontextmanager
 async def rig(allow_routes: list[str] | None = None) -> AsyncIterator[Rig]:
-    engine = Engine()
+    engine = RecordingEngine()
     upstream = await serve_app(engine.app())
     gate = VersionGate(applied=1)
     sidecar = await start_sidecar(upstream.url, gate, allow_routes=allow_routes or [])
@@ -124,7 +107,7 @@ async def test_every_allowed_route_reaches_the_engine_as_sent() -> None:
                 status, body = await request(r, method, path)
                 assert status == 200, (method, path, body)
                 assert len(r.engine.seen) == before + 1, path
-                got_method, got_path, _ = r.engine.seen[-1]
+                got_method, got_path = r.engine.seen[-1][:2]
                 assert got_method == method and normalize(got_path) == normalize(unquote(path.split("?")[0]))
         assert r.gate.in_flight == 0
 
@@ -226,14 +209,14 @@ def test_a_control_route_in_the_config_stops_the_daemon_in_one_line(tmp_path: Pa
 @dataclass
 class Served:
     port: int
-    engine: Engine
+    engine: RecordingEngine
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     """An engine and a sidecar (with EXTRA) on a loop of their own, for synchronous hypothesis tests."""
     loop = asyncio.new_event_loop()
-    engine = Engine()
+    engine = RecordingEngine()
     stop = asyncio.Event()
     ready: list[int] = []
     started = threading.Event()
@@ -286,7 +269,7 @@ def test_the_engine_never_sees_a_path_off_the_list(served: Served, target: str, 
     before = len(served.engine.seen)
     status, body = raw_request(served.port, method, target)
     reached = served.engine.seen[before:]
-    for _, path, raw in reached:  # what the engine's router got, decoded and raw
+    for _, path, raw, _, _ in reached:  # what the engine's router got, decoded and raw
         assert on_the_list(path, EXTRA) and on_the_list(unquote(raw.split("?")[0]), EXTRA), (target, path, raw)
     client_path = unquote(target.split("?")[0])
     if not on_the_list(client_path, EXTRA):  # off the list as the client wrote it: refused, engine untouched
