@@ -21,7 +21,6 @@ than guessed. Two files with a run of the same preset, architecture, regime and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.absorption_report import FORMATS, _mean, _pct, _t
+from patchswarm.protocol.files import write_atomic
+from patchswarm.protocol.untrusted_json import load_json
 
 ARCH_ORDER = ("llama", "qwen3moe")
 REGIME_ORDER = ("rl", "sft", "pretrain")
@@ -63,7 +64,11 @@ def _sort_key(r: Run) -> tuple[tuple[int, str], ...]:
 
 
 def load(data_dir: Path) -> list[Run]:
+    if not data_dir.is_dir():
+        raise TableError(f"{data_dir}: not a directory of study results")
     paths = sorted([*data_dir.glob("*/absorption.json"), *data_dir.glob("*/*/absorption.json")])
+    if not paths:
+        raise TableError(f"{data_dir}: no */absorption.json or */*/absorption.json under it")
     runs: list[Run] = []
     seen: dict[tuple[str, str, str, str], str] = {}
     for p in paths:
@@ -71,7 +76,7 @@ def load(data_dir: Path) -> list[Run]:
         if p.stat().st_size > MAX_FILE_BYTES:
             raise TableError(f"{p}: larger than {MAX_FILE_BYTES} bytes, not an absorption result")
         try:
-            result = json.loads(p.read_text())
+            result = load_json(p.read_bytes(), max_bytes=MAX_FILE_BYTES)
             cfg = result["config"]
             preset, fmt = str(cfg["preset"]), cfg.get("payload_format")
             if cfg.get("seed", 0) != 0:  # the tables are seed 0's; other seeds measure the spread (Caveats)
@@ -86,7 +91,7 @@ def load(data_dir: Path) -> list[Run]:
                 seen[k] = source
                 _check(run)
                 runs.append(run)
-        except (KeyError, TypeError, IndexError, json.JSONDecodeError) as e:
+        except (KeyError, TypeError, IndexError, ValueError) as e:  # (ValueError: not UTF-8, not strict JSON)
             raise TableError(f"{p}: not an absorption result ({type(e).__name__}: {e})") from None
     return sorted(runs, key=_sort_key)
 
@@ -314,10 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text = tables(load(args.data), args.table)
         if args.write is not None:
-            args.write.write_text(replace_in(args.write.read_text(), text))
+            write_atomic(args.write, replace_in(args.write.read_text(), text).encode())
             return 0
     except TableError as e:
         print(f"absorption_tables: {e}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"absorption_tables: {args.write}: {e}", file=sys.stderr)
         return 2
     sys.stdout.write(text)
     return 0

@@ -129,6 +129,34 @@ def test_a_malformed_file_is_named(data: Path, capsys: pytest.CaptureFixture[str
     assert "bad/absorption.json: not an absorption result" in err and "anchor_bytes" in err
 
 
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"\xff\xfe", "not UTF-8"),
+        (b'{"config": {"preset": "small", "preset": "mid"}, "runs": []}', "appears twice"),
+        (b"[1, 2]", "not an absorption result"),
+    ],
+)
+def test_a_hostile_file_gets_one_line(
+    data: Path, capsys: pytest.CaptureFixture[str], content: bytes, said: str
+) -> None:
+    (data / "hostile").mkdir()
+    (data / "hostile" / "absorption.json").write_bytes(content)
+    assert main([str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "hostile/absorption.json" in err and said in err and len(err.splitlines()) == 1
+
+
+def test_a_missing_directory_or_document_gets_one_line(
+    data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(tmp_path / "none")]) == 2
+    assert main([str(data), "--write", str(tmp_path / "none.md")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "not a directory" in err[0] and "none.md" in err[1]
+    assert not (tmp_path / "none.md").exists()
+
+
 def test_write_replaces_each_table_under_its_comment_and_nothing_else(data: Path, tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text(
